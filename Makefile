@@ -1,0 +1,48 @@
+# fp8rl — developer entry points. `make help` lists them.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: help setup test test-slow lint fmt bench loop run clean
+
+help:  ## list targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, by exact version: the CPU build on disk satisfies it without a CUDA download.
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+setup: $(STAMP)  ## create .venv and install fp8rl with dev extras (idempotent)
+
+test: $(STAMP)  ## default test tier (unit + integration, CPU, no slow/vllm/megatron/gpu)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)  ## slow tier: longer loop runs and recipe comparisons
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff
+	$(BIN)/ruff check .
+
+fmt: $(STAMP)  ## ruff format + autofix
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)  ## CPU benchmarks (print ratios measured in one run)
+	$(BIN)/python bench/fp8_quant.py
+	$(BIN)/python bench/rollout_engine.py
+
+loop: $(STAMP)  ## in-process GRPO loop, FP8 end to end with FP8 KV cache
+	$(BIN)/python -m fp8rl.loop --recipe fp8_e2e --kv-cache-dtype fp8 --steps 30
+
+run: loop  ## the main job (until the service stack lands, the in-process FP8 GRPO run)
+
+clean:  ## remove caches (keeps .venv)
+	rm -rf .pytest_cache .ruff_cache runs

@@ -1,0 +1,38 @@
+"""Tasks and datasets: where prompts and reference answers come from, and how responses score.
+
+* :mod:`.problem` — :class:`Problem`, the ``(prompt, answer)`` record every source yields.
+* :mod:`.arith` — synthetic arithmetic word problems for the tiny embedded preset.
+* :mod:`.jsonl` — problems from JSON-lines files (own shape or OpenMathInstruct-2).
+* :mod:`.grading` — graders ``(response, answer) -> reward in [0, 1]`` that never raise.
+"""
+
+from .arith import ArithConfig, ArithDataset, format_sft_example, generate_problems, make_prompt
+from .grading import (
+    GRADERS,
+    Grader,
+    exact_match_grader,
+    extract_boxed,
+    extract_final_number,
+    get_grader,
+    register_grader,
+)
+from .jsonl import load_jsonl, wrap_math_prompt
+from .problem import Problem
+
+__all__ = [
+    "GRADERS",
+    "ArithConfig",
+    "ArithDataset",
+    "Grader",
+    "Problem",
+    "exact_match_grader",
+    "extract_boxed",
+    "extract_final_number",
+    "format_sft_example",
+    "generate_problems",
+    "get_grader",
+    "load_jsonl",
+    "make_prompt",
+    "register_grader",
+    "wrap_math_prompt",
+]

@@ -1,0 +1,124 @@
+"""Problems from JSON-lines files, plus the chain-of-thought prompt used for real math data.
+
+Two row shapes are understood out of the box (auto-detected per row):
+
+* ``{"prompt": ..., "answer": ...}`` — this project's own shape;
+* ``{"problem": ..., "expected_answer": ...}`` — the OpenMathInstruct-2 shape.
+
+Other shapes load with explicit ``prompt_key`` / ``answer_key``. The prompt text is taken as is;
+wrap raw math problems with :func:`wrap_math_prompt` before sending them to a policy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .problem import Problem
+
+__all__ = ["KNOWN_SHAPES", "load_jsonl", "wrap_math_prompt"]
+
+# (prompt_key, answer_key) pairs tried in order when the caller names no keys.
+KNOWN_SHAPES: tuple[tuple[str, str], ...] = (("prompt", "answer"), ("problem", "expected_answer"))
+
+
+def load_jsonl(
+    path: str | Path,
+    *,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    limit: int | None = None,
+) -> list[Problem]:
+    """Reads one :class:`Problem` per non-blank line of a UTF-8 JSON-lines file.
+
+    Args:
+        path: the ``.jsonl`` file.
+        prompt_key: field holding the prompt text. Give both keys or neither; with neither,
+            each row must match one of :data:`KNOWN_SHAPES`.
+        answer_key: field holding the reference answer. Strings are kept (stripped); ints and
+            floats are converted with ``str``.
+        limit: stop after this many problems (the rest of the file is not read); None reads all.
+
+    Returns:
+        The problems in file order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: bad arguments, or a line that is not UTF-8 JSON, a row that is not an
+            object, lacks a key, has a non-string or empty prompt, or an answer that is not a
+            string or number — the message names the file and the 1-based line number.
+    """
+    if (prompt_key is None) != (answer_key is None):
+        raise ValueError(
+            f"load_jsonl: give both prompt_key and answer_key or neither "
+            f"(got prompt_key={prompt_key!r}, answer_key={answer_key!r})"
+        )
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"load_jsonl: limit must be a non-negative int or None, got {limit!r}")
+    path = Path(path)
+    problems: list[Problem] = []
+    if limit == 0:
+        return problems
+    with path.open("rb") as f:  # bytes, so a bad encoding is reported with its line number
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({e.reason})") from None
+            if not line.strip():
+                continue
+            problems.append(_parse_row(line, path, lineno, prompt_key, answer_key))
+            if limit is not None and len(problems) >= limit:
+                break
+    return problems
+
+
+def _parse_row(line: str, path: Path, lineno: int, prompt_key: str | None, answer_key: str | None) -> Problem:
+    where = f"{path}:{lineno}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if prompt_key is None or answer_key is None:
+        shape = next((s for s in KNOWN_SHAPES if s[0] in row and s[1] in row), None)
+        if shape is None:
+            shapes = " or ".join(f"{{{p!r}, {a!r}}}" for p, a in KNOWN_SHAPES)
+            raise ValueError(f"{where}: row has keys {sorted(row)}; expected {shapes}")
+        prompt_key, answer_key = shape
+    for key in (prompt_key, answer_key):
+        if key not in row:
+            raise ValueError(f"{where}: missing key {key!r} (row has keys {sorted(row)})")
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string, got {prompt!r:.80}")
+    answer = row[answer_key]
+    # bool is an int subclass, but "True" is never a meaningful math answer.
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: {answer_key!r} must be a string or number, got {answer!r:.80}")
+    answer = answer.strip() if isinstance(answer, str) else str(answer)
+    if not answer:
+        raise ValueError(f"{where}: {answer_key!r} is empty")
+    return Problem(prompt=prompt, answer=answer)
+
+
+def wrap_math_prompt(problem_text: str) -> str:
+    """Builds a chain-of-thought prompt that asks for the final answer inside ``\\boxed{}``.
+
+    The wording pairs with :func:`fp8rl.data.grading.extract_boxed`: graders read the last
+    ``\\boxed{...}`` of the response.
+
+    Raises:
+        ValueError: ``problem_text`` is not a string or is blank.
+    """
+    if not isinstance(problem_text, str) or not problem_text.strip():
+        raise ValueError(
+            f"wrap_math_prompt: problem_text must be a non-empty string, got {problem_text!r:.80}"
+        )
+    return (
+        "Work through the problem below one step at a time, showing your reasoning. "
+        "When you are done, write the final answer alone inside \\boxed{}, for example \\boxed{42}.\n\n"
+        f"Problem: {problem_text.strip()}\n\n"
+        "Solution:"
+    )

@@ -1,0 +1,37 @@
+"""FP8 numerics for fp8rl — the one home of all FP8 math (see FP8.md beside this file).
+
+Convention: ``x ≈ q.float() * scale``, ``scale = amax / 448`` in FP32 (E4M3), 1.0 for all-zero
+blocks, optionally rounded up to a power of two.
+"""
+
+from .backend import fp8_gemm_supported, select_backend
+from .convert import convert_model, fp8_linear_names, quantize_state_dict, transformer_layers
+from .kv import QKVQuantizer, QKVScales, calibrated_scale, scales_from_amax_history
+from .linear import Fp8InferenceLinear, Fp8Linear, fp8_gemm, fp8_linear
+from .quant import (
+    BLOCK,
+    E4M3,
+    E4M3_MAX,
+    check_finite,
+    compute_scale,
+    dequantize_blockwise,
+    dequantize_per_tensor,
+    dequantize_per_token_group,
+    quantize_blockwise,
+    quantize_per_tensor,
+    quantize_per_token_group,
+)
+from .recipe import RECIPES, Fp8Recipe, recipe_for_role
+
+__all__ = [
+    "BLOCK", "E4M3", "E4M3_MAX", "RECIPES",
+    "Fp8Recipe", "recipe_for_role",
+    "compute_scale", "check_finite",
+    "quantize_blockwise", "dequantize_blockwise",
+    "quantize_per_token_group", "dequantize_per_token_group",
+    "quantize_per_tensor", "dequantize_per_tensor",
+    "fp8_gemm", "fp8_linear", "Fp8Linear", "Fp8InferenceLinear",
+    "convert_model", "fp8_linear_names", "quantize_state_dict", "transformer_layers",
+    "QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history",
+    "select_backend", "fp8_gemm_supported",
+]

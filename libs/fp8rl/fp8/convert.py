@@ -1,0 +1,125 @@
+"""Turn a high-precision model into its FP8 form for one engine, following an :class:`Fp8Recipe`.
+
+Two verbs (as in gpt-fast): :func:`convert_model` converts a model *for runtime*, in place;
+:func:`quantize_state_dict` makes a quantized state dict *offline* (what an FP8 refit ships).
+
+Only the linear projections inside transformer layers are converted — embeddings, norms and the
+output head (lm_head) stay in high precision, and the first/last N layers named by the recipe stay
+whole in high precision. Model code never imports this module; engines call it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .linear import Fp8InferenceLinear, Fp8Linear
+from .quant import quantize_blockwise
+from .recipe import Fp8Recipe
+
+log = logging.getLogger(__name__)
+
+__all__ = ["convert_model", "transformer_layers", "fp8_linear_names", "quantize_state_dict"]
+
+
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer layers (``model.model.layers`` in HF layout, or ``model.layers``)."""
+    for path in ("model.layers", "layers", "decoder.layers"):
+        obj: object = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise ValueError(f"{type(model).__name__} has no transformer layer list (looked for model.layers, layers)")
+
+
+def _layer_prefix(model: nn.Module) -> str:
+    return "model.layers" if hasattr(model, "model") and hasattr(model.model, "layers") else "layers"
+
+
+def _linears(layer: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear, str]]:
+    """(parent, attribute, linear, dotted name within the layer) for every plain nn.Linear in ``layer``."""
+    for name, parent in layer.named_modules():
+        for attr, child in parent.named_children():
+            if type(child) is nn.Linear:
+                yield parent, attr, child, f"{name}.{attr}" if name else attr
+
+
+def fp8_linear_names(model: nn.Module, recipe: Fp8Recipe) -> list[str]:
+    """State-dict prefixes (``model.layers.3.self_attn.q_proj``) of the linears ``recipe`` puts in FP8."""
+    layers = transformer_layers(model)
+    prefix = _layer_prefix(model)
+    names = []
+    for i, layer in enumerate(layers):
+        if recipe.layer_in_fp8(i, len(layers)):
+            for name, mod in layer.named_modules():
+                if isinstance(mod, nn.Linear | Fp8InferenceLinear):
+                    names.append(f"{prefix}.{i}.{name}")
+    return names
+
+
+def convert_model(
+    model: nn.Module, recipe: Fp8Recipe, *, mode: Literal["train", "inference"] = "train"
+) -> nn.Module:
+    """Swap the FP8 layers' linear projections in place and install FP8 KV quantizers if asked.
+
+    Args:
+        model: a causal LM whose transformer layers hold ``nn.Linear`` projections.
+        recipe: which layers and tensors go FP8.
+        mode: ``"train"`` → :class:`Fp8Linear` (master weights kept, same Parameter objects);
+            ``"inference"`` → :class:`Fp8InferenceLinear` (frozen E4M3 + FP32 block scales).
+
+    Returns:
+        ``model`` itself, with ``model.fp8_recipe = recipe``.
+    """
+    if mode not in ("train", "inference"):
+        raise ValueError(f"convert_model mode must be 'train' or 'inference', got {mode!r}")
+    layers = transformer_layers(model)
+    prefix = _layer_prefix(model)
+    n_fp8 = 0
+    for i, layer in enumerate(layers):
+        if not recipe.layer_in_fp8(i, len(layers)):
+            continue
+        for parent, attr, lin, name in list(_linears(layer)):
+            kw = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
+                      pow2_activation_scale=recipe.pow2_activation_scaling_factors)
+            if mode == "train":
+                new: nn.Module = Fp8Linear.from_linear(lin, **kw)
+            else:
+                new = Fp8InferenceLinear.from_linear(lin, name=f"{prefix}.{i}.{name}.weight", **kw)
+            setattr(parent, attr, new)
+            n_fp8 += 1
+    if recipe.fp8_kv:
+        enable = getattr(model, "enable_fp8_kv", None)
+        if enable is None:
+            raise ValueError(f"kv_cache_dtype=fp8 needs a model with enable_fp8_kv(); {type(model).__name__} has none")
+        enable(fp8_attention=recipe.fp8_attention)
+    model.fp8_recipe = recipe
+    log.debug("convert_model(%s): %d linears in FP8 (%s)", mode, n_fp8, recipe)
+    return model
+
+
+@torch.no_grad()
+def quantize_state_dict(
+    state_dict: dict[str, torch.Tensor], fp8_prefixes: list[str], *, pow2_scale: bool = False
+) -> dict[str, torch.Tensor]:
+    """Quantize ``{prefix}.weight`` of every FP8 linear to E4M3 + ``{prefix}.weight_scale``.
+
+    Tensors not named by ``fp8_prefixes`` pass through unchanged. Raises ``ValueError`` naming
+    the tensor if a weight holds NaN/Inf.
+    """
+    out = dict(state_dict)
+    for p in fp8_prefixes:
+        key = f"{p}.weight"
+        if key not in state_dict:
+            raise KeyError(f"quantize_state_dict: {key} not in state dict")
+        q, s = quantize_blockwise(state_dict[key], pow2_scale=pow2_scale, name=key)
+        out[key] = q
+        out[f"{p}.weight_scale"] = s
+    return out

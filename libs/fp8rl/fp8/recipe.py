@@ -1,0 +1,100 @@
+"""Which parts of a model compute in FP8: the per-engine view of a job's precision recipe.
+
+Job-level recipes (DESIGN §4) map to one :class:`Fp8Recipe` per role with :func:`recipe_for_role`:
+
+=============  =============  =============
+recipe         rollout        trainer
+=============  =============  =============
+bf16           bf16 linears   bf16 linears
+fp8_gen_only   fp8 linears    bf16 linears
+fp8_e2e        fp8 linears    fp8 linears
+=============  =============  =============
+
+``kv_cache_dtype: fp8`` applies to the rollout engine only (the trainer computes attention in high
+precision, as the reference does); the calibrator computes the scales the rollout uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Fp8Recipe", "RECIPES", "recipe_for_role"]
+
+RECIPES = ("bf16", "fp8_gen_only", "fp8_e2e")
+Role = Literal["rollout", "trainer", "calibrator"]
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """FP8 settings of one engine.
+
+    Attributes:
+        linear: ``"fp8"`` quantizes the transformer layers' linear projections (weights 128×128
+            blocks, activations and gradients 1×128 groups); ``"bf16"`` leaves them alone.
+        num_first_layers_in_bf16: keep this many leading transformer layers in high precision.
+        num_last_layers_in_bf16: keep this many trailing transformer layers in high precision.
+        pow2_weight_scaling_factors: round weight block scales up to powers of two.
+        pow2_activation_scaling_factors: same for activation (and gradient) group scales.
+        kv_cache_dtype: ``"fp8"`` stores K/V in E4M3 with calibrated per-tensor scales.
+        fp8_attention: with an FP8 KV cache, also round Q and the softmax probabilities to E4M3.
+    """
+
+    linear: Literal["bf16", "fp8"] = "fp8"
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    fp8_attention: bool = True
+
+    def __post_init__(self) -> None:
+        if self.linear not in ("bf16", "fp8"):
+            raise ValueError(f"Fp8Recipe.linear must be 'bf16' or 'fp8', got {self.linear!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"Fp8Recipe.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"Fp8Recipe.{key} must be >= 0, got {getattr(self, key)}")
+
+    @property
+    def fp8_linears(self) -> bool:
+        return self.linear == "fp8"
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    def layer_in_fp8(self, index: int, num_layers: int) -> bool:
+        """Whether transformer layer ``index`` (0-based) of ``num_layers`` uses FP8 linears."""
+        if not self.fp8_linears:
+            return False
+        return self.num_first_layers_in_bf16 <= index < num_layers - self.num_last_layers_in_bf16
+
+
+def recipe_for_role(
+    recipe: str,
+    role: Role,
+    *,
+    kv_cache_dtype: str = "auto",
+    num_first_layers_in_bf16: int = 0,
+    num_last_layers_in_bf16: int = 0,
+    pow2_weight_scaling_factors: bool = False,
+    pow2_activation_scaling_factors: bool = False,
+    fp8_attention: bool = True,
+) -> Fp8Recipe:
+    """The :class:`Fp8Recipe` one role runs under a job-level ``recipe`` (see the module table)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    if role not in ("rollout", "trainer", "calibrator"):
+        raise ValueError(f"unknown role {role!r}")
+    fp8_lin = recipe == "fp8_e2e" or (recipe == "fp8_gen_only" and role == "rollout")
+    return Fp8Recipe(
+        linear="fp8" if fp8_lin else "bf16",
+        num_first_layers_in_bf16=num_first_layers_in_bf16,
+        num_last_layers_in_bf16=num_last_layers_in_bf16,
+        pow2_weight_scaling_factors=pow2_weight_scaling_factors,
+        pow2_activation_scaling_factors=pow2_activation_scaling_factors,
+        kv_cache_dtype=kv_cache_dtype if role == "rollout" else "auto",  # type: ignore[arg-type]
+        fp8_attention=fp8_attention,
+    )

@@ -1,0 +1,171 @@
+"""Load and save Hugging Face checkpoints (local directories, safetensors only).
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` plus its shards. Tensor names are HF's, which are exactly the
+state-dict keys of :class:`~fp8rl.model.CausalLM`, so loading is a strict name check plus
+``load_state_dict``. Two HF conventions are honoured:
+
+* tied embeddings: ``lm_head.weight`` is absent from saved files (and ignored if present);
+* legacy ``*.rotary_emb.inv_freq`` buffers found in old checkpoints are ignored (we recompute RoPE).
+
+Saving writes only the HF tensors: an installed ``kv_quant`` (FP8 KV scales, recalibrated every
+step) is runtime state, not checkpoint state, and is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .transformer import CausalLM
+
+__all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SAVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_LISTED = 20  # names listed in an error before "... and N more"
+
+
+def _listing(names: set[str]) -> str:
+    ordered = sorted(names)
+    more = f" ... and {len(ordered) - _MAX_LISTED} more" if len(ordered) > _MAX_LISTED else ""
+    return ", ".join(ordered[:_MAX_LISTED]) + more
+
+
+def _read_tensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded)."""
+    single, index = path / WEIGHTS_FILE, path / INDEX_FILE
+    if single.is_file():
+        return load_file(single, device=str(device))
+    if not index.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in checkpoint directory {path}")
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = path / shard
+        if not shard_path.is_file():
+            raise FileNotFoundError(f"shard {shard_path} listed in {index} does not exist")
+        tensors.update(load_file(shard_path, device=str(device)))
+    listed_not_found = set(weight_map) - set(tensors)
+    if listed_not_found:
+        raise ValueError(f"{index} lists tensors its shards lack: {_listing(listed_not_found)}")
+    return tensors
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """HF tensor name -> shape for ``config`` (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        ref = CausalLM(config)
+    shapes = {k: v.shape for k, v in ref.state_dict().items()}
+    if config.tie_word_embeddings:
+        del shapes["lm_head.weight"]  # HF files omit the tied head
+    return shapes
+
+
+def load_hf_checkpoint(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a local HF checkpoint directory into a :class:`CausalLM`.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` (or an index + shards).
+        dtype: floating dtype of the loaded parameters.
+        device: where the parameters live.
+
+    Returns:
+        ``(model, config)``; the model is in eval mode with no ``kv_quant`` installed.
+
+    Raises:
+        FileNotFoundError: the directory, ``config.json`` or the weights are missing.
+        ValueError: unsupported config, tensors missing from / unexpected in the checkpoint
+            (each listed by name), or a tensor of the wrong shape.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
+    config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    tensors = _read_tensors(path, device)
+
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    expected = _expected_shapes(config)
+    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {_listing(unexpected)}")
+        raise ValueError(
+            f"checkpoint {path} does not match its {config.architecture} config.json: " + "; ".join(parts)
+        )
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise ValueError(
+                f"checkpoint {path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                f"config.json implies {tuple(shape)}"
+            )
+
+    state = {k: v.to(dtype=dtype) for k, v in tensors.items()}
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = CausalLM(config)
+    # assign=True adopts the loaded tensors instead of copying into (meta) placeholders
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()  # assign replaced the shared Parameter with two; share it again
+    return model.eval(), config
+
+
+def save_hf_checkpoint(model: CausalLM, config: ModelConfig, path: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in HF layout (loadable by transformers).
+
+    Args:
+        model: a model with plain high-precision weights (FP32/BF16/FP16 ``nn.Linear``); its
+            ``kv_quant`` buffers, if any, are not saved.
+        config: the model's config; its shapes must match the model's tensors.
+        path: target directory, created if needed.
+
+    Raises:
+        ValueError: a tensor is missing, has the wrong shape or a non-float dtype, the model holds
+            tensors that are not HF's (e.g. after an FP8 conversion), or ``path`` already holds
+            a sharded checkpoint (its index would shadow the new file for some readers).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / INDEX_FILE).exists():
+        raise ValueError(
+            f"{path} already holds a sharded checkpoint ({INDEX_FILE}); save into an empty directory"
+        )
+    expected = _expected_shapes(config)
+    state = {k: v for k, v in model.state_dict().items() if ".kv_quant." not in k}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, extra = set(expected) - set(state), set(state) - set(expected)
+    if missing or extra:
+        raise ValueError(
+            f"model tensors do not match the {config.architecture} HF layout: missing [{_listing(missing)}], "
+            f"not HF [{_listing(extra)}] (save the high-precision master weights, not an FP8-converted model)"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if t.shape != expected[name]:
+            raise ValueError(
+                f"tensor {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name])}"
+            )
+        if t.dtype not in _SAVE_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {t.dtype}; HF checkpoints hold one of {_SAVE_DTYPES}")
+        tensors[name] = t.detach().to("cpu").contiguous()
+    dtype_name = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(torch_dtype=dtype_name), indent=2) + "\n")
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -1,0 +1,148 @@
+"""A static, preallocated KV cache for :class:`fp8rl.model.CausalLM`.
+
+Layout: per layer one K and one V tensor of shape ``(B, Hkv, max_len, D)``. Slots are *time*
+indices shared by every row of the batch: one forward of ``T`` tokens writes slots
+``[length, length + T)`` of every layer and then advances ``length`` by ``T`` once. Rows of
+different prompt lengths are left-padded and their pad slots are hidden by the key-padding
+``attention_mask`` of the forward, never by a per-row length.
+
+A layer whose attention carries a ``kv_quant`` (:class:`fp8rl.fp8.kv.QKVQuantizer`) stores its
+K/V as ``torch.float8_e4m3fn`` (scaled per tensor, ``x ≈ q.float() * k_scale``); other layers
+store the compute dtype. :meth:`KVCache.for_model` picks this per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fp8rl.fp8.quant import E4M3
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Preallocated per-layer K/V storage with one shared ``length``.
+
+    Args:
+        num_layers: decoder layers of the model.
+        batch_size: rows ``B``; every forward using this cache must have this batch size.
+        num_kv_heads: ``Hkv``.
+        max_len: slots per row; writing past it raises ``RuntimeError``.
+        head_dim: ``D``.
+        dtype: storage dtype, one for all layers or a sequence with one per layer.
+        device: where the tensors live.
+
+    Invariant: ``0 <= length <= max_len``; slots ``[0, length)`` of every layer hold valid K/V.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype | Sequence[torch.dtype] = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(num_layers, batch_size, num_kv_heads, max_len, head_dim) <= 0:
+            raise ValueError(
+                f"KVCache sizes must be positive: layers={num_layers} batch={batch_size} "
+                f"kv_heads={num_kv_heads} max_len={max_len} head_dim={head_dim}"
+            )
+        dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
+        if len(dtypes) != num_layers:
+            raise ValueError(f"KVCache got {len(dtypes)} dtypes for {num_layers} layers")
+        shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, Hkv, max_len, D)
+        self.k = [torch.zeros(shape, dtype=dt, device=device) for dt in dtypes]
+        self.v = [torch.zeros(shape, dtype=dt, device=device) for dt in dtypes]
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.length = 0
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A cache sized for ``model`` (a :class:`~fp8rl.model.CausalLM`).
+
+        Layers with a ``kv_quant`` get E4M3 storage, the others the dtype of the embedding
+        (the compute dtype). ``device`` defaults to the embedding's device.
+        """
+        cfg = model.config
+        emb = model.model.embed_tokens.weight
+        dtypes = [E4M3 if layer.self_attn.kv_quant is not None else emb.dtype for layer in model.model.layers]
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            batch_size=batch_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            max_len=max_len,
+            head_dim=cfg.head_dim,
+            dtype=dtypes,
+            device=emb.device if device is None else device,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def dtype(self, layer_idx: int) -> torch.dtype:
+        """Storage dtype of one layer."""
+        return self.k[layer_idx].dtype
+
+    def check_room(self, batch_size: int, num_new: int) -> None:
+        """Raise before a forward that would not fit (so no layer is half-written)."""
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"KVCache was built for batch size {self.batch_size}, the forward has {batch_size}"
+            )
+        if self.length + num_new > self.max_len:
+            raise RuntimeError(
+                f"KVCache overflow: {self.length} slots used + {num_new} new tokens "
+                f"> max_len={self.max_len}; build the cache with a larger max_len or reset() it"
+            )
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` ``(B, Hkv, T, D)`` at slots ``[length, length + T)`` of one layer.
+
+        Does not advance ``length`` (the model calls :meth:`advance` once per forward).
+
+        Returns:
+            Views of slots ``[0, length + T)``: ``(B, Hkv, length + T, D)`` each, storage dtype.
+        """
+        t = k.shape[2]
+        self.check_room(k.shape[0], t)
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        if k.dtype != kc.dtype:
+            raise TypeError(f"KVCache layer {layer_idx} stores {kc.dtype}, got K/V of dtype {k.dtype}")
+        end = self.length + t
+        kc[:, :, self.length : end] = k
+        vc[:, :, self.length : end] = v
+        return kc[:, :, :end], vc[:, :, :end]
+
+    def advance(self, num_new: int) -> None:
+        """Mark ``num_new`` more slots as filled (after every layer wrote them)."""
+        if self.length + num_new > self.max_len:
+            raise RuntimeError(
+                f"KVCache advance past max_len={self.max_len} (length {self.length} + {num_new})"
+            )
+        self.length += num_new
+
+    def reset(self) -> None:
+        """Forget every slot (the storage is reused; old values are overwritten before use)."""
+        self.length = 0
+
+    def __repr__(self) -> str:
+        b, h, m, d = self.k[0].shape
+        return (
+            f"KVCache(layers={self.num_layers}, batch={b}, kv_heads={h}, max_len={m}, head_dim={d}, "
+            f"dtype={self.k[0].dtype}, length={self.length})"
+        )

@@ -1,0 +1,393 @@
+"""Decoder-only causal LM of the Llama / Qwen2 / Qwen3 families (one implementation for all three).
+
+The rollout engine (incremental decoding with a :class:`~fp8rl.model.kv_cache.KVCache`) and the
+trainer (full sequences) run *this* module, so their numerics are shared by construction.
+
+Contracts other packages rely on:
+
+* Parameter names equal Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``, ...), so HF
+  checkpoints load with a plain ``load_state_dict``.
+* Every projection is an ``nn.Linear`` attribute called as a module (``self.q_proj(x)``), so
+  ``fp8rl.fp8.convert_model`` can swap it for an FP8 linear by name in ``self_attn`` / ``mlp``.
+* ``self_attn.qkv_point`` sees Q ``(B, H, T, D)`` and K/V ``(B, Hkv, T, D)`` after QK-norm and
+  RoPE: what the KV cache stores, hence where QKV calibration hooks read amax.
+* ``self_attn.kv_quant`` (an optional :class:`~fp8rl.fp8.kv.QKVQuantizer`) makes K/V E4M3 per
+  tensor; the full forward quantizes and dequantizes them the same way as the cached path.
+
+Precision: RMSNorm statistics, attention scores, softmax and ``P @ V`` run in FP32; everything
+else runs in the activation dtype (the embedding's dtype). Logits are returned in FP32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8rl.fp8.kv import QKVQuantizer
+from fp8rl.fp8.quant import E4M3
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+__all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm", "QKVPoint", "rope_inv_freq"]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps)``; the statistics in FP32, the product in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # cast back *before* the weight multiply, as HF does, so BF16 numbers match theirs
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE (rotate-half convention of HF Llama: dims [0, D/2) pair with [D/2, D))
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """FP32 inverse frequencies ``(D/2,)``, with the llama3 long-context adjustment when configured.
+
+    llama3 scaling (Llama 3.1): wavelengths shorter than ``original / high_freq_factor`` keep
+    their frequency, longer than ``original / low_freq_factor`` are divided by ``factor``, and
+    the band between blends the two linearly in ``original / wavelength``.
+    """
+    d = config.head_dim
+    # explicit CPU: the model may be built under torch.device("meta"), and these must be real
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+    inv = 1.0 / (config.rope_theta**exponents)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    low_freq_wavelen, high_freq_wavelen = old_len / lo, old_len / hi
+    scaled = torch.where(wavelen > low_freq_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``(B, T, D)`` for ``position_ids`` ``(B, T)``; angles in FP32, tables in ``dtype``."""
+    freqs = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` by the tables ``(B, T, D)``."""
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
+    return x * cos + _rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# blocks
+# ---------------------------------------------------------------------------------------------
+
+
+class QKVPoint(nn.Module):
+    """Identity on ``(q, k, v)``; a named spot where calibration hooks read post-RoPE Q/K/V."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return q, k, v
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with optional QK-norm and optional per-tensor FP8 Q/K/V.
+
+    Attributes:
+        kv_quant: None (K/V in the compute dtype) or a :class:`QKVQuantizer` (K/V stored as E4M3;
+            with ``fp8_attention`` also Q and the softmax probabilities rounded to E4M3).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, qkv_bias = config.hidden_size, bool(config.attention_bias)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.qkv_point = QKVPoint()
+        self.kv_quant: QKVQuantizer | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Attend ``x`` ``(B, T, C)`` to itself (and to the cache's first ``length`` slots).
+
+        Args:
+            cos, sin: RoPE tables ``(B, T, D)`` for the new tokens.
+            mask: additive FP32 mask ``(B or 1, 1, T, S)``, 0 where visible, a large negative
+                elsewhere; ``S = T`` without a cache, ``cache.length + T`` with one.
+            kv_cache: written at ``[length, length + T)`` for this layer; not advanced here.
+        """
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        dtype = x.dtype
+        q = self.q_proj(x).view(B, T, H, D)
+        k = self.k_proj(x).view(B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, Hkv, D)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv_point(q, k, v)
+
+        quant = self.kv_quant
+        if quant is not None:
+            q = quant.fake_quantize_q(q)
+            k_st, v_st = quant.quantize_kv(k, v)  # E4M3, what an FP8 cache stores
+        else:
+            k_st, v_st = k, v
+        if kv_cache is not None:
+            k_st, v_st = self._through_cache(kv_cache, k_st, v_st)  # (B, Hkv, S, D)
+        # Without a cache the same quantize -> dequantize runs, so both paths see equal K/V.
+        if quant is not None:
+            k_att, v_att = quant.dequantize_kv(k_st, v_st, dtype)
+        else:
+            k_att, v_att = k_st.to(dtype), v_st.to(dtype)
+
+        rep = H // Hkv  # GQA: query head h reads kv head h // rep
+        k_att = k_att.repeat_interleave(rep, dim=1)  # (B, H, S, D)
+        v_att = v_att.repeat_interleave(rep, dim=1)  # (B, H, S, D)
+        scores = torch.matmul(q.float(), k_att.float().transpose(-2, -1)) * (D**-0.5)  # (B, H, T, S)
+        p = F.softmax(scores + mask, dim=-1)
+        if quant is not None:
+            p = quant.round_probs(p)
+        out = torch.matmul(p, v_att.float()).to(dtype)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        return self.o_proj(out)
+
+    def _through_cache(
+        self, cache: KVCache, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stored = cache.dtype(self.layer_idx)
+        if (self.kv_quant is not None) != (stored == E4M3):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: KV cache stores {stored} but the layer "
+                f"{'has' if self.kv_quant is not None else 'has no'} FP8 kv_quant; rebuild the cache "
+                f"with KVCache.for_model after enable_fp8_kv()/disable_fp8_kv()"
+            )
+        return cache.update(self.layer_idx, k.to(stored), v.to(stored))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The ``model.`` prefix of HF checkpoints: ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM with HF parameter names.
+
+    Args:
+        config: the architecture; weights are initialised N(0, ``initializer_range``) (biases 0,
+            norms 1). Build under ``torch.device("meta")`` and load a state dict with
+            ``assign=True`` to skip the init (what :func:`~fp8rl.model.load_hf_checkpoint` does).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        # Kept out of the state dict (HF names) and out of module.to(dtype): BF16 angles would be wrong.
+        self._inv_freq = rope_inv_freq(config)
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        std = self.config.initializer_range
+        with torch.no_grad():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.Embedding):
+                m.weight.normal_(0.0, std)
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding matrix when ``tie_word_embeddings`` (after loads too)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    # -----------------------------------------------------------------------------------------
+    # FP8 KV cache / FP8 attention
+    # -----------------------------------------------------------------------------------------
+
+    def enable_fp8_kv(self, fp8_attention: bool = True) -> list[QKVQuantizer]:
+        """Install a fresh :class:`QKVQuantizer` (placeholder 1.0 scales) on every layer's attention.
+
+        The caller sets calibrated scales (``set_scales``) before serving. Caches built earlier
+        must be rebuilt (they hold the compute dtype, not E4M3).
+
+        Returns:
+            The quantizers, layer order.
+        """
+        device = self.model.embed_tokens.weight.device
+        quants = []
+        for layer in self.model.layers:
+            layer.self_attn.kv_quant = QKVQuantizer(fp8_attention).to(device)
+            quants.append(layer.self_attn.kv_quant)
+        return quants
+
+    def disable_fp8_kv(self) -> None:
+        """Remove every layer's ``kv_quant`` (back to compute-dtype K/V)."""
+        for layer in self.model.layers:
+            layer.self_attn.kv_quant = None
+
+    @property
+    def kv_quantizers(self) -> list[QKVQuantizer]:
+        """The installed quantizers, layer order (empty when FP8 KV is off)."""
+        return [la.self_attn.kv_quant for la in self.model.layers if la.self_attn.kv_quant is not None]
+
+    # -----------------------------------------------------------------------------------------
+    # forward
+    # -----------------------------------------------------------------------------------------
+
+    def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        inv = self._inv_freq_by_device.get(device)
+        if inv is None:
+            inv = self._inv_freq_by_device[device] = self._inv_freq.to(device)
+        return inv
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits of every position.
+
+        Args:
+            input_ids: ``(B, T)`` token ids.
+            position_ids: ``(B, T)`` RoPE positions. Default: with ``attention_mask``,
+                ``cumsum(mask) - 1`` clamped at 0 over all keys, taken at the new tokens (left
+                padding gets the same positions as the unpadded prompt); else
+                ``arange(L, L + T)`` with ``L = kv_cache.length`` (0 without a cache).
+            attention_mask: ``(B, S)`` key-padding mask, 1 keep / 0 pad, over every key visible in
+                this call: ``S = L + T``. Causal masking is always applied on top.
+            kv_cache: written at slots ``[L, L + T)`` of every layer, attended over ``[0, L + T)``,
+                then advanced by ``T`` once.
+
+        Returns:
+            ``(B, T, vocab_size)`` FP32 logits. Rows whose query has no visible key (a pad query
+            behind left padding) are finite garbage, never NaN.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        device = input_ids.device
+        L = 0
+        if kv_cache is not None:
+            kv_cache.check_room(B, T)
+            L = kv_cache.length
+        S = L + T
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
+            raise ValueError(
+                f"attention_mask must be (B, S) = ({B}, {S}) (cache length {L} + {T} new tokens), "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, L:]  # (B, T)
+            else:
+                position_ids = torch.arange(L, S, device=device).expand(B, T)  # (B, T)
+        elif tuple(position_ids.shape) != (B, T):
+            raise ValueError(f"position_ids must be (B, T) = ({B}, {T}), got {tuple(position_ids.shape)}")
+
+        # Additive mask (B|1, 1, T, S): query i sits at time slot L + i and sees slots <= L + i.
+        q_slot = torch.arange(L, S, device=device)
+        visible = torch.arange(S, device=device)[None, :] <= q_slot[:, None]  # (T, S)
+        visible = visible[None, None]  # (1, 1, T, S)
+        if attention_mask is not None:
+            visible = visible & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+        # finfo.min rather than -inf: a fully masked row softmaxes to uniform instead of NaN
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+        mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = rope_cos_sin(self._rope_inv_freq(device), position_ids, x.dtype)  # (B, T, D)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, kv_cache)
+        x = self.model.norm(x)
+        if kv_cache is not None:
+            kv_cache.advance(T)  # once per forward, after every layer wrote its slots
+        return self.lm_head(x).float()

@@ -1,0 +1,1 @@
+"""Redis-coordinated refit protocol (DESIGN §3)."""

@@ -1,0 +1,25 @@
+"""GRPO math: group-relative advantages, the clipped IS-corrected policy loss, mismatch metrics.
+
+Pure PyTorch, no other fp8rl imports: engines and the loop call in, never the reverse.
+
+- :mod:`fp8rl.rl.advantages` — :func:`grpo_advantages` (leave-one-out baseline by default).
+- :mod:`fp8rl.rl.loss` — :class:`LossConfig`, :func:`importance_weights` (IS modes ``none``,
+  ``token``, ``tis``, ``icepop``, ``seq_mask_tis``) and :func:`policy_loss` (token-level
+  aggregation over the global batch).
+- :mod:`fp8rl.rl.metrics` — :func:`token_mult_prob_error` and :func:`mismatch_metrics` comparing
+  trainer and rollout logprobs of the generated tokens.
+"""
+
+from fp8rl.rl.advantages import grpo_advantages
+from fp8rl.rl.loss import IS_MODES, LossConfig, importance_weights, policy_loss
+from fp8rl.rl.metrics import mismatch_metrics, token_mult_prob_error
+
+__all__ = [
+    "IS_MODES",
+    "LossConfig",
+    "grpo_advantages",
+    "importance_weights",
+    "mismatch_metrics",
+    "policy_loss",
+    "token_mult_prob_error",
+]

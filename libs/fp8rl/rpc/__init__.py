@@ -1,0 +1,1 @@
+"""Generated gRPC stubs live here (generated from proto/ by `make proto`)."""

@@ -1,0 +1,1 @@
+"""Typed gRPC client SDK and the `fp8rl` CLI."""
