@@ -84,8 +84,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {self.architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         for name in (
             "vocab_size",
@@ -113,9 +112,7 @@ class ModelConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(
-                f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}"
-            )
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
@@ -132,8 +129,7 @@ class ModelConfig:
             self.qk_norm = want_qk_norm
         if self.qk_norm != want_qk_norm:
             raise ValueError(
-                f"qk_norm={self.qk_norm} contradicts architecture {self.architecture!r} "
-                f"(only qwen3 has q_norm/k_norm)"
+                f"qk_norm={self.qk_norm} contradicts architecture {self.architecture!r} (only qwen3 has q_norm/k_norm)"
             )
         eos = self.eos_token_id
         if eos is not None and not isinstance(eos, int):
@@ -189,8 +185,7 @@ class ModelConfig:
         arch = d.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported model_type {arch!r} in config.json; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported model_type {arch!r} in config.json; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         required = (
             "vocab_size",
@@ -294,9 +289,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(
-            f"unsupported RoPE type {rope_type!r} in config.json; supported: 'default', 'llama3'"
-        )
+        raise ValueError(f"unsupported RoPE type {rope_type!r} in config.json; supported: 'default', 'llama3'")
     scaling = dict(src)
     # HF fills a missing original length from max_position_embeddings (standardize_rope_params)
     scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))

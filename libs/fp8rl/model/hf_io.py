@@ -106,9 +106,7 @@ def load_hf_checkpoint(
             parts.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensor(s): {_listing(unexpected)}")
-        raise ValueError(
-            f"checkpoint {path} does not match its {config.architecture} config.json: " + "; ".join(parts)
-        )
+        raise ValueError(f"checkpoint {path} does not match its {config.architecture} config.json: " + "; ".join(parts))
     for name, shape in expected.items():
         if tensors[name].shape != shape:
             raise ValueError(
@@ -144,9 +142,7 @@ def save_hf_checkpoint(model: CausalLM, config: ModelConfig, path: str | Path) -
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if (path / INDEX_FILE).exists():
-        raise ValueError(
-            f"{path} already holds a sharded checkpoint ({INDEX_FILE}); save into an empty directory"
-        )
+        raise ValueError(f"{path} already holds a sharded checkpoint ({INDEX_FILE}); save into an empty directory")
     expected = _expected_shapes(config)
     state = {k: v for k, v in model.state_dict().items() if ".kv_quant." not in k}
     if config.tie_word_embeddings:
@@ -160,9 +156,7 @@ def save_hf_checkpoint(model: CausalLM, config: ModelConfig, path: str | Path) -
     tensors: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if t.shape != expected[name]:
-            raise ValueError(
-                f"tensor {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name])}"
-            )
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name])}")
         if t.dtype not in _SAVE_DTYPES:
             raise ValueError(f"tensor {name} has dtype {t.dtype}; HF checkpoints hold one of {_SAVE_DTYPES}")
         tensors[name] = t.detach().to("cpu").contiguous()

@@ -101,9 +101,7 @@ class KVCache:
     def check_room(self, batch_size: int, num_new: int) -> None:
         """Raise before a forward that would not fit (so no layer is half-written)."""
         if batch_size != self.batch_size:
-            raise ValueError(
-                f"KVCache was built for batch size {self.batch_size}, the forward has {batch_size}"
-            )
+            raise ValueError(f"KVCache was built for batch size {self.batch_size}, the forward has {batch_size}")
         if self.length + num_new > self.max_len:
             raise RuntimeError(
                 f"KVCache overflow: {self.length} slots used + {num_new} new tokens "
@@ -131,9 +129,7 @@ class KVCache:
     def advance(self, num_new: int) -> None:
         """Mark ``num_new`` more slots as filled (after every layer wrote them)."""
         if self.length + num_new > self.max_len:
-            raise RuntimeError(
-                f"KVCache advance past max_len={self.max_len} (length {self.length} + {num_new})"
-            )
+            raise RuntimeError(f"KVCache advance past max_len={self.max_len} (length {self.length} + {num_new})")
         self.length += num_new
 
     def reset(self) -> None:

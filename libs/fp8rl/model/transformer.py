@@ -197,9 +197,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
 
-    def _through_cache(
-        self, cache: KVCache, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _through_cache(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stored = cache.dtype(self.layer_idx)
         if (self.kv_quant is not None) != (stored == E4M3):
             raise RuntimeError(
@@ -233,7 +231,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; arguments as :meth:`Attention.forward`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

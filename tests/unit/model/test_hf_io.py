@@ -96,9 +96,7 @@ def test_unexpected_and_misshapen_tensors_are_named(tmp_path):
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)  # llama without attention_bias
     tensors["model.rotary_emb.inv_freq"] = torch.zeros(4)  # legacy buffer: silently ignored
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(
-        ValueError, match=r"unexpected 1 tensor\(s\): model\.layers\.0\.self_attn\.q_proj\.bias"
-    ):
+    with pytest.raises(ValueError, match=r"unexpected 1 tensor\(s\): model\.layers\.0\.self_attn\.q_proj\.bias"):
         load_hf_checkpoint(tmp_path)
 
     del tensors["model.layers.0.self_attn.q_proj.bias"]
@@ -132,9 +130,7 @@ def test_sharded_checkpoint_loads(tmp_path):
         fname = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file({n: tensors[n] for n in part}, shard_dir / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
-    (shard_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     loaded, _ = load_hf_checkpoint(shard_dir)
     ids = torch.randint(0, 61, (1, 7))
     with torch.no_grad():
@@ -166,9 +162,7 @@ def test_hf_dict_mapping():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    cfg = ModelConfig(
-        "llama", 61, 32, 48, 2, 4, rope_theta=500000.0, rope_scaling=llama3, tie_word_embeddings=True
-    )
+    cfg = ModelConfig("llama", 61, 32, 48, 2, 4, rope_theta=500000.0, rope_scaling=llama3, tie_word_embeddings=True)
     d = cfg.to_hf_dict("bfloat16")
     assert d["rope_parameters"]["rope_theta"] == 500000.0 and d["rope_scaling"]["factor"] == 8.0
     assert ModelConfig.from_hf_dict(d) == cfg
@@ -179,8 +173,6 @@ def test_hf_dict_mapping():
     with pytest.raises(ValueError, match=r"unsupported model_type 'mistral'.*\['llama', 'qwen2', 'qwen3'\]"):
         ModelConfig.from_hf_dict({**d, "model_type": "mistral"})
     with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
-        ModelConfig.from_hf_dict(
-            {**d, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
-        )
+        ModelConfig.from_hf_dict({**d, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
     with pytest.raises(ValueError, match=r"lacks required key\(s\) \['hidden_size'\]"):
         ModelConfig.from_hf_dict({k: v for k, v in d.items() if k != "hidden_size"})

@@ -1,0 +1,207 @@
+"""The two small interfaces every engine implements, and the plain types that cross them.
+
+Engines know tensors, never gRPC or Redis. A rollout engine (``engine: torch | vllm``) samples
+and is refitted in place; a trainer backend (``backend: torch | megatron``) computes logprobs,
+takes optimizer steps and exports its master weights under Hugging Face names for refit.
+
+Logprob alignment used everywhere: for a row ``ids`` of length T, ``logprobs[t]`` is
+``log p(ids[t] | ids[:t])`` for ``t >= 1`` and 0 at ``t = 0``; ``loss_mask[t] = 1`` exactly on
+generated (response) tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp8rl.fp8 import QKVScales
+
+__all__ = [
+    "SamplingParams",
+    "Sample",
+    "TrainBatch",
+    "RolloutEngine",
+    "TrainerBackend",
+    "VersionMismatchError",
+    "WeightLoadError",
+]
+
+
+class VersionMismatchError(RuntimeError):
+    """A request pinned to a weight version the engine does not hold (gRPC: FAILED_PRECONDITION)."""
+
+    def __init__(self, requested: int, held: int | None):
+        super().__init__(f"request pinned to weight version {requested}, but this engine holds version {held}")
+        self.requested, self.held = requested, held
+
+
+class WeightLoadError(ValueError):
+    """A refit payload was refused (missing/unknown tensor, wrong shape/dtype, NaN, stale version).
+
+    The engine keeps serving the weights it held before the failed load.
+    """
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass in (0, 1].
+        max_tokens: most tokens generated per sample.
+        n: samples per prompt (the GRPO group size).
+        seed: makes sampling reproducible for a given batch; None draws from the engine's RNG.
+        stop_token_ids: extra stop tokens besides the tokenizer's EOS.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated response.
+
+    Attributes:
+        prompt_index: index of its prompt in the request.
+        prompt_ids: the prompt tokens (as given, without padding).
+        token_ids: generated tokens, including the stop token when one was sampled.
+        logprobs: the engine's logprob of each generated token (``gen_logprobs``), same length.
+        finish_reason: ``"stop"`` or ``"length"``.
+        weight_version: the weight version that produced it.
+    """
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    weight_version: int
+
+
+@dataclass
+class TrainBatch:
+    """A right-padded batch of prompt+response rows for the trainer.
+
+    Attributes:
+        input_ids: ``(B, T)`` int64, prompt then response then padding.
+        attention_mask: ``(B, T)`` 1 on real tokens, 0 on padding.
+        loss_mask: ``(B, T)`` 1 on generated tokens (the ones the loss and metrics see).
+        advantages: ``(B,)`` per-sequence GRPO advantages.
+        gen_logprobs: ``(B, T)`` rollout-engine logprobs aligned as in the module docstring.
+        prev_logprobs: ``(B, T)`` trainer logprobs at the weights that generated the batch
+            (filled by the trainer's ``compute_logprobs`` when None).
+        ref_logprobs: ``(B, T)`` reference-policy logprobs for the KL term, or None.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    gen_logprobs: torch.Tensor
+    prev_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        b, t = self.input_ids.shape
+        for name in ("attention_mask", "loss_mask", "gen_logprobs", "prev_logprobs", "ref_logprobs"):
+            val = getattr(self, name)
+            if val is not None and tuple(val.shape) != (b, t):
+                raise ValueError(f"TrainBatch.{name} has shape {tuple(val.shape)}, expected {(b, t)}")
+        if tuple(self.advantages.shape) != (b,):
+            raise ValueError(f"TrainBatch.advantages has shape {tuple(self.advantages.shape)}, expected {(b,)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        """Rows ``[start, stop)`` (a micro-batch)."""
+
+        def cut(t):
+            return None if t is None else t[start:stop]
+
+        return TrainBatch(
+            self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
+            self.advantages[start:stop], self.gen_logprobs[start:stop], cut(self.prev_logprobs),
+            cut(self.ref_logprobs),
+        )
+
+
+class RolloutEngine(abc.ABC):
+    """Generates samples at one weight version and is refitted in place between batches."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int | None:
+        """The version currently served (None before the first load)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
+    ) -> list[Sample]:
+        """Sample ``params.n`` responses per prompt (prompt-major order: prompt 0's samples first).
+
+        Raises:
+            VersionMismatchError: ``weight_version`` is given and differs from the served one.
+        """
+
+    @abc.abstractmethod
+    def load_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None
+    ) -> None:
+        """Atomically replace weights (and QKV scales) with ``version``'s, in place.
+
+        ``tensors`` use Hugging Face names; a linear the engine runs in FP8 accepts either its
+        high-precision ``X.weight`` (quantized here, the same way the trainer does) or
+        ``X.weight`` in E4M3 plus ``X.weight_scale``. Validates everything before touching the
+        live weights; on any problem raises :class:`WeightLoadError` and keeps serving the old
+        version. A version older than the held one is refused.
+        """
+
+
+class TrainerBackend(abc.ABC):
+    """Owns the policy's master weights and optimizer."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Weight version of the current parameters (0 = initial, +1 per train step)."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``(B, T)`` logprobs of ``batch.input_ids`` under the current weights (no grad)."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns loss/metric floats and bumps ``version``."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights under Hugging Face names (what a refit publishes)."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Everything needed to resume bit-identically (weights, optimizer, RNG, version)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint`."""
