@@ -46,3 +46,7 @@ run: loop  ## the main job (until the service stack lands, the in-process FP8 GR
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache runs
+
+.PHONY: proto
+proto: $(STAMP)  ## regenerate gRPC stubs into libs/fp8rl/rpc
+	$(BIN)/python -m fp8rl.rpc.generate

@@ -129,6 +129,15 @@ class QKVQuantizer(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.version: int | None = None  # None = placeholder 1.0 scales, never served
 
+    def _apply(self, fn, recurse=True):
+        # Scales are FP32 by contract: a model-wide .to(bfloat16) must not round them.
+        super()._apply(fn, recurse)
+        for name in ("q_scale", "k_scale", "v_scale"):
+            buf = getattr(self, name)
+            if buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+        return self
+
     @torch.no_grad()
     def set_scales(self, q: float, k: float, v: float, version: int) -> None:
         """Overwrite the scales in place (tensor identity is kept across refits)."""

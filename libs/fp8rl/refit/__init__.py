@@ -1,1 +1,44 @@
-"""Redis-coordinated refit protocol (DESIGN §3)."""
+"""Redis-coordinated refit protocol (DESIGN §3): move each policy version from trainer to rollout replicas.
+
+Invariants: ``weights:latest`` only increases; a replica applies version v only when every tensor
+arrived intact, only together with v's own QKV scales when it runs an FP8 KV cache, never when v is
+older than what it holds; and only a replica with a live lease can ack.
+
+Modules: :mod:`.keys` (every Redis key name), :mod:`.shards` (raw-byte shard format),
+:mod:`.manifest` (manifest, ``build_shards``, ``assemble``), :mod:`.store` (Redis state),
+:mod:`.subscriber` (``RefitPublisher``, ``RefitSubscriber``, ``ShardSource``).
+"""
+
+from .keys import JOBS_INDEX, Keys, validate_job_id, validate_replica_id, validate_version
+from .manifest import Manifest, assemble, build_shards
+from .shards import DEFAULT_SHARD_BYTES, DTYPES, CorruptShardError, TensorEntry, pack_tensors, unpack_tensors
+from .store import (
+    Event,
+    LeaseExpiredError,
+    RefitConnectionError,
+    RefitError,
+    RefitStore,
+    ReplicaLease,
+    StaleVersionError,
+    UnknownVersionError,
+    connect,
+    redact_url,
+)
+from .subscriber import (
+    InProcessShardSource,
+    MissingScalesError,
+    RefitFailedError,
+    RefitPublisher,
+    RefitSubscriber,
+    ShardSource,
+)
+
+__all__ = [
+    "JOBS_INDEX", "Keys", "validate_job_id", "validate_replica_id", "validate_version",
+    "Manifest", "assemble", "build_shards",
+    "DEFAULT_SHARD_BYTES", "DTYPES", "CorruptShardError", "TensorEntry", "pack_tensors", "unpack_tensors",
+    "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
+    "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
+    "InProcessShardSource", "MissingScalesError", "RefitFailedError", "RefitPublisher", "RefitSubscriber",
+    "ShardSource",
+]

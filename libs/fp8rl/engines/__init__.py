@@ -1,0 +1,24 @@
+"""Rollout engines and trainer backends behind two small interfaces (see ``base``).
+
+Engines know tensors, never gRPC or Redis. ``engine: torch`` / ``backend: torch`` are the
+embedded defaults that run on any CPU.
+"""
+
+from .base import (
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+    TrainerBackend,
+    VersionMismatchError,
+    WeightLoadError,
+)
+from .calibrator import QKVCalibrator
+from .torch_rollout import TorchRolloutEngine
+from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
+
+__all__ = [
+    "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",
+    "VersionMismatchError", "WeightLoadError",
+    "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "sequence_logprobs",
+]

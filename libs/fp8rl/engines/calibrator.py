@@ -1,0 +1,83 @@
+"""QKV scale calibration: forward passes that record Q/K/V amax per attention layer.
+
+Hooks sit on every layer's ``self_attn.qkv_point`` — after QK-norm and RoPE, before any FP8
+quantization — i.e. exactly the tensors the FP8 KV cache stores. Each micro-batch forward is one
+*pass*; per pass and layer the hook records the amax of Q, K and V over real (non-padding)
+tokens only. :func:`fp8rl.fp8.scales_from_amax_history` turns the per-pass maxima into FP32
+scales (high percentile × margin / 448). Deterministic given weights and sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from fp8rl.fp8 import QKVScales, scales_from_amax_history, transformer_layers
+from fp8rl.model import CausalLM
+
+__all__ = ["QKVCalibrator"]
+
+
+class QKVCalibrator:
+    """Computes :class:`QKVScales` for a model's current weights.
+
+    Args:
+        model: the model whose weights are being calibrated (used forward-only, never modified).
+        micro_batch_size: sequences per forward pass.
+        percentile: percentile of per-pass maxima (99.9 → robust to one outlier batch).
+        margin: head-room multiplier on the amax.
+        pad_token_id: filler for right padding (masked out of the amax).
+    """
+
+    def __init__(self, model: CausalLM, *, micro_batch_size: int = 32, percentile: float = 99.9,
+                 margin: float = 1.05, pad_token_id: int = 0) -> None:
+        self.model = model
+        self.micro_batch_size = micro_batch_size
+        self.percentile = percentile
+        self.margin = margin
+        self.pad_token_id = pad_token_id
+        self.last_seconds = 0.0
+
+    @torch.no_grad()
+    def calibrate(self, version: int, sequences: Sequence[Sequence[int]]) -> QKVScales:
+        """Scales for weight ``version`` from forward passes over ``sequences`` (prompts + responses)."""
+        if not sequences:
+            raise ValueError("calibration needs at least one sequence")
+        t0 = time.perf_counter()
+        layers = transformer_layers(self.model)
+        hist: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in ("q", "k", "v")}
+        valid: list[torch.Tensor] = []  # (B, T) of the pass in flight
+
+        def make_hook(i: int):
+            def hook(_mod, _inputs, outputs):
+                m = valid[0]  # (B, T)
+                for name, t in zip(("q", "k", "v"), outputs, strict=True):  # (B, H, T, D)
+                    per_tok = t.detach().abs().amax(dim=(1, 3)).float()  # (B, T)
+                    hist[name][i].append(float(per_tok.masked_fill(~m, 0.0).max()))
+            return hook
+
+        handles = [layer.self_attn.qkv_point.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(sequences), self.micro_batch_size):
+                chunk = sequences[start:start + self.micro_batch_size]
+                T = max(len(s) for s in chunk)
+                ids = torch.full((len(chunk), T), self.pad_token_id, dtype=torch.long)
+                mask = torch.zeros(len(chunk), T, dtype=torch.bool)
+                for b, s in enumerate(chunk):
+                    if len(s) == 0:
+                        raise ValueError(f"calibration sequence {start + b} is empty")
+                    ids[b, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+                    mask[b, :len(s)] = True
+                valid[:] = [mask]
+                self.model(ids, attention_mask=mask.long())
+        finally:
+            for h in handles:
+                h.remove()
+            self.model.train(was_training)
+        scales = scales_from_amax_history(version, hist, percentile=self.percentile, margin=self.margin)
+        self.last_seconds = time.perf_counter() - t0
+        return scales

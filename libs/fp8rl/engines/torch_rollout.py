@@ -1,0 +1,203 @@
+"""The embedded rollout engine (``engine: torch``): batched sampling with a static KV cache.
+
+Numerics follow the job's recipe through :func:`fp8rl.fp8.convert_model` in inference mode:
+FP8 layers hold E4M3 weights + FP32 128×128 block scales (prepared once per weight version) and
+quantize activations 1×128 at run time; with ``kv_cache_dtype: fp8`` the cache stores E4M3 K/V
+under per-tensor scales calibrated for the served weight version, and FP8 attention rounds Q and
+the softmax probabilities to E4M3.
+
+Invariants: :meth:`generate` serves only the version it holds (a pinned request for another gets
+:class:`VersionMismatchError`) and, with an FP8 KV cache, only with the QKV scales of that same
+version; :meth:`load_weights` validates everything before overwriting the live tensors in place,
+under the same lock ``generate`` holds, so a refit lands between batches.
+
+Logprobs: ``log_softmax(logits / temperature)`` of the sampled token — the temperature-scaled
+distribution the token was drawn from, before top-p renormalisation (the trainer computes the
+same quantity, so ratios compare like with like; with top_p = 1 it is exactly the sampling
+distribution). Greedy (temperature 0) reports temperature-1 logprobs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
+from fp8rl.model import CausalLM, KVCache
+
+from .base import RolloutEngine, Sample, SamplingParams, VersionMismatchError, WeightLoadError
+from .weights import apply_staged, stage_weights
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TorchRolloutEngine", "sample_next"]
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from ``logits`` ``(B, V)``; return ``(tokens, logprobs)`` both ``(B,)``."""
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)  # (B, V)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always survives)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """Embedded rollout engine.
+
+    Args:
+        model: a high-precision :class:`CausalLM`; the engine converts its own deep copy.
+        recipe: the rollout's :class:`Fp8Recipe` (``recipe_for_role(job_recipe, "rollout")``).
+        eos_token_ids: tokens that end a sample.
+        initial_version: weight version of ``model``'s weights (served once QKV scales for it are
+            loaded when the KV cache is FP8).
+        max_batch_size: rows decoded together (prompts × n are chunked to this).
+        pad_token_id: filler for left padding.
+        seed: seeds the engine's RNG for requests without their own seed.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        recipe: Fp8Recipe,
+        *,
+        eos_token_ids: Sequence[int],
+        initial_version: int = 0,
+        max_batch_size: int = 64,
+        pad_token_id: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.recipe = recipe
+        self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self._version: int | None = initial_version
+        self._lock = threading.RLock()
+        self._rng = torch.Generator().manual_seed(seed)
+        self.max_len = model.config.max_position_embeddings
+
+    # ------------------------------------------------------------------ versions and refit
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    @property
+    def scales_version(self) -> int | None:
+        qs = self.model.kv_quantizers
+        return qs[0].version if qs else None
+
+    def load_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None
+    ) -> None:
+        if self._version is not None and version < self._version:
+            raise WeightLoadError(f"refusing weight version {version}: this engine already holds {self._version}")
+        quantizers = self.model.kv_quantizers
+        if quantizers:
+            if qkv_scales is None:
+                raise WeightLoadError(f"kv_cache_dtype=fp8 needs the QKV scales of version {version}; none were given")
+            if qkv_scales.version != version:
+                raise WeightLoadError(
+                    f"QKV scales are for version {qkv_scales.version} but the weights are version {version}"
+                )
+            if qkv_scales.num_layers != len(quantizers):
+                raise WeightLoadError(f"QKV scales cover {qkv_scales.num_layers} layers, model has {len(quantizers)}")
+        staged = stage_weights(self.model, tensors)
+        with self._lock:
+            apply_staged(self.model, staged)
+            for i, qz in enumerate(quantizers):
+                qz.set_scales(qkv_scales.q[i], qkv_scales.k[i], qkv_scales.v[i], version)
+            self._version = version
+        log.info("rollout engine now serves weight version %d", version)
+
+    def load_scales(self, qkv_scales: QKVScales) -> None:
+        """Install QKV scales for the version already held (the first calibration, before any refit)."""
+        with self._lock:
+            if qkv_scales.version != self._version:
+                raise WeightLoadError(
+                    f"QKV scales are for version {qkv_scales.version} but the engine holds version {self._version}"
+                )
+            quantizers = self.model.kv_quantizers
+            if qkv_scales.num_layers != len(quantizers):
+                raise WeightLoadError(f"QKV scales cover {qkv_scales.num_layers} layers, model has {len(quantizers)}")
+            for i, qz in enumerate(quantizers):
+                qz.set_scales(qkv_scales.q[i], qkv_scales.k[i], qkv_scales.v[i], qkv_scales.version)
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
+    ) -> list[Sample]:
+        with self._lock:
+            held = self._version
+            if held is None or (weight_version is not None and weight_version != held):
+                raise VersionMismatchError(weight_version if weight_version is not None else -1, held)
+            for qz in self.model.kv_quantizers:
+                qz.require_version(held)
+            for i, p in enumerate(prompts):
+                if len(p) == 0:
+                    raise ValueError(f"prompt {i} is empty")
+                if len(p) + params.max_tokens > self.max_len:
+                    raise ValueError(
+                        f"prompt {i} has {len(p)} tokens; with max_tokens={params.max_tokens} it exceeds the "
+                        f"model's {self.max_len} positions"
+                    )
+            gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._rng
+            rows = [(pi, tuple(p)) for pi, p in enumerate(prompts) for _ in range(params.n)]
+            out: list[Sample] = []
+            for start in range(0, len(rows), self.max_batch_size):
+                out += self._generate_rows(rows[start:start + self.max_batch_size], params, gen, held)
+            return out
+
+    @torch.no_grad()
+    def _generate_rows(self, rows, params: SamplingParams, gen, version: int) -> list[Sample]:
+        B = len(rows)
+        P = max(len(p) for _, p in rows)
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(B, P + params.max_tokens, dtype=torch.long)
+        for b, (_, p) in enumerate(rows):  # left padding: every row's last prompt token at slot P-1
+            ids[b, P - len(p):] = torch.tensor(p)
+            mask[b, P - len(p):] = 1
+        cache = KVCache.for_model(self.model, B, P + params.max_tokens)
+        logits = self.model(ids, attention_mask=mask[:, :P], kv_cache=cache)[:, -1]  # (B, V)
+        stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
+        tokens = torch.zeros(B, params.max_tokens, dtype=torch.long)
+        logps = torch.zeros(B, params.max_tokens)
+        done = torch.zeros(B, dtype=torch.bool)
+        lengths = torch.full((B,), params.max_tokens, dtype=torch.long)
+        for t in range(params.max_tokens):
+            tok, lp = sample_next(logits, params, gen)
+            tokens[:, t], logps[:, t] = tok, lp
+            hit = torch.isin(tok, stops) & ~done
+            lengths[hit] = t + 1
+            done |= hit
+            if bool(done.all()) or t == params.max_tokens - 1:
+                break
+            mask[:, P + t] = 1
+            logits = self.model(tok[:, None], attention_mask=mask[:, :P + t + 1], kv_cache=cache)[:, -1]
+        samples = []
+        for b, (pi, p) in enumerate(rows):
+            n = int(lengths[b])
+            samples.append(Sample(
+                prompt_index=pi, prompt_ids=p, token_ids=tuple(tokens[b, :n].tolist()),
+                logprobs=tuple(logps[b, :n].tolist()),
+                finish_reason="stop" if bool(done[b]) else "length",
+                weight_version=version,
+            ))
+        return samples

@@ -1,0 +1,134 @@
+"""Every Redis key fp8rl uses, built in one place (DESIGN §3).
+
+Invariant: no other module spells a Redis key. Every key of job ``J`` starts with ``fp8rl:J:``
+(so one job never touches another's state and ``fp8rl:J:*`` lists all of it); the only key outside
+a job's namespace is the global ``fp8rl:jobs`` index. Job ids, replica ids and versions are
+validated here, so a key can never contain a glob character, a separator or a negative version.
+
+Layout (``P = fp8rl:{job}:``):
+
+======================  ===========  ======================================================
+key                     type         meaning
+======================  ===========  ======================================================
+``P weights:latest``    int          newest published version (only increases)
+``P weights:{v}:manifest``  bytes    manifest JSON of version v
+``P weights:{v}:acks``  set          replica ids that applied v (weights and scales)
+``P scales:{v}``        bytes        FP32 Q/K/V scales calibrated on version v
+``P events``            stream       ``weights_published``, ``scales_published``, ``replica_fenced``
+``P replicas:{id}``     hash + TTL   a replica's lease: endpoint, version, ttl
+``P replicas``          set          index of replica ids that registered (lease may be gone)
+``P job:state``         string       controller's job state (e.g. ``running``)
+``P job:step``          int          last finished GRPO step
+``P job:config``        bytes        the job's validated config (YAML/JSON bytes)
+``fp8rl:jobs``          set          index of job ids
+======================  ===========  ======================================================
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["Keys", "JOBS_INDEX", "validate_job_id", "validate_replica_id", "validate_version"]
+
+ROOT = "fp8rl"
+JOBS_INDEX = f"{ROOT}:jobs"
+
+# Letters, digits, '_', '-', '.'; starts with a letter or digit. No ':' (our separator), no glob
+# characters ('*', '?', '[') and no whitespace, so keys and SCAN patterns stay unambiguous.
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def _validate_id(kind: str, value: object) -> str:
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise ValueError(
+            f"invalid {kind} {value!r}: expected 1-64 characters from [A-Za-z0-9_.-], starting with a letter or digit"
+        )
+    return value
+
+
+def validate_job_id(job: object) -> str:
+    """Return ``job`` if it is a valid job id, else raise ``ValueError`` naming it."""
+    return _validate_id("job id", job)
+
+
+def validate_replica_id(replica_id: object) -> str:
+    """Return ``replica_id`` if it is a valid replica id, else raise ``ValueError`` naming it."""
+    return _validate_id("replica id", replica_id)
+
+
+def validate_version(version: object) -> int:
+    """Return ``version`` if it is a non-negative int (bools refused), else raise ``ValueError``."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"weight version must be an int >= 0, got {version!r}")
+    return version
+
+
+class Keys:
+    """Key builder for one job.
+
+    Args:
+        job: the job id; 1-64 characters from ``[A-Za-z0-9_.-]``.
+
+    Example:
+        >>> Keys("demo").manifest(3)
+        'fp8rl:demo:weights:3:manifest'
+    """
+
+    def __init__(self, job: str) -> None:
+        self.job = validate_job_id(job)
+        self.prefix = f"{ROOT}:{job}:"
+
+    def __repr__(self) -> str:
+        return f"Keys({self.job!r})"
+
+    # -- weights and scales -------------------------------------------------------------------
+    def latest(self) -> str:
+        """``weights:latest`` — the newest published version."""
+        return f"{self.prefix}weights:latest"
+
+    def manifest(self, version: int) -> str:
+        """``weights:{v}:manifest`` — version v's manifest JSON."""
+        return f"{self.prefix}weights:{validate_version(version)}:manifest"
+
+    def acks(self, version: int) -> str:
+        """``weights:{v}:acks`` — set of replica ids that applied v."""
+        return f"{self.prefix}weights:{validate_version(version)}:acks"
+
+    def scales(self, version: int) -> str:
+        """``scales:{v}`` — the Q/K/V scales calibrated on version v."""
+        return f"{self.prefix}scales:{validate_version(version)}"
+
+    def events(self) -> str:
+        """``events`` — the job's event stream."""
+        return f"{self.prefix}events"
+
+    # -- replicas ------------------------------------------------------------------------------
+    def replica(self, replica_id: str) -> str:
+        """``replicas:{id}`` — one replica's lease hash (expires unless heartbeated)."""
+        return f"{self.prefix}replicas:{validate_replica_id(replica_id)}"
+
+    def replica_index(self) -> str:
+        """``replicas`` — set of replica ids that registered (their leases may have expired)."""
+        return f"{self.prefix}replicas"
+
+    # -- job state (controller) ----------------------------------------------------------------
+    def job_state(self) -> str:
+        """``job:state`` — the controller's state string for this job."""
+        return f"{self.prefix}job:state"
+
+    def job_step(self) -> str:
+        """``job:step`` — the last finished GRPO step."""
+        return f"{self.prefix}job:step"
+
+    def job_config(self) -> str:
+        """``job:config`` — the job's validated config bytes."""
+        return f"{self.prefix}job:config"
+
+    @staticmethod
+    def jobs_index() -> str:
+        """``fp8rl:jobs`` — the global set of job ids (outside any job's namespace)."""
+        return JOBS_INDEX
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this job (``fp8rl:{job}:*``)."""
+        return f"{self.prefix}*"

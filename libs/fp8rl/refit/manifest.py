@@ -1,0 +1,261 @@
+"""The refit manifest of one policy version, and the two verbs around it: build shards, assemble them.
+
+A :class:`Manifest` is the authoritative description of version v's payload: every tensor's
+name, dtype, shape, block size, byte length and checksum, which shard holds it, each shard's size
+and checksum, the endpoint of the WeightStore that serves the shards, and the recipe. It is stored
+in Redis as strict JSON (``weights:{v}:manifest``); the shard bytes travel separately.
+
+In an FP8 recipe the trainer ships the linears named by ``fp8_prefixes`` as E4M3 bytes plus FP32
+128×128 block scales (``x ≈ q.float() * weight_scale``, made by :func:`fp8rl.fp8.quantize_state_dict`,
+≈ 0.5 of the BF16 bytes); everything else passes through in its own dtype (BF16 stays BF16, FP32
+stays FP32). Why quantize on the sender rather than ship BF16 and let each replica quantize, as
+NeMo RL does: it halves the bytes moved per refit, and the quantizer is the same function on both
+sides, so trainer and rollout still agree bit for bit on the E4M3 weights.
+
+Invariants: :func:`build_shards` refuses a state dict holding NaN/Inf before anything is
+produced (so nothing is ever published from a diverged step); :func:`assemble` returns tensors only
+when every shard and every tensor matched its checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8rl.fp8 import BLOCK, E4M3, quantize_state_dict
+
+from .keys import validate_job_id, validate_version
+from .shards import DEFAULT_SHARD_BYTES, TensorEntry, checksum, pack_tensors, unpack_tensors, verify_shard
+
+__all__ = ["MANIFEST_FORMAT", "Manifest", "build_shards", "assemble"]
+
+MANIFEST_FORMAT = 1
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_FIELDS = {
+    "format", "version", "job", "recipe", "tensors", "shard_sizes", "shard_checksums", "endpoint", "created",
+    "total_bytes",
+}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_endpoint(endpoint: object) -> None:
+    if not isinstance(endpoint, str):
+        raise ValueError(f"manifest endpoint must be a string 'host:port', got {endpoint!r}")
+    if endpoint == "":  # an in-process source needs no endpoint
+        return
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"manifest endpoint must look like 'host:port' (port 1-65535), got {endpoint!r}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a replica needs to fetch, verify and load one weight version.
+
+    Attributes:
+        version: the weight version (>= 0).
+        job: the job id.
+        recipe: the job's recipe name (``bf16``, ``fp8_gen_only``, ``fp8_e2e``, ...).
+        tensors: one :class:`TensorEntry` per tensor, in stream order (lists are stored as tuples).
+        shard_sizes: byte length of each shard.
+        shard_checksums: blake2b-128 hex of each shard.
+        endpoint: ``host:port`` of the WeightStore serving the shards ("" for an in-process source).
+        created: publish time, seconds since the epoch.
+        total_bytes: ``sum(shard_sizes)``.
+    """
+
+    version: int
+    job: str
+    recipe: str
+    tensors: tuple[TensorEntry, ...]
+    shard_sizes: tuple[int, ...]
+    shard_checksums: tuple[str, ...]
+    endpoint: str
+    created: float
+    total_bytes: int
+
+    def __post_init__(self) -> None:
+        for key in ("tensors", "shard_sizes", "shard_checksums"):
+            val = getattr(self, key)
+            if not isinstance(val, list | tuple):
+                raise ValueError(f"manifest {key} must be a list, got {type(val).__name__}")
+            object.__setattr__(self, key, tuple(val))
+        validate_version(self.version)
+        validate_job_id(self.job)
+        if not isinstance(self.recipe, str) or not self.recipe:
+            raise ValueError(f"manifest recipe must be a non-empty string, got {self.recipe!r}")
+        _check_endpoint(self.endpoint)
+        if not (_is_int(self.created) or isinstance(self.created, float)) or not math.isfinite(self.created):
+            raise ValueError(f"manifest created must be a finite number of seconds, got {self.created!r}")
+        if not self.shard_sizes:
+            raise ValueError("manifest lists no shards")
+        if not all(_is_int(s) and s >= 0 for s in self.shard_sizes):
+            raise ValueError(f"manifest shard_sizes must be ints >= 0, got {list(self.shard_sizes)}")
+        if len(self.shard_checksums) != len(self.shard_sizes):
+            raise ValueError(
+                f"manifest has {len(self.shard_sizes)} shard sizes but {len(self.shard_checksums)} shard checksums"
+            )
+        for i, c in enumerate(self.shard_checksums):
+            if not isinstance(c, str) or not _HEX32.fullmatch(c):
+                raise ValueError(f"manifest checksum of shard {i} must be 32 lowercase hex characters, got {c!r}")
+        if not _is_int(self.total_bytes) or self.total_bytes != sum(self.shard_sizes):
+            raise ValueError(f"manifest total_bytes {self.total_bytes!r} != sum of shard sizes {sum(self.shard_sizes)}")
+        seen: set[str] = set()
+        for e in self.tensors:
+            if not isinstance(e, TensorEntry):
+                raise ValueError(f"manifest tensors must be TensorEntry objects, got {type(e).__name__}")
+            if e.name in seen:
+                raise ValueError(f"manifest lists tensor {e.name!r} twice")
+            if e.shard >= len(self.shard_sizes):
+                raise ValueError(f"tensor {e.name!r} is in shard {e.shard}, but there are {len(self.shard_sizes)}")
+            seen.add(e.name)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_sizes)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name`` (``KeyError`` naming it when absent)."""
+        for e in self.tensors:
+            if e.name == name:
+                return e
+        raise KeyError(f"tensor {name!r} is not in the manifest of version {self.version}")
+
+    def to_json_bytes(self) -> bytes:
+        """Compact, key-sorted UTF-8 JSON (what Redis stores)."""
+        d = {
+            "format": MANIFEST_FORMAT, "version": self.version, "job": self.job, "recipe": self.recipe,
+            "tensors": [e.to_dict() for e in self.tensors], "shard_sizes": list(self.shard_sizes),
+            "shard_checksums": list(self.shard_checksums), "endpoint": self.endpoint, "created": self.created,
+            "total_bytes": self.total_bytes,
+        }
+        return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes | str) -> Manifest:
+        """Strict parse: malformed JSON, unknown or missing fields, bad types or values → ``ValueError``."""
+        try:
+            d = json.loads(data)
+        except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"manifest is not valid JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise ValueError(f"manifest must be a JSON object, got {type(d).__name__}")
+        if set(d) != _FIELDS:
+            raise ValueError(
+                f"manifest has unknown fields {sorted(set(d) - _FIELDS)} and missing fields {sorted(_FIELDS - set(d))}"
+            )
+        if d["format"] != MANIFEST_FORMAT or not _is_int(d["format"]):
+            raise ValueError(f"manifest format {d['format']!r} is not supported (expected {MANIFEST_FORMAT})")
+        if not isinstance(d["tensors"], list):
+            raise ValueError(f"manifest tensors must be a list, got {type(d['tensors']).__name__}")
+        return cls(
+            version=d["version"], job=d["job"], recipe=d["recipe"],
+            tensors=tuple(TensorEntry.from_dict(e) for e in d["tensors"]),
+            shard_sizes=d["shard_sizes"], shard_checksums=d["shard_checksums"], endpoint=d["endpoint"],
+            created=d["created"], total_bytes=d["total_bytes"],
+        )
+
+
+def _check_finite_all(state_dict: Mapping[str, torch.Tensor], version: int, skip: set[str]) -> None:
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if name in skip or not t.is_floating_point():  # FP8 weights are checked by the quantizer itself
+            continue
+        x = t.detach().float() if t.dtype == E4M3 else t.detach()
+        # A finite sum proves a clean tensor in one read; only a non-finite one pays for the exact count.
+        if x.numel() and not bool(torch.isfinite(x.sum(dtype=torch.float32))):
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                raise ValueError(
+                    f"refusing to publish weight version {version}: tensor {name!r} holds {bad} NaN/Inf value(s) "
+                    f"out of {t.numel()}, shape {tuple(t.shape)}"
+                )
+
+
+def build_shards(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    *,
+    job: str,
+    recipe: str,
+    endpoint: str,
+    fp8_prefixes: Iterable[str] = (),
+    pow2_scale: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> tuple[Manifest, list[bytes]]:
+    """Quantize and serialise one policy version into shards plus its manifest.
+
+    Args:
+        state_dict: master weights under Hugging Face names (any float dtype; int64 buffers allowed).
+        version: the weight version being published.
+        job: job id.
+        recipe: recipe name recorded in the manifest.
+        endpoint: ``host:port`` of the WeightStore that will serve the shards ("" for in-process).
+        fp8_prefixes: linears to ship in FP8 (``model.layers.3.self_attn.q_proj``), e.g. from
+            :func:`fp8rl.fp8.fp8_linear_names`; each ``{p}.weight`` becomes E4M3 and gains
+            ``{p}.weight_scale`` (FP32, one per 128×128 block), placed right after it.
+        pow2_scale: round block scales up to powers of two.
+        shard_bytes: most bytes per shard.
+
+    Returns:
+        ``(manifest, shards)``.
+
+    Raises:
+        ValueError: a tensor holds NaN/Inf (named), an FP8 prefix has no 2-D ``.weight``, or a
+            dtype is unsupported.
+    """
+    validate_version(version)
+    validate_job_id(job)
+    prefixes = list(dict.fromkeys(fp8_prefixes))
+    for p in prefixes:
+        w = state_dict.get(f"{p}.weight")
+        if w is None or w.dim() != 2:
+            got = "missing" if w is None else f"shape {tuple(w.shape)}"
+            raise ValueError(f"FP8 prefix {p!r} needs a 2-D tensor {p}.weight in the state dict ({got})")
+    fp8_weights = {f"{p}.weight" for p in prefixes}
+    _check_finite_all(state_dict, version, fp8_weights)
+    try:
+        quantized = quantize_state_dict(dict(state_dict), prefixes, pow2_scale=pow2_scale)
+    except ValueError as exc:  # NaN/Inf in an FP8 weight, named by the quantizer
+        raise ValueError(f"refusing to publish weight version {version}: {exc}") from exc
+    block_sizes: dict[str, tuple[int, int]] = {}
+    ordered: dict[str, torch.Tensor] = {}
+    for name in state_dict:
+        ordered[name] = quantized[name]
+        if name in fp8_weights:  # keep each scale beside its weight (same shard in the common case)
+            scale_name = name.removesuffix(".weight") + ".weight_scale"
+            ordered[scale_name] = quantized[scale_name]
+            block_sizes[name] = block_sizes[scale_name] = (BLOCK, BLOCK)
+    entries, shards = pack_tensors(ordered, shard_bytes=shard_bytes, block_sizes=block_sizes)
+    manifest = Manifest(
+        version=version, job=job, recipe=recipe, tensors=tuple(entries), shard_sizes=tuple(len(s) for s in shards),
+        shard_checksums=tuple(checksum(s) for s in shards), endpoint=endpoint, created=time.time(),
+        total_bytes=sum(len(s) for s in shards),
+    )
+    return manifest, shards
+
+
+def assemble(manifest: Manifest, shards: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """Rebuild version ``manifest.version``'s tensors, verifying every tensor and shard checksum.
+
+    Raises:
+        CorruptShardError: a wrong shard count or size, or any checksum mismatch (naming the
+            tensor and shard).
+    """
+    out = unpack_tensors(manifest.tensors, shards, manifest.shard_sizes)
+    # Tensor checksums cover every byte already (the entries tile the shards); the shard checksums
+    # catch a manifest whose two checksum lists disagree.
+    for i, (data, size, c) in enumerate(zip(shards, manifest.shard_sizes, manifest.shard_checksums, strict=True)):
+        verify_shard(i, data, size, c)
+    return out

@@ -1,0 +1,24 @@
+from fp8rl.rpc import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CalibrateRequest(_message.Message):
+    __slots__ = ("version", "sequences")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    def __init__(self, version: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class CalibrateResponse(_message.Message):
+    __slots__ = ("scales", "seconds")
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    scales: _common_pb2.QKVScaleSet
+    seconds: float
+    def __init__(self, scales: _Optional[_Union[_common_pb2.QKVScaleSet, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...

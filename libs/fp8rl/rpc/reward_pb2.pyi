@@ -1,0 +1,33 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScoreItem(_message.Message):
+    __slots__ = ("response", "answer", "grader")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    GRADER_FIELD_NUMBER: _ClassVar[int]
+    response: str
+    answer: str
+    grader: str
+    def __init__(self, response: _Optional[str] = ..., answer: _Optional[str] = ..., grader: _Optional[str] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("rewards", "num_unparsable", "errors")
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNPARSABLE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    rewards: _containers.RepeatedScalarFieldContainer[float]
+    num_unparsable: int
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rewards: _Optional[_Iterable[float]] = ..., num_unparsable: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
