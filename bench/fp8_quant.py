@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"torch {torch.__version__}, threads={torch.get_num_threads()}")
     print(f"  copy                : {res['copy_GBps']:7.2f} GB/s")
     print(f"  blockwise 128x128   : {res['blockwise_GBps']:7.2f} GB/s  = {res['blockwise_vs_copy']:.2f}x copy")
-    print(f"  per_token_group 1x128: {res['per_token_group_GBps']:6.2f} GB/s  = {res['per_token_group_vs_copy']:.2f}x copy")
+    print(f"  per_token_group 1x128: {res['per_token_group_GBps']:6.2f} GB/s"
+          f"  = {res['per_token_group_vs_copy']:.2f}x copy")
     if dev.type == "cuda":
         m, k, n = 4096, 4096, 14336
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

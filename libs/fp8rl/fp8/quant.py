@@ -60,9 +60,15 @@ def check_finite(t: torch.Tensor, name: str | None = None) -> None:
 
 
 def compute_scale(amax: torch.Tensor, *, pow2_scale: bool = False) -> torch.Tensor:
-    """FP32 dequantization scale(s) from amax: ``amax / 448``; 1.0 where amax is 0 or not finite."""
+    """FP32 dequantization scale(s) from amax: ``amax / 448``; 1.0 where amax is 0 or not finite.
+
+    The scale is floored at the smallest normal FP32 (1.2e-38) so a subnormal amax never yields 0.
+    """
     amax = amax.float()
-    scale = amax / E4M3_MAX
+    # A subnormal amax (tiny gradients) would give a scale that underflows to 0 and turn
+    # x / scale into 0/0 = NaN; the smallest normal FP32 is the floor (values that small lose
+    # their precision anyway, nothing overflows).
+    scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     if pow2_scale:
         # exp2(ceil(log2(.))) of a positive normal float is exact; zeros are replaced below.
         scale = torch.exp2(torch.ceil(torch.log2(scale)))

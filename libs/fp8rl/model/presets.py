@@ -31,10 +31,15 @@ from .transformer import CausalLM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRESETS", "tiny_arith_config", "prepare_tiny_arith", "load_policy", "preset_dir", "greedy_accuracy"]
+__all__ = ["PRESETS", "TINY_ARITH_TASK", "tiny_arith_config", "prepare_tiny_arith", "load_policy", "preset_dir", "greedy_accuracy"]
 
 PRESET_VERSION = "v1"
 PRESETS = ("tiny-arith",)
+# The task tiny-arith is warm-started on (and that GRPO then trains on): bare two-term sums and
+# differences of operands up to 20 ("Q: 12+7=\nA: "). Short prompts keep a warm start at a few
+# minutes on 2 CPU cores; word problems are available (ArithConfig(word_problems=True)) for
+# bigger models.
+TINY_ARITH_TASK = {"max_operand": 20, "num_terms": 2, "ops": ("+", "-"), "word_problems": False}
 
 
 def tiny_arith_config() -> ModelConfig:
@@ -57,8 +62,8 @@ def preset_dir(name: str = "tiny-arith") -> Path:
 @torch.no_grad()
 def greedy_accuracy(model: CausalLM, tok: Tokenizer, problems, max_tokens: int = 8, batch_size: int = 128) -> float:
     """Fraction of ``problems`` answered exactly by greedy decoding (full recompute; small models only)."""
-    from fp8rl.engines.torch_rollout import TorchRolloutEngine  # engines sit above model: import lazily
     from fp8rl.engines.base import SamplingParams
+    from fp8rl.engines.torch_rollout import TorchRolloutEngine  # engines sit above model: import lazily
     from fp8rl.fp8 import Fp8Recipe
 
     engine = TorchRolloutEngine(model, Fp8Recipe(linear="bf16"), eos_token_ids=[tok.eos_id],
@@ -111,7 +116,7 @@ def prepare_tiny_arith(
     cfg = tiny_arith_config()
     model = CausalLM(cfg)
     tok = CharTokenizer()
-    data = ArithDataset(ArithConfig(), seed=seed)
+    data = ArithDataset(ArithConfig(**TINY_ARITH_TASK), seed=seed)
     eval_set = data.eval_set(eval_size)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = 50
@@ -145,7 +150,8 @@ def prepare_tiny_arith(
     out.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model, cfg, out)
     tok.save(out)
-    meta = {"preset": "tiny-arith", "version": PRESET_VERSION, "seed": seed, "sft_steps": step + 1,
+    meta = {"preset": "tiny-arith", "version": PRESET_VERSION, "task": TINY_ARITH_TASK, "seed": seed,
+            "sft_steps": step + 1,
             "greedy_accuracy": acc, "eval_size": eval_size, "seconds": round(time.perf_counter() - t0, 1)}
     meta_path.write_text(json.dumps(meta, indent=2))
     log.info("tiny-arith ready in %s: %s", out, meta)

@@ -154,3 +154,16 @@ def test_wrong_scale_is_caught():
 def test_blockwise_rejects_non_2d():
     with pytest.raises(ValueError, match="2-D"):
         quantize_blockwise(torch.randn(2, 3, 4))
+
+
+def test_subnormal_amax_never_gives_nan():
+    """Tiny gradients (amax below FP32's smallest normal) must quantize to finite values."""
+    x = torch.zeros(4, 256)
+    x[0, 3] = 1e-40
+    x[1, 200] = -3e-39
+    for q, s in (quantize_per_token_group(x), quantize_blockwise(x)):
+        assert (s > 0).all()
+        assert torch.isfinite(q.float()).all()
+    q, s = quantize_per_token_group(x)
+    assert torch.isfinite(dequantize_per_token_group(q, s)).all()
+    assert (dequantize_per_token_group(q, s) - x).abs().max() < 1e-38
