@@ -31,7 +31,10 @@ from .transformer import CausalLM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRESETS", "TINY_ARITH_TASK", "tiny_arith_config", "prepare_tiny_arith", "load_policy", "preset_dir", "greedy_accuracy"]
+__all__ = [
+    "PRESETS", "TINY_ARITH_TASK", "tiny_arith_config", "prepare_tiny_arith", "load_policy", "preset_dir",
+    "greedy_accuracy",
+]
 
 PRESET_VERSION = "v1"
 PRESETS = ("tiny-arith",)

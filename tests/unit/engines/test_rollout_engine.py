@@ -33,7 +33,7 @@ def _batch_from(samples, pad=0):
     attn = torch.zeros(len(rows), T, dtype=torch.long)
     mask = torch.zeros(len(rows), T)
     gen = torch.zeros(len(rows), T)
-    for b, (s, r) in enumerate(zip(samples, rows)):
+    for b, (s, r) in enumerate(zip(samples, rows, strict=False)):
         ids[b, :len(r)] = torch.tensor(r)
         attn[b, :len(r)] = 1
         P, n = len(s.prompt_ids), len(s.token_ids)
