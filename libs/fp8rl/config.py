@@ -176,7 +176,8 @@ class JobConfig:
         train_fp8 = bool(self.get("policy.training.megatron_cfg.fp8_cfg.enabled"))
         if train_fp8 and not gen_fp8:
             raise ConfigError("policy.training.megatron_cfg.fp8_cfg.enabled=true needs "
-                              "policy.generation.vllm_cfg.precision=fp8 (FP8 training with BF16 rollout is not a recipe)")
+                              "policy.generation.vllm_cfg.precision=fp8 (FP8 training with BF16 rollout "
+                              "is not a recipe)")
         return "fp8_e2e" if train_fp8 else ("fp8_gen_only" if gen_fp8 else "bf16")
 
     @property
