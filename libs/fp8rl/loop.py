@@ -58,7 +58,7 @@ class LoopConfig:
         is_mode: importance-sampling correction (see ``fp8rl.rl.IS_MODES``).
         kl_coef: k3 KL coefficient to the initial policy (0 disables the reference model).
         num_first_layers_in_bf16, num_last_layers_in_bf16: layers kept in high precision (both engines).
-        calibrate_every_step: recalibrate QKV scales after every step (the recipe; off only for ablations).
+        calibration_max_sequences: sequences per calibration (evenly spaced subset; None = all).
         eval_every: greedy validation accuracy every N steps (0: only at start and end).
         eval_size: validation problems.
         seed: seeds data, sampling and initialisation.
@@ -81,7 +81,7 @@ class LoopConfig:
     kl_coef: float = 0.0
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
-    calibrate_every_step: bool = True
+    calibration_max_sequences: int | None = 16
     eval_every: int = 0
     eval_size: int = 128
     seed: int = 0
@@ -141,7 +141,8 @@ class GRPOLoop:
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=[self.tok.eos_id],
                                           pad_token_id=self.tok.pad_id, seed=cfg.seed, max_batch_size=256)
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
-        self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id)
+        self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id,
+                                        max_sequences=cfg.calibration_max_sequences)
         self.data = ArithDataset(ArithConfig(**cfg.arith), seed=cfg.seed)
         self.eval_set = self.data.eval_set(cfg.eval_size)
         self.grader = get_grader("exact_match")

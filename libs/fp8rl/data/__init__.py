@@ -17,6 +17,7 @@ from .grading import (
     register_grader,
 )
 from .jsonl import load_jsonl, wrap_math_prompt
+from .math_verify_grader import math_verify_grader  # noqa: F401  (registers the "math_verify" grader)
 from .problem import Problem
 
 __all__ = [

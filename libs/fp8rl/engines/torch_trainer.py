@@ -148,7 +148,7 @@ class TorchTrainer(TrainerBackend):
                 ref_logprobs=mb.ref_logprobs, num_tokens=num_tokens,
             )
             loss.backward()
-            totals["loss"] = totals.get("loss", 0.0) + float(loss)
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for k, v in m.items():  # sums for globally-normalised values, token-weighted means otherwise
                 if k in ("pg_loss", "kl", "num_tokens"):
                     totals[k] = totals.get(k, 0.0) + float(v)

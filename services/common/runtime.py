@@ -1,0 +1,282 @@
+"""The one skeleton every fp8rl service runs on: flags, job config, logging, server, health, graceful stop.
+
+Usage (every role the same way)::
+
+    python -m services.<role> --config JOB.yaml [--port N] [--host ADDR] [--redis-url URL] [--replica-id ID]
+                              [--job-id ID] [--advertise-host HOST] [--ready-file PATH] [role flags]
+
+Lifecycle:
+
+1. flags are parsed (each falls back to an environment variable, see :data:`ENV`), logging is set up and
+   ``torch.set_num_threads($FP8RL_TORCH_THREADS, default 1)`` — several services often share one box;
+2. the job YAML is validated and a :class:`~fp8rl.refit.RefitStore` for the job is opened;
+3. the role's :class:`Service` is built (model loading: the slow part), then its gRPC server (health
+   NOT_SERVING) is started and :meth:`Service.start` runs — the role flips health to SERVING through
+   :meth:`Context.set_serving` once it can serve;
+4. the ``--ready-file`` (JSON: ``service``, ``pid``, ``port``, ``endpoint``, ``replica_id``) is written
+   atomically: the port is bound and started. Whether it *serves* is what gRPC health says;
+5. SIGTERM / SIGINT, or :meth:`Context.fail` from a background thread: health goes NOT_SERVING first
+   (so probes and load balancers stop routing), then :meth:`Service.stop`, then the server drains for
+   ``--grace`` seconds. Exit status 0, or 1 after a failure, 2 for a bad config / startup error.
+
+Servicer methods wear :func:`rpc_method`: they raise :class:`Abort` (a status code and a message for
+people) and anything unexpected becomes INTERNAL with the traceback in the log.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import functools
+import inspect
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fp8rl.config import ConfigError, JobConfig, load_job_config
+from fp8rl.refit import RefitError, RefitStore, connect
+from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
+from fp8rl.rpc.server import ServicerAdder, build_server, set_serving
+
+log = logging.getLogger("fp8rl.service")
+
+__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "rpc_method", "require",
+           "check_token_ids", "serve"]
+
+# flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
+ENV = {
+    "config": "FP8RL_CONFIG", "port": "FP8RL_PORT", "host": "FP8RL_HOST", "advertise_host": "FP8RL_ADVERTISE_HOST",
+    "redis_url": "FP8RL_REDIS_URL", "job_id": "FP8RL_JOB_ID", "replica_id": "FP8RL_REPLICA_ID",
+    "ready_file": "FP8RL_READY_FILE", "log_level": "FP8RL_LOG_LEVEL", "max_message_bytes": "FP8RL_MAX_MESSAGE_BYTES",
+    "lease_ttl": "FP8RL_LEASE_TTL_S", "grace": "FP8RL_SHUTDOWN_GRACE_S", "workers": "FP8RL_GRPC_WORKERS",
+}
+ENV_TORCH_THREADS = "FP8RL_TORCH_THREADS"
+_WILDCARD_HOSTS = {"", "[::]", "::", "0.0.0.0"}
+
+
+class Abort(Exception):
+    """Ends an RPC with ``code`` and a message that names what was wrong (see :func:`rpc_method`)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class StartupError(RuntimeError):
+    """The service cannot start with this configuration (exit status 2, message on stderr)."""
+
+
+def require(ok: object, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+    """Raise :class:`Abort` (INVALID_ARGUMENT by default) with ``message`` unless ``ok``."""
+    if not ok:
+        raise Abort(code, message)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str) -> list[int]:
+    """``ids`` as a list, after checking it is non-empty, in ``[0, vocab_size)`` and at most ``max_len`` long."""
+    ids = list(ids)
+    require(ids, f"{what} is empty")
+    require(len(ids) <= max_len, f"{what} has {len(ids)} tokens; the model holds at most {max_len} positions")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    require(bad is None, f"{what} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
+    return ids
+
+
+def rpc_method(fn: Callable) -> Callable:
+    """Decorate a servicer method (unary or server-streaming): :class:`Abort` → its status; other errors → INTERNAL."""
+    name = fn.__qualname__
+
+    def fail(exc: BaseException, context: grpc.ServicerContext):
+        if isinstance(exc, Abort):
+            log.info("%s -> %s: %s", name, exc.code.name, exc.message)
+            context.abort(exc.code, exc.message)
+        log.exception("%s failed", name)
+        context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}: {exc}")
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def stream(self, request, context):
+            try:
+                yield from fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status, none escapes as UNKNOWN
+                fail(exc, context)
+        return stream
+
+    @functools.wraps(fn)
+    def unary(self, request, context):
+        try:
+            return fn(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            fail(exc, context)
+    return unary
+
+
+class Context:
+    """What a service gets from the skeleton: its flags, job, Redis state, endpoint and health switch."""
+
+    def __init__(self, name: str, args: argparse.Namespace, job: JobConfig, store: RefitStore) -> None:
+        self.name, self.args, self.job, self.store = name, args, job, store
+        self.job_id: str = store.job
+        self.replica_id: str = args.replica_id
+        self.endpoint = ""  # "host:port" others reach this server at; set once the port is bound
+        self.port = 0
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self._health = None
+
+    def set_serving(self, serving: bool) -> None:
+        """Flip gRPC health for the whole server (ignored once shutdown began)."""
+        if self._health is not None and not self.stopping.is_set():
+            set_serving(self._health, serving)
+
+    def fail(self, exc: BaseException) -> None:
+        """A background thread hit an unrecoverable error: stop the process with exit status 1."""
+        log.error("%s: fatal: %s", self.name, exc, exc_info=exc)
+        self.failure = exc
+        self.stopping.set()
+
+
+class Service(abc.ABC):
+    """One role's wiring: its servicers, what to do once the port is bound, and how to stop."""
+
+    @abc.abstractmethod
+    def servicers(self) -> list[ServicerAdder]:
+        """``(add_XServicer_to_server, servicer)`` pairs served on the role's port."""
+
+    @abc.abstractmethod
+    def start(self, ctx: Context) -> None:
+        """The server is listening at ``ctx.endpoint``: publish/register/start threads, then ``ctx.set_serving``."""
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Stop background threads (health is already NOT_SERVING)."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A role: its name, default port, constructor, and extra flags.
+
+    Attributes:
+        name: ``trainer``, ``rollout``, ``calibrator``...
+        default_port: port used when neither ``--port`` nor ``$FP8RL_PORT`` is given.
+        build: makes the :class:`Service` from the :class:`Context` (loads models; may raise StartupError).
+        add_args: adds the role's own flags to the parser.
+    """
+
+    name: str
+    default_port: int
+    build: Callable[[Context], Service]
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+def env_default(flag: str, default: Any = None) -> Any:
+    """The environment fallback of ``flag`` (see :data:`ENV`), else ``default``."""
+    return os.environ.get(ENV.get(flag, ""), default) if flag in ENV else default
+
+
+def _default_replica_id(role: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "-", f"{role}-{socket.gethostname()}")[:64]
+
+
+def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m services.{spec.name}", description=f"fp8rl {spec.name} service")
+    a = p.add_argument
+    a("--config", default=env_default("config"), help="job YAML (the same file for every service of the job)")
+    a("--port", type=int, default=env_default("port", spec.default_port), help="0 picks a free port")
+    a("--host", default=env_default("host", "[::]"), help="address to bind")
+    a("--advertise-host", default=env_default("advertise_host"),
+      help="host others reach this server at (default: --host, or this hostname when binding a wildcard)")
+    a("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"))
+    a("--job-id", default=env_default("job_id"), help="Redis namespace of the job (default: job.name)")
+    a("--replica-id", default=env_default("replica_id", _default_replica_id(spec.name)))
+    a("--ready-file", default=env_default("ready_file"), help="JSON written once the port is bound and started")
+    a("--log-level", default=env_default("log_level", "INFO"))
+    a("--max-message-bytes", type=int, default=env_default("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES))
+    a("--lease-ttl", type=float, default=env_default("lease_ttl", 10.0), help="replica lease TTL, seconds")
+    a("--grace", type=float, default=env_default("grace", 5.0), help="seconds in-flight RPCs get on shutdown")
+    a("--workers", type=int, default=env_default("workers", 8), help="concurrent RPCs")
+    if spec.add_args is not None:
+        spec.add_args(p)
+    args = p.parse_args(argv)
+    if not args.config:
+        p.error(f"--config (or ${ENV['config']}) is required")
+    return args
+
+
+def _write_ready_file(path: str, payload: dict) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, target)  # readers never see a half-written file
+
+
+def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
+    """Run ``spec``'s service until SIGTERM/SIGINT; returns the process exit status."""
+    args = parse_args(spec, argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {spec.name}[{args.replica_id}] %(name)s: %(message)s")
+    import torch  # every role computes with torch; one thread each unless told otherwise
+
+    torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))
+    try:
+        job = load_job_config(args.config)
+        store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
+        ctx = Context(spec.name, args, job, store)
+        service = spec.build(ctx)
+    except (ConfigError, StartupError, RefitError, FileNotFoundError, ValueError) as exc:
+        log.error("cannot start %s: %s", spec.name, exc)
+        print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
+        return 2
+
+    server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
+                                        max_message_bytes=args.max_message_bytes, max_workers=args.workers)
+    ctx._health, ctx.port = health, port
+    advertise = args.advertise_host or (socket.gethostname() if args.host in _WILDCARD_HOSTS else args.host)
+    ctx.endpoint = f"{advertise}:{port}"
+
+    def on_signal(signum, _frame):
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        ctx.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    try:
+        service.start(ctx)
+    except (StartupError, RefitError, ValueError) as exc:
+        log.error("cannot start %s: %s", spec.name, exc)
+        print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
+        ctx.failure = exc
+        ctx.stopping.set()
+    else:
+        log.info("%s listening on %s (job %s)", spec.name, ctx.endpoint, ctx.job_id)
+        if args.ready_file:
+            _write_ready_file(args.ready_file, {"service": spec.name, "pid": os.getpid(), "port": port,
+                                                "endpoint": ctx.endpoint, "replica_id": ctx.replica_id})
+    while not ctx.stopping.wait(0.5):  # a timed wait lets the signal handler run promptly
+        pass
+    health.enter_graceful_shutdown()  # NOT_SERVING first: probes stop routing before anything closes
+    service.stop()
+    server.stop(args.grace).wait()
+    if args.ready_file and Path(args.ready_file).exists():
+        Path(args.ready_file).unlink()
+    log.info("%s stopped", spec.name)
+    if ctx.failure is None:
+        return 0
+    return 2 if isinstance(ctx.failure, StartupError) else 1
+
+
+def main(spec: ServiceSpec, argv: Iterable[str] | None = None) -> None:
+    """``python -m services.<role>`` entry point."""
+    sys.exit(serve(spec, None if argv is None else list(argv)))
