@@ -1,1 +1,1 @@
-"""fp8rl service package (see DESIGN §1); servers land with the services issue."""
+"""Calibrator: pulls a weight version, records Q/K/V amax over sequences, publishes FP32 QKV scales."""

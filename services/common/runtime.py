@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +46,14 @@ from typing import Any
 import grpc
 
 from fp8rl.config import ConfigError, JobConfig, load_job_config
-from fp8rl.refit import RefitError, RefitStore, connect
+from fp8rl.refit import LeaseExpiredError, RefitError, RefitStore, RefitSubscriber, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import ServicerAdder, build_server, set_serving
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "rpc_method", "require",
-           "check_token_ids", "serve"]
+__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "RefitFollower", "rpc_method",
+           "require", "check_token_ids", "serve", "main"]
 
 # flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
 ENV = {
@@ -162,6 +163,109 @@ class Service(abc.ABC):
         """Stop background threads (health is already NOT_SERVING)."""
 
 
+class RefitFollower:
+    """Keeps a refit subscriber at ``weights:latest``: a replica lease plus two threads.
+
+    The heartbeat thread renews the lease every ``ttl/3`` and re-registers when it was lost
+    (expired or fenced). The follow thread watches the job's events stream and, whenever the newest
+    published version is newer than the one held and applicable — its QKV scales published too when
+    the subscriber ``requires_scales`` — runs ``subscriber.sync_to`` (which applies weights and
+    scales together, verified, and acks). A failed sync keeps the old version serving and is
+    retried with back-off; events only wake the thread, the decision is always re-read from Redis.
+
+    Args:
+        ctx: the service context (store, replica id, endpoint, lease TTL, stop event).
+        subscriber: the refit subscriber of this replica's engine.
+        lock: serialises syncs with the service's own use of the engine.
+        on_change: called after every sync attempt (e.g. to flip health).
+        poll_ms: longest wait for an event before Redis is re-read.
+    """
+
+    def __init__(self, ctx: Context, subscriber: RefitSubscriber, *, lock: threading.Lock,
+                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000) -> None:
+        self.ctx, self.subscriber, self.lock, self.on_change, self.poll_ms = ctx, subscriber, lock, on_change, poll_ms
+        self.store = ctx.store
+        self._failed: int | None = None
+        self._retry_at, self._backoff = 0.0, 0.5
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self.register()
+        for target in (self._heartbeat_loop, self._follow_loop):
+            t = threading.Thread(target=target, name=f"{self.ctx.name}-{target.__name__.strip('_')}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self.ctx.stopping.set()
+        for t in self._threads:
+            t.join(timeout=self.poll_ms / 1000 + 5)
+
+    def register(self) -> None:
+        """(Re)create this replica's lease, recording the version held."""
+        held = self.subscriber.engine.weight_version
+        self.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, held, self.ctx.args.lease_ttl)
+
+    def sync_to(self, version: int) -> int:
+        """``subscriber.sync_to(version)`` under the lock; a lease lost meanwhile is renewed and the ack redone."""
+        try:
+            with self.lock:
+                try:
+                    return self.subscriber.sync_to(version)
+                except LeaseExpiredError:  # applied, but the lease lapsed: rejoin, then ack what we hold
+                    log.warning("lease of %s lapsed during the refit to %d; re-registering", self.ctx.replica_id,
+                                version)
+                    self.register()
+                    self.store.ack(self.ctx.replica_id, version)
+                    return version
+        finally:
+            self.on_change()
+
+    def _maybe_sync(self) -> None:
+        latest, held = self.store.latest(), self.subscriber.engine.weight_version
+        if latest is None or (held is not None and latest <= held):
+            return
+        if self.subscriber.requires_scales and self.store.get_scales(latest) is None:
+            return  # the calibrator has not published v's scales: never serve v without them
+        if self._failed == latest and time.monotonic() < self._retry_at:
+            return
+        try:
+            self.sync_to(latest)
+            self._failed, self._backoff = None, 0.5
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the old weights and is retried
+            self._backoff = self._backoff * 2 if self._failed == latest else 0.5
+            self._failed, self._retry_at = latest, time.monotonic() + min(self._backoff, 30.0)
+            log.warning("could not apply weight version %d (still serving %s); retrying in %.1f s: %s",
+                        latest, held, min(self._backoff, 30.0), exc)
+
+    def _follow_loop(self) -> None:
+        after: str | None = None
+        while not self.ctx.stopping.is_set():
+            try:
+                if after is None:
+                    after = self.store.last_event_id()
+                self._maybe_sync()
+                events = self.store.events(after, block_ms=self.poll_ms)
+                if events:
+                    after = events[-1].id
+                if any(e.type == "replica_fenced" and e.replica == self.ctx.replica_id for e in events):
+                    log.warning("replica %s was fenced; rejoining at weights:latest", self.ctx.replica_id)
+                    self.register()
+            except Exception as exc:  # noqa: BLE001 - Redis down or restarting: keep serving, retry
+                log.warning("refit follower: %s; retrying in 1 s", exc)
+                self.ctx.stopping.wait(1.0)
+
+    def _heartbeat_loop(self) -> None:
+        period = max(0.05, self.ctx.args.lease_ttl / 3)
+        while not self.ctx.stopping.wait(period):
+            try:
+                if not self.store.heartbeat(self.ctx.replica_id, self.subscriber.engine.weight_version):
+                    log.warning("lease of %s expired or was fenced; re-registering", self.ctx.replica_id)
+                    self.register()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("heartbeat failed: %s", exc)
+
+
 @dataclass(frozen=True)
 class ServiceSpec:
     """A role: its name, default port, constructor, and extra flags.
@@ -180,8 +284,8 @@ class ServiceSpec:
 
 
 def env_default(flag: str, default: Any = None) -> Any:
-    """The environment fallback of ``flag`` (see :data:`ENV`), else ``default``."""
-    return os.environ.get(ENV.get(flag, ""), default) if flag in ENV else default
+    """The environment fallback of ``flag`` (:data:`ENV`, else ``FP8RL_<FLAG>``), or ``default`` when unset."""
+    return os.environ.get(ENV.get(flag, f"FP8RL_{flag.upper()}"), default)
 
 
 def _default_replica_id(role: str) -> str:

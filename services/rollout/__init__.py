@@ -1,1 +1,1 @@
-"""fp8rl service package (see DESIGN §1); servers land with the services issue."""
+"""Rollout replica: samples responses at one pinned weight version; refitted through Redis + WeightStore."""

@@ -1,1 +1,1 @@
-"""fp8rl service package (see DESIGN §1); servers land with the services issue."""
+"""Trainer: owns the policy's master weights and optimizer; serves TrainerService and the WeightStore."""

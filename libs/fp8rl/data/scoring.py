@@ -208,7 +208,10 @@ class GradingPool:
                 deadline = time.monotonic() + task.timeout_s
                 heapq.heappush(self._deadlines, (deadline, next(self._seq), task))
                 self._watchdog_wake.notify_all()
-            result = task.fn(*task.args)
+            try:
+                result = task.fn(*task.args)
+            except BaseException as e:  # _run_grader catches Exception; never leave a caller waiting forever
+                result = GradeResult(0.0, "error", f"grading thread failed: {type(e).__name__}: {e}")
             with self._lock:
                 task.finish(result)  # loses (result dropped) when the watchdog already timed it out
                 task.worker = None

@@ -94,8 +94,8 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         if offset < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"WeightStore: offset must be >= 0, got {offset}")
         if offset > len(data):
-            context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                          f"WeightStore: offset {offset} is past the end of shard {i} of version {v} ({len(data)} bytes)")
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"WeightStore: offset {offset} is past the end of shard {i} "
+                                                        f"of version {v} ({len(data)} bytes)")
         while True:  # at least one chunk, so a resume at the very end (or an empty shard) still sees `last`
             end = min(offset + self.chunk_bytes, len(data))
             yield weights_pb2.ShardChunk(version=v, shard_index=i, offset=offset, data=bytes(data[offset:end]),
@@ -154,6 +154,7 @@ class GrpcShardSource:
         size = manifest.shard_sizes[shard_index]
         stub = self._stub(endpoint)
         buf = bytearray()
+        why = ""
         for attempt in range(self.max_resumes + 1):
             if attempt:
                 log.info("resuming shard %d of weight version %d from %s at byte %d/%d (resume %d/%d): %s",

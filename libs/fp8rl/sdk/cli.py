@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from fp8rl.config import ConfigError
 
-from .client import DEFAULT_TARGET, ENV_TARGET, Fp8rlClient
+from .client import DEFAULT_TARGET, ENV_TARGET, Fp8rlClient, load_job_text
 from .types import AlreadyExists, Fp8rlError, InvalidArgument, JobInfo, NotFound, StepReport, Unavailable
 
 __all__ = ["main"]
@@ -77,8 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reason", default="cancelled from the fp8rl CLI")
 
     for name, what in (("up", "start the local stack"), ("down", "stop the local stack")):
-        u = sub.add_parser(name, help=f"{what} (delegates to {LAUNCHER_MODULE})")
-        u.add_argument("args", nargs=argparse.REMAINDER, help=f"passed to {LAUNCHER_MODULE}")
+        sub.add_parser(name, help=f"{what} (delegates to {LAUNCHER_MODULE}; further arguments are passed on)")
     return p
 
 
@@ -126,7 +125,8 @@ def _watch(client: Fp8rlClient, job_id: str, from_step: int, plain: bool) -> int
         if bar is not None:
             bar.close()
     final = client.get_job(job_id)
-    print(f"job {job_id} {final.state} after {final.step} steps" + (f": {_one_line(final.error)}" if final.error else ""))
+    why = f": {_one_line(final.error)}" if final.error else ""
+    print(f"job {job_id} {final.state} after {final.step} steps{why}")
     return EXIT_OK if final.state == "succeeded" else EXIT_OTHER
 
 
@@ -136,8 +136,8 @@ def _launcher(command: str, args: list[str]) -> int:
     try:
         launcher = importlib.import_module(LAUNCHER_MODULE)
     except ModuleNotFoundError as e:
-        if e.name not in ("deploy", LAUNCHER_MODULE):
-            raise
+        if not (e.name == LAUNCHER_MODULE or LAUNCHER_MODULE.startswith(f"{e.name}.")):
+            raise  # the launcher exists but something it imports is missing: show that, not "not installed"
         return _fail(f"'fp8rl {command}' needs the local launcher ({LAUNCHER_MODULE}), which is not importable here; "
                      "run it from the fp8rl repository root, or start the services yourself with "
                      "`python -m services.<role>`", EXIT_OTHER)
@@ -155,9 +155,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("up", "down"):
         return _launcher(args.command, args.args)
     if args.command == "submit":
-        from .client import _read_job
-
-        _read_job(args.job_file)  # validate before even opening a channel
+        load_job_text(args.job_file)  # validate before even opening a channel
     with Fp8rlClient(args.target, token=args.token, tls_ca=args.tls_ca, timeout_s=args.timeout) as client:
         if args.command == "submit":
             job_id = client.submit_job(args.job_file, job_id=args.job_id)
@@ -177,7 +175,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (see the module docstring)."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command not in ("up", "down"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
+        return int(e.code or 0)
+    args.args = extra
     try:
         return _run(args)
     except ConfigError as e:

@@ -48,7 +48,7 @@ from .types import (
     Unavailable,
 )
 
-__all__ = ["DEFAULT_TARGET", "ENV_TARGET", "Fp8rlClient", "resolve_target"]
+__all__ = ["DEFAULT_TARGET", "ENV_TARGET", "Fp8rlClient", "load_job_text", "resolve_target"]
 
 ENV_TARGET = "FP8RL_TARGET"
 DEFAULT_TARGET = "localhost:50051"
@@ -95,7 +95,7 @@ def _step_report(m: controller_pb2.StepReport) -> StepReport:
     )
 
 
-def _read_job(job: str | os.PathLike) -> str:
+def load_job_text(job: str | os.PathLike) -> str:
     """The job YAML text, validated locally; ``job`` is YAML text or a path to a file.
 
     A ``Path`` (or a one-line string naming an existing file, or ending in .yaml/.yml) is a path.
@@ -207,7 +207,7 @@ class Fp8rlClient:
             Unavailable: the controller could not be reached.
             Unauthenticated: a token is required and missing or wrong.
         """
-        text = _read_job(job)
+        text = load_job_text(job)
         request = controller_pb2.SubmitJobRequest(job_yaml=text, job_id=job_id)
 
         def landed_earlier(err: Fp8rlError) -> Any:

@@ -1,0 +1,157 @@
+"""CalibratorService: QKV amax calibration of a published weight version → FP32 scales in Redis.
+
+Wiring only — the model is the trainer's model code converted with ``job.fp8_recipe("calibrator")``
+(forward only, DESIGN §5), refitted like a replica; :class:`QKVCalibrator` does the work:
+
+* The calibrator holds a replica lease and follows ``weights:latest`` (a :class:`RefitFollower` with
+  ``requires_scales=False``), so a new version is usually pulled — over ``WeightStore.StreamShards`` —
+  before its Calibrate call arrives, and the calibrator never holds up the acks of a version.
+* ``Calibrate(v, sequences)`` syncs to v if needed, calibrates on at most ``calibration.max_sequences``
+  sequences (an evenly spaced, deterministic subset), publishes the set with ``RefitStore.put_scales``
+  and returns it. Scales are immutable per version: when v's are already published they are returned
+  as they are (a retried call is idempotent and cheap).
+* The first set, for version 0, is the controller's to trigger: ``Calibrate(0, prompts)`` before the
+  first step. FP8-KV rollout replicas do not serve v0 until it exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Mapping
+
+import grpc
+import torch
+
+from fp8rl.engines import QKVCalibrator, RolloutEngine
+from fp8rl.engines.weights import apply_staged, stage_weights
+from fp8rl.fp8 import E4M3, Fp8InferenceLinear, QKVScales, convert_model, dequantize_blockwise
+from fp8rl.model.presets import load_policy
+from fp8rl.refit import RefitError, RefitFailedError, RefitSubscriber, StaleVersionError, UnknownVersionError
+from fp8rl.refit.grpc_source import GrpcShardSource
+from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc, common_pb2
+from services.common.runtime import (
+    Abort,
+    Context,
+    RefitFollower,
+    Service,
+    ServiceSpec,
+    check_token_ids,
+    require,
+    rpc_method,
+)
+
+__all__ = ["CalibratorService", "CalibratorServicer", "CalibrationModel", "SPEC"]
+
+
+class CalibrationModel(RolloutEngine):
+    """The calibrator's model as a refit target: validate-then-apply loads, no sampling.
+
+    Linears the calibrator recipe runs in FP8 take the shipped E4M3 + block scales as they are. A
+    linear it keeps in high precision (``fp8_gen_only``: the trainer's numerics are BF16) but that
+    arrives in E4M3 is dequantized (``x ≈ q.float() * scale``) — the weights the rollout computes with.
+    """
+
+    def __init__(self, policy: torch.nn.Module, recipe) -> None:
+        self.model = convert_model(copy.deepcopy(policy), recipe, mode="inference").eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._fp8 = {n for n, m in self.model.named_modules() if isinstance(m, Fp8InferenceLinear)}
+        self._version: int | None = None
+
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    def generate(self, prompts, params, *, weight_version=None):
+        raise NotImplementedError("the calibrator runs forward passes only")
+
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None):
+        tensors = dict(tensors)
+        for name in [n for n, t in tensors.items() if t.dtype == E4M3 and n.endswith(".weight")]:
+            prefix = name.removesuffix(".weight")
+            if prefix not in self._fp8 and f"{prefix}.weight_scale" in tensors:
+                tensors[name] = dequantize_blockwise(tensors[name], tensors.pop(f"{prefix}.weight_scale"))
+        staged = stage_weights(self.model, tensors)  # raises WeightLoadError; nothing applied then
+        apply_staged(self.model, staged)
+        self._version = version
+
+
+class CalibratorService(Service):
+    """The calibration model, its refit follower and the CalibratorService servicer."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        policy, tok, _ = load_policy(ctx.job.get("policy.model"))
+        self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
+        self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"))
+        cal = ctx.job.raw["calibration"]
+        self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal["percentile"],
+                                        margin=cal["margin"], max_sequences=cal["max_sequences"])
+        self.source = GrpcShardSource()
+        self.subscriber = RefitSubscriber(ctx.store, self.target, self.source, ctx.replica_id, requires_scales=False)
+        self.lock = threading.Lock()  # one sync or calibration at a time: weights never change mid-pass
+        self.follower = RefitFollower(ctx, self.subscriber, lock=self.lock)
+
+    def servicers(self):
+        return [(calibrator_pb2_grpc.add_CalibratorServiceServicer_to_server, CalibratorServicer(self))]
+
+    def start(self, ctx: Context) -> None:
+        self.follower.start()
+        ctx.set_serving(True)
+
+    def stop(self) -> None:
+        self.follower.stop()
+        self.source.close()
+
+
+def _scale_set(scales: QKVScales) -> common_pb2.QKVScaleSet:
+    return common_pb2.QKVScaleSet(version=scales.version, q=scales.q, k=scales.k, v=scales.v)
+
+
+class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
+    """proto ↔ calibrator; validation and status codes, nothing else."""
+
+    def __init__(self, service: CalibratorService) -> None:
+        self.s = service
+
+    def _sync(self, version: int) -> None:
+        s = self.s
+        try:
+            s.follower.sync_to(version)
+        except StaleVersionError:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"the calibrator already holds weight version {s.target.weight_version}; version {version} "
+                        f"is older and its scales were never published") from None
+        except UnknownVersionError as exc:
+            raise Abort(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except RefitFailedError as exc:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+
+    @rpc_method
+    def Calibrate(self, request, context):
+        s, t0, v = self.s, time.perf_counter(), request.version
+        require(v >= 0, f"version must be >= 0, got {v}")
+        require(request.sequences, "CalibrateRequest.sequences is empty: calibration needs at least one sequence")
+        seqs = [check_token_ids(q.token_ids, s.vocab_size, s.max_len, f"sequence {i}")
+                for i, q in enumerate(request.sequences)]
+        stored = s.ctx.store.get_scales(v)
+        if stored is None:
+            require(s.ctx.store.get_manifest(v) is not None, f"weight version {v} is not published "
+                    f"(weights:latest is {s.ctx.store.latest()})", grpc.StatusCode.NOT_FOUND)
+            self._sync(v)
+            with s.lock:
+                if s.target.weight_version != v:  # the follower moved on between the sync and here
+                    raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the calibrator moved on to weight version "
+                                f"{s.target.weight_version} before calibrating version {v}")
+                scales = s.calibrator.calibrate(v, seqs)
+            try:
+                s.ctx.store.put_scales(scales)
+                stored = scales
+            except RefitError:  # another call published v's scales first: those are the scales of v
+                stored = s.ctx.store.get_scales(v)
+        return calibrator_pb2.CalibrateResponse(scales=_scale_set(stored), seconds=time.perf_counter() - t0)
+
+
+SPEC = ServiceSpec(name="calibrator", default_port=50054, build=CalibratorService)

@@ -1,0 +1,165 @@
+"""RolloutService: one rollout replica (``policy.generation.backend``: ``torch``; ``vllm`` not yet).
+
+Wiring only — proto ↔ :class:`SamplingParams` / :class:`Sample`, plus the engine and the refit library:
+
+* The engine starts holding *no* version. Every version it serves, v0 included, arrives through the
+  refit protocol (:class:`RefitFollower` → ``RefitSubscriber.sync_to``), so weights and QKV scales
+  always land together, verified, and a replica never serves weights the trainer did not publish.
+* With an FP8 KV cache a version is applied only once its scales are published. The controller calls
+  ``Calibrate(0, prompts)`` before the first step; until then the replica stays NOT_SERVING.
+* Health is SERVING only while the engine holds a version (and, for FP8 KV, that version's scales).
+* ``Generate`` is pinned: a request for any other version than the held one is FAILED_PRECONDITION,
+  naming both; a refit waits for the batch in flight (the engine's lock), so it lands between batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from collections import defaultdict
+
+import grpc
+
+from fp8rl.config import JobConfig
+from fp8rl.engines import RolloutEngine, SamplingParams, TorchRolloutEngine, VersionMismatchError
+from fp8rl.model.presets import load_policy
+from fp8rl.refit import RefitSubscriber
+from fp8rl.refit.grpc_source import GrpcShardSource
+from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from services.common.runtime import (
+    Abort,
+    Context,
+    RefitFollower,
+    Service,
+    ServiceSpec,
+    StartupError,
+    check_token_ids,
+    env_default,
+    require,
+    rpc_method,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutService", "RolloutServicer", "SPEC"]
+
+
+def _torch_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
+    policy, tok, _ = load_policy(job.get("policy.model"))
+    engine = TorchRolloutEngine(
+        policy, job.fp8_recipe("rollout"), eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id,
+        initial_version=None, max_batch_size=args.max_batch_size, seed=job.get("job.seed"),
+    )
+    return engine, policy.config.vocab_size, policy.config.max_position_embeddings
+
+
+def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
+    """``(engine, vocab_size, max_positions)`` for ``policy.generation.backend``."""
+    backend = job.get("policy.generation.backend")
+    if backend == "vllm":
+        raise StartupError("policy.generation.backend: 'vllm' is not implemented yet (the vLLM rollout engine has "
+                           "not landed); use 'torch', the embedded engine that runs on any CPU")
+    if backend != "torch":
+        raise StartupError(f"policy.generation.backend: unknown rollout engine {backend!r} (expected 'torch')")
+    return _torch_engine(job, args)
+
+
+class RolloutService(Service):
+    """The engine, its refit follower and the RolloutService servicer of one replica."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.engine, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
+        self.backend = ctx.job.get("policy.generation.backend")
+        self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
+        self.source = GrpcShardSource()
+        subscriber = RefitSubscriber(ctx.store, self.engine, self.source, ctx.replica_id, requires_scales=self.fp8_kv)
+        self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health)
+
+    def servicers(self):
+        return [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(self))]
+
+    def ready(self) -> bool:
+        held = self.engine.weight_version
+        return held is not None and (not self.fp8_kv or self.engine.scales_version == held)
+
+    def _update_health(self) -> None:
+        self.ctx.set_serving(self.ready())
+
+    def start(self, ctx: Context) -> None:
+        self.follower.start()  # registers the lease (version None), then pulls weights:latest when applicable
+
+    def stop(self) -> None:
+        self.follower.stop()
+        self.source.close()
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """proto ↔ engine; validation and status codes, nothing else."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self.s = service
+
+    def _params(self, sp: rollout_pb2.SamplingParams) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+                top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+                max_tokens=sp.max_tokens, n=sp.n, seed=sp.seed if sp.HasField("seed") else None,
+                stop_token_ids=tuple(sp.stop_token_ids),
+            )
+        except ValueError as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad sampling parameters: {exc}") from None
+
+    @rpc_method
+    def Generate(self, request, context):
+        s = self.s
+        require(request.prompts, "GenerateRequest.prompts is empty")
+        prompts = [check_token_ids(p.token_ids, s.vocab_size, s.max_len, f"prompt {i}")
+                   for i, p in enumerate(request.prompts)]
+        params = self._params(request.sampling)
+        held = s.engine.weight_version
+        if not s.ready():
+            raise Abort(grpc.StatusCode.UNAVAILABLE,
+                        f"replica {s.ctx.replica_id} is not ready: it holds weight version {held} and QKV scales of "
+                        f"version {s.engine.scales_version}; waiting for a published version (and its scales)")
+        if request.weight_version != held:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"request pinned to weight version {request.weight_version}, but replica "
+                        f"{s.ctx.replica_id} holds version {held}")
+        try:
+            samples = s.engine.generate(prompts, params, weight_version=request.weight_version)
+        except VersionMismatchError as exc:  # a refit landed between the check above and the batch
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {s.ctx.replica_id}: {exc}") from None
+        except ValueError as exc:  # e.g. prompt + max_tokens longer than the model's positions
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        seen: dict[int, int] = defaultdict(int)
+        for smp in samples:
+            index = seen[smp.prompt_index]
+            seen[smp.prompt_index] += 1
+            yield rollout_pb2.GenerateResponse(request_id=request.request_id, sample=rollout_pb2.Sample(
+                prompt_index=smp.prompt_index, sample_index=index, token_ids=smp.token_ids, logprobs=smp.logprobs,
+                finish_reason=smp.finish_reason, weight_version=smp.weight_version,
+            ))
+
+    @rpc_method
+    def Status(self, request, context):
+        s = self.s
+        resp = rollout_pb2.RolloutStatusResponse(
+            replica_id=s.ctx.replica_id, engine=s.backend, recipe=s.ctx.job.recipe,
+            kv_cache_dtype=s.ctx.job.kv_cache_dtype, ready=s.ready(),
+        )
+        if s.engine.weight_version is not None:
+            resp.weight_version = s.engine.weight_version
+        if s.fp8_kv and s.engine.scales_version is not None:
+            resp.scales_version = s.engine.scales_version
+        return resp
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-size", type=int, default=int(env_default("max_batch_size", 64)),
+                   help="rows (prompts x n) decoded together")
+
+
+SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args)

@@ -1,0 +1,261 @@
+"""TrainerService and WeightStore on one port: the policy trainer (``policy.training.backend: torch``) and its shards.
+
+Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.loop.build_train_batch`), the
+:class:`TorchTrainer`, and :class:`RefitPublisher` + :class:`WeightStoreServicer`:
+
+* Startup: load the policy (or ``--resume`` a checkpoint) and publish its version — 0 for a fresh job.
+* ``TrainStep(expected_version=v, rows)``: prev logprobs at v (mismatch metrics against the rows'
+  ``gen_logprobs``), clipped policy loss, AdamW → v+1, then publish v+1: shards held for the
+  WeightStore, manifest in Redis, ``weights_published`` on the events stream. FP8 recipes ship the
+  linears the *rollout* runs in FP8 (``fp8_linear_names`` under ``job.fp8_recipe("rollout")``) as
+  E4M3 + FP32 128×128 block scales; everything else travels in its own dtype.
+* Invariant: the version the trainer holds is always published. A step that applied but could not
+  be published (Redis down) fails the call with UNAVAILABLE and is published again before the next call.
+* Malformed rows are INVALID_ARGUMENT with the row and field named; the trainer's state is untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from fp8rl.engines import Sample, TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.fp8 import fp8_linear_names
+from fp8rl.loop import build_train_batch
+from fp8rl.model.presets import load_policy
+from fp8rl.refit import RefitPublisher, StaleVersionError
+from fp8rl.refit.grpc_source import DEFAULT_CHUNK_BYTES, WeightStoreServicer
+from fp8rl.rl import mismatch_metrics
+from fp8rl.rpc import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2_grpc
+from services.common.runtime import (
+    Abort,
+    Context,
+    Service,
+    ServiceSpec,
+    StartupError,
+    check_token_ids,
+    env_default,
+    require,
+    rpc_method,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainerService", "TrainerServicer", "SPEC", "resolve_checkpoint"]
+
+_CKPT = re.compile(r"trainer-v(\d+)\.pt")
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A checkpoint file, or the newest ``trainer-v*.pt`` in a directory written by SaveCheckpoint."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _CKPT.fullmatch(f.name)))
+        if not found:
+            raise StartupError(f"--resume {path}: no trainer-v*.pt checkpoint in that directory")
+        return found[-1][1]
+    if not p.is_file():
+        raise StartupError(f"--resume {path}: no such checkpoint file or directory")
+    return p
+
+
+class TrainerService(Service):
+    """The trainer backend, its publisher, and the two servicers sharing its port."""
+
+    def __init__(self, ctx: Context) -> None:
+        job, args = ctx.job, ctx.args
+        self.ctx = ctx
+        backend = job.get("policy.training.backend")
+        if backend != "torch":
+            raise StartupError(f"policy.training.backend: {backend!r} is not implemented yet (the Megatron backend "
+                               f"has not landed); use 'torch', the embedded backend that runs on any CPU")
+        policy, tok, _ = load_policy(job.get("policy.model"))
+        self.pad_id = tok.pad_id
+        self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
+        rollout = job.fp8_recipe("rollout")
+        self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
+        self.pow2 = rollout.pow2_weight_scaling_factors
+        t = job.raw["policy"]["training"]
+        config = TrainerConfig(lr=t["lr"], weight_decay=t["weight_decay"], grad_clip=t["grad_clip"],
+                               micro_batch_size=t["micro_batch_size"],
+                               temperature=job.get("policy.generation.temperature"), loss=job.loss_config())
+        self.trainer = TorchTrainer(policy, job.fp8_recipe("trainer"), config, seed=job.get("job.seed"),
+                                    ref_model=policy if job.get("loss.kl_coef") > 0 else None)
+        if args.resume:
+            path = resolve_checkpoint(args.resume)
+            self.trainer.load_checkpoint(str(path))
+            log.info("resumed from %s at weight version %d", path, self.trainer.version)
+        self.checkpoint_dir = args.checkpoint_dir or f"checkpoints/{ctx.job_id}"
+        self.publisher = RefitPublisher(ctx.store, shard_bytes=args.shard_bytes)
+        self.weight_store = WeightStoreServicer(self.publisher, chunk_bytes=args.chunk_bytes)
+        self.lock = threading.Lock()  # one step / logprobs / checkpoint at a time
+        self.published: int | None = None
+        self.ready = False
+
+    def servicers(self):
+        return [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(self)),
+                (weights_pb2_grpc.add_WeightStoreServicer_to_server, self.weight_store)]
+
+    def start(self, ctx: Context) -> None:
+        self.publisher.endpoint = ctx.endpoint  # the port is known only now; manifests name it
+        v, latest = self.trainer.version, ctx.store.latest()
+        if latest is not None and latest >= v:
+            raise StartupError(
+                f"job {ctx.job_id!r} already has weights:latest={latest} in Redis, but this trainer holds version {v}: "
+                f"start it with --resume pointing at a checkpoint newer than version {latest}, or use a fresh --job-id")
+        self.publish()
+        self.ready = True
+        ctx.set_serving(True)
+
+    def publish(self) -> float:
+        """Publish the held version unless already done; returns the seconds it took."""
+        v = self.trainer.version
+        if self.published == v:
+            return 0.0
+        t0 = time.perf_counter()
+        self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
+                               fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2)
+        self.published = v
+        log.info("published weight version %d in %.3f s", v, time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """proto ↔ trainer; validation and status codes, nothing else."""
+
+    def __init__(self, service: TrainerService) -> None:
+        self.s = service
+
+    def _samples(self, rows, *, need_gen: bool) -> tuple[list[Sample], bool]:
+        """Validated rows as :class:`Sample` (prompt + response + gen_logprobs); also whether gen_logprobs came."""
+        s = self.s
+        require(rows, "the batch has no rows")
+        has_gen = need_gen or any(len(r.gen_logprobs) for r in rows)
+        out = []
+        for i, r in enumerate(rows):
+            prompt = check_token_ids(r.prompt_ids, s.vocab_size, s.max_len, f"row {i} prompt_ids")
+            response = check_token_ids(r.response_ids, s.vocab_size, s.max_len, f"row {i} response_ids")
+            require(len(prompt) + len(response) <= s.max_len, f"row {i}: prompt + response is "
+                    f"{len(prompt) + len(response)} tokens; the model holds at most {s.max_len} positions")
+            gen = list(r.gen_logprobs)
+            if has_gen:
+                require(len(gen) == len(response),
+                        f"row {i}: {len(gen)} gen_logprobs for {len(response)} response_ids (must be equal)")
+                bad = next((t for t, x in enumerate(gen) if not math.isfinite(x)), None)
+                require(bad is None, f"row {i}: gen_logprobs[{bad}] is {gen[bad] if bad is not None else ''}; "
+                                     f"logprobs must be finite")
+            else:
+                gen = [0.0] * len(response)
+            out.append(Sample(prompt_index=i, prompt_ids=tuple(prompt), token_ids=tuple(response),
+                              logprobs=tuple(gen), finish_reason="", weight_version=s.trainer.version))
+        return out, has_gen
+
+    def _batch(self, samples: list[Sample], advantages: list[float]) -> TrainBatch:
+        # build_train_batch pads and masks the rows but derives advantages from rewards; the controller
+        # sends them precomputed. So: zero rewards as one group (>= 2 rows for its leave-one-out check),
+        # cut back to the real rows, and carry the rows' own advantages.
+        padded = samples if len(samples) > 1 else samples * 2
+        b = build_train_batch(padded, torch.zeros(len(padded)), len(padded), self.s.pad_id).slice(0, len(samples))
+        return TrainBatch(b.input_ids, b.attention_mask, b.loss_mask,
+                          torch.tensor(advantages, dtype=torch.float32), b.gen_logprobs)
+
+    def _publish(self) -> float:
+        try:
+            return self.s.publish()
+        except StaleVersionError as exc:  # another trainer published this version: two trainers on one job
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot publish: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - Redis down: the version stays held and is published later
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the trainer holds weight version {self.s.trainer.version} "
+                        f"but could not publish it ({exc}); it is published again before the next call") from None
+
+    def _require_version(self, expected: int) -> None:
+        held = self.s.trainer.version
+        require(expected == held, f"expected weight version {expected}, but the trainer holds version {held}"
+                + (" (a retried step that already applied?)" if expected == held - 1 else ""),
+                grpc.StatusCode.FAILED_PRECONDITION)
+
+    @rpc_method
+    def TrainStep(self, request, context):
+        s, t0 = self.s, time.perf_counter()
+        with s.lock:
+            self._publish()
+            self._require_version(request.expected_version)
+            samples, _ = self._samples(request.rows, need_gen=True)
+            advantages = [r.advantage for r in request.rows]
+            bad = next((i for i, a in enumerate(advantages) if not math.isfinite(a)), None)
+            require(bad is None, f"row {bad}: advantage must be finite")
+            batch = self._batch(samples, advantages)
+            t = time.perf_counter()
+            batch.prev_logprobs = s.trainer.compute_logprobs(batch)
+            mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
+            t_logprobs, t = time.perf_counter() - t, time.perf_counter()
+            try:
+                train = s.trainer.train_step(batch)
+            except FloatingPointError as exc:  # step skipped, version unchanged
+                raise Abort(grpc.StatusCode.INTERNAL, f"step {request.step}: {exc}") from None
+            t_train = time.perf_counter() - t
+            t_publish = self._publish()
+        metrics = {**mismatch, **{f"train/{k}": v for k, v in train.items()}}
+        phases = common_pb2.PhaseTimes(logprobs=t_logprobs, train=t_train, publish=t_publish,
+                                       total=time.perf_counter() - t0)
+        log.info("step %d: weight version %d -> %d, loss %.4f, token_mult_prob_error %.4f", request.step,
+                 request.expected_version, s.trainer.version, train.get("loss", float("nan")),
+                 mismatch["token_mult_prob_error"])
+        return trainer_pb2.TrainStepResponse(new_version=s.trainer.version, metrics=metrics, phase_times=phases)
+
+    @rpc_method
+    def ComputeLogprobs(self, request, context):
+        s = self.s
+        with s.lock:
+            if request.HasField("expected_version"):
+                self._require_version(request.expected_version)
+            samples, has_gen = self._samples(request.rows, need_gen=False)
+            batch = self._batch(samples, [0.0] * len(samples))
+            prev = s.trainer.compute_logprobs(batch)  # (B, T)
+            version = s.trainer.version
+        rows = [trainer_pb2.RowLogprobs(logprobs=prev[b, len(x.prompt_ids):len(x.prompt_ids) + len(x.token_ids)]
+                                        .tolist()) for b, x in enumerate(samples)]
+        metrics = mismatch_metrics(prev, batch.gen_logprobs, batch.loss_mask) if has_gen else {}
+        return trainer_pb2.ComputeLogprobsResponse(rows=rows, metrics=metrics, version=version)
+
+    @rpc_method
+    def SaveCheckpoint(self, request, context):
+        s = self.s
+        directory = Path(request.path or s.checkpoint_dir)
+        with s.lock:
+            version = s.trainer.version
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                s.trainer.save_checkpoint(str(directory / f"trainer-v{version:06d}.pt"))
+            except OSError as exc:
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot write a checkpoint into {directory}: "
+                                                                 f"{exc}") from None
+        log.info("checkpoint of weight version %d written into %s", version, directory)
+        return trainer_pb2.SaveCheckpointResponse(path=str(directory), version=version)
+
+    @rpc_method
+    def Status(self, request, context):
+        s = self.s
+        return trainer_pb2.TrainerStatusResponse(version=s.trainer.version, backend="torch", recipe=s.ctx.job.recipe,
+                                                 weights_endpoint=s.ctx.endpoint, ready=s.ready)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", default=env_default("resume"),
+                   help="checkpoint file, or a directory of trainer-v*.pt (the newest is used)")
+    p.add_argument("--checkpoint-dir", default=env_default("checkpoint_dir"),
+                   help="where SaveCheckpoint writes when the request names no path (default checkpoints/JOB)")
+    p.add_argument("--shard-bytes", type=int, default=int(env_default("shard_bytes", 64 * 1024 * 1024)))
+    p.add_argument("--chunk-bytes", type=int, default=int(env_default("chunk_bytes", DEFAULT_CHUNK_BYTES)),
+                   help="WeightStore stream chunk size, 1-4 MiB")
+
+
+SPEC = ServiceSpec(name="trainer", default_port=50051, build=TrainerService, add_args=_add_args)

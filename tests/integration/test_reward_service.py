@@ -1,0 +1,127 @@
+"""The reward service as a real process: ``python -m services.reward`` over loopback gRPC."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fp8rl.rpc import reward_pb2, reward_pb2_grpc
+from fp8rl.rpc.channel import DEFAULT_DEADLINE_S, make_channel
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "reward-test-token"
+STARTUP_TIMEOUT_S = 30.0
+
+
+def _wait_ready_file(proc: subprocess.Popen, path: Path, log: Path) -> dict:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"reward service did not become ready (exit {proc.poll()}); log:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def reward_service(tmp_path_factory):
+    """A running reward service with a bearer token; yields (proc, port, ready_file)."""
+    tmp = tmp_path_factory.mktemp("reward")
+    ready, log = tmp / "ready.json", tmp / "reward.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready), "--token", TOKEN,
+             "--timeout-s", "10"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    info = _wait_ready_file(proc, ready, log)
+    assert info["pid"] == proc.pid
+    try:
+        yield proc, info["port"], ready
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def stub(reward_service):
+    _, port, _ = reward_service
+    channel = make_channel(f"localhost:{port}", token=TOKEN, tls_ca="")
+    yield reward_pb2_grpc.RewardServiceStub(channel)
+    channel.close()
+
+
+def _item(response: str, answer: str, grader: str = "") -> reward_pb2.ScoreItem:
+    return reward_pb2.ScoreItem(response=response, answer=answer, grader=grader)
+
+
+def test_health_is_serving_without_a_token(reward_service):
+    _, port, _ = reward_service
+    channel = make_channel(f"localhost:{port}", token="", tls_ca="")
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "fp8rl.v1.RewardService"):
+        response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=DEFAULT_DEADLINE_S.health)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+
+
+def test_scores_a_mixed_batch(stub):
+    request = reward_pb2.ScoreRequest(items=[
+        _item("so the answer is \\boxed{\\frac{1}{2}}", "0.5"),  # right (default grader: math_verify)
+        _item("\\boxed{7}", "8"),  # wrong, but readable
+        _item("I have no idea", "3"),  # unparsable
+        _item("total: 12", "12", grader="exact_match"),  # right, another grader
+        _item("", "12", grader="exact_match"),  # unparsable under exact_match too
+    ])
+    response = stub.Score(request, timeout=DEFAULT_DEADLINE_S.score)
+    assert list(response.rewards) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert response.num_unparsable == 2
+    assert [e.split(":")[0] for e in response.errors] == ["", "", "unparsable", "", "unparsable"]
+
+
+def test_empty_batch(stub):
+    response = stub.Score(reward_pb2.ScoreRequest(), timeout=DEFAULT_DEADLINE_S.score)
+    assert (list(response.rewards), response.num_unparsable, list(response.errors)) == ([], 0, [])
+
+
+def test_unknown_grader_is_invalid_argument_and_service_keeps_serving(stub):
+    request = reward_pb2.ScoreRequest(items=[_item("\\boxed{1}", "1"), _item("\\boxed{1}", "1", grader="nope")])
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Score(request, timeout=DEFAULT_DEADLINE_S.score)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[1].grader" in info.value.details() and "'nope'" in info.value.details()
+    assert "exact_match" in info.value.details() and "math_verify" in info.value.details()
+    again = stub.Score(reward_pb2.ScoreRequest(items=[_item("\\boxed{1}", "1")]), timeout=DEFAULT_DEADLINE_S.score)
+    assert list(again.rewards) == [1.0]
+
+
+def test_token_is_required(reward_service):
+    _, port, _ = reward_service
+    channel = make_channel(f"localhost:{port}", token="", tls_ca="")
+    with pytest.raises(grpc.RpcError) as info:
+        reward_pb2_grpc.RewardServiceStub(channel).Score(reward_pb2.ScoreRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+
+
+def test_sigterm_stops_gracefully(reward_service):
+    """Runs last in this module: the service exits 0 on SIGTERM and removes its ready file."""
+    proc, _, ready = reward_service
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    assert not ready.exists()
