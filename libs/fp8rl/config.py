@@ -62,6 +62,7 @@ DEFAULTS: dict[str, Any] = {
             "weight_decay": 0.0,
             "grad_clip": 1.0,
             "micro_batch_size": 64,
+            "num_minibatches": 1,
             "megatron_cfg": {
                 "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1,
@@ -100,7 +101,8 @@ _CHOICES: dict[str, tuple] = {
     "data.task": ("arith", "jsonl"),
 }
 _POSITIVE = {"job.steps", "job.eval_size", "policy.generation.max_new_tokens", "policy.training.lr",
-             "policy.training.micro_batch_size", "grpo.num_prompts_per_step", "calibration.margin",
+             "policy.training.micro_batch_size", "policy.training.num_minibatches",
+             "grpo.num_prompts_per_step", "calibration.margin",
              "calibration.max_sequences", "reward.timeout_s"}
 _NON_NEGATIVE = {"job.seed", "job.checkpoint_every", "job.eval_every", "policy.generation.temperature",
                  "policy.generation.vllm_cfg.num_first_layers_in_bf16",
@@ -207,6 +209,17 @@ class JobConfig:
             kl_coef=loss["kl_coef"], is_mode=isc["mode"], tis_cap=isc["tis_cap"], tis_min=isc["tis_min"],
             icepop_lo=isc["icepop_lo"], icepop_hi=isc["icepop_hi"], seq_mask_lo=isc["seq_mask_lo"],
             seq_mask_hi=isc["seq_mask_hi"],
+        )
+
+    def trainer_config(self):
+        """The :class:`fp8rl.engines.TrainerConfig` of this job."""
+        from fp8rl.engines import TrainerConfig
+
+        t = self.raw["policy"]["training"]
+        return TrainerConfig(
+            lr=t["lr"], weight_decay=t["weight_decay"], grad_clip=t["grad_clip"],
+            micro_batch_size=t["micro_batch_size"], num_minibatches=t["num_minibatches"],
+            temperature=self.raw["policy"]["generation"]["temperature"], loss=self.loss_config(),
         )
 
     def arith_config(self):

@@ -55,6 +55,7 @@ class LoopConfig:
         temperature, top_p: sampling settings (the trainer uses the same temperature).
         lr: trainer learning rate.
         micro_batch_size: trainer micro-batch rows.
+        num_minibatches: optimizer updates per step (PPO-style split of the step's batch).
         is_mode: importance-sampling correction (see ``fp8rl.rl.IS_MODES``).
         kl_coef: k3 KL coefficient to the initial policy (0 disables the reference model).
         num_first_layers_in_bf16, num_last_layers_in_bf16: layers kept in high precision (both engines).
@@ -77,6 +78,7 @@ class LoopConfig:
     top_p: float = 1.0
     lr: float = 2e-4
     micro_batch_size: int = 64
+    num_minibatches: int = 1
     is_mode: str = "token"
     kl_coef: float = 0.0
     num_first_layers_in_bf16: int = 0
@@ -102,8 +104,16 @@ class LoopConfig:
             raise ValueError(f"group_size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
 
 
-def build_train_batch(samples, rewards: torch.Tensor, group_size: int, pad_id: int) -> TrainBatch:
-    """Right-padded :class:`TrainBatch` from prompt-major samples and their rewards."""
+def build_train_batch(
+    samples, rewards: torch.Tensor | None, group_size: int, pad_id: int, *, advantages: torch.Tensor | None = None
+) -> TrainBatch:
+    """Right-padded :class:`TrainBatch` from prompt-major samples.
+
+    Advantages are the GRPO advantages of ``rewards`` (groups of ``group_size`` consecutive
+    samples), or given directly with ``advantages`` (e.g. already computed by a controller).
+    """
+    if (rewards is None) == (advantages is None):
+        raise ValueError("build_train_batch needs exactly one of rewards or advantages")
     rows = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
     T = max(len(r) for r in rows)
     B = len(rows)
@@ -117,7 +127,7 @@ def build_train_batch(samples, rewards: torch.Tensor, group_size: int, pad_id: i
         attn[b, :len(r)] = 1
         loss_mask[b, P:P + n] = 1.0
         gen[b, P:P + n] = torch.tensor(s.logprobs)
-    adv = grpo_advantages(rewards, group_size).float()
+    adv = grpo_advantages(rewards, group_size).float() if advantages is None else advantages.float()
     return TrainBatch(ids, attn, loss_mask, adv, gen)
 
 
@@ -135,7 +145,8 @@ class GRPOLoop:
         loss = LossConfig(is_mode=cfg.is_mode, kl_coef=cfg.kl_coef)
         self.trainer = TorchTrainer(
             policy, self.trainer_recipe,
-            TrainerConfig(lr=cfg.lr, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature, loss=loss),
+            TrainerConfig(lr=cfg.lr, micro_batch_size=cfg.micro_batch_size, num_minibatches=cfg.num_minibatches,
+                          temperature=cfg.temperature, loss=loss),
             ref_model=policy if cfg.kl_coef > 0 else None, seed=cfg.seed,
         )
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=[self.tok.eos_id],
@@ -267,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
     ap.add_argument("--temperature", type=float, default=d.temperature)
     ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--num-minibatches", type=int, default=d.num_minibatches)
     ap.add_argument("--is-mode", default=d.is_mode, choices=IS_MODES)
     ap.add_argument("--kl-coef", type=float, default=d.kl_coef)
     ap.add_argument("--num-first-layers-in-bf16", type=int, default=0)
@@ -282,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     base = LoopConfig(
         model=args.model, recipe=args.recipe, kv_cache_dtype=args.kv_cache_dtype, steps=args.steps,
         prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_tokens=args.max_tokens,
-        temperature=args.temperature, lr=args.lr, is_mode=args.is_mode, kl_coef=args.kl_coef,
+        temperature=args.temperature, lr=args.lr, num_minibatches=args.num_minibatches,
+        is_mode=args.is_mode, kl_coef=args.kl_coef,
         num_first_layers_in_bf16=args.num_first_layers_in_bf16, num_last_layers_in_bf16=args.num_last_layers_in_bf16,
         eval_every=args.eval_every, eval_size=args.eval_size, seed=args.seed, out_dir=args.out,
     )

@@ -342,6 +342,9 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         log.error("cannot start %s: %s", spec.name, exc)
         print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001 - a bug, not a config problem: traceback, exit 1
+        log.exception("cannot start %s", spec.name)
+        return 1
 
     server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
                                         max_message_bytes=args.max_message_bytes, max_workers=args.workers)
@@ -358,10 +361,11 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     server.start()
     try:
         service.start(ctx)
-    except (StartupError, RefitError, ValueError) as exc:
-        log.error("cannot start %s: %s", spec.name, exc)
+    except Exception as exc:  # noqa: BLE001 - never leave a half-started server running
+        expected = isinstance(exc, StartupError | RefitError | ValueError)
+        log.error("cannot start %s: %s", spec.name, exc, exc_info=None if expected else exc)
         print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
-        ctx.failure = exc
+        ctx.failure = exc if expected else RuntimeError(str(exc))
         ctx.stopping.set()
     else:
         log.info("%s listening on %s (job %s)", spec.name, ctx.endpoint, ctx.job_id)
@@ -378,7 +382,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     log.info("%s stopped", spec.name)
     if ctx.failure is None:
         return 0
-    return 2 if isinstance(ctx.failure, StartupError) else 1
+    return 2 if isinstance(ctx.failure, StartupError | RefitError | ValueError) else 1
 
 
 def main(spec: ServiceSpec, argv: Iterable[str] | None = None) -> None:

@@ -35,7 +35,13 @@ class TrainerConfig:
         betas: AdamW betas.
         weight_decay: AdamW decoupled weight decay.
         grad_clip: max global grad norm (``<= 0`` disables clipping).
-        micro_batch_size: rows per forward/backward (gradient accumulation over the batch).
+        micro_batch_size: rows per forward/backward (gradient accumulation within a mini-batch).
+        num_minibatches: optimizer updates per train step (PPO-style): the batch is split into this
+            many contiguous mini-batches of rows (advantages are per row, so a split group is
+            fine), each normalised over its own tokens; ``prev_logprobs`` stay those of the
+            weights that generated the batch, so the
+            clipped ratio bounds how far later updates move. The weight version still advances by
+            one per train step (one publish per step).
         temperature: sampling temperature of the rollout; logprobs use ``logits / temperature``
             (0 means greedy sampling, whose logprobs are temperature-1).
         loss: policy-loss settings (clipping, KL, importance-sampling correction).
@@ -46,6 +52,7 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 16
+    num_minibatches: int = 1
     temperature: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
 
@@ -54,6 +61,8 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
             raise ValueError(f"TrainerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.num_minibatches < 1:
+            raise ValueError(f"TrainerConfig.num_minibatches must be >= 1, got {self.num_minibatches}")
         if self.temperature < 0:
             raise ValueError(f"TrainerConfig.temperature must be >= 0, got {self.temperature}")
 
@@ -134,6 +143,32 @@ class TorchTrainer(TrainerBackend):
             if self.ref_model is None:
                 raise ValueError("loss.kl_coef > 0 needs a reference model (ref_model) or batch.ref_logprobs")
             batch.ref_logprobs = self._logprobs_of(self.ref_model, batch)
+        rows = batch.input_ids.shape[0]
+        k = min(self.config.num_minibatches, rows)
+        bounds = [(i * rows) // k for i in range(k + 1)]
+        totals: dict[str, float] = {}
+        # With several updates per step, a failure in a later one must not leave the earlier ones
+        # applied at an unchanged version: snapshot, and roll back on any error.
+        snapshot = None
+        if k > 1:
+            snapshot = ({n: t.detach().clone() for n, t in self.model.state_dict().items()},
+                        copy.deepcopy(self.optimizer.state_dict()))
+        try:
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                m = self._update(batch.slice(lo, hi))
+                for key, val in m.items():
+                    totals[key] = totals.get(key, 0.0) + val / k
+        except Exception:
+            if snapshot is not None:
+                self.model.load_state_dict(snapshot[0])
+                self.optimizer.load_state_dict(snapshot[1])
+            raise
+        self._version += 1
+        totals["lr"] = self.config.lr
+        return totals
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer update on ``batch`` (token-level mean over its generated tokens)."""
         num_tokens = max(batch.num_tokens, 1)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
@@ -167,9 +202,7 @@ class TorchTrainer(TrainerBackend):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {float(gn)} at version {self._version}; step skipped")
         self.optimizer.step()
-        self._version += 1
         totals["grad_norm"] = float(gn)
-        totals["lr"] = self.config.lr
         return totals
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -62,6 +62,11 @@ class KVCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
+        # Reference-path read cache of E4M3 layers: the dequantized K/V of slots [0, _deq_len[i]),
+        # filled incrementally so a decode step dequantizes only its new slots. Dequantization is
+        # elementwise, so these are exactly the numbers a full re-dequantize would give.
+        self._deq: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._deq_len: dict[int, int] = {}
 
     @classmethod
     def for_model(
@@ -126,6 +131,28 @@ class KVCache:
         vc[:, :, self.length : end] = v
         return kc[:, :, :end], vc[:, :, :end]
 
+    def read_dequantized(
+        self, layer_idx: int, end: int, dequantize, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K/V of slots ``[0, end)`` of an E4M3 layer, ``(B, Hkv, end, D)`` in ``dtype``.
+
+        ``dequantize(k_q, v_q, dtype)`` is the layer's :meth:`QKVQuantizer.dequantize_kv`; the
+        scales must not change during the cache's life (the engine holds them fixed per request).
+        """
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        if layer_idx not in self._deq:
+            self._deq[layer_idx] = (torch.empty(kc.shape, dtype=dtype, device=kc.device),
+                                    torch.empty(vc.shape, dtype=dtype, device=vc.device))
+            self._deq_len[layer_idx] = 0
+        kd, vd = self._deq[layer_idx]
+        start = self._deq_len[layer_idx]
+        if end > start:
+            k_new, v_new = dequantize(kc[:, :, start:end], vc[:, :, start:end], dtype)
+            kd[:, :, start:end] = k_new
+            vd[:, :, start:end] = v_new
+            self._deq_len[layer_idx] = end
+        return kd[:, :, :end], vd[:, :, :end]
+
     def advance(self, num_new: int) -> None:
         """Mark ``num_new`` more slots as filled (after every layer wrote them)."""
         if self.length + num_new > self.max_len:
@@ -135,6 +162,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every slot (the storage is reused; old values are overwritten before use)."""
         self.length = 0
+        self._deq_len.clear()
 
     def __repr__(self) -> str:
         b, h, m, d = self.k[0].shape

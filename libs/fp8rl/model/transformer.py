@@ -181,20 +181,21 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k_st, v_st = self._through_cache(kv_cache, k_st, v_st)  # (B, Hkv, S, D)
         # Without a cache the same quantize -> dequantize runs, so both paths see equal K/V.
-        if quant is not None:
+        if quant is not None and kv_cache is not None:
+            k_att, v_att = kv_cache.read_dequantized(self.layer_idx, k_st.shape[2], quant.dequantize_kv, dtype)
+        elif quant is not None:
             k_att, v_att = quant.dequantize_kv(k_st, v_st, dtype)
         else:
             k_att, v_att = k_st.to(dtype), v_st.to(dtype)
 
         rep = H // Hkv  # GQA: query head h reads kv head h // rep
-        k_att = k_att.repeat_interleave(rep, dim=1)  # (B, H, S, D)
-        v_att = v_att.repeat_interleave(rep, dim=1)  # (B, H, S, D)
-        scores = torch.matmul(q.float(), k_att.float().transpose(-2, -1)) * (D**-0.5)  # (B, H, T, S)
-        p = F.softmax(scores + mask, dim=-1)
+        qg = q.float().reshape(B, Hkv, rep, T, D)  # (B, Hkv, rep, T, D): heads grouped by their kv head
+        scores = torch.matmul(qg, k_att.float().unsqueeze(2).transpose(-2, -1)) * (D**-0.5)  # (B, Hkv, rep, T, S)
+        p = F.softmax(scores + mask.unsqueeze(1), dim=-1)
         if quant is not None:
             p = quant.round_probs(p)
-        out = torch.matmul(p, v_att.float()).to(dtype)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        out = torch.matmul(p, v_att.float().unsqueeze(2))  # (B, Hkv, rep, T, D)
+        out = out.reshape(B, H, T, D).to(dtype).transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
 
     def _through_cache(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,7 +144,10 @@ class Spawner:
         return p
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
+        for p in self.procs:  # signal every process first, so their graceful stops overlap
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in self.procs:
             p.terminate()
 
 

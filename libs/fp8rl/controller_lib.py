@@ -1,0 +1,146 @@
+"""The controller's step math that is not wire: where prompts come from, how they are split, advantages,
+step summaries, and which job settings are baked into the deployed services.
+
+Everything here is a pure function of the job config (and of the step index), so a controller
+restarted mid-job draws exactly the batches it would have drawn (DESIGN §3). The gRPC side lives in
+``services/controller``; it calls these and never computes anything itself.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl.config import JobConfig
+from fp8rl.data import ArithDataset, Problem, load_jsonl
+from fp8rl.model.presets import PRESETS, prepare_tiny_arith
+from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
+from fp8rl.rl import grpo_advantages
+
+__all__ = [
+    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "deployment_mismatch", "eval_problems", "group_advantages",
+    "load_job_tokenizer", "new_job_id", "problem_source", "reward_summary", "sampling_seed", "split_evenly",
+]
+
+# A sample counts as correct when its reward exceeds this (graders return 0/1; partial credit is < 1).
+CORRECT_REWARD = 0.5
+
+# Settings each service reads from its own --config at startup (the model, the numerics, the loss and
+# optimizer, the calibration): a submitted job must agree with the deployment on all of them, or the
+# trainer would silently train with other settings than the job asks for. Everything else (steps,
+# batch shape, sampling length, data, grader, checkpoint cadence) is the controller's, per job.
+DEPLOYMENT_KEYS = (
+    "policy.model", "policy.generation.backend", "policy.generation.temperature", "policy.generation.vllm_cfg",
+    "policy.training", "loss", "calibration",
+)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def _bound(key: str) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in DEPLOYMENT_KEYS)
+
+
+def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
+    """Why ``job`` cannot run on services deployed with ``deployed``, or None when it can.
+
+    The message names the first differing key (the precision recipe first, then the model, then
+    the other keys of :data:`DEPLOYMENT_KEYS` in sorted order) with both values.
+    """
+    if job.recipe != deployed.recipe or job.kv_cache_dtype != deployed.kv_cache_dtype:
+        return (f"the job's precision recipe is {job.recipe} with kv_cache_dtype={job.kv_cache_dtype}, but the "
+                f"deployed services run {deployed.recipe} with kv_cache_dtype={deployed.kv_cache_dtype} (keys "
+                f"policy.generation.vllm_cfg.precision, policy.generation.vllm_cfg.kv_cache_dtype, "
+                f"policy.training.megatron_cfg.fp8_cfg.enabled)")
+    mine, theirs = _flatten(job.raw), _flatten(deployed.raw)
+    for key in sorted(theirs, key=lambda k: (k != "policy.model", k)):
+        if _bound(key) and mine.get(key) != theirs[key]:
+            return (f"{key}: the job sets {mine.get(key)!r} but the deployed services run {theirs[key]!r}; "
+                    f"this setting is fixed when the services start — submit the job with the deployed value, "
+                    f"or redeploy the services with this job file")
+    return None
+
+
+def problem_source(job: JobConfig) -> Callable[[int], list[Problem]]:
+    """``batch(step)`` → the step's ``grpo.num_prompts_per_step`` problems; deterministic in (job, step).
+
+    ``data.task: arith`` draws from :class:`ArithDataset` (seeded by ``job.seed``); ``jsonl`` cycles
+    through the file in order.
+    """
+    n = job.get("grpo.num_prompts_per_step")
+    if job.get("data.task") == "arith":
+        data = ArithDataset(job.arith_config(), seed=job.get("job.seed"))
+        return lambda step: data.batch(step, n)
+    problems = load_jsonl(job.get("data.path"))
+    if not problems:
+        raise ValueError(f"data.path: {job.get('data.path')} holds no problems")
+    return lambda step: [problems[(step * n + i) % len(problems)] for i in range(n)]
+
+
+def eval_problems(job: JobConfig) -> list[Problem]:
+    """``job.eval_size`` validation problems (arith: the eval seed stream; jsonl: the file's first rows)."""
+    size = job.get("job.eval_size")
+    if job.get("data.task") == "arith":
+        return ArithDataset(job.arith_config(), seed=job.get("job.seed")).eval_set(size)
+    return load_jsonl(job.get("data.path"), limit=size)
+
+
+def load_job_tokenizer(job: JobConfig) -> Tokenizer:
+    """The policy's tokenizer (a preset is prepared first if it is not cached yet)."""
+    model = job.get("policy.model")
+    return load_tokenizer(prepare_tiny_arith(progress=False) if model in PRESETS else Path(model))
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges cutting ``range(n)`` into ``min(parts, n)`` contiguous, near-equal chunks."""
+    if n < 0 or parts < 1:
+        raise ValueError(f"split_evenly needs n >= 0 and parts >= 1, got n={n}, parts={parts}")
+    parts = min(parts, n) or 1
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def sampling_seed(job_seed: int, step: int, first_prompt: int) -> int:
+    """Seed of the Generate call covering prompts from ``first_prompt`` of ``step``.
+
+    With one replica (``first_prompt == 0``) it equals :mod:`fp8rl.loop`'s per-step seed, so the
+    in-process loop and the services draw the same samples.
+    """
+    return job_seed * 1_000_003 + step + 7919 * first_prompt
+
+
+def group_advantages(rewards: Sequence[float], group_size: int, leave_one_out: bool = True) -> list[float]:
+    """GRPO advantages of prompt-major rewards (``group_size`` samples per prompt), as floats."""
+    adv = grpo_advantages(torch.tensor(list(rewards), dtype=torch.float64), group_size, leave_one_out=leave_one_out)
+    return [float(a) for a in adv]
+
+
+def reward_summary(rewards: Sequence[float]) -> dict[str, float]:
+    """``reward_mean`` and ``accuracy`` (share of rewards above :data:`CORRECT_REWARD`) of one step."""
+    if not rewards:
+        return {"reward_mean": 0.0, "accuracy": 0.0}
+    return {"reward_mean": statistics.fmean(rewards),
+            "accuracy": sum(r > CORRECT_REWARD for r in rewards) / len(rewards)}
+
+
+def new_job_id(name: str) -> str:
+    """A fresh job id: the job name made id-safe (letters, digits, ``_.-``), plus 8 random hex digits."""
+    stem = re.sub(r"[^A-Za-z0-9_.\-]", "-", name).strip("-_.")[:48] or "job"
+    if not stem[0].isalnum():
+        stem = f"j{stem}"
+    return f"{stem}-{uuid.uuid4().hex[:8]}"

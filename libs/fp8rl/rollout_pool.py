@@ -1,0 +1,131 @@
+"""Client side of the rollout replicas of one job: find them through their Redis leases, and sample a batch
+across all of them, every request pinned to one weight version.
+
+Invariant: every sample returned was produced at the pinned version (a replica holding another version
+refuses with FAILED_PRECONDITION, and a sample claiming another version fails the batch), and every
+prompt gets exactly ``n`` samples, in prompt-major order — whatever the split between replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from fp8rl.controller_lib import split_evenly
+from fp8rl.refit import RefitStore
+from fp8rl.rpc import rollout_pb2
+from fp8rl.rpc.channel import DEFAULT_DEADLINE_S
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutError", "RolloutPool"]
+
+# A chunk that failed with one of these is retried on the next replica.
+_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+          grpc.StatusCode.CANCELLED}
+
+
+class RolloutError(RuntimeError):
+    """A batch could not be sampled. ``code`` is the gRPC status of the last failure (None: no replica)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RolloutPool:
+    """The rollout replicas holding live leases in ``refit``'s job.
+
+    Args:
+        refit: the job's refit state (leases name each replica's endpoint and held version).
+        stub: endpoint → ``RolloutServiceStub`` (the caller owns and caches the channels).
+        attempts: tries of one prompt chunk, each on the next replica, before the batch fails.
+    """
+
+    def __init__(self, refit: RefitStore, stub: Callable[[str], object], attempts: int = 3) -> None:
+        self.refit, self.stub, self.attempts = refit, stub, attempts
+        self._kinds: dict[tuple[str, str], bool] = {}  # (replica id, endpoint) -> serves RolloutService
+
+    def _is_rollout(self, rid: str, endpoint: str) -> bool:
+        """Whether a lease holder serves RolloutService (other roles, e.g. the calibrator, hold leases too)."""
+        key = (rid, endpoint)
+        if key not in self._kinds:
+            try:
+                self.stub(endpoint).Status(rollout_pb2.RolloutStatusRequest(), timeout=DEFAULT_DEADLINE_S.status)
+                self._kinds[key] = True
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return False  # unreachable right now: ask again next time
+                self._kinds[key] = False
+        return self._kinds[key]
+
+    def replicas(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None) -> list[str]:
+        """Endpoints of the live rollout replicas holding ``version``, waiting up to ``wait_s`` for one.
+
+        ``tick`` runs between polls (it may raise to abandon the wait).
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            leases = self.refit.live_replicas()
+            found = [ls.endpoint for _, ls in sorted(leases.items())
+                     if ls.version == version and self._is_rollout(ls.replica_id, ls.endpoint)]
+            if found:
+                return found
+            if time.monotonic() > deadline:
+                held = {rid: ls.version for rid, ls in leases.items()}
+                raise RolloutError(f"no live rollout replica holds weight version {version} after {wait_s:g} s "
+                                   f"(live leases and the versions they hold: {held})")
+            tick()
+            time.sleep(0.25)
+
+    def generate(self, prompts: list[list[int]], version: int, *, n: int, sampling: dict,
+                 seed_of: Callable[[int], int], request_id: str, wait_s: float,
+                 tick: Callable[[], None] = lambda: None) -> list[tuple[int, rollout_pb2.Sample]]:
+        """``n`` samples of every prompt at ``version``, prompt-major, as ``(prompt index, sample)``.
+
+        The prompts are cut into one contiguous chunk per replica; chunk ``[a, b)`` is sampled with
+        ``seed_of(a)`` so a chunk draws the same samples whichever replica serves it.
+
+        Args:
+            sampling: ``SamplingParams`` fields other than ``n`` and ``seed``.
+
+        Raises:
+            RolloutError: no replica holds ``version``, a chunk failed on every try, or replicas
+                returned a wrong version or too few samples.
+        """
+        replicas = self.replicas(version, wait_s, tick)
+        chunks = split_evenly(len(prompts), len(replicas))
+
+        def run(i: int, a: int, b: int) -> list[rollout_pb2.Sample]:
+            req = rollout_pb2.GenerateRequest(
+                request_id=f"{request_id}-p{a}", weight_version=version,
+                prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts[a:b]],
+                sampling=rollout_pb2.SamplingParams(n=n, seed=seed_of(a), **sampling))
+            for attempt in range(self.attempts):
+                endpoint = replicas[(i + attempt) % len(replicas)]
+                try:
+                    return [r.sample for r in self.stub(endpoint).Generate(req, timeout=DEFAULT_DEADLINE_S.generate)]
+                except grpc.RpcError as err:
+                    if err.code() not in _RETRY or attempt + 1 == self.attempts:
+                        raise RolloutError(f"Generate on {endpoint}: {err.code().name}: {err.details()}",
+                                           err.code()) from None
+                    log.warning("Generate on %s failed (%s); retrying the chunk on another replica", endpoint,
+                                err.code().name)
+            raise AssertionError("unreachable")
+
+        with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="generate") as ex:
+            results = list(ex.map(lambda c: run(c[0], *c[1]), enumerate(chunks)))
+        groups: list[list] = [[None] * n for _ in prompts]
+        for (a, _), samples in zip(chunks, results, strict=True):
+            for s in samples:
+                if s.weight_version != version or not 0 <= s.sample_index < n:
+                    raise RolloutError(f"a replica returned a sample of version {s.weight_version} (index "
+                                       f"{s.sample_index}) for a request pinned to {version} with n={n}")
+                groups[a + s.prompt_index][s.sample_index] = s
+        if any(s is None for grp in groups for s in grp):
+            raise RolloutError(f"replicas returned fewer than {n} samples for some prompt")
+        return [(i, s) for i, grp in enumerate(groups) for s in grp]

@@ -1,0 +1,422 @@
+"""The controller's job runner: a queue of GRPO jobs and the step state machine, driven over gRPC.
+
+One job runs at a time; the others wait as ``pending``, oldest first. One step, weight version
+v → v+1 (DESIGN §2), runs these phases in order, and is recorded only when all of them finished:
+
+    rollout    Generate pinned to v on every live rollout replica, the prompts split between them
+    reward     RewardService.Score of the decoded responses
+    train      TrainerService.TrainStep(expected_version=v): prev logprobs + mismatch metrics, loss,
+               optimizer → v+1, publish (the trainer reports the logprobs / train / publish times)
+    calibrate  CalibratorService.Calibrate(v+1, this step's sequences) → v+1's QKV scales (FP8 KV only)
+    refit      wait until every live replica acked v+1; fence the ones that did not in time
+
+Before a job's first step: Calibrate(v, the first step's prompts) when v has no scales yet (FP8-KV
+replicas do not serve v without them), then wait for a rollout replica holding v. Every
+``job.checkpoint_every`` steps, and when the job ends, TrainerService.SaveCheckpoint.
+
+Restart. The controller keeps nothing that matters in memory (see :mod:`fp8rl.jobstore`); a job
+found ``running`` is resumed. With ``base_version`` (the trainer's version at the job's step 0) and
+``n`` finished steps, the trainer should hold ``base + n``:
+
+* it does → the half-done step never reached TrainStep (or TrainStep failed): it is run again from
+  its rollout. Batches and sampling seeds are functions of the step index: the same prompts.
+* it holds ``base + n + 1`` → the half-done step's optimizer update applied. Its data was saved
+  (``inflight``) right after TrainStep, so it is finished from its calibration + refit and recorded
+  with its real metrics. (Without that record — a crash in the instant between TrainStep returning
+  and the save — it is calibrated on its prompts and recorded with NaN reward/accuracy and
+  ``recovered_without_rollout: 1``.)
+* it holds ``base + k``, ``k < n`` → the trainer was restarted from an older checkpoint: reports of
+  steps >= k are dropped and the job continues at step k.
+* anything else fails the job, naming both versions.
+
+Cancellation is read from Redis between phases: before TrainStep the half-done step is dropped;
+after it the step is finished (so replicas end on one consistent version) and recorded as the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import redis
+
+from fp8rl.config import JobConfig, parse_job_config
+from fp8rl.controller_lib import (
+    deployment_mismatch,
+    eval_problems,
+    group_advantages,
+    load_job_tokenizer,
+    new_job_id,
+    problem_source,
+    reward_summary,
+    sampling_seed,
+)
+from fp8rl.jobstore import JobRecord, JobStore
+from fp8rl.refit import RefitStore
+from fp8rl.rollout_pool import RolloutError, RolloutPool
+from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
+
+log = logging.getLogger("fp8rl.controller")
+
+__all__ = ["PHASES", "Backends", "DeploymentMismatchError", "JobRunner", "RunnerSettings"]
+
+PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class DeploymentMismatchError(ValueError):
+    """The job asks for a model / recipe / setting other than the deployed services run."""
+
+
+class _Failed(Exception):
+    """The job cannot go on; the message is recorded as its error."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Stopping(Exception):
+    """The controller is shutting down: leave the job ``running``, to be resumed."""
+
+
+class _RpcFailed(Exception):
+    def __init__(self, phase: str, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{phase}: {code.name}: {detail}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Timeouts and retries of the runner.
+
+    Attributes:
+        refit_timeout_s: how long to wait for every live replica's ack of v+1 before fencing.
+        replica_wait_s: how long a step waits for some rollout replica to hold its version.
+        generate_attempts: tries of one prompt chunk (each on the next replica) before the step fails.
+        step_attempts: tries of a step whose RPC failed transiently (UNAVAILABLE / DEADLINE_EXCEEDED).
+        retry_pause_s: pause before the first retry of such a step; doubles per retry (at most 30 s).
+    """
+
+    refit_timeout_s: float = 60.0
+    replica_wait_s: float = 120.0
+    generate_attempts: int = 3
+    step_attempts: int = 5
+    retry_pause_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Backends:
+    """Stubs of the services a step calls; rollout replicas are found through their Redis leases."""
+
+    trainer: object  # TrainerServiceStub
+    reward: object  # RewardServiceStub
+    calibrator: object  # CalibratorServiceStub
+    rollout: Callable[[str], object]  # endpoint -> RolloutServiceStub
+
+
+class _Plan:
+    """What one job needs at every step, derived once from its config."""
+
+    def __init__(self, job_id: str, job: JobConfig) -> None:
+        self.job_id, self.job = job_id, job
+        self.total = job.get("job.steps")
+        self.group = job.get("grpo.num_generations_per_prompt")
+        self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
+        self.tok = load_job_tokenizer(job)
+        self.batch = problem_source(job)
+        self.eval_every = job.get("job.eval_every")
+        self.eval_set = eval_problems(job) if self.eval_every else []
+
+    def prompts(self, problems) -> list[list[int]]:
+        return [self.tok.encode(p.prompt) for p in problems]
+
+
+class JobRunner:
+    """Queue, state machine and watch streams of the controller's jobs (the servicer is a thin shell)."""
+
+    def __init__(self, jobs: JobStore, refit: RefitStore, backends: Backends, deployed: JobConfig,
+                 settings: RunnerSettings | None = None) -> None:
+        self.jobs, self.refit, self.b, self.deployed = jobs, refit, backends, deployed
+        self.settings = settings or RunnerSettings()
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self.pool = RolloutPool(refit, backends.rollout, self.settings.generate_attempts)
+        self._thread: threading.Thread | None = None
+
+    # -- the servicer's API --------------------------------------------------------------------
+    def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
+        """Validate and enqueue. Raises ConfigError, DeploymentMismatchError, ValueError (bad id), JobExistsError."""
+        job = parse_job_config(job_yaml)
+        why = deployment_mismatch(job, self.deployed)
+        if why:
+            raise DeploymentMismatchError(why)
+        rec = self.jobs.create(job_id or new_job_id(job.get("job.name")), job_yaml, job.get("job.steps"))
+        log.info("job %s submitted (%d steps)", rec.job_id, rec.total_steps)
+        self._notify()
+        return rec
+
+    def get(self, job_id: str) -> JobRecord:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            raise KeyError(f"no job {job_id!r}")
+        return rec
+
+    def cancel(self, job_id: str, reason: str, wait_s: float = 20.0) -> JobRecord:
+        """Cancel a pending job at once, a running one after its current step (waits up to ``wait_s``)."""
+        rec = self.get(job_id)
+        if rec.terminal:
+            return rec
+        self.jobs.request_cancel(job_id, reason)
+        if self.jobs.transition(job_id, "cancelled", ("pending",)):
+            log.info("job %s cancelled while pending: %s", job_id, reason)
+        deadline = time.monotonic() + wait_s
+        while not (rec := self.get(job_id)).terminal and time.monotonic() < deadline:
+            with self._cond:
+                self._cond.wait(0.2)
+        return rec
+
+    def watch(self, job_id: str, from_step: int, active: Callable[[], bool]) -> Iterator[dict]:
+        """Reports from ``from_step`` (finished ones first, then live) until the job is terminal."""
+        self.get(job_id)
+        nxt = max(0, from_step)
+        while active() and not self._stop.is_set():
+            terminal = self.get(job_id).terminal  # read before the reports: a terminal report is then seen
+            for r in self.jobs.reports(job_id, nxt):
+                nxt = r["step"] + 1
+                yield r
+            if terminal:
+                return
+            with self._cond:
+                self._cond.wait(0.5)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="controller-runner", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                running = self.jobs.in_state("running")  # left by a previous controller: resume first
+                rec = running[0] if running else next(iter(self.jobs.in_state("pending")), None)
+                if rec is None:
+                    with self._cond:
+                        self._cond.wait(1.0)
+                    continue
+                if rec.state == "pending" and not self.jobs.transition(rec.job_id, "running", ("pending",)):
+                    continue  # cancelled meanwhile
+                self._run(rec.job_id)
+            except Exception as exc:  # noqa: BLE001 - Redis down: the job stays running and is resumed
+                log.warning("runner: %s; retrying in 1 s", exc)
+                self._stop.wait(1.0)
+
+    def _run(self, job_id: str) -> None:
+        attempts = 0
+        try:
+            plan = _Plan(job_id, parse_job_config(self.jobs.config_text(job_id)))
+            while True:
+                try:
+                    return self._advance(plan)
+                except _RpcFailed as exc:
+                    attempts += 1
+                    if exc.code not in _TRANSIENT or attempts >= self.settings.step_attempts:
+                        raise _Failed(str(exc)) from None
+                    log.warning("job %s: %s; retrying the step (%d/%d)", job_id, exc, attempts,
+                                self.settings.step_attempts)
+                    self._stop.wait(min(30.0, self.settings.retry_pause_s * 2 ** (attempts - 1)))
+        except _Stopping:
+            log.info("job %s left running for the next controller", job_id)
+        except _Cancelled:
+            self.jobs.transition(job_id, "cancelled", ("running",))
+            log.info("job %s cancelled", job_id)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything else ends the job with a message for people
+            msg = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
+            log.exception("job %s failed: %s", job_id, msg)
+            self.jobs.transition(job_id, "failed", ("running",), error=msg)
+        finally:
+            self._notify()
+
+    # -- one job -------------------------------------------------------------------------------
+    def _advance(self, plan: _Plan) -> None:
+        step = self._reconcile(plan)
+        rec = self.get(plan.job_id)
+        if rec.terminal:
+            return
+        v = rec.base_version + step
+        if plan.fp8_kv and self.refit.get_scales(v) is None:  # e.g. v0 of a fresh deployment
+            seqs = plan.prompts(plan.batch(step))
+            self._rpc("calibrate", self.b.calibrator.Calibrate, calibrator_pb2.CalibrateRequest(
+                version=v, sequences=[common_pb2.TokenSequence(token_ids=s) for s in seqs]), DL.calibrate)
+        self._refit_wait(v)
+        while step < plan.total:
+            if self._finish(plan, self._first_half(plan, step, rec.base_version + step)) != "running":
+                return
+            step += 1
+
+    def _reconcile(self, plan: _Plan) -> int:
+        """The next step to run, after matching the job's record with the version the trainer holds."""
+        rec = self.get(plan.job_id)
+        status = self._rpc("status", self.b.trainer.Status, trainer_pb2.TrainerStatusRequest(), DL.status)
+        if status.recipe != self.deployed.recipe:
+            raise _Failed(f"the trainer runs recipe {status.recipe}, but the controller was deployed for "
+                          f"{self.deployed.recipe}: the services and the controller were started with different job files")
+        held, n = status.version, rec.steps_done
+        if rec.base_version is None:
+            self.jobs.update(plan.job_id, base_version=held - n)
+            return n
+        base, expected = rec.base_version, rec.base_version + n
+        if held == expected:
+            return n
+        if held == expected + 1:
+            partial = self.jobs.inflight(plan.job_id)
+            if partial is None or partial["step"] != n:
+                log.warning("job %s: step %d trained but its rollout data is lost; recording it without", plan.job_id,
+                            n)
+                partial = {"step": n, "weight_version": held - 1, "new_version": held, "reward_mean": math.nan,
+                           "accuracy": math.nan, "metrics": {"recovered_without_rollout": 1.0}, "phase_times": {},
+                           "sequences": plan.prompts(plan.batch(n))}
+            partial["resumed"] = True
+            log.info("job %s: finishing step %d (already trained) after a restart", plan.job_id, n)
+            self._finish(plan, partial)
+            return n + 1
+        if base <= held < expected:
+            log.warning("job %s: the trainer was rolled back to weight version %d; dropping steps >= %d",
+                        plan.job_id, held, held - base)
+            self.jobs.truncate_reports(plan.job_id, held - base)
+            return held - base
+        raise _Failed(f"cannot resume: the trainer holds weight version {held}, but after {n} finished steps "
+                      f"from version {base} the job expects {expected}")
+
+    def _check(self, job_id: str, cancel: bool = True) -> None:
+        if self._stop.is_set():
+            raise _Stopping
+        if cancel and self.get(job_id).cancel_requested:
+            raise _Cancelled
+
+    def _rpc(self, phase: str, method, request, timeout: float | None):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise _RpcFailed(phase, err.code(), err.details()) from None
+
+    # -- one step ------------------------------------------------------------------------------
+    def _first_half(self, plan: _Plan, step: int, v: int) -> dict:
+        """rollout → reward → TrainStep; the result is saved as ``inflight`` before anything else."""
+        t0, times = time.time(), {}
+        self._check(plan.job_id)
+        problems = plan.batch(step)
+        prompts = plan.prompts(problems)
+        t = time.perf_counter()
+        samples = self._generate(plan, prompts, v, step=step, n=plan.group,
+                                 temperature=plan.job.get("policy.generation.temperature"))
+        times["rollout"] = time.perf_counter() - t
+        self._check(plan.job_id)
+        t = time.perf_counter()
+        rewards = self._score(plan, [(problems[i], s) for i, s in samples])
+        times["reward"] = time.perf_counter() - t
+        self._check(plan.job_id)
+        adv = group_advantages(rewards, plan.group, plan.job.get("grpo.leave_one_out"))
+        rows = [trainer_pb2.Sequence(prompt_ids=prompts[i], response_ids=s.token_ids, gen_logprobs=s.logprobs,
+                                     advantage=a) for (i, s), a in zip(samples, adv, strict=True)]
+        resp = self._rpc("train", self.b.trainer.TrainStep,
+                         trainer_pb2.TrainStepRequest(expected_version=v, rows=rows, step=step), DL.train_step)
+        pt = resp.phase_times
+        times.update(logprobs=pt.logprobs, train=pt.train, publish=pt.publish)
+        partial = {"step": step, "weight_version": v, "new_version": resp.new_version, **reward_summary(rewards),
+                   "metrics": {**dict(resp.metrics), "response_len": statistics.fmean(len(s.token_ids)
+                                                                                       for _, s in samples)},
+                   "phase_times": times, "started_unix": t0,
+                   "sequences": [prompts[i] + list(s.token_ids) for i, s in samples]}
+        self.jobs.set_inflight(plan.job_id, partial)
+        return partial
+
+    def _finish(self, plan: _Plan, partial: dict) -> str:
+        """calibrate → refit → (eval, checkpoint) → record the report; returns the job's state after it."""
+        step, v1, times = partial["step"], partial["new_version"], dict(partial["phase_times"])
+        self._check(plan.job_id, cancel=False)
+        t = time.perf_counter()
+        if plan.fp8_kv:
+            self._rpc("calibrate", self.b.calibrator.Calibrate, calibrator_pb2.CalibrateRequest(
+                version=v1, sequences=[common_pb2.TokenSequence(token_ids=s) for s in partial["sequences"]]),
+                DL.calibrate)
+        times["calibrate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        fenced = self._refit_wait(v1)
+        times["refit"] = time.perf_counter() - t
+        wall = time.time() - partial["started_unix"] if "started_unix" in partial and not partial.get("resumed") else 0
+        times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES))
+        metrics = {**partial["metrics"], "refit/fenced": float(len(fenced))}
+        if plan.eval_every and (step + 1) % plan.eval_every == 0:
+            metrics["val_accuracy"] = self._evaluate(plan, v1)
+        rec = self.get(plan.job_id)
+        state = ("succeeded" if step + 1 >= plan.total else "cancelled" if rec.cancel_requested else "running")
+        every = plan.job.get("job.checkpoint_every")
+        if every and ((step + 1) % every == 0 or state != "running"):
+            t = time.perf_counter()
+            ck = self._rpc("checkpoint", self.b.trainer.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(),
+                           DL.save_checkpoint)
+            metrics["time/checkpoint"] = time.perf_counter() - t
+            self.jobs.update(plan.job_id, checkpoint_path=ck.path, checkpoint_version=ck.version)
+        report = {"job_id": plan.job_id, "step": step, "weight_version": partial["weight_version"],
+                  "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
+                  "phase_times": {p: times.get(p, 0.0) for p in (*PHASES, "total")}}
+        self.jobs.append_report(plan.job_id, report, state)
+        self._notify()
+        log.info("job %s step %d/%d: v%d -> v%d reward %.3f accuracy %.3f token_mult_prob_error %.4f (%.2f s)",
+                 plan.job_id, step + 1, plan.total, partial["weight_version"], v1, report["reward_mean"],
+                 report["accuracy"], metrics.get("token_mult_prob_error", math.nan), times["total"])
+        return state
+
+    def _refit_wait(self, version: int) -> list[str]:
+        """Wait for every live replica's ack of ``version``; fence the late ones. Returns the fenced ids."""
+        _, missing = self.refit.wait_for_acks(version, self.settings.refit_timeout_s)
+        for rid in missing:
+            log.warning("replica %s did not ack weight version %d within %.0f s: fencing it", rid, version,
+                        self.settings.refit_timeout_s)
+            self.refit.fence(rid, version)
+        return missing
+
+    def _generate(self, plan: _Plan, prompts: list[list[int]], v: int, *, step: int, n: int,
+                  temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
+        g, seed = plan.job.raw["policy"]["generation"], plan.job.get("job.seed")
+        try:
+            return self.pool.generate(
+                prompts, v, n=n, sampling={"temperature": temperature, "top_p": g["top_p"],
+                                           "max_tokens": g["max_new_tokens"]},
+                seed_of=lambda a: sampling_seed(seed, step, a), request_id=f"{plan.job_id}-s{step}",
+                wait_s=self.settings.replica_wait_s, tick=lambda: self._check(plan.job_id, cancel=False))
+        except RolloutError as exc:
+            if exc.code is not None:
+                raise _RpcFailed("rollout", exc.code, str(exc)) from None
+            raise _Failed(f"rollout: {exc}") from None
+
+    def _score(self, plan: _Plan, pairs) -> list[float]:
+        grader = plan.job.get("reward.grader")
+        items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
+                 for p, s in pairs]
+        return list(self._rpc("reward", self.b.reward.Score, reward_pb2.ScoreRequest(items=items), DL.score).rewards)
+
+    def _evaluate(self, plan: _Plan, v: int) -> float:
+        """Greedy accuracy of the deployed rollout numerics on the job's validation set."""
+        samples = self._generate(plan, plan.prompts(plan.eval_set), v, step=0, n=1, temperature=0.0)
+        return reward_summary(self._score(plan, [(plan.eval_set[i], s) for i, s in samples]))["accuracy"]
