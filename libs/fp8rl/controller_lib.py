@@ -24,8 +24,9 @@ from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
 from fp8rl.rl import grpo_advantages
 
 __all__ = [
-    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "deployment_mismatch", "eval_problems", "group_advantages",
-    "load_job_tokenizer", "new_job_id", "problem_source", "reward_summary", "sampling_seed", "split_evenly",
+    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "check_deployment",
+    "deployment_mismatch", "eval_problems", "group_advantages", "load_job_tokenizer", "new_job_id", "problem_source",
+    "reward_summary", "sampling_seed", "split_evenly",
 ]
 
 # A sample counts as correct when its reward exceeds this (graders return 0/1; partial credit is < 1).
@@ -74,6 +75,17 @@ def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
                     f"this setting is fixed when the services start — submit the job with the deployed value, "
                     f"or redeploy the services with this job file")
     return None
+
+
+class DeploymentMismatchError(ValueError):
+    """A job asks for a model / precision recipe / setting other than the deployed services run."""
+
+
+def check_deployment(job: JobConfig, deployed: JobConfig) -> None:
+    """Raise :class:`DeploymentMismatchError` (naming the key) unless ``job`` can run on ``deployed``."""
+    why = deployment_mismatch(job, deployed)
+    if why:
+        raise DeploymentMismatchError(why)
 
 
 def problem_source(job: JobConfig) -> Callable[[int], list[Problem]]:
@@ -144,3 +156,31 @@ def new_job_id(name: str) -> str:
     if not stem[0].isalnum():
         stem = f"j{stem}"
     return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
+class JobPlan:
+    """What a job needs at every step, derived once from its config.
+
+    Attributes:
+        job_id, job: the job and its validated config.
+        total: ``job.steps``.
+        group: ``grpo.num_generations_per_prompt`` (G).
+        fp8_kv: whether the rollout runs an FP8 KV cache (then every version needs calibrated scales).
+        tok: the policy's tokenizer.
+        batch: ``batch(step)`` → the step's problems (see :func:`problem_source`).
+        eval_every, eval_set: validation cadence and problems (empty when ``job.eval_every`` is 0).
+    """
+
+    def __init__(self, job_id: str, job: JobConfig) -> None:
+        self.job_id, self.job = job_id, job
+        self.total = job.get("job.steps")
+        self.group = job.get("grpo.num_generations_per_prompt")
+        self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
+        self.tok = load_job_tokenizer(job)
+        self.batch = problem_source(job)
+        self.eval_every = job.get("job.eval_every")
+        self.eval_set = eval_problems(job) if self.eval_every else []
+
+    def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:
+        """Prompt token ids (with BOS, without EOS) of ``problems``."""
+        return [self.tok.encode(p.prompt) for p in problems]

@@ -1,1 +1,1 @@
-"""fp8rl service package (see DESIGN §1); servers land with the services issue."""
+"""Controller: accepts GRPO jobs (JobService) and drives them one step at a time over gRPC (DESIGN §1-§3)."""

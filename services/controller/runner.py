@@ -47,16 +47,7 @@ import grpc
 import redis
 
 from fp8rl.config import JobConfig, parse_job_config
-from fp8rl.controller_lib import (
-    deployment_mismatch,
-    eval_problems,
-    group_advantages,
-    load_job_tokenizer,
-    new_job_id,
-    problem_source,
-    reward_summary,
-    sampling_seed,
-)
+from fp8rl.controller_lib import JobPlan, check_deployment, group_advantages, new_job_id, reward_summary, sampling_seed
 from fp8rl.jobstore import JobRecord, JobStore
 from fp8rl.refit import RefitStore
 from fp8rl.rollout_pool import RolloutError, RolloutPool
@@ -65,14 +56,10 @@ from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
 
 log = logging.getLogger("fp8rl.controller")
 
-__all__ = ["PHASES", "Backends", "DeploymentMismatchError", "JobRunner", "RunnerSettings"]
+__all__ = ["PHASES", "Backends", "JobRunner", "RunnerSettings"]
 
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-class DeploymentMismatchError(ValueError):
-    """The job asks for a model / recipe / setting other than the deployed services run."""
 
 
 class _Failed(Exception):
@@ -122,23 +109,6 @@ class Backends:
     rollout: Callable[[str], object]  # endpoint -> RolloutServiceStub
 
 
-class _Plan:
-    """What one job needs at every step, derived once from its config."""
-
-    def __init__(self, job_id: str, job: JobConfig) -> None:
-        self.job_id, self.job = job_id, job
-        self.total = job.get("job.steps")
-        self.group = job.get("grpo.num_generations_per_prompt")
-        self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
-        self.tok = load_job_tokenizer(job)
-        self.batch = problem_source(job)
-        self.eval_every = job.get("job.eval_every")
-        self.eval_set = eval_problems(job) if self.eval_every else []
-
-    def prompts(self, problems) -> list[list[int]]:
-        return [self.tok.encode(p.prompt) for p in problems]
-
-
 class JobRunner:
     """Queue, state machine and watch streams of the controller's jobs (the servicer is a thin shell)."""
 
@@ -155,9 +125,7 @@ class JobRunner:
     def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
         """Validate and enqueue. Raises ConfigError, DeploymentMismatchError, ValueError (bad id), JobExistsError."""
         job = parse_job_config(job_yaml)
-        why = deployment_mismatch(job, self.deployed)
-        if why:
-            raise DeploymentMismatchError(why)
+        check_deployment(job, self.deployed)
         rec = self.jobs.create(job_id or new_job_id(job.get("job.name")), job_yaml, job.get("job.steps"))
         log.info("job %s submitted (%d steps)", rec.job_id, rec.total_steps)
         self._notify()
@@ -231,7 +199,7 @@ class JobRunner:
     def _run(self, job_id: str) -> None:
         attempts = 0
         try:
-            plan = _Plan(job_id, parse_job_config(self.jobs.config_text(job_id)))
+            plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)))
             while True:
                 try:
                     return self._advance(plan)
@@ -257,7 +225,7 @@ class JobRunner:
             self._notify()
 
     # -- one job -------------------------------------------------------------------------------
-    def _advance(self, plan: _Plan) -> None:
+    def _advance(self, plan: JobPlan) -> None:
         step = self._reconcile(plan)
         rec = self.get(plan.job_id)
         if rec.terminal:
@@ -273,13 +241,13 @@ class JobRunner:
                 return
             step += 1
 
-    def _reconcile(self, plan: _Plan) -> int:
+    def _reconcile(self, plan: JobPlan) -> int:
         """The next step to run, after matching the job's record with the version the trainer holds."""
         rec = self.get(plan.job_id)
         status = self._rpc("status", self.b.trainer.Status, trainer_pb2.TrainerStatusRequest(), DL.status)
         if status.recipe != self.deployed.recipe:
             raise _Failed(f"the trainer runs recipe {status.recipe}, but the controller was deployed for "
-                          f"{self.deployed.recipe}: the services and the controller were started with different job files")
+                          f"{self.deployed.recipe}: the services were started with different job files")
         held, n = status.version, rec.steps_done
         if rec.base_version is None:
             self.jobs.update(plan.job_id, base_version=held - n)
@@ -320,7 +288,7 @@ class JobRunner:
             raise _RpcFailed(phase, err.code(), err.details()) from None
 
     # -- one step ------------------------------------------------------------------------------
-    def _first_half(self, plan: _Plan, step: int, v: int) -> dict:
+    def _first_half(self, plan: JobPlan, step: int, v: int) -> dict:
         """rollout → reward → TrainStep; the result is saved as ``inflight`` before anything else."""
         t0, times = time.time(), {}
         self._check(plan.job_id)
@@ -350,7 +318,7 @@ class JobRunner:
         self.jobs.set_inflight(plan.job_id, partial)
         return partial
 
-    def _finish(self, plan: _Plan, partial: dict) -> str:
+    def _finish(self, plan: JobPlan, partial: dict) -> str:
         """calibrate → refit → (eval, checkpoint) → record the report; returns the job's state after it."""
         step, v1, times = partial["step"], partial["new_version"], dict(partial["phase_times"])
         self._check(plan.job_id, cancel=False)
@@ -396,7 +364,7 @@ class JobRunner:
             self.refit.fence(rid, version)
         return missing
 
-    def _generate(self, plan: _Plan, prompts: list[list[int]], v: int, *, step: int, n: int,
+    def _generate(self, plan: JobPlan, prompts: list[list[int]], v: int, *, step: int, n: int,
                   temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
         g, seed = plan.job.raw["policy"]["generation"], plan.job.get("job.seed")
         try:
@@ -410,13 +378,13 @@ class JobRunner:
                 raise _RpcFailed("rollout", exc.code, str(exc)) from None
             raise _Failed(f"rollout: {exc}") from None
 
-    def _score(self, plan: _Plan, pairs) -> list[float]:
+    def _score(self, plan: JobPlan, pairs) -> list[float]:
         grader = plan.job.get("reward.grader")
         items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
                  for p, s in pairs]
         return list(self._rpc("reward", self.b.reward.Score, reward_pb2.ScoreRequest(items=items), DL.score).rewards)
 
-    def _evaluate(self, plan: _Plan, v: int) -> float:
+    def _evaluate(self, plan: JobPlan, v: int) -> float:
         """Greedy accuracy of the deployed rollout numerics on the job's validation set."""
         samples = self._generate(plan, plan.prompts(plan.eval_set), v, step=0, n=1, temperature=0.0)
         return reward_summary(self._score(plan, [(plan.eval_set[i], s) for i, s in samples]))["accuracy"]

@@ -161,13 +161,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return out, has_gen
 
     def _batch(self, samples: list[Sample], advantages: list[float]) -> TrainBatch:
-        # build_train_batch pads and masks the rows but derives advantages from rewards; the controller
-        # sends them precomputed. So: zero rewards as one group (>= 2 rows for its leave-one-out check),
-        # cut back to the real rows, and carry the rows' own advantages.
-        padded = samples if len(samples) > 1 else samples * 2
-        b = build_train_batch(padded, torch.zeros(len(padded)), len(padded), self.s.pad_id).slice(0, len(samples))
-        return TrainBatch(b.input_ids, b.attention_mask, b.loss_mask,
-                          torch.tensor(advantages, dtype=torch.float32), b.gen_logprobs)
+        # The controller sends advantages precomputed (GRPO groups are its business, not the trainer's).
+        return build_train_batch(samples, None, 1, self.s.pad_id,
+                                 advantages=torch.tensor(advantages, dtype=torch.float32))
 
     def _publish(self) -> float:
         try:

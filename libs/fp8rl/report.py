@@ -1,0 +1,182 @@
+"""The report directory of a GRPO run: ``metrics.jsonl``, ``summary.md``, PNG plots and TensorBoard events.
+
+:func:`write_report` takes the per-step dicts of either producer and writes::
+
+    OUT/metrics.jsonl                one flat JSON row per step (the input, normalised)
+    OUT/summary.md                   headline table: first/last reward and accuracy, mean
+                                     token_mult_prob_error, calibrate share of step time, phase means
+    OUT/reward.png accuracy.png token_mult_prob_error.png phase_times.png (stacked per phase)
+    OUT/tensorboard/events.out.tfevents.*   every numeric column as a scalar, x = step
+
+Accepted step dicts: the controller's step reports (``{"step", "weight_version", "reward_mean",
+"accuracy", "metrics": {...}, "phase_times": {...}}``, as the SDK and Redis hold them) and
+:mod:`fp8rl.loop`'s flat rows (``"time/rollout"``, ... ``"time/step"``). Both become one flat row
+with ``time/<phase>`` and ``time/total`` columns.
+
+Plots need ``matplotlib`` (Agg backend, no display) and events need ``tensorboard`` (written with
+``torch.utils.tensorboard.SummaryWriter``); when one is missing that part is skipped and
+``summary.md`` says so. NaN values (e.g. a step recovered without its rollout data) are left out of
+means and plots.
+
+``python -m fp8rl.report METRICS.jsonl OUT_DIR`` rebuilds a report from a metrics file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PHASES", "flatten_step", "summarize", "write_report", "main"]
+
+PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
+_PLOTS = (("reward_mean", "reward.png", "mean reward"), ("accuracy", "accuracy.png", "accuracy"),
+          ("token_mult_prob_error", "token_mult_prob_error.png", "token_mult_prob_error (1.0 = identical)"))
+
+
+def flatten_step(step: Mapping[str, Any]) -> dict[str, Any]:
+    """One flat row from a controller step report or a :mod:`fp8rl.loop` row (see the module docstring)."""
+    row = {k: v for k, v in step.items() if k not in ("metrics", "phase_times")}
+    row.update(step.get("metrics") or {})
+    for phase, seconds in (step.get("phase_times") or {}).items():
+        row[f"time/{phase}"] = seconds
+    if "time/total" not in row and "time/step" in row:  # fp8rl.loop names the whole step "time/step"
+        row["time/total"] = row.pop("time/step")
+    return row
+
+
+def _finite(values: Iterable[Any]) -> list[float]:
+    return [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    vals = _finite(r.get(key) for r in rows)
+    return statistics.fmean(vals) if vals else math.nan
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    """Headline numbers of flat rows: first/last reward and accuracy, means, the calibrate share."""
+    first = next((r for r in rows if math.isfinite(r.get("reward_mean", math.nan))), {})
+    last = next((r for r in reversed(rows) if math.isfinite(r.get("reward_mean", math.nan))), {})
+    total = sum(_finite(r.get("time/total") for r in rows))
+    out = {
+        "steps": float(len(rows)),
+        "reward_first": first.get("reward_mean", math.nan), "reward_last": last.get("reward_mean", math.nan),
+        "accuracy_first": first.get("accuracy", math.nan), "accuracy_last": last.get("accuracy", math.nan),
+        "token_mult_prob_error_mean": _mean(rows, "token_mult_prob_error"),
+        "calibrate_share": sum(_finite(r.get("time/calibrate") for r in rows)) / total if total > 0 else math.nan,
+        "step_seconds_mean": _mean(rows, "time/total"),
+    }
+    out.update({f"phase_seconds/{p}": _mean(rows, f"time/{p}") for p in PHASES})
+    return out
+
+
+def _fmt(x: float, spec: str = ".4f", unit: str = "") -> str:
+    return "n/a" if not math.isfinite(x) else format(x, spec) + unit
+
+
+def _summary_md(s: dict[str, float], title: str, notes: list[str]) -> str:
+    lines = [f"# {title}", "", f"{int(s['steps'])} steps.", "", "| metric | value |", "|---|---|",
+             f"| reward (first → last step) | {_fmt(s['reward_first'], '.3f')} → {_fmt(s['reward_last'], '.3f')} |",
+             f"| accuracy (first → last step) | {_fmt(s['accuracy_first'], '.3f')} → "
+             f"{_fmt(s['accuracy_last'], '.3f')} |",
+             f"| mean token_mult_prob_error | {_fmt(s['token_mult_prob_error_mean'], '.5f')} |",
+             f"| calibrate share of step time | {_fmt(100 * s['calibrate_share'], '.2f', ' %')} (target ≤ 2 %) |",
+             f"| mean step time | {_fmt(s['step_seconds_mean'], '.2f', ' s')} |",
+             "", "| phase | mean seconds | share of step |", "|---|---|---|"]
+    for p in PHASES:
+        sec, total = s[f"phase_seconds/{p}"], s["step_seconds_mean"]
+        share = 100 * sec / total if math.isfinite(sec) and total and math.isfinite(total) else math.nan
+        lines.append(f"| {p} | {_fmt(sec, '.3f')} | {_fmt(share, '.1f', ' %')} |")
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    for key, name, label in _PLOTS:
+        pts = [(r["step"], r[key]) for r in rows if _finite([r.get(key)])]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", markersize=3)
+        ax.set(xlabel="step", ylabel=label, title=label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for p in PHASES:
+        vals = [v if math.isfinite(v) else 0.0 for v in (float(r.get(f"time/{p}", 0.0) or 0.0) for r in rows)]
+        ax.bar(steps, vals, bottom=bottom, label=p, width=0.85)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set(xlabel="step", ylabel="seconds", title="time per phase")
+    ax.legend(fontsize="small", ncol=4)
+    fig.tight_layout()
+    fig.savefig(out / "phase_times.png", dpi=100)
+    plt.close(fig)
+
+
+def _tensorboard(rows: list[dict], out: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+    writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+    try:
+        for r in rows:
+            for key, value in r.items():
+                if key != "step" and _finite([value]):
+                    writer.add_scalar(key, float(value), global_step=int(r["step"]))
+    finally:
+        writer.close()
+
+
+def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, title: str = "GRPO run") -> Path:
+    """Write the report directory of ``steps`` (see the module docstring) into ``out_dir``; returns it.
+
+    ``python -m fp8rl.loop --out DIR`` can call ``write_report(result["steps"], DIR)``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [flatten_step(s) for s in steps]
+    for i, r in enumerate(rows):
+        r.setdefault("step", i)
+    with open(out / "metrics.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    notes = []
+    for what, fn, package in (("plots", _plots, "matplotlib"), ("TensorBoard events", _tensorboard, "tensorboard")):
+        try:
+            fn(rows, out)
+        except ImportError as exc:
+            log.warning("report: no %s (%s); pip install %s", what, exc, package)
+            notes.append(f"{what} skipped: `{package}` is not installed (`pip install {package}`)")
+    (out / "summary.md").write_text(_summary_md(summarize(rows), title, notes))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp8rl.report", description="Write a GRPO report directory.")
+    ap.add_argument("metrics", help="metrics.jsonl (one step per line: a step report or an fp8rl.loop row)")
+    ap.add_argument("out", help="report directory to write")
+    ap.add_argument("--title", default="GRPO run")
+    args = ap.parse_args(argv)
+    steps = [json.loads(line) for line in Path(args.metrics).read_text().splitlines() if line.strip()]
+    print(write_report(steps, args.out, title=args.title))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
