@@ -1,0 +1,205 @@
+"""JobService end to end: a stack started by ``deploy.launcher up``, driven with the SDK, stopped by ``down``.
+
+The tests run in file order on one stack: a 2-step job (the first, so the trainer starts at v0, and
+its numbers must equal the in-process loop's), rejected submissions, a cancelled job, a controller
+killed mid-job and restarted, and finally ``down``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+import redis
+import yaml
+
+from fp8rl.config import ConfigError
+from fp8rl.jobstore import JobStore
+from fp8rl.loop import LoopConfig, run
+from fp8rl.rpc import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from fp8rl.rpc.channel import make_channel
+from fp8rl.sdk import Fp8rlClient
+
+from .conftest import REPO, launcher
+
+pytestmark = pytest.mark.integration
+
+WATCH_S = 60.0
+
+
+def _client(stack) -> Fp8rlClient:
+    return Fp8rlClient(stack.target, token="", tls_ca="", timeout_s=30)
+
+
+def _submit_raw(stack, job_yaml: str) -> tuple[grpc.StatusCode, str]:
+    stub = controller_pb2_grpc.JobServiceStub(make_channel(stack.target, token="", tls_ca=""))
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.SubmitJob(controller_pb2.SubmitJobRequest(job_yaml=job_yaml), timeout=30)
+    return ei.value.code(), ei.value.details()
+
+
+def test_two_step_job_end_to_end_matches_the_in_process_loop(stack):
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_file)
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        info = c.get_job(job_id)
+        assert [j.job_id for j in c.list_jobs()] == [job_id]
+    assert (info.state, info.step, info.total_steps, info.error) == ("succeeded", 2, 2, "")
+    assert [(r.step, r.weight_version, r.state) for r in reports] == [(0, 0, "running"), (1, 1, "succeeded")]
+    for r in reports:
+        assert 1.0 <= r.token_mult_prob_error < 1.5
+        assert {"gen_kl_k3", "train/loss", "refit/fenced"} <= set(r.metrics)
+        pt = r.phase_times
+        assert min(pt.rollout, pt.reward, pt.logprobs, pt.train, pt.publish, pt.calibrate, pt.refit) > 0
+        assert pt.total >= pt.rollout + pt.train + pt.calibrate
+    assert sorted(p.name for p in (stack.run_dir / "checkpoints").iterdir()) == ["trainer-v000001.pt",
+                                                                                "trainer-v000002.pt"]
+
+    # The controller runs exactly the in-process loop's phases, data and seeds: same numbers.
+    loop = run(LoopConfig(model=str(stack.model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=2,
+                          prompts_per_step=4, group_size=2, max_tokens=4, lr=0.01, micro_batch_size=8,
+                          calibration_max_sequences=4, eval_size=2, seed=0), progress=False)["steps"]
+    for r, h in zip(reports, loop, strict=True):
+        assert r.reward_mean == pytest.approx(h["reward_mean"])
+        assert r.metrics["response_len"] == pytest.approx(h["response_len"])
+        assert r.token_mult_prob_error == pytest.approx(h["token_mult_prob_error"], rel=1e-4)
+
+
+def test_unknown_key_is_invalid_argument_naming_it(stack):
+    job = yaml.safe_load(stack.job_yaml())
+    job["grpo"]["bogus_key"] = 3
+    code, details = _submit_raw(stack, yaml.safe_dump(job))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "grpo.bogus_key" in details
+    code, details = _submit_raw(stack, "job: [unclosed")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "YAML" in details
+    with _client(stack) as c, pytest.raises(ConfigError, match="grpo.bogus_key"):  # the SDK refuses before any RPC
+        c.submit_job(yaml.safe_dump(job))
+
+
+def test_job_for_another_model_or_recipe_is_failed_precondition(stack):
+    job = yaml.safe_load(stack.job_yaml())
+    job["policy"]["model"] = "tiny-arith"
+    code, details = _submit_raw(stack, yaml.safe_dump(job))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "policy.model" in details
+    job = yaml.safe_load(stack.job_yaml())
+    job["policy"]["training"]["megatron_cfg"]["fp8_cfg"]["enabled"] = False
+    code, details = _submit_raw(stack, yaml.safe_dump(job))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "fp8_gen_only" in details and "fp8_e2e" in details
+    with _client(stack) as c:
+        assert all(j.state == "succeeded" for j in c.list_jobs())  # nothing was enqueued
+
+
+def test_cancel_stops_a_running_job(stack):
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_yaml(steps=500), job_id="to-cancel")
+        seen = []
+        for r in c.watch(job_id, timeout_s=WATCH_S):
+            seen.append(r.step)
+            if len(seen) == 1:
+                info = c.cancel_job(job_id, "test")
+                assert info.state == "cancelled" and info.step < 500
+        final = c.get_job(job_id)
+        assert (final.state, final.step) == ("cancelled", len(seen)) and final.step < 500
+        assert c.cancel_job(job_id).state == "cancelled"  # cancelling a terminal job is a no-op
+        assert [j.job_id for j in c.list_jobs(state="cancelled")] == ["to-cancel"]
+        time.sleep(1.0)
+        assert c.get_job(job_id).step == final.step  # and it stays stopped
+
+
+def _trainer(stack):
+    target = f"127.0.0.1:{stack.process('trainer')['port']}"
+    return trainer_pb2_grpc.TrainerServiceStub(make_channel(target, token="", tls_ca=""))
+
+
+def _restart_controller(stack, ctl: dict) -> None:
+    cmd = list(ctl["cmd"])
+    cmd[cmd.index("--port") + 1] = str(ctl["port"])  # same address: clients keep their target
+    with open(ctl["log"], "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    info = stack.info
+    next(p for p in info["processes"] if p["name"] == "controller")["pid"] = proc.pid  # so that `down` stops it
+    (stack.run_dir / "stack.json").write_text(json.dumps(info))
+
+
+def _kill_with_step_half_done(stack, job_id: str, base: int, *, save_inflight: bool) -> tuple[int, bool]:
+    """SIGKILL the controller; if the step in flight had not reached TrainStep yet, train it by hand so the
+    trainer is one version ahead of the finished steps — with the step's data saved (``save_inflight``)
+    as the controller does right after TrainStep, or lost. Returns (finished steps, whether forced)."""
+    os.kill(stack.process("controller")["pid"], signal.SIGKILL)
+    time.sleep(0.3)
+    jobs = JobStore(redis.Redis.from_url(stack.info["redis_url"]))
+    done, trainer = jobs.get(job_id).steps_done, _trainer(stack)
+    held = trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version
+    assert held in (base + done, base + done + 1)
+    if held == base + done + 1:
+        return done, False
+    rows = [trainer_pb2.Sequence(prompt_ids=[1, 40, 41], response_ids=[42, 2], gen_logprobs=[-1.0, -1.0],
+                                 advantage=a) for a in (0.5, -0.5)]
+    assert trainer.TrainStep(trainer_pb2.TrainStepRequest(expected_version=held, rows=rows), timeout=30).new_version \
+        == held + 1
+    jobs.set_inflight(job_id, {"step": done, "weight_version": held, "new_version": held + 1, "reward_mean": 0.25,
+                               "accuracy": 0.5, "metrics": {"marker": 7.0}, "phase_times": {"rollout": 0.1},
+                               "started_unix": time.time(), "sequences": [[1, 40, 41, 42, 2]]}
+                      if save_inflight else None)
+    return done, True
+
+
+def _wait_steps(stack, job_id: str, n: int, timeout: float = WATCH_S) -> None:
+    jobs, deadline = JobStore(redis.Redis.from_url(stack.info["redis_url"])), time.monotonic() + timeout
+    while jobs.get(job_id).steps_done < n:
+        assert time.monotonic() < deadline, f"job {job_id} did not finish {n} steps in {timeout} s"
+        time.sleep(0.02)
+
+
+def test_controller_killed_mid_job_resumes_and_finishes_the_half_done_step(stack):
+    steps = 10
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_yaml(steps=steps, checkpoint_every=0), job_id="resumed")
+        base = next(iter(c.watch(job_id, timeout_s=WATCH_S))).weight_version  # step 0 done, step 1 in flight
+        lost, forced_lost = _kill_with_step_half_done(stack, job_id, base, save_inflight=False)
+        _restart_controller(stack, stack.process("controller"))
+        _wait_steps(stack, job_id, lost + 2)  # straight from Redis: the SDK's reconnect backoff is slower
+        saved, forced_saved = _kill_with_step_half_done(stack, job_id, base, save_inflight=True)
+        assert saved < steps
+        _restart_controller(stack, stack.process("controller"))
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        final = c.get_job(job_id)
+    assert final.state == "succeeded", final.error
+    assert [r.step for r in reports] == list(range(steps))
+    assert [r.weight_version for r in reports] == list(range(base, base + steps))  # none skipped or repeated
+    assert _trainer(stack).Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version == base + steps
+    by_step = {r.step: r for r in reports}
+    if forced_lost:  # trained, data lost: recorded without rollout figures
+        assert by_step[lost].metrics["recovered_without_rollout"] == 1 and math.isnan(by_step[lost].reward_mean)
+    if forced_saved:  # trained, data saved: finished from calibrate + refit with the saved figures
+        r = by_step[saved]
+        assert (r.metrics["marker"], r.reward_mean, r.accuracy, r.phase_times.rollout) == (7.0, 0.25, 0.5, 0.1)
+        assert r.phase_times.calibrate > 0 and "recovered_without_rollout" not in r.metrics
+    recovered = [r.step for r in reports if r.metrics.get("recovered_without_rollout")]
+    assert set(recovered) <= {lost, saved}
+    assert all(math.isnan(r.reward_mean) == (r.step in recovered) for r in reports)
+
+
+def test_down_stops_every_process(stack):
+    pids = [p["pid"] for p in stack.info["processes"]]
+    res = launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert stack.info.get("stopped") is True
+    for pid in pids:
+        assert not _alive(pid), f"pid {pid} still running after down"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    stat = f"/proc/{pid}/stat"
+    return not (os.path.exists(stat) and open(stat).read().rsplit(")", 1)[-1].split()[0] == "Z")
+
