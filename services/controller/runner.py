@@ -240,6 +240,7 @@ class JobRunner:
             if self._finish(plan, self._first_half(plan, step, rec.base_version + step)) != "running":
                 return
             step += 1
+        self.jobs.transition(plan.job_id, "succeeded", ("running",))  # all steps were already recorded
 
     def _reconcile(self, plan: JobPlan) -> int:
         """The next step to run, after matching the job's record with the version the trainer holds."""

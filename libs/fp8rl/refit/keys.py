@@ -124,6 +124,14 @@ class Keys:
         """``job:config`` — the job's validated config bytes."""
         return f"{self.prefix}job:config"
 
+    def job_info(self) -> str:
+        """``job:info`` — hash of the controller's bookkeeping fields for this job."""
+        return f"{self.prefix}job:info"
+
+    def job_reports(self) -> str:
+        """``job:reports`` — list of JSON step reports, index == step."""
+        return f"{self.prefix}job:reports"
+
     @staticmethod
     def jobs_index() -> str:
         """``fp8rl:jobs`` — the global set of job ids (outside any job's namespace)."""

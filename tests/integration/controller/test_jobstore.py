@@ -1,0 +1,102 @@
+"""fp8rl.jobstore on a real Redis, and the controller's pure helpers (fp8rl.controller_lib)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis
+
+from fp8rl.config import parse_job_config
+from fp8rl.controller_lib import deployment_mismatch, new_job_id, sampling_seed, split_evenly
+from fp8rl.jobstore import JobExistsError, JobStore
+from fp8rl.refit.keys import validate_job_id
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def jobs(redis_url) -> JobStore:
+    return JobStore(redis.Redis.from_url(redis_url))
+
+
+def test_create_get_list_and_duplicate(jobs, job_id):
+    rec = jobs.create(job_id, "job: {steps: 3}\n", 3)
+    assert (rec.state, rec.steps_done, rec.total_steps, rec.base_version) == ("pending", 0, 3, None)
+    assert jobs.config_text(job_id) == "job: {steps: 3}\n"
+    with pytest.raises(JobExistsError, match=job_id):
+        jobs.create(job_id, "", 1)
+    with pytest.raises(ValueError, match="invalid job id"):
+        jobs.create("bad id!", "", 1)
+    assert jobs.get("no-such-job") is None and jobs.get("bad:id") is None
+    later = jobs.create(job_id + "-b", "", 1)
+    listed = [r.job_id for r in jobs.list() if r.job_id.startswith(job_id)]
+    assert listed == [later.job_id, job_id]  # newest first
+    assert [r.job_id for r in jobs.in_state("pending") if r.job_id.startswith(job_id)] == [job_id, later.job_id]
+
+
+def test_transition_is_compare_and_set(jobs, job_id):
+    jobs.create(job_id, "", 1)
+    wins = []
+    barrier = threading.Barrier(8)
+
+    def race(to: str) -> None:
+        barrier.wait()
+        wins.append((to, jobs.transition(job_id, to, ("pending",))))
+
+    threads = [threading.Thread(target=race, args=("running" if i % 2 else "cancelled",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [to for to, won in wins if won]
+    assert len(winners) == 1 and jobs.get(job_id).state == winners[0]
+    assert not jobs.transition(job_id, "failed", ("pending",))
+
+
+def test_reports_are_appended_in_order_with_the_state(jobs, job_id):
+    jobs.create(job_id, "", 3)
+    jobs.set_inflight(job_id, {"step": 0, "sequences": [[1, 2]]})
+    assert jobs.inflight(job_id)["sequences"] == [[1, 2]]
+    jobs.append_report(job_id, {"step": 0, "reward_mean": 0.5}, "running")
+    assert jobs.inflight(job_id) is None  # a recorded step is no longer in flight
+    with pytest.raises(ValueError, match="step 2 cannot be recorded after 1"):
+        jobs.append_report(job_id, {"step": 2}, "running")
+    jobs.append_report(job_id, {"step": 1, "reward_mean": float("nan")}, "succeeded")
+    rec = jobs.get(job_id)
+    assert (rec.state, rec.steps_done, rec.terminal) == ("succeeded", 2, True)
+    assert [r["state"] for r in jobs.reports(job_id)] == ["running", "succeeded"]
+    assert [r["step"] for r in jobs.reports(job_id, from_step=1)] == [1]
+    jobs.truncate_reports(job_id, 1)
+    assert jobs.get(job_id).steps_done == 1
+
+
+def test_cancel_request_and_bookkeeping(jobs, job_id):
+    jobs.create(job_id, "", 3)
+    assert not jobs.get(job_id).cancel_requested
+    jobs.request_cancel(job_id, "because")
+    jobs.update(job_id, base_version=4, checkpoint_path="/x", checkpoint_version=6)
+    rec = jobs.get(job_id)
+    assert (rec.cancel_reason, rec.base_version, rec.checkpoint_path, rec.checkpoint_version) == ("because", 4, "/x", 6)
+
+
+def test_split_seed_and_ids():
+    assert split_evenly(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert split_evenly(2, 5) == [(0, 1), (1, 2)]
+    assert split_evenly(0, 2) == []
+    assert sampling_seed(0, 7, 0) == 7  # one replica: the in-process loop's per-step seed
+    assert len({sampling_seed(1, 2, a) for a in (0, 4, 8)}) == 3
+    for name in ("my job!", "___", "a" * 100, "tiny-arith-fp8"):
+        validate_job_id(new_job_id(name))
+    assert new_job_id("x") != new_job_id("x")
+
+
+def test_deployment_mismatch_names_the_key():
+    deployed = parse_job_config({"policy": {"model": "/m"}})
+    assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, "job": {"steps": 3},
+                                                 "grpo": {"num_prompts_per_step": 2}}), deployed) is None
+    why = deployment_mismatch(parse_job_config({"policy": {"model": "/m", "training": {"lr": 0.1}}}), deployed)
+    assert why.startswith("policy.training.lr:")
+    why = deployment_mismatch(parse_job_config({"policy": {"model": "/m", "generation": {
+        "vllm_cfg": {"kv_cache_dtype": "auto"}}}}), deployed)
+    assert "kv_cache_dtype=auto" in why and "kv_cache_dtype=fp8" in why
