@@ -117,11 +117,14 @@ def quantize_blockwise(
     """
     if w.dim() != 2:
         raise ValueError(f"quantize_blockwise expects a 2-D weight, got shape {tuple(w.shape)} ({name or 'tensor'})")
-    check_finite(w, name)
     bm, bn = block_size
     m, n = w.shape
-    if m % bm == 0 and n % bn == 0 and w.is_contiguous():
-        return _blockwise_chunked(w, bm, bn, pow2_scale)
+    if m % bm == 0 and n % bn == 0 and w.is_contiguous() and w.numel() > 0:
+        q, scale, finite = _blockwise_chunked(w, bm, bn, pow2_scale)
+        if not finite:  # NaN/Inf reach the block amax; name the tensor with the full check
+            check_finite(w, name)
+        return q, scale
+    check_finite(w, name)
     wp = _pad_to(w.float(), {0: bm, 1: bn})
     mb, nb = wp.shape[0] // bm, wp.shape[1] // bn
     tiles = wp.view(mb, bm, nb, bn)  # (Mb, bm, Nb, bn)
@@ -136,21 +139,27 @@ def _blockwise_chunked(w: torch.Tensor, bm: int, bn: int, pow2_scale: bool):
 
     Working on ``bm`` rows at a time keeps every pass (amax, divide, clamp, cast) in cache and
     avoids allocating full-size temporaries; on CPU this is ~4x faster than the one-shot version.
+    Also returns whether every element was finite (read off the block amaxes, no extra pass).
     """
     m, n = w.shape
     nb = n // bn
     q = torch.empty(m, n, dtype=E4M3, device=w.device)
     scale = torch.empty(m // bm, nb, dtype=torch.float32, device=w.device)
     buf = torch.empty(bm, nb, bn, dtype=torch.float32, device=w.device)
+    upcast = w.dtype != torch.float32  # BF16 input: one upcast into the buffer beats mixed-dtype ops
+    finite = torch.ones((), dtype=torch.bool, device=w.device)
     for i in range(m // bm):
         tiles = w[i * bm:(i + 1) * bm].view(bm, nb, bn)  # (bm, Nb, bn)
+        if upcast:
+            tiles = buf.copy_(tiles)
         # reduce the contiguous dim first: torch's strided amax over dims (0, 2) is ~50x slower
-        amax = torch.maximum(tiles.amax(dim=-1), tiles.amin(dim=-1).neg()).amax(dim=0).float()  # (Nb,)
+        amax = torch.maximum(tiles.amax(dim=-1), tiles.amin(dim=-1).neg()).amax(dim=0)  # (Nb,)
+        finite &= torch.isfinite(amax).all()  # amax/maximum propagate NaN, so this sees every element
         s = compute_scale(amax, pow2_scale=pow2_scale)
         scale[i] = s
         torch.div(tiles, s[None, :, None], out=buf)
         q[i * bm:(i + 1) * bm].view(bm, nb, bn).copy_(buf.clamp_(-E4M3_MAX, E4M3_MAX))
-    return q, scale
+    return q, scale, bool(finite)
 
 
 def dequantize_blockwise(
@@ -213,13 +222,16 @@ def _per_token_group_chunked(x: torch.Tensor, group_size: int, pow2_scale: bool)
     scale = torch.empty(r, g, dtype=torch.float32, device=x.device)
     step = max(1, _CHUNK_ELEMS // k)
     buf = torch.empty(min(step, r), g, group_size, dtype=torch.float32, device=x.device)
+    upcast = x.dtype != torch.float32
     for i in range(0, r, step):
         chunk = rows[i:i + step]
         n = chunk.shape[0]
-        amax = torch.maximum(chunk.amax(dim=-1), chunk.amin(dim=-1).neg()).float()  # (n, G)
+        b = buf[:n]
+        if upcast:
+            chunk = b.copy_(chunk)
+        amax = torch.maximum(chunk.amax(dim=-1), chunk.amin(dim=-1).neg())  # (n, G)
         s = compute_scale(amax, pow2_scale=pow2_scale)
         scale[i:i + n] = s
-        b = buf[:n]
         torch.div(chunk, s.unsqueeze(-1), out=b)
         q[i:i + n].copy_(b.clamp_(-E4M3_MAX, E4M3_MAX))
     return q.view(x.shape), scale.view(*x.shape[:-1], g)
