@@ -189,13 +189,16 @@ class Attention(nn.Module):
             k_att, v_att = k_st.to(dtype), v_st.to(dtype)
 
         rep = H // Hkv  # GQA: query head h reads kv head h // rep
-        qg = q.float().reshape(B, Hkv, rep, T, D)  # (B, Hkv, rep, T, D): heads grouped by their kv head
-        scores = torch.matmul(qg, k_att.float().unsqueeze(2).transpose(-2, -1)) * (D**-0.5)  # (B, Hkv, rep, T, S)
+        S = k_att.shape[2]
+        # One plain batched GEMM per kv head: its rep query heads stacked along the rows.
+        qg = q.float().reshape(B * Hkv, rep * T, D)  # (B*Hkv, rep*T, D)
+        kg = k_att.float().reshape(B * Hkv, S, D)  # (B*Hkv, S, D)
+        scores = torch.bmm(qg, kg.transpose(1, 2)).view(B, Hkv, rep, T, S) * (D**-0.5)  # (B, Hkv, rep, T, S)
         p = F.softmax(scores + mask.unsqueeze(1), dim=-1)
         if quant is not None:
             p = quant.round_probs(p)
-        out = torch.matmul(p, v_att.float().unsqueeze(2))  # (B, Hkv, rep, T, D)
-        out = out.reshape(B, H, T, D).to(dtype).transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        out = torch.bmm(p.reshape(B * Hkv, rep * T, S), v_att.float().reshape(B * Hkv, S, D))  # (B*Hkv, rep*T, D)
+        out = out.view(B, H, T, D).to(dtype).transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
 
     def _through_cache(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
