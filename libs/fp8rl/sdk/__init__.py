@@ -4,7 +4,7 @@
 
     from fp8rl.sdk import Fp8rlClient
 
-    with Fp8rlClient("controller:50051", token="...") as client:
+    with Fp8rlClient("controller:50050", token="...") as client:
         job_id = client.submit_job("job.yaml")          # validated locally first (ConfigError)
         for report in client.watch(job_id):             # StepReport per finished step
             print(report.step, report.reward_mean, report.token_mult_prob_error)

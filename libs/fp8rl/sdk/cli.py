@@ -10,7 +10,7 @@ Usage::
     fp8rl cancel JOB_ID [--reason TEXT]             stop a job after its current step
     fp8rl up|down [ARGS ...]                        start/stop the local stack (delegates to deploy.launcher)
 
-The target comes from ``--target``, else ``$FP8RL_TARGET``, else ``localhost:50051``; the token
+The target comes from ``--target``, else ``$FP8RL_TARGET``, else ``localhost:50050``; the token
 from ``--token``, else ``$FP8RL_AUTH_TOKEN``.
 
 Exit codes: 0 success; 2 bad input (invalid job file, unknown job, id taken, bad arguments);

@@ -51,7 +51,7 @@ from .types import (
 __all__ = ["DEFAULT_TARGET", "ENV_TARGET", "Fp8rlClient", "load_job_text", "resolve_target"]
 
 ENV_TARGET = "FP8RL_TARGET"
-DEFAULT_TARGET = "localhost:50051"
+DEFAULT_TARGET = "localhost:50050"
 
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _ERRORS: dict[grpc.StatusCode, type[Fp8rlError]] = {
@@ -65,7 +65,7 @@ _ERRORS: dict[grpc.StatusCode, type[Fp8rlError]] = {
 
 
 def resolve_target(target: str | None) -> str:
-    """``target`` if given, else ``$FP8RL_TARGET``, else ``localhost:50051``."""
+    """``target`` if given, else ``$FP8RL_TARGET``, else ``localhost:50050``."""
     return target or os.environ.get(ENV_TARGET) or DEFAULT_TARGET
 
 
@@ -115,7 +115,7 @@ class Fp8rlClient:
 
     Args:
         target: controller address ``host:port``; None reads ``$FP8RL_TARGET``, else
-            ``localhost:50051``.
+            ``localhost:50050``.
         token: bearer token; None reads ``$FP8RL_AUTH_TOKEN``; "" sends none.
         tls_ca: PEM CA file to verify the controller with (TLS); None reads ``$FP8RL_TLS_CA``.
         timeout_s: deadline of every unary call; None uses each RPC's default
