@@ -257,8 +257,8 @@ def run(cfg: LoopConfig, *, progress: bool = True) -> dict:
 def format_table(summaries: list[dict]) -> str:
     cols = [("recipe", "{}"), ("kv_cache_dtype", "{}"), ("reward_first", "{:.3f}"), ("reward_last", "{:.3f}"),
             ("val_accuracy_start", "{:.3f}"), ("val_accuracy_end", "{:.3f}"),
-            ("token_mult_prob_error_median", "{:.5f}"),
-            ("token_mult_prob_error_mean", "{:.5f}"), ("gen_kl_k3_mean", "{:.2e}"),
+            ("token_mult_prob_error_median", "{:.6f}"),
+            ("token_mult_prob_error_mean", "{:.6f}"), ("gen_kl_k3_mean", "{:.2e}"),
             ("calibrate_share_mean", "{:.2%}"), ("step_seconds_mean", "{:.2f}")]
     head = " | ".join(c for c, _ in cols)
     lines = [head, "-" * len(head)]
