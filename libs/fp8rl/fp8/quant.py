@@ -198,7 +198,8 @@ def quantize_per_token_group(
     NaN (a hot path); a non-finite group gets scale 1.0 and propagates its NaN.
     """
     k = x.shape[-1]
-    if k % group_size == 0 and x.is_contiguous() and x.numel() > 0:
+    # Chunking pays off only past one chunk; small inputs (decode steps) take the few-op path.
+    if k % group_size == 0 and x.is_contiguous() and x.numel() > _CHUNK_ELEMS:
         return _per_token_group_chunked(x, group_size, pow2_scale)
     xp = _pad_to(x.float(), {x.dim() - 1: group_size})
     g = xp.shape[-1] // group_size
@@ -248,6 +249,9 @@ def dequantize_per_token_group(
             f"per-token-group scale shape {tuple(scale.shape)} does not match {tuple(q.shape)} "
             f"with group {group_size}: expected {(*q.shape[:-1], g)}"
         )
+    if k % group_size == 0:  # broadcast over a (..., G, group) view: no expanded scale tensor
+        out = q.float().view(*q.shape[:-1], g, group_size) * scale.float().unsqueeze(-1)
+        return out.view(q.shape).to(dtype)
     s = scale.float().repeat_interleave(group_size, dim=-1)[..., :k]
     return (q.float() * s).to(dtype)
 
