@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from fp8rl.engines import Sample, TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.engines import Sample, TorchTrainer, TrainBatch
 from fp8rl.fp8 import fp8_linear_names
 from fp8rl.loop import build_train_batch
 from fp8rl.model.presets import load_policy
@@ -83,12 +83,7 @@ class TrainerService(Service):
         rollout = job.fp8_recipe("rollout")
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
         self.pow2 = rollout.pow2_weight_scaling_factors
-        t = job.raw["policy"]["training"]
-        # the same TrainerConfig as fp8rl.loop builds; num_minibatches only where the schema has it
-        extra = {"num_minibatches": t["num_minibatches"]} if "num_minibatches" in t else {}
-        config = TrainerConfig(lr=t["lr"], weight_decay=t["weight_decay"], grad_clip=t["grad_clip"],
-                               micro_batch_size=t["micro_batch_size"], **extra,
-                               temperature=job.get("policy.generation.temperature"), loss=job.loss_config())
+        config = job.trainer_config()  # the one mapping from the job YAML, shared with the controller
         self.trainer = TorchTrainer(policy, job.fp8_recipe("trainer"), config, seed=job.get("job.seed"),
                                     ref_model=policy if job.get("loss.kl_coef") > 0 else None)
         if args.resume:
