@@ -1,0 +1,50 @@
+"""Print fp8rl's runtime requirements from ``pyproject.toml``, one per line, leaving out the named ones.
+
+Images use it so the pins live in one place (``[project].dependencies``): the CPU images install
+them all, the GPU images leave out ``torch`` because vLLM / Transformer Engine bring the CUDA build
+they were compiled against::
+
+    python deploy/docker/requirements.py --exclude torch > /tmp/requirements.txt
+
+Standard library only: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+
+def requirements(pyproject: Path, exclude: set[str], extras: list[str]) -> list[str]:
+    """The dependency strings of ``pyproject`` (plus ``extras``) whose project name is not in ``exclude``."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    deps = list(project["dependencies"])
+    for extra in extras:
+        try:
+            deps += project["optional-dependencies"][extra]
+        except KeyError:
+            raise SystemExit(f"{pyproject}: no optional-dependencies extra {extra!r}") from None
+    keep = []
+    for dep in deps:
+        name = re.split(r"[\s\[<>=!~;]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        if name not in exclude:
+            keep.append(dep)
+    return keep
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parents[2] / "pyproject.toml")
+    p.add_argument("--exclude", action="append", default=[], help="project name to leave out (repeatable)")
+    p.add_argument("--extra", action="append", default=[], help="optional-dependencies extra to add (repeatable)")
+    args = p.parse_args(argv)
+    exclude = {e.lower().replace("_", "-") for e in args.exclude}
+    print("\n".join(requirements(args.pyproject, exclude, args.extra)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
