@@ -126,9 +126,12 @@ class _Stack:
         (self.run_dir / "redis").mkdir(exist_ok=True)
         for _ in range(3):  # a free port can be taken between probing and binding
             port = _free_port()
+            # Append-only file, fsynced on every write: a redis-server restarted on the same --dir loses no
+            # finished step (the controller writes a few small keys per step, so "always" costs nothing here).
             e = self.spawn("redis", "redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir",
                                               str(self.run_dir / "redis"), "--save", "", "--appendonly", "yes",
-                                              "--daemonize", "no", "--loglevel", "warning"], None)
+                                              "--appendfsync", "always", "--daemonize", "no", "--loglevel", "warning"],
+                           None)
             client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.popen["redis"].poll() is None:

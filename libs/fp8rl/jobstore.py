@@ -56,7 +56,8 @@ class JobRecord:
         error: why it failed ("" otherwise).
         created_unix, updated_unix: submission time and time of the last change.
         cancel_reason: set once cancellation was requested ("" otherwise).
-        base_version: trainer weight version when the job's first step started (None before).
+        base_version: step k starts from weight version ``base_version + k`` (None before the first step);
+            the trainer's version at step 0, moved forward when it resumes from a republished checkpoint.
         checkpoint_path, checkpoint_version: the newest checkpoint written for the job.
     """
 

@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import redis
 
 from fp8rl.config import ConfigError, JobConfig, load_job_config
-from fp8rl.refit import LeaseExpiredError, RefitError, RefitStore, RefitSubscriber, connect
+from fp8rl.refit import LeaseExpiredError, RefitConnectionError, RefitError, RefitStore, RefitSubscriber, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import ServicerAdder, build_server, set_serving
 
@@ -95,13 +96,19 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str
 
 
 def rpc_method(fn: Callable) -> Callable:
-    """Decorate a servicer method (unary or server-streaming): :class:`Abort` → its status; other errors → INTERNAL."""
+    """Decorate a servicer method (unary or server-streaming).
+
+    :class:`Abort` → its status; Redis unreachable → UNAVAILABLE (retryable); other errors → INTERNAL.
+    """
     name = fn.__qualname__
 
     def fail(exc: BaseException, context: grpc.ServicerContext):
         if isinstance(exc, Abort):
             log.info("%s -> %s: %s", name, exc.code.name, exc.message)
             context.abort(exc.code, exc.message)
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError | RefitConnectionError):
+            log.warning("%s: Redis unreachable: %s", name, exc)  # transient: clients retry UNAVAILABLE
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}: the job state in Redis is unreachable ({exc}); retry")
         log.exception("%s failed", name)
         context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}: {exc}")
 

@@ -27,6 +27,10 @@ found ``running`` is resumed. With ``base_version`` (the trainer's version at th
   ``recovered_without_rollout: 1``.)
 * it holds ``base + k``, ``k < n`` → the trainer was restarted from an older checkpoint: reports of
   steps >= k are dropped and the job continues at step k.
+* it holds a version Redis marks ``restored_from = base + k`` → the trainer crashed and resumed from the
+  checkpoint of version ``base + k``, which it republished under the next free version (versions only
+  increase): reports of steps >= k are dropped, and step k continues from the republished version
+  (``base_version`` moves so that ``base + step`` names the version each later step starts from).
 * anything else fails the job, naming both versions.
 
 Cancellation is read from Redis between phases: before TrainStep the half-done step is dropped;
@@ -256,6 +260,15 @@ class JobRunner:
         base, expected = rec.base_version, rec.base_version + n
         if held == expected:
             return n
+        origin = self.refit.restored_from(held)
+        if origin is not None and base <= origin <= expected:
+            k = origin - base  # the trainer restarted from the checkpoint taken after step k-1, republished as held
+            log.warning("job %s: the trainer resumed from the checkpoint of version %d (republished as %d); "
+                        "dropping steps >= %d and continuing from there", plan.job_id, origin, held, k)
+            self.jobs.truncate_reports(plan.job_id, k)
+            self.jobs.set_inflight(plan.job_id, None)
+            self.jobs.update(plan.job_id, base_version=held - k)
+            return k
         if held == expected + 1:
             partial = self.jobs.inflight(plan.job_id)
             if partial is None or partial["step"] != n:

@@ -105,9 +105,20 @@ class TrainerService(Service):
         self.publisher.endpoint = ctx.endpoint  # the port is known only now; manifests name it
         v, latest = self.trainer.version, ctx.store.latest()
         if latest is not None and latest >= v:
-            raise StartupError(
-                f"job {ctx.job_id!r} already has weights:latest={latest} in Redis, but this trainer holds version {v}: "
-                f"start it with --resume pointing at a checkpoint newer than version {latest}, or use a fresh --job-id")
+            if not ctx.args.resume:
+                raise StartupError(
+                    f"job {ctx.job_id!r} already has weights:latest={latest} in Redis, but this trainer starts from "
+                    f"the initial weights (version {v}): restart it with --resume pointing at the job's checkpoints "
+                    f"(it then republishes them as version {latest + 1}), or use a fresh --job-id")
+            # Crash recovery: versions only increase, so the checkpoint's weights are republished under the next
+            # free version, marked as restored from v; the controller rewinds the job to the checkpoint's step.
+            try:
+                self.trainer.relabel_version(latest + 1)
+            except NotImplementedError as exc:
+                raise StartupError(f"cannot resume version {v} behind weights:latest={latest}: {exc}") from None
+            ctx.store.mark_restored(latest + 1, v)
+            log.warning("checkpoint version %d is behind weights:latest=%d: republishing its weights as version %d",
+                        v, latest, latest + 1)
         self.publish()
         self.ready = True
         ctx.set_serving(True)

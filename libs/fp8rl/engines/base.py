@@ -205,3 +205,11 @@ class TrainerBackend(abc.ABC):
     @abc.abstractmethod
     def load_checkpoint(self, path: str) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`."""
+
+    def relabel_version(self, version: int) -> None:
+        """Give the current weights the (newer) version number ``version``; weights and optimizer are untouched.
+
+        Used when a trainer resumes from a checkpoint older than the job's ``weights:latest``: the
+        checkpoint's weights are republished under the next free version (versions only increase).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot relabel its weight version")

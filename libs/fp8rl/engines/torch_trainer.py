@@ -229,6 +229,11 @@ class TorchTrainer(TrainerBackend):
         torch.save(state, tmp)
         os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
 
+    def relabel_version(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < self._version:
+            raise ValueError(f"can only move the weight version forward (from {self._version}), got {version!r}")
+        self._version = version
+
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("format") != "fp8rl-torch-trainer/1":

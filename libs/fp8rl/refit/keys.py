@@ -94,6 +94,10 @@ class Keys:
         """``weights:{v}:acks`` — set of replica ids that applied v."""
         return f"{self.prefix}weights:{validate_version(version)}:acks"
 
+    def restored_from(self, version: int) -> str:
+        """``weights:{v}:restored_from`` — set when v republishes an older checkpoint's weights (its version)."""
+        return f"{self.prefix}weights:{validate_version(version)}:restored_from"
+
     def scales(self, version: int) -> str:
         """``scales:{v}`` — the Q/K/V scales calibrated on version v."""
         return f"{self.prefix}scales:{validate_version(version)}"

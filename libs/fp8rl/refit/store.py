@@ -237,6 +237,20 @@ class RefitStore:
             raise RefitError(f"manifest stored for {self.job} v{version} describes {m.job} v{m.version}")
         return m
 
+    def mark_restored(self, version: int, from_version: int) -> None:
+        """Record that ``version`` (about to be published) carries the weights of checkpoint ``from_version``.
+
+        A trainer restarted from a checkpoint older than ``weights:latest`` cannot publish that old
+        version again (versions only increase), so it republishes the checkpoint's weights under the
+        next free version; the controller reads this record to rewind the job to the checkpoint's step.
+        """
+        validate_version(from_version)
+        self.client.set(self.keys.restored_from(version), from_version)
+
+    def restored_from(self, version: int) -> int | None:
+        """The checkpoint version that ``version`` republished, or None for an ordinary train step."""
+        return _opt_int(self.client.get(self.keys.restored_from(version)))
+
     # -- QKV scales ---------------------------------------------------------------------------
     def put_scales(self, scales: QKVScales) -> str | None:
         """Store the FP32 Q/K/V scales calibrated on ``scales.version`` and announce them.

@@ -246,6 +246,9 @@ class Fp8rlClient:
         Finished steps are replayed first. When the stream breaks (UNAVAILABLE: controller
         restarted, network blip) it reopens from the step after the last one yielded, so no step
         is lost or repeated; it gives up after ``watch_reconnect_s`` without receiving anything.
+        One exception: when the trainer crashes and resumes from an older checkpoint, the job rewinds
+        to the step after it and runs the later steps again, so this stream goes on from where it was
+        while the job's record holds only the re-run reports (a new watch from step 0 reads that record).
 
         Args:
             job_id: the job.

@@ -22,6 +22,7 @@ import yaml
 from fp8rl.config import ConfigError
 from fp8rl.jobstore import JobStore
 from fp8rl.loop import LoopConfig, run
+from fp8rl.refit import RefitStore, connect
 from fp8rl.rpc import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.sdk import Fp8rlClient
@@ -184,6 +185,74 @@ def test_controller_killed_mid_job_resumes_and_finishes_the_half_done_step(stack
     recovered = [r.step for r in reports if r.metrics.get("recovered_without_rollout")]
     assert set(recovered) <= {lost, saved}
     assert all(math.isnan(r.reward_mean) == (r.step in recovered) for r in reports)
+
+
+def _respawn(stack, name: str, *extra: str) -> None:
+    """Start process ``name`` again with its recorded command (same port) plus ``extra``; record the new pid."""
+    entry = stack.process(name)
+    cmd = list(entry["cmd"])
+    if "--port" in cmd and entry["port"]:
+        cmd[cmd.index("--port") + 1] = str(entry["port"])  # same address: clients keep their target
+    with open(entry["log"], "ab") as log:
+        proc = subprocess.Popen([*cmd, *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    info = stack.info
+    next(p for p in info["processes"] if p["name"] == name)["pid"] = proc.pid  # so that `down` stops it
+    (stack.run_dir / "stack.json").write_text(json.dumps(info))
+
+
+def _jobs(stack) -> JobStore:
+    return JobStore(redis.Redis.from_url(stack.info["redis_url"]))
+
+
+def test_redis_killed_mid_job_restarts_from_its_append_only_file_and_no_finished_step_is_lost(stack):
+    steps = 5
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_yaml(steps=steps, checkpoint_every=0), job_id="redis-restart")
+        _wait_steps(stack, job_id, 2)
+        before = _jobs(stack).reports(job_id)
+        os.kill(stack.process("redis")["pid"], signal.SIGKILL)  # no shutdown save: only the fsynced AOF survives
+        time.sleep(1.0)  # every service sees connection errors meanwhile
+        _respawn(stack, "redis")
+        reports = list(c.watch(job_id, timeout_s=WATCH_S * 2))
+        final = c.get_job(job_id)
+    assert final.state == "succeeded", final.error
+    assert [r.step for r in reports] == list(range(steps))
+    base = reports[0].weight_version
+    assert [r.weight_version for r in reports] == list(range(base, base + steps))  # none lost, none repeated
+    after = _jobs(stack).reports(job_id)
+    for old in before:  # what was finished before the kill is still there, unchanged
+        assert after[old["step"]] == old
+
+
+def test_trainer_killed_mid_job_resumes_from_its_checkpoint_and_the_job_rewinds_to_it(stack):
+    steps = 6
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_yaml(steps=steps, checkpoint_every=2), job_id="trainer-crash")
+        _wait_steps(stack, job_id, 3)
+        os.kill(stack.process("trainer")["pid"], signal.SIGKILL)  # mid-step 3: its checkpoint is after step 1
+        rec = _jobs(stack).get(job_id)
+        ckpt_version, base, latest = rec.checkpoint_version, rec.base_version, _refit(stack).latest()
+        assert ckpt_version is not None and base <= ckpt_version < latest
+        _respawn(stack, "trainer", "--resume", str(stack.run_dir / "checkpoints"))
+        live = list(c.watch(job_id, timeout_s=WATCH_S * 3))  # steps since the checkpoint are run again
+        final = c.get_job(job_id)
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))  # what the job recorded: one report per step
+    assert [r.step for r in live][-1] == steps - 1
+    assert final.state == "succeeded", final.error
+    assert [r.step for r in reports] == list(range(steps))
+    k = ckpt_version - base  # the job went back to the step after the checkpoint
+    versions = [r.weight_version for r in reports]
+    assert versions[:k] == list(range(base, base + k))
+    restored = versions[k]
+    assert restored > latest and _refit(stack).restored_from(restored) == ckpt_version
+    assert versions[k:] == list(range(restored, restored + steps - k))
+    held = _trainer(stack).Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version
+    assert held == restored + steps - k
+
+
+def _refit(stack) -> RefitStore:
+    return RefitStore(connect(stack.info["redis_url"]), stack.info["namespace"])
 
 
 def test_down_stops_every_process(stack):

@@ -265,17 +265,29 @@ def test_a_killed_replica_restarts_and_rejoins_at_the_latest_version(stack: Stac
     assert not st.rollout.ready_file.exists()
 
 
-def test_a_trainer_resumes_from_a_checkpoint_and_refuses_a_job_that_moved_past_it(stack: Stack, spawner, redis_url):
+def test_a_trainer_resumes_from_a_checkpoint_and_republishes_one_the_job_moved_past(stack: Stack, spawner, redis_url):
     st = stack
     fresh = "svc-resume-" + uuid.uuid4().hex[:8]
     resumed = spawner.start("trainer", st.cfg, "trainer-resumed", "--resume", str(st.ckpt), "--job-id", fresh)
-    stale = spawner.start("trainer", st.cfg, "trainer-stale", "--resume", str(st.ckpt))  # the stack's job is at v2
     resumed.wait_listening()
     ts = trainer_pb2_grpc.TrainerServiceStub(resumed.channel()).Status(trainer_pb2.TrainerStatusRequest(), timeout=5)
     assert (ts.version, ts.ready) == (1, True)
-    assert RefitStore(connect(redis_url), fresh).latest() == 1  # published at startup, in its own job
-    assert stale.proc.wait(timeout=60) == 2
-    assert "already has weights:latest=2" in stale.log_tail() and "this trainer holds version 1" in stale.log_tail()
+    initial = spawner.start("trainer", st.cfg, "trainer-initial", "--job-id", fresh)  # no --resume: refused
+    store = RefitStore(connect(redis_url), fresh)
+    assert store.latest() == 1 and store.restored_from(1) is None  # published at startup, in its own job
+    assert initial.proc.wait(timeout=60) == 2
+    assert "already has weights:latest=1" in initial.log_tail() and "--resume" in initial.log_tail()
+    # The stack's job is at v2 and the checkpoint holds v1: republished as v3, marked as restored from v1,
+    # with exactly the checkpoint's weights.
+    behind = spawner.start("trainer", st.cfg, "trainer-behind", "--resume", str(st.ckpt)).wait_listening()
+    ts = trainer_pb2_grpc.TrainerServiceStub(behind.channel()).Status(trainer_pb2.TrainerStatusRequest(), timeout=5)
+    assert (ts.version, ts.ready) == (3, True)
+    assert (st.store.latest(), st.store.restored_from(3)) == (3, 1)
+    src = GrpcShardSource()
+    v1, v3 = (assemble(m, [src.fetch(m, i) for i in range(m.num_shards)])
+              for m in (store.get_manifest(1), st.store.get_manifest(3)))
+    src.close()
+    assert v1.keys() == v3.keys() and all(torch.equal(v1[k], v3[k]) for k in v1)
 
 
 def test_vllm_backend_is_a_clear_startup_error(spawner, tiny_checkpoint, module_job_id, write_job, tmp_path):
