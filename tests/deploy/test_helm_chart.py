@@ -1,0 +1,233 @@
+"""k8s/fp8rl through Helm's own code (helm-python-sdk: Helm's Go SDK as a library), every rendered manifest
+against the Kubernetes OpenAPI schemas (kubernetes-validate, strict), and the properties the chart promises."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "k8s" / "fp8rl"
+VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBE_VERSION = "1.30.0"
+FP8RL_ROLES = {"controller": 50050, "trainer": 50051, "rollout": 50052, "reward": 50053, "calibrator": 50054}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+
+
+def _values(name: str) -> dict:
+    return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()) or {}
+
+
+def render(values: dict | None = None) -> tuple[list[dict], str]:
+    """Every object the chart renders (NOTES.txt aside) and the NOTES text."""
+    out = helm.Chart.load(CHART).render(values or {}, name="rl", namespace="fp8rl", is_install=True)
+    notes = out.pop("fp8rl/templates/NOTES.txt", "")
+    docs = [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    return docs, notes
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workload(docs: list[dict], component: str) -> dict:
+    [w] = [d for d in docs if d["kind"] in WORKLOAD_KINDS
+           and d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return w
+
+
+def container(docs: list[dict], component: str) -> dict:
+    return workload(docs, component)["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.fixture(scope="module", params=[p.name.removesuffix("-values.yaml") for p in VALUES])
+def rendered(request):
+    values = _values(request.param)
+    docs, notes = render(values)
+    return request.param, values, docs, notes
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=lambda p: p.name)
+def test_lint_strict(values_file):
+    report = helm.lint(CHART, yaml.safe_load(values_file.read_text()) or {}, strict=True, kube_version="v1.30.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 1 = info ("icon is recommended")
+    assert not problems and not report["errors"], report
+
+
+def test_every_manifest_is_valid_kubernetes(rendered):
+    _, _, docs, _ = rendered
+    assert len(docs) >= 12
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{d['kind']}/{d['metadata']['name']}: {'.'.join(map(str, e.path))}: {e.message}")
+
+
+def test_a_broken_manifest_fails_validation():
+    docs, _ = render()
+    bad = workload(docs, "trainer")
+    bad["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpc"]["port"] = "grpc-by-name"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
+
+
+def test_workloads_services_and_replicas(rendered):
+    name, values, docs, _ = rendered
+    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d["kind"]
+                  for d in docs if d["kind"] in WORKLOAD_KINDS}
+    bundled = values.get("redis", {}).get("bundled", True)
+    assert components == {"controller": "Deployment", "trainer": "StatefulSet", "rollout": "Deployment",
+                          "reward": "Deployment", "calibrator": "Deployment",
+                          **({"redis": "StatefulSet"} if bundled else {})}
+    services = {s["metadata"]["labels"]["app.kubernetes.io/component"]: s for s in by_kind(docs, "Service").values()}
+    for role, port in FP8RL_ROLES.items():
+        assert container(docs, role)["ports"] == [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+        assert services[role]["spec"]["ports"][0]["targetPort"] == "grpc"
+    assert workload(docs, "rollout")["spec"]["replicas"] == values.get("rollout", {}).get("replicas", 2)
+    assert services["rollout"]["spec"]["clusterIP"] == "None"  # replicas are reached per pod, by lease
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 7])
+def test_rollout_replicas_follow_the_value(replicas):
+    docs, notes = render({"rollout": {"replicas": replicas}})
+    assert workload(docs, "rollout")["spec"]["replicas"] == replicas
+    pdbs = by_kind(docs, "PodDisruptionBudget")
+    assert (len(pdbs) == 1) == (replicas > 1)  # a PDB over one replica would block every drain
+    assert f"Rollout replicas: {replicas}" in notes
+
+
+def test_probes(rendered):
+    _, values, docs, _ = rendered
+    tls = values.get("tls", {}).get("enabled", False)
+    for role, port in FP8RL_ROLES.items():
+        c = container(docs, role)
+        startup, live, ready = c["startupProbe"], c["livenessProbe"], c["readinessProbe"]
+        if tls:  # kubelet's gRPC probe speaks no TLS: the image's probe does
+            assert ready["exec"]["command"] == ["python", "-m", "fp8rl.rpc.health_probe", f"localhost:{port}"]
+        else:
+            assert ready["grpc"] == {"port": port}, role
+        if role == "rollout":  # NOT_SERVING until a job calibrates v0: liveness must not restart idle replicas
+            assert live["tcpSocket"] == startup["tcpSocket"] == {"port": port}
+        else:
+            assert live == {**ready, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4}
+        seconds = values.get(role, {}).get("startupSeconds") or yaml.safe_load(
+            (CHART / "values.yaml").read_text())[role]["startupSeconds"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= seconds
+    assert container(docs, "trainer")["startupProbe"]["failureThreshold"] * 10 >= 1800  # model load
+
+
+def test_gpu_requests_node_selectors_and_tolerations():
+    values = _values("gpu")
+    docs, _ = render(values)
+    for role, gpus in (("rollout", 1), ("trainer", 8), ("calibrator", 1)):
+        c = container(docs, role)
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert c["image"] == f"registry.example.com/ml/fp8rl/{role}:0.1.0-gpu"
+        pod = workload(docs, role)["spec"]["template"]["spec"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    for role in ("rollout", "trainer"):
+        pod = workload(docs, role)["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert container(docs, "trainer")["resources"]["requests"]["cpu"] == "16"  # merged, not replaced
+    for role in ("controller", "reward"):
+        assert "nvidia.com/gpu" not in str(container(docs, role)["resources"])
+    cpu_docs, _ = render()
+    assert "nvidia.com/gpu" not in str(container(cpu_docs, "rollout")["resources"])
+
+
+def test_secrets_are_referenced_never_inlined():
+    values = _values("gpu")
+    token, password = values["auth"]["token"], values["redis"]["password"]
+    docs, _ = render(values)
+    secrets = by_kind(docs, "Secret")
+    assert base64.b64decode(secrets["rl-fp8rl-auth"]["data"]["token"]).decode() == token
+    assert base64.b64decode(secrets["rl-fp8rl-redis"]["data"]["redis-password"]).decode() == password
+    for d in docs:
+        if d["kind"] == "Secret":
+            continue
+        text = yaml.safe_dump(d)
+        assert token not in text and password not in text, f"{d['kind']}/{d['metadata']['name']} inlines a secret"
+    for role in FP8RL_ROLES:
+        env = {e["name"]: e for e in container(docs, role)["env"]}
+        assert env["FP8RL_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rl-fp8rl-auth", "key": "token"}
+        if role != "reward":
+            assert env["FP8RL_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+            assert env["FP8RL_REDIS_URL"]["value"] == "redis://:$(FP8RL_REDIS_PASSWORD)@rl-fp8rl-redis:6379/0"
+
+
+def test_generated_secrets_and_external_redis():
+    docs, _ = render()
+    token = base64.b64decode(by_kind(docs, "Secret")["rl-fp8rl-auth"]["data"]["token"]).decode()
+    assert len(token) == 32 and token.isalnum()
+    docs, _ = render(_values("external-redis"))
+    secrets = by_kind(docs, "Secret")
+    assert "rl-fp8rl-auth" not in secrets  # auth.existingSecret: nothing generated
+    assert base64.b64decode(secrets["rl-fp8rl-redis"]["data"]["redis-url"]).decode().startswith("redis://:ext-pass@")
+    env = {e["name"]: e for e in container(docs, "trainer")["env"]}
+    assert env["FP8RL_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "rl-fp8rl-redis", "key": "redis-url"}
+    assert env["FP8RL_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fp8rl-token"
+    assert not by_kind(docs, "NetworkPolicy")
+
+
+def test_security_contexts(rendered):
+    _, _, docs, _ = rendered
+    for w in (d for d in docs if d["kind"] in WORKLOAD_KINDS):
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {
+                "drop": ["ALL"]}
+            assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), f"{w['metadata']['name']}: no /tmp"
+
+
+def test_network_policies_admit_only_release_pods():
+    docs, _ = render()
+    policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
+                for p in by_kind(docs, "NetworkPolicy").values()}
+    assert set(policies) == {"redis", "trainer", "rollout"}
+    for component, port in (("redis", 6379), ("trainer", 50051), ("rollout", 50052)):
+        [rule] = policies[component]["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fp8rl",
+                                                                 "app.kubernetes.io/instance": "rl"}}}]
+        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+
+
+def test_job_configmap_is_a_valid_job():
+    from fp8rl.config import parse_job_config
+
+    for name in ("default", "gpu"):
+        docs, _ = render(_values(name))
+        [cm] = by_kind(docs, "ConfigMap").values()
+        job = parse_job_config(cm["data"]["job.yaml"])  # what every service loads at start
+        assert job.get("policy.generation.backend") == ("vllm" if name == "gpu" else "torch")
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"rollout": {"replicaz": 3}}, "additional properties 'replicaz' not allowed"),
+    ({"bogus": True}, "additional properties 'bogus' not allowed"),
+    ({"rollout": {"replicas": -1}}, "/rollout/replicas"),
+    ({"redis": {"bundled": False}}, "redis.bundled is false, so fp8rl needs an external Redis"),
+    ({"tls": {"enabled": True}}, "tls.enabled is true but tls.secretName is empty"),
+    ({"job": {"policy": {"model": "m", "generation": {"backend": "vllm"}}}},
+     "needs GPU rollout replicas: set rollout.variant=gpu and rollout.gpus>=1"),
+    ({"job": {"policy": {"model": "m", "training": {"backend": "megatron"}}}, "trainer": {"variant": "gpu"}},
+     "needs a GPU trainer: set trainer.variant=gpu and trainer.gpus>=1 (have variant=gpu, gpus=0)"),
+    ({"rollout": {"replicas": 2, "pdb": {"maxUnavailable": 2}}}, "would let a drain take every one"),
+])
+def test_bad_values_fail_the_render_with_a_clear_message(values, message):
+    with pytest.raises(helm.HelmError) as err:
+        render(values)
+    assert message in str(err.value)
+
+
+def test_notes_tell_how_to_check_health_and_submit():
+    _, notes = render()
+    assert "python -m fp8rl.rpc.health_probe" in notes
+    assert "fp8rl --target 127.0.0.1:50050 submit job.yaml --watch" in notes
+    assert "secret rl-fp8rl-auth" in notes
