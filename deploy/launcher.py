@@ -243,8 +243,7 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                  *(service(f"rollout-{i}", "rollout") for i in range(replicas)),
                  stack.spawn("reward", "reward", [py, "-m", "services.reward", "--port", "0", "--host", "127.0.0.1",
                                                   "--ready-file", str(ready_file),
-                                                  "--grader", job.get("reward.grader"),
-                                                  "--timeout-s", str(job.get("reward.timeout_s"))], ready_file)]
+                                                  "--config", str(job_path)], ready_file)]
         stack.wait_ready(first, ready_timeout)
         addr = {e["name"]: f"127.0.0.1:{e['port']}" for e in first}
         ctl = service("controller", "controller", "--trainer", addr["trainer"], "--reward", addr["reward"],

@@ -62,6 +62,7 @@ ENV = {
     "redis_url": "FP8RL_REDIS_URL", "job_id": "FP8RL_JOB_ID", "replica_id": "FP8RL_REPLICA_ID",
     "ready_file": "FP8RL_READY_FILE", "log_level": "FP8RL_LOG_LEVEL", "max_message_bytes": "FP8RL_MAX_MESSAGE_BYTES",
     "lease_ttl": "FP8RL_LEASE_TTL_S", "grace": "FP8RL_SHUTDOWN_GRACE_S", "workers": "FP8RL_GRPC_WORKERS",
+    "token": "FP8RL_AUTH_TOKEN", "tls_cert": "FP8RL_TLS_CERT", "tls_key": "FP8RL_TLS_KEY", "tls_ca": "FP8RL_TLS_CA",
 }
 ENV_TORCH_THREADS = "FP8RL_TORCH_THREADS"
 _WILDCARD_HOSTS = {"", "[::]", "::", "0.0.0.0"}
@@ -316,12 +317,38 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
     a("--lease-ttl", type=float, default=env_default("lease_ttl", 10.0), help="replica lease TTL, seconds")
     a("--grace", type=float, default=env_default("grace", 5.0), help="seconds in-flight RPCs get on shutdown")
     a("--workers", type=int, default=env_default("workers", 8), help="concurrent RPCs")
+    add_security_args(p)
     if spec.add_args is not None:
         spec.add_args(p)
     args = p.parse_args(argv)
     if not args.config:
         p.error(f"--config (or ${ENV['config']}) is required")
     return args
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    """``--token``, ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (each falls back to its variable in :data:`ENV`)."""
+    p.add_argument("--token", default=env_default("token"),
+                   help="shared bearer token: calls without it get UNAUTHENTICATED, and this service sends it on its "
+                        "own calls (default: none)")
+    p.add_argument("--tls-cert", default=env_default("tls_cert"), help="PEM certificate chain: serve TLS only")
+    p.add_argument("--tls-key", default=env_default("tls_key"), help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=env_default("tls_ca"),
+                   help="PEM CA that this service's outgoing calls verify other services against")
+
+
+def apply_security_args(args: argparse.Namespace) -> None:
+    """Make the flags the credentials of every outgoing channel too.
+
+    :func:`fp8rl.rpc.channel.make_channel` reads ``$FP8RL_AUTH_TOKEN`` / ``$FP8RL_TLS_CA`` when not given
+    them, so a flag given on the command line is exported to this process's environment.
+    """
+    for flag in ("token", "tls_ca"):
+        value = getattr(args, flag)
+        if value is not None:
+            os.environ[ENV[flag]] = value
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise StartupError("--tls-cert and --tls-key go together: give both (TLS) or neither (plaintext)")
 
 
 def _write_ready_file(path: str, payload: dict) -> None:
@@ -341,6 +368,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))
     try:
+        apply_security_args(args)
         job = load_job_config(args.config)
         store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
         ctx = Context(spec.name, args, job, store)
@@ -353,8 +381,15 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         log.exception("cannot start %s", spec.name)
         return 1
 
-    server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
-                                        max_message_bytes=args.max_message_bytes, max_workers=args.workers)
+    try:
+        server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
+                                            max_message_bytes=args.max_message_bytes, max_workers=args.workers,
+                                            token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad TLS files, port in use
+        log.error("cannot start %s: %s", spec.name, exc)
+        print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
+        service.stop()
+        return 2
     ctx._health, ctx.port = health, port
     advertise = args.advertise_host or (socket.gethostname() if args.host in _WILDCARD_HOSTS else args.host)
     ctx.endpoint = f"{advertise}:{port}"

@@ -1,8 +1,11 @@
 """``python -m services.reward``: build the reward server, serve until SIGTERM/SIGINT, stop gracefully.
 
-Kept minimal on purpose so it can move onto the shared service skeleton later: parse flags,
-build (:func:`fp8rl.rpc.server.build_server`), start, mark health SERVING, write the ready
-file, wait for a signal, mark NOT_SERVING, drain in-flight calls, exit 0.
+The reward service holds no model and no Redis state, so it does not use the shared skeleton's job
+store; it shares its flags for security (``--token``, ``--tls-cert``, ``--tls-key``, with the same
+environment fallbacks) and takes the job YAML optionally (``--config``: ``reward.grader`` and
+``reward.timeout_s`` become the defaults; explicit flags win). Parse flags, build
+(:func:`fp8rl.rpc.server.build_server`), start, mark health SERVING, write the ready file, wait
+for a signal, mark NOT_SERVING, drain in-flight calls, exit 0 (2 on bad flags or config).
 
 The ready file (``--ready-file``) is JSON ``{"port": N, "pid": P}``, written atomically once the
 server answers (so ``--port 0`` callers learn the bound port) and removed on a clean exit.
@@ -19,10 +22,12 @@ import sys
 import threading
 from pathlib import Path
 
+from fp8rl.config import ConfigError, load_job_config
 from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingPool
 from fp8rl.rpc import reward_pb2_grpc
 from fp8rl.rpc.server import build_server, set_serving
 
+from ..common.runtime import StartupError, add_security_args, apply_security_args, env_default
 from .server import RewardServicer
 
 log = logging.getLogger("fp8rl.reward")
@@ -33,9 +38,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=50053, help="port to listen on; 0 picks a free one (default 50053)")
     p.add_argument("--host", default="[::]", help="address to bind (default: every interface)")
     p.add_argument("--ready-file", type=Path, help='write {"port": N, "pid": P} here once serving')
-    p.add_argument("--token", default=None, help="bearer token callers must send (default $FP8RL_AUTH_TOKEN)")
-    p.add_argument("--grader", default="math_verify", help="grader for items that name none (default math_verify)")
-    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="per-item grading time bound")
+    p.add_argument("--config", default=env_default("config"),
+                   help="job YAML (optional): its reward.grader and reward.timeout_s become the defaults")
+    add_security_args(p)
+    p.add_argument("--grader", default=None, help="grader for items that name none (default: the job's, else "
+                                                   "math_verify)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help=f"per-item grading time bound (default: the job's, else {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--grading-workers", type=int, default=4, help="grading threads (default 4)")
     p.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     return p.parse_args(argv)
@@ -52,12 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(argv)
     try:
+        apply_security_args(args)
+        job = load_job_config(args.config) if args.config else None
+        if args.grader is None:
+            args.grader = job.get("reward.grader") if job else "math_verify"
+        if args.timeout_s is None:
+            args.timeout_s = job.get("reward.timeout_s") if job else DEFAULT_TIMEOUT_S
         servicer = RewardServicer(args.grader, args.timeout_s, GradingPool(max_workers=args.grading_workers))
         server, health, port = build_server(
             [(reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer)],
-            port=args.port, host=args.host, token=args.token,
+            port=args.port, host=args.host, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
         )
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, FileNotFoundError, ConfigError, StartupError) as e:
         print(f"reward: {e}", file=sys.stderr)
         return 2
 

@@ -119,6 +119,58 @@ def test_token_is_required(reward_service):
     channel.close()
 
 
+def _mint_cert(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path):
+    """TLS cert/key by flag, the token by environment, the default grader from the job YAML (--config)."""
+    cert, key = _mint_cert(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text("reward:\n  grader: exact_match\n  timeout_s: 3\n")
+    ready, log = tmp_path / "ready.json", tmp_path / "reward.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")} | {"FP8RL_AUTH_TOKEN": TOKEN}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready), "--config", str(job),
+             "--tls-cert", str(cert), "--tls-key", str(key)],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        port = _wait_ready_file(proc, ready, log)["port"]
+        with make_channel(f"localhost:{port}", token=TOKEN, tls_ca=str(cert)) as ch:
+            # exact_match (the job's grader) accepts a bare "7"; math_verify would need a final answer to parse
+            got = reward_pb2_grpc.RewardServiceStub(ch).Score(
+                reward_pb2.ScoreRequest(items=[_item("7", "7"), _item("8", "7")]), timeout=DEFAULT_DEADLINE_S.score)
+            assert list(got.rewards) == [1.0, 0.0]
+        with make_channel(f"localhost:{port}", token="", tls_ca=str(cert)) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                reward_pb2_grpc.RewardServiceStub(ch).Score(reward_pb2.ScoreRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("role", ["reward", "calibrator"])
+def test_a_tls_cert_without_its_key_is_a_clear_startup_error(tmp_path, role):
+    cert, _ = _mint_cert(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text("job:\n  name: tls-check\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
+    res = subprocess.run([sys.executable, "-m", f"services.{role}", "--port", "0", "--config", str(job),
+                          "--tls-cert", str(cert)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--tls-cert and --tls-key go together" in res.stderr
+
+
 def test_sigterm_stops_gracefully(reward_service):
     """Runs last in this module: the service exits 0 on SIGTERM and removes its ready file."""
     proc, _, ready = reward_service
