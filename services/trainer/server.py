@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from fp8rl.engines import Sample, TorchTrainer, TrainBatch
+from fp8rl.engines import Sample, TrainBatch, make_trainer_backend
 from fp8rl.fp8 import fp8_linear_names
 from fp8rl.loop import build_train_batch
 from fp8rl.model.presets import load_policy
@@ -73,19 +73,17 @@ class TrainerService(Service):
     def __init__(self, ctx: Context) -> None:
         job, args = ctx.job, ctx.args
         self.ctx = ctx
-        backend = job.get("policy.training.backend")
-        if backend != "torch":
-            raise StartupError(f"policy.training.backend: {backend!r} is not implemented yet (the Megatron backend "
-                               f"has not landed); use 'torch', the embedded backend that runs on any CPU")
+        self.backend = job.get("policy.training.backend")
         policy, tok, _ = load_policy(job.get("policy.model"))
         self.pad_id = tok.pad_id
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         rollout = job.fp8_recipe("rollout")
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
         self.pow2 = rollout.pow2_weight_scaling_factors
-        config = job.trainer_config()  # the one mapping from the job YAML, shared with the controller
-        self.trainer = TorchTrainer(policy, job.fp8_recipe("trainer"), config, seed=job.get("job.seed"),
-                                    ref_model=policy if job.get("loss.kl_coef") > 0 else None)
+        try:  # torch or megatron, per policy.training.backend; same TrainerConfig mapping either way
+            self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.get("loss.kl_coef") > 0 else None)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         if args.resume:
             path = resolve_checkpoint(args.resume)
             self.trainer.load_checkpoint(str(path))
@@ -248,7 +246,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @rpc_method
     def Status(self, request, context):
         s = self.s
-        return trainer_pb2.TrainerStatusResponse(version=s.trainer.version, backend="torch", recipe=s.ctx.job.recipe,
+        return trainer_pb2.TrainerStatusResponse(version=s.trainer.version, backend=s.backend, recipe=s.ctx.job.recipe,
                                                  weights_endpoint=s.ctx.endpoint, ready=s.ready)
 
 

@@ -1,7 +1,8 @@
 """Rollout engines and trainer backends behind two small interfaces (see ``base``).
 
 Engines know tensors, never gRPC or Redis. ``engine: torch`` / ``backend: torch`` are the
-embedded defaults that run on any CPU.
+embedded defaults that run on any CPU; ``backend: megatron`` (subpackage ``megatron``, optional
+extra) is built by :func:`make_trainer_backend`.
 """
 
 from .base import (
@@ -14,6 +15,7 @@ from .base import (
     WeightLoadError,
 )
 from .calibrator import QKVCalibrator
+from .factory import make_trainer_backend
 from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 
@@ -21,4 +23,5 @@ __all__ = [
     "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",
     "VersionMismatchError", "WeightLoadError",
     "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "sequence_logprobs",
+    "make_trainer_backend",
 ]

@@ -1,0 +1,281 @@
+"""A Megatron-Core GPTModel built from a Hugging Face (Llama / Qwen2 / Qwen3) config, FP8 per recipe.
+
+Two ways to run FP8 linears, chosen by what the machine has (one decision, in :func:`use_te`):
+
+* **Transformer Engine** (CUDA + ``transformer_engine`` importable): the TE layer spec with
+  ``fp8="e4m3"``, ``fp8_recipe="blockwise"`` (FP32 128×128 weight / 1×128 activation scales) and
+  ``first_last_layers_bf16`` for the recipe's high-precision layers. Not testable on CPU.
+* **Local spec** (anywhere): Megatron's own modules, with :class:`Fp8ColumnParallelLinear` /
+  :class:`Fp8RowParallelLinear` swapped into the spec of every layer the recipe puts in FP8. They
+  call :func:`fp8rl.fp8.fp8_linear` — the same reference numerics as the torch backend and the
+  rollout — on each *Hugging Face* tensor of a fused weight separately (Q, K, V; gate, up), so the
+  128×128 weight blocks are exactly the ones the rollout quantizes from the same master weights.
+
+:class:`MegatronCausalLM` adapts the GPTModel to the :class:`fp8rl.model.CausalLM` call
+``model(input_ids, attention_mask=...) -> (B, T, V) FP32 logits`` the GRPO step uses.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8rl.fp8 import Fp8Recipe, fp8_linear
+from fp8rl.model import ModelConfig
+from fp8rl.model.transformer import rope_inv_freq
+
+from .convert import gate_up_rows, qkv_rows
+
+__all__ = [
+    "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "transformer_config", "use_te",
+]
+
+
+def use_te() -> bool:
+    """Whether the Transformer Engine path is taken: CUDA present and ``transformer_engine`` importable."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 linears for the local spec
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_seq_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mod: nn.Module) -> torch.Tensor:
+    """``fp8_linear`` on Megatron's ``(S, B, K)`` activations, one call per HF tensor of a fused weight.
+
+    Tokens are fed batch-major, ``(B, S, K)``: the wgrad GEMM quantizes x and dy in 1×128 groups
+    *along tokens*, so the token order decides the groups; batch-major is the torch backend's order.
+    """
+    xb = x.transpose(0, 1)  # (B, S, K)
+    kw = dict(pow2_scale=mod.pow2_weight_scale, pow2_activation_scale=mod.pow2_activation_scale)
+    if mod.hf_rows is None:
+        y = fp8_linear(xb, weight, bias, **kw)  # (B, S, N)
+    else:
+        parts = [fp8_linear(xb, weight.index_select(0, r), None if bias is None else bias.index_select(0, r), **kw)
+                 for r in mod.hf_rows]
+        y = torch.cat(parts, dim=-1).index_select(-1, mod.hf_inverse)  # back to the fused row order, (B, S, N)
+    return y.transpose(0, 1)  # (S, B, N)
+
+
+def _init_fp8(mod: nn.Module, fused: str | None, pow2_weight_scale: bool, pow2_activation_scale: bool,
+              model_config: ModelConfig | None) -> None:
+    mod.pow2_weight_scale, mod.pow2_activation_scale = pow2_weight_scale, pow2_activation_scale
+    mod.hf_rows = None
+    if fused is not None:
+        rows = qkv_rows(model_config) if fused == "qkv" else gate_up_rows(model_config)
+        mod.hf_rows = [r.to(mod.weight.device) for r in rows]
+        mod.hf_inverse = torch.argsort(torch.cat(rows)).to(mod.weight.device)
+
+
+@functools.cache
+def fp8_parallel_linears() -> tuple[type, type]:
+    """``(Fp8ColumnParallelLinear, Fp8RowParallelLinear)``: FP8 subclasses of Megatron's local linears.
+
+    Defined on first call, because megatron-core is an optional dependency of this package.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class _Column(ColumnParallelLinear):
+        """Megatron ``ColumnParallelLinear`` (TP = 1) computing in block-scaled FP8 via ``fp8rl.fp8``.
+
+        ``fused`` names the HF tensors stacked in the weight (``"qkv"``, ``"gate_up"`` or None);
+        each is quantized and multiplied on its own. The bias (if any) is added inside, in FP32.
+        """
+
+        def __init__(self, *args, fused=None, pow2_weight_scale=False, pow2_activation_scale=False,
+                     model_config=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            _init_fp8(self, fused, pow2_weight_scale, pow2_activation_scale, model_config)
+
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            w = self.weight if weight is None else weight
+            bias = None if self.skip_bias_add else self.bias
+            out = _fp8_seq_first(input_, w, bias, self)
+            return out, (self.bias if self.skip_bias_add else None)
+
+    class _Row(RowParallelLinear):
+        """Megatron ``RowParallelLinear`` (TP = 1) in block-scaled FP8; the bias is added inside, in FP32."""
+
+        def __init__(self, *args, pow2_weight_scale=False, pow2_activation_scale=False, **kwargs):
+            super().__init__(*args, **kwargs)
+            _init_fp8(self, None, pow2_weight_scale, pow2_activation_scale, None)
+
+        def forward(self, input_):
+            return _fp8_seq_first(input_, self.weight, self.bias, self), None
+
+    _Column.__name__ = _Column.__qualname__ = "Fp8ColumnParallelLinear"
+    _Row.__name__ = _Row.__qualname__ = "Fp8RowParallelLinear"
+    return _Column, _Row
+
+
+# ---------------------------------------------------------------------------------------------
+# config and spec
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_supported(config: ModelConfig) -> None:
+    if config.attention_bias and config.o_proj_bias:
+        raise ValueError(f"{config.architecture} with attention_bias=True puts a bias on o_proj but not on the MLP; "
+                         f"Megatron's add_bias_linear cannot express that (use backend: torch)")
+
+
+def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype, te: bool):
+    """The Megatron ``TransformerConfig`` equal to ``config`` (dropout off, fusions off on CPU)."""
+    from megatron.core.transformer import TransformerConfig
+
+    _check_supported(config)
+    kw = {}
+    if te and recipe.fp8_linears:
+        n_first, n_last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
+        kw = dict(fp8="e4m3", fp8_recipe="blockwise", first_last_layers_bf16=bool(n_first or n_last),
+                  num_layers_at_start_in_bf16=n_first, num_layers_at_end_in_bf16=n_last)
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim, ffn_hidden_size=config.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, qk_layernorm=config.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=bool(config.attention_bias),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
+        persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **kw,
+    )
+
+
+def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
+    """``TransformerBlockSubmodules``: one layer spec per layer, FP8 linears where the recipe says."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if te:  # TE handles FP8 (and the high-precision first/last layers) through the config
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
+    base = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm)
+    column, row = fp8_parallel_linears()
+    pow2 = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
+                pow2_activation_scale=recipe.pow2_activation_scaling_factors)
+    n = config.num_hidden_layers
+    specs = []
+    for i in range(n):
+        if not recipe.layer_in_fp8(i, n):
+            specs.append(base)
+            continue
+        layer = copy.deepcopy(base)  # each FP8 layer edits its own submodule specs
+        attn, mlp = layer.submodules.self_attention.submodules, layer.submodules.mlp.submodules
+        attn.linear_qkv = ModuleSpec(module=column, params=dict(fused="qkv", model_config=config, **pow2))
+        attn.linear_proj = ModuleSpec(module=row, params=pow2)
+        mlp.linear_fc1 = ModuleSpec(module=column, params=dict(fused="gate_up", model_config=config, **pow2))
+        mlp.linear_fc2 = ModuleSpec(module=row, params=pow2)
+        specs.append(layer)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
+
+
+class RowPositionRotary(nn.Module):
+    """RoPE at per-row positions, in place of Megatron's ``RotaryEmbedding`` (positions ``0..S-1`` for all rows).
+
+    Our model (and HF) place token ``t`` of a row at ``cumsum(attention_mask)[t] - 1`` (clamped at
+    0): padded rows keep the positions of the unpadded sequence, and a pad token sits at the
+    position of the last real one. Megatron's table cannot express that, and the pad tokens' hidden
+    states *do* reach real numbers — in FP8 they share 1×128 scaling groups with real tokens in the
+    wgrad GEMMs. So :class:`MegatronCausalLM` sets :attr:`position_ids` before each forward and this
+    module returns the ``(S, B, 1, D)`` angle table Megatron's rotate-half RoPE broadcasts over heads.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, replaced: nn.Module) -> None:
+        super().__init__()
+        self.inv_freq = inv_freq  # FP32 (D/2,); a plain attribute so a dtype cast of the model cannot touch it
+        self._replaced = [replaced]  # kept for get_rotary_seq_len; a list, so it is not a submodule
+        self.position_ids: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self._replaced[0].get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        pos = self.position_ids
+        if pos is None:
+            raise RuntimeError("RowPositionRotary needs position_ids set by MegatronCausalLM.forward")
+        if packed_seq or offset or pos.shape[1] != max_seq_len:
+            raise ValueError(f"RowPositionRotary: unsupported call (seq {max_seq_len}, offset {offset}, "
+                             f"packed {packed_seq}) for position_ids of shape {tuple(pos.shape)}")
+        freqs = pos.float()[:, :, None] * self.inv_freq.to(pos.device)[None, None, :]  # (B, S, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, D), rotate-half layout
+        return emb.transpose(0, 1)[:, :, None, :]  # (S, B, 1, D)
+
+
+def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype = torch.float32):
+    """A Megatron ``GPTModel`` with the architecture of ``config`` (weights uninitialised: load them).
+
+    Needs ``megatron.core.parallel_state`` initialised (the trainer does it) and, on CPU, the shims.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    te = use_te()
+    gpt = GPTModel(
+        transformer_config(config, recipe, dtype, te), _layer_specs(config, recipe, te),
+        vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(config.rope_theta), rotary_percent=1.0,
+        share_embeddings_and_output_weights=config.tie_word_embeddings,
+    )
+    # RoPE at per-row positions from our inverse frequencies (theta as a float, llama3 scaling if set)
+    gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), gpt.rotary_pos_emb)
+    gpt.fused_norms = te
+    return gpt
+
+
+class MegatronCausalLM(nn.Module):
+    """A GPTModel behind the :class:`~fp8rl.model.CausalLM` call used by the GRPO step.
+
+    Padding semantics are CausalLM's: causal + key-padding mask, RoPE positions ``cumsum(mask) - 1``
+    (see :class:`RowPositionRotary`), so every token — pad tokens included — gets the hidden states
+    the torch backend gives it.
+    """
+
+    def __init__(self, gpt: nn.Module, config: ModelConfig) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.config = config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, T, V)`` FP32 logits of ``input_ids`` ``(B, T)``; ``attention_mask`` ``(B, T)`` 1 keep / 0 pad."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        visible = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
+        if attention_mask is not None:  # same semantics as CausalLM: key padding on top of causal
+            visible = visible & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        else:
+            position_ids = torch.arange(T, device=device).expand(B, T)  # (B, T)
+        rotary = self.gpt.rotary_pos_emb
+        rotary.position_ids = position_ids
+        try:
+            # Megatron's mask is True where attention is *blocked*; always explicit (its default is built on CUDA)
+            logits = self.gpt(input_ids, position_ids, ~visible)  # (B, T, V)
+        finally:
+            rotary.position_ids = None
+        return logits.float()
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The GPTModel's weights under Megatron names (no ``gpt.`` prefix, no ``_extra_state``)."""
+        return {k: v for k, v in self.gpt.state_dict(*args, **kwargs).items() if not k.endswith("_extra_state")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load Megatron-named weights (as :meth:`state_dict` returns them); every weight must be given."""
+        missing, unexpected = self.gpt.load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if strict and (missing or unexpected):
+            raise ValueError(f"Megatron state dict: missing {missing[:3]} ({len(missing)}), "
+                             f"unexpected {unexpected[:3]} ({len(unexpected)})")
+        return missing, unexpected

@@ -1,0 +1,168 @@
+"""The Megatron-Core trainer backend (``policy.training.backend: megatron``).
+
+The policy is a Megatron-Core ``GPTModel`` (see :mod:`.model`) built from the HF config of the
+loaded policy; its weights are converted HF → Megatron once at start and Megatron → HF on every
+:meth:`MegatronTrainer.state_dict` (what a refit publishes), so the rollout side never sees
+Megatron's layout. The GRPO step itself — token-level loss over the global batch, PPO-style
+mini-batches with rollback, grad clipping, AdamW — is :class:`~fp8rl.engines.TorchTrainer`'s,
+inherited unchanged: the two backends differ in the model only, which is what the equality tests
+between them check.
+
+Parallelism: ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size`` are config values,
+but only 1 × 1 is implemented (sharded HF conversion and a distributed optimizer are not); larger
+sizes are refused at construction with a message saying so, never silently mis-sharded. On CPU the
+process joins a single-rank gloo group and :mod:`.shims` are applied.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from fp8rl.fp8 import Fp8Recipe
+from fp8rl.model import CausalLM, ModelConfig
+
+from ..torch_trainer import TorchTrainer, TrainerConfig
+from . import shims
+from .convert import hf_to_megatron, megatron_to_hf
+from .model import MegatronCausalLM, build_gpt_model, use_te
+
+__all__ = ["MegatronTrainer", "init_model_parallel"]
+
+CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
+
+
+def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                        seed: int = 0) -> None:
+    """Join (or create) the process group and Megatron's model-parallel state, once per process.
+
+    Raises:
+        ValueError: a parallel size other than 1 (not implemented by this backend), or a size that
+            differs from the one this process was already initialised with.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if (tp, pp) != (1, 1):
+        where = "on CPU (one gloo rank) " if not torch.cuda.is_available() else ""
+        raise ValueError(
+            f"policy.training.megatron_cfg: tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp} "
+            f"is not supported {where}by the megatron backend: only 1 x 1 is implemented (sharded HF <-> Megatron "
+            f"conversion is not); set both to 1")
+    from megatron.core import parallel_state, tensor_parallel
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        shims.apply()
+    if not dist.is_initialized():  # a launcher (torchrun) may have done it already
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp)
+        if torch.cuda.is_available():
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    held = (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+    if held != (tp, pp):
+        raise ValueError(f"this process already runs Megatron at TP x PP = {held[0]} x {held[1]}, not {tp} x {pp}")
+
+
+class MegatronTrainer(TorchTrainer):
+    """Trainer backend on a Megatron-Core GPTModel.
+
+    Args:
+        model: the policy as a :class:`CausalLM` (only its config and weights are used; it is not
+            modified).
+        recipe: the trainer's :class:`Fp8Recipe`; FP8 layers run TE blockwise on CUDA+TE, else
+            Megatron's local spec with ``fp8rl.fp8`` linears.
+        config: optimisation settings (shared with the torch backend; default ``TrainerConfig()``).
+        ref_model: frozen reference policy for the KL term (built as a high-precision GPTModel).
+        initial_version: version of ``model``'s weights.
+        seed: seeds the trainer's RNG.
+        tensor_model_parallel_size, pipeline_model_parallel_size: must be 1 (see the module doc).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        recipe: Fp8Recipe,
+        config: TrainerConfig | None = None,
+        *,
+        ref_model: CausalLM | None = None,
+        initial_version: int = 0,
+        seed: int = 0,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+    ) -> None:
+        # TorchTrainer.__init__ is not called: it would deep-copy and FP8-convert a CausalLM.
+        init_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, seed)
+        self.recipe = recipe
+        self.config = config = config if config is not None else TrainerConfig()
+        self.model_config: ModelConfig = model.config
+        self.dtype = next(model.parameters()).dtype
+        self.model = self._build(model, recipe).train()
+        self.ref_model = None
+        if ref_model is not None:
+            self.ref_model = self._build(ref_model, Fp8Recipe(linear="bf16")).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self._version = initial_version
+        torch.manual_seed(seed)
+
+    @property
+    def backend(self) -> str:
+        """``"megatron-te"`` on the Transformer Engine path, ``"megatron"`` on the local spec."""
+        return "megatron-te" if self.model.gpt.fused_norms else "megatron"
+
+    def _build(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
+        gpt = build_gpt_model(model.config, recipe, self.dtype)
+        adapter = MegatronCausalLM(gpt, model.config)
+        with torch.no_grad():
+            adapter.load_state_dict(hf_to_megatron(model.state_dict(), model.config, fused_norms=use_te()))
+        return adapter
+
+    # --- weights under HF names ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights under HF names and layout (fused Q/K/V and gate/up split back out)."""
+        mg = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return megatron_to_hf(mg, self.model_config, fused_norms=self.model.gpt.fused_norms)
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite the master weights in place from HF-named tensors."""
+        with torch.no_grad():
+            self.model.load_state_dict(
+                hf_to_megatron(tensors, self.model_config, fused_norms=self.model.gpt.fused_norms))
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "version": self._version,
+            "model": self.model.state_dict(),  # Megatron layout: the optimizer state is keyed by these params
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "recipe_linear": self.recipe.linear,
+        }
+        tmp = f"{path}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not an fp8rl megatron-trainer checkpoint (format={state.get('format')!r})")
+        if state["recipe_linear"] != self.recipe.linear:
+            raise ValueError(
+                f"{path} was trained with {state['recipe_linear']} linears, this trainer uses {self.recipe.linear}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self._version = int(state["version"])
