@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-ray smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-ray test-megatron smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -31,6 +31,10 @@ test-slow: $(STAMP)  ## slow tier: longer loop runs and recipe comparisons
 test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ray cluster (installs the ray extra)
 	@$(BIN)/python -c "import ray.serve" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,ray]"
 	nice -n 10 $(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
+
+test-megatron: $(STAMP)  ## Megatron-Core trainer backend vs the torch backend, and a 3-step job on it (installs the megatron extra)
+	@$(BIN)/python -c "import megatron.core" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,megatron]"
+	nice -n 10 $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
 
 smoke: $(STAMP)  ## docker-compose stack + a 2-step job via the SDK (needs a Docker daemon; exit 3 when none)
 	$(BIN)/python -m deploy.smoke
