@@ -1,0 +1,84 @@
+"""A 3-step GRPO job through the real service stack with ``policy.training.backend: megatron``.
+
+The stack is started exactly as in the controller tests (``python -m deploy.launcher up``: redis-server,
+trainer, calibrator, reward, one rollout replica, controller as real processes) and driven with the SDK;
+their helpers are reused from ``tests/integration/controller/conftest.py``. Step 0 runs on the initial
+weights, so its numbers must equal the in-process loop's (torch backend) exactly as the torch stack's do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fp8rl.loop import LoopConfig, run
+from fp8rl.rpc import trainer_pb2, trainer_pb2_grpc
+from fp8rl.rpc.channel import make_channel
+from fp8rl.sdk import Fp8rlClient
+
+pytestmark = [pytest.mark.megatron, pytest.mark.integration]
+
+STEPS = 3
+WATCH_S = 180.0
+
+
+def _controller_helpers():
+    path = Path(__file__).resolve().parents[1] / "integration" / "controller" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("_controller_stack_helpers", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass (Stack) looks its module up while being defined
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def megatron_stack(megatron_core, tmp_path_factory):
+    h = _controller_helpers()
+    tmp = tmp_path_factory.mktemp("megatron-stack")
+    model_dir = h.tiny_model(tmp / "model")
+    job = h.tiny_job(model_dir, steps=STEPS, checkpoint_every=0)
+    job["policy"]["training"]["backend"] = "megatron"
+    job_file = tmp / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp / "run"
+    up = h.launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+    if up.returncode != 0:
+        pytest.fail(f"launcher up failed ({up.returncode}):\n{up.stderr[-4000:]}", pytrace=False)
+    try:
+        yield h.Stack(run_dir, job_file, model_dir)
+    finally:
+        h.launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+
+
+def test_three_step_job_on_the_megatron_backend(megatron_stack):
+    stack = megatron_stack
+    trainer = trainer_pb2_grpc.TrainerServiceStub(
+        make_channel(f"127.0.0.1:{stack.process('trainer')['port']}", token="", tls_ca=""))
+    status = trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=30)
+    assert (status.backend, status.recipe, status.version) == ("megatron", "fp8_e2e", 0)
+
+    with Fp8rlClient(stack.target, token="", tls_ca="", timeout_s=30) as c:
+        job_id = c.submit_job(stack.job_file)
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        info = c.get_job(job_id)
+    assert (info.state, info.step, info.total_steps, info.error) == ("succeeded", STEPS, STEPS, "")
+    assert [(r.step, r.weight_version) for r in reports] == [(i, i) for i in range(STEPS)]
+    for r in reports:
+        assert 1.0 <= r.token_mult_prob_error < 1.5  # rollout (torch FP8) vs Megatron trainer logprobs
+        assert {"train/loss", "train/grad_norm"} <= set(r.metrics)
+    assert trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=30).version == STEPS
+
+    # Step 0 is on the initial weights: same rollouts as the in-process loop, and the Megatron trainer's
+    # logprobs equal the torch backend's there, so the mismatch metric is the loop's too.
+    loop = run(LoopConfig(model=str(stack.model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=1,
+                          prompts_per_step=4, group_size=2, max_tokens=4, lr=0.01, micro_batch_size=8,
+                          calibration_max_sequences=4, eval_size=2, seed=0), progress=False)["steps"]
+    r, h = reports[0], loop[0]
+    assert r.reward_mean == pytest.approx(h["reward_mean"])
+    assert r.metrics["response_len"] == pytest.approx(h["response_len"])
+    assert r.token_mult_prob_error == pytest.approx(h["token_mult_prob_error"], rel=1e-5)
+    assert r.metrics["train/loss"] == pytest.approx(h["train/loss"], rel=1e-4)
