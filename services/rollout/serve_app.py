@@ -31,7 +31,7 @@ from fp8rl.config import load_job_config
 from fp8rl.engines import SamplingParams
 from fp8rl.refit import RefitStore, connect
 from fp8rl.rpc.server import build_server
-from services.common.runtime import Context, parse_args
+from services.common.runtime import Context, apply_security_args, parse_args
 from services.rollout.server import SPEC, RolloutService
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,14 @@ class RolloutReplica:
             argv += ["--advertise-host", _node_ip()]
         args = parse_args(SPEC, argv)
         logging.basicConfig(level=args.log_level.upper())
+        apply_security_args(args)  # --token / --tls-* become the credentials of outgoing channels too
         job = load_job_config(args.config)
         store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
         self.ctx = Context(SPEC.name, args, job, store)
         self.service = RolloutService(self.ctx)
         self.server, health, port = build_server(self.service.servicers(), port=args.port, host=args.host,
-                                                 max_message_bytes=args.max_message_bytes, max_workers=args.workers)
+                                                 max_message_bytes=args.max_message_bytes, max_workers=args.workers,
+                                                 token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key)
         self.ctx._health, self.ctx.port = health, port
         self.ctx.endpoint = f"{args.advertise_host}:{port}"
         self.server.start()
