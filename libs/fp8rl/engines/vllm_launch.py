@@ -81,6 +81,7 @@ def fp8_support_problem(recipe: Fp8Recipe) -> str | None:
                 f"{VLLM_TARGET_VERSION} has no per-model power-of-two switch; set it to false for backend 'vllm'")
     if not (recipe.fp8_linears or recipe.fp8_kv):
         return None
+    require_vllm()  # a missing vLLM is VllmUnavailableError, not an ImportError from deep inside
     from vllm.platforms import current_platform
 
     wanted = " and ".join(w for w, on in (("FP8 linears (precision: fp8)", recipe.fp8_linears),

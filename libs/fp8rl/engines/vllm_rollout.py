@@ -161,6 +161,7 @@ class VllmRolloutEngine(RolloutEngine):
         name = job.get("policy.model")
         path = prepare_tiny_arith() if name in PRESETS else Path(name)
         recipe = job.fp8_recipe("rollout")
+        require_vllm()
         check_recipe(recipe)  # refuse before loading anything
         tok = load_tokenizer(path)
         return cls(path, recipe, eos_token_ids=[tok.eos_id], max_batch_size=max_batch_size,
