@@ -103,10 +103,10 @@ class TorchTrainer(TrainerBackend):
     ) -> None:
         self.recipe = recipe
         self.config = config
-        self.model = convert_model(copy.deepcopy(model), recipe, mode="train").train()
+        self.model = self._build_policy(model, recipe).train()
         self.ref_model = None
         if ref_model is not None:
-            self.ref_model = copy.deepcopy(ref_model).eval()
+            self.ref_model = self._build_reference(ref_model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
@@ -114,6 +114,14 @@ class TorchTrainer(TrainerBackend):
         )
         self._version = initial_version
         torch.manual_seed(seed)
+
+    def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> torch.nn.Module:
+        """The trained module: a deep copy of ``model`` with its linears converted per ``recipe``."""
+        return convert_model(copy.deepcopy(model), recipe, mode="train")
+
+    def _build_reference(self, ref_model: CausalLM) -> torch.nn.Module:
+        """The frozen KL reference, kept in high precision."""
+        return copy.deepcopy(ref_model)
 
     @property
     def version(self) -> int:

@@ -57,6 +57,7 @@ from .vllm_launch import (
     reference_model,
     require_vllm,
 )
+from .weights import check_payload_names
 
 log = logging.getLogger(__name__)
 
@@ -209,14 +210,7 @@ class VllmRolloutEngine(RolloutEngine):
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate ``tensors`` (HF names) into vLLM checkpoint format; raise WeightLoadError on any problem."""
-        expected = set(self._shapes)
-        scale_names = {f"{p}.weight_scale" for p in self._fp8}
-        missing = sorted(expected - set(tensors))
-        unknown = sorted(set(tensors) - expected - scale_names)
-        if missing:
-            raise WeightLoadError(f"refit payload is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-        if unknown:
-            raise WeightLoadError(f"refit payload has {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}")
+        check_payload_names(tensors, set(self._shapes), {f"{p}.weight_scale" for p in self._fp8})
         out: dict[str, torch.Tensor] = {}
         try:
             for name, shape in self._shapes.items():

@@ -18,7 +18,7 @@ from fp8rl.fp8 import E4M3, Fp8InferenceLinear, check_finite, quantize_blockwise
 
 from .base import WeightLoadError
 
-__all__ = ["stage_weights", "apply_staged", "expected_weight_names"]
+__all__ = ["stage_weights", "apply_staged", "expected_weight_names", "check_payload_names"]
 
 
 def _fp8_modules(model: nn.Module) -> dict[str, Fp8InferenceLinear]:
@@ -35,6 +35,16 @@ def expected_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
+def check_payload_names(tensors: Mapping[str, torch.Tensor], expected: set[str], scale_names: set[str]) -> None:
+    """:class:`WeightLoadError` unless ``tensors`` holds every ``expected`` name and nothing but those + scales."""
+    missing = sorted(expected - set(tensors))
+    unknown = sorted(set(tensors) - expected - scale_names)
+    if missing:
+        raise WeightLoadError(f"refit payload is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+    if unknown:
+        raise WeightLoadError(f"refit payload has {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}")
+
+
 def stage_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Check ``tensors`` against ``model`` and return ``{live_name: new_value}`` ready to copy.
 
@@ -47,13 +57,7 @@ def stage_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict
     fp8 = _fp8_modules(model)
     params = dict(model.named_parameters())
     scale_names = {f"{p}.weight_scale" for p in fp8}
-    expected = expected_weight_names(model)
-    missing = sorted(expected - set(tensors))
-    unknown = sorted(set(tensors) - expected - scale_names)
-    if missing:
-        raise WeightLoadError(f"refit payload is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    if unknown:
-        raise WeightLoadError(f"refit payload has {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}")
+    check_payload_names(tensors, expected_weight_names(model), scale_names)
     staged: dict[str, torch.Tensor] = {}
     try:
         for name, live in params.items():

@@ -95,28 +95,23 @@ class MegatronTrainer(TorchTrainer):
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
     ) -> None:
-        # TorchTrainer.__init__ is not called: it would deep-copy and FP8-convert a CausalLM.
         init_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, seed)
-        self.recipe = recipe
-        self.config = config = config if config is not None else TrainerConfig()
         self.model_config: ModelConfig = model.config
         self.dtype = next(model.parameters()).dtype
-        self.model = self._build(model, recipe).train()
-        self.ref_model = None
-        if ref_model is not None:
-            self.ref_model = self._build(ref_model, Fp8Recipe(linear="bf16")).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-        )
-        self._version = initial_version
-        torch.manual_seed(seed)
+        # the GRPO step, optimizer and bookkeeping are TorchTrainer's; the modules come from the hooks below
+        super().__init__(model, recipe, config if config is not None else TrainerConfig(), ref_model=ref_model,
+                         initial_version=initial_version, seed=seed)
 
     @property
     def backend(self) -> str:
         """``"megatron-te"`` on the Transformer Engine path, ``"megatron"`` on the local spec."""
         return "megatron-te" if self.model.gpt.fused_norms else "megatron"
+
+    def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
+        return self._build(model, recipe)
+
+    def _build_reference(self, ref_model: CausalLM) -> MegatronCausalLM:
+        return self._build(ref_model, Fp8Recipe(linear="bf16"))
 
     def _build(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
         gpt = build_gpt_model(model.config, recipe, self.dtype)
