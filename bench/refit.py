@@ -7,7 +7,10 @@ in a throwaway ``redis-server``) serves ``--stream-mib`` MiB of BF16 shards on l
 ``GrpcShardSource`` pulls every shard, as a rollout replica does. The baseline moves the same shard
 bytes over a raw loopback TCP socket (server thread + client, same chunk size, TCP_NODELAY, the
 client reads into one preallocated buffer — the most a transport could get here). Prints MB/s of
-both and their ratio (target: gRPC ≥ 0.6× raw). Both ends of both transports share this process.
+both and their ratio (target: gRPC ≥ 0.6× raw). Both servers run in a child process and both
+clients here, as between a trainer and a replica: with both ends in one process, gRPC's Python
+server and client would take turns on one GIL, which the raw socket (GIL released in
+``sendall``/``recv_into``) does not pay, and the ratio would measure that instead of the transport.
 
 (b) FP8 vs BF16 refit of one Llama-shaped model (``--hidden``, ``--layers``, ``--vocab``,
 ``--intermediate``; BF16 weights, random). ``build_shards`` with ``fp8_prefixes`` = every
@@ -24,6 +27,7 @@ Needs ``redis-server`` on PATH (or ``$FP8RL_REDIS_SERVER``).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import socket
@@ -43,6 +47,7 @@ from fp8rl.model import CausalLM
 from fp8rl.model.config import ModelConfig
 from fp8rl.refit import DEFAULT_SHARD_BYTES, Manifest, RefitPublisher, RefitStore, assemble
 from fp8rl.refit.grpc_source import DEFAULT_CHUNK_BYTES, GrpcShardSource, WeightStoreServicer
+from fp8rl.refit.shards import verify_shard
 from fp8rl.rpc import weights_pb2_grpc
 from fp8rl.rpc.server import build_server
 
@@ -137,27 +142,56 @@ def llama_state_dict(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
     return sd, prefixes
 
 
-def bench_stream(pub: RefitPublisher, src: GrpcShardSource, args: argparse.Namespace, version: int) -> dict:
+def _stream_server(redis_port: int, args: argparse.Namespace, version: int, out) -> None:
+    """Child process, as a trainer is: publish the payload, serve it over gRPC and over the raw socket."""
+    client = redis.Redis(host="127.0.0.1", port=redis_port)
+    pub = RefitPublisher(RefitStore(client, "bench-refit"), shard_bytes=args.shard_mib * MiB, keep=2)
+    servicer = WeightStoreServicer(pub, chunk_bytes=args.chunk_mib * MiB)
+    server, _, port = build_server([(weights_pb2_grpc.add_WeightStoreServicer_to_server, servicer)], port=0,
+                                   host="127.0.0.1", token="", tls_cert="", tls_key="", max_workers=4)
+    server.start()
+    pub.endpoint = f"127.0.0.1:{port}"
     n = max(1, args.stream_mib // 16)
     g = torch.Generator().manual_seed(1)
     payload = {f"blob.{i}.weight": torch.randn(4096, 2048, generator=g).to(torch.bfloat16) for i in range(n)}
-    m = pub.publish(payload, version, recipe="bf16")
+    pub.publish(payload, version, recipe="bf16")
     del payload
-    shards = pub.shards(version)
-    raw = _RawClient(_RawServer(shards, args.chunk_mib * MiB).port, args.chunk_mib * MiB)
+    raw = _RawServer(pub.shards(version), args.chunk_mib * MiB)
+    out.send(raw.port)
+    out.recv()  # the parent is done
+    server.stop(grace=None)
 
-    def pull_grpc():
-        got = [src.fetch(m, i) for i in range(m.num_shards)]
-        assert [len(s) for s in got] == list(m.shard_sizes)
 
-    def pull_raw():
-        got = [raw.fetch(i, size) for i, size in enumerate(m.shard_sizes)]
-        assert [len(s) for s in got] == list(m.shard_sizes)
+def bench_stream(redis_port: int, store: RefitStore, src: GrpcShardSource, args: argparse.Namespace,
+                 version: int) -> dict:
+    """(a): the shards live in another process, as they do between a trainer and a replica."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_stream_server, args=(redis_port, args, version, child), daemon=True)
+    proc.start()
+    try:
+        raw = _RawClient(parent.recv(), args.chunk_mib * MiB)
+        m = store.get_manifest(version)
 
-    assert raw.fetch(0, m.shard_sizes[0]) == shards[0] and src.fetch(m, 0) == shards[0]  # same bytes, both ways
-    t_grpc = _median_time(pull_grpc, args.repeats)
-    t_raw = _median_time(pull_raw, args.repeats)
-    raw.sock.close()  # ends the server thread; its shards are freed with it
+        def pull_grpc():
+            got = [src.fetch(m, i) for i in range(m.num_shards)]
+            assert [len(s) for s in got] == list(m.shard_sizes)
+
+        def pull_raw():
+            got = [raw.fetch(i, size) for i, size in enumerate(m.shard_sizes)]
+            assert [len(s) for s in got] == list(m.shard_sizes)
+
+        for i, size in enumerate(m.shard_sizes):  # the same bytes both ways, checked against the manifest
+            verify_shard(i, raw.fetch(i, size), size, m.shard_checksums[i])
+            verify_shard(i, src.fetch(m, i), size, m.shard_checksums[i])
+        t_grpc = _median_time(pull_grpc, args.repeats)
+        t_raw = _median_time(pull_raw, args.repeats)
+        raw.sock.close()
+    finally:
+        parent.send("done")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
     res = {"bytes": m.total_bytes, "shards": m.num_shards, "grpc_MBps": m.total_bytes / t_grpc / 1e6,
            "raw_MBps": m.total_bytes / t_raw / 1e6}
     res["grpc_vs_raw"] = res["grpc_MBps"] / res["raw_MBps"]
@@ -241,13 +275,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"refit on CPU loopback, torch {torch.__version__}, threads={torch.get_num_threads()}, "
                   f"chunk {args.chunk_mib} MiB, shards <= {args.shard_mib} MiB, median of {args.repeats}")
             if args.skip != "stream":
-                s = res["stream"] = bench_stream(pub, src, args, version=0)
+                s = res["stream"] = bench_stream(client.connection_pool.connection_kwargs["port"], store, src,
+                                                 args, version=0)
                 print(f"(a) streaming {s['bytes'] / MiB:.0f} MiB in {s['shards']} shards, {args.chunk_mib} MiB chunks")
                 print(f"  raw TCP socket       : {s['raw_MBps']:8.0f} MB/s")
                 print(f"  gRPC WeightStore     : {s['grpc_MBps']:8.0f} MB/s  = {s['grpc_vs_raw']:.2f}x raw "
                       "(target >= 0.6x)")
             if args.skip != "fp8":
-                f = res["fp8"] = bench_fp8_vs_bf16(pub, src, args, first_version=1)
+                f = res["fp8"] = bench_fp8_vs_bf16(pub, src, args, first_version=1)  # after (a)'s version 0
                 print(f"(b) refit of a Llama-shaped model: hidden {args.hidden}, intermediate {args.intermediate}, "
                       f"{args.layers} layers, vocab {args.vocab}, {args.kv_heads} kv heads "
                       f"({f['params'] / 1e6:.0f}M params, BF16), {f['num_fp8_linears']} linears in FP8")

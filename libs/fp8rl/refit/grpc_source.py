@@ -105,6 +105,24 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             offset = end
 
 
+class _Chunks:
+    """The chunks of one shard received so far: kept as they came and joined once (one copy in all)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def append(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def join(self) -> bytes:
+        return b"".join(self.parts)
+
+
 class GrpcShardSource:
     """A :class:`fp8rl.refit.ShardSource` pulling shards over ``WeightStore.StreamShards``.
 
@@ -153,7 +171,7 @@ class GrpcShardSource:
             raise ShardTransferError(f"weight version {v} has {manifest.num_shards} shard(s), asked for {shard_index}")
         size = manifest.shard_sizes[shard_index]
         stub = self._stub(endpoint)
-        buf = bytearray()
+        buf = _Chunks()
         why = ""
         for attempt in range(self.max_resumes + 1):
             if attempt:
@@ -162,7 +180,7 @@ class GrpcShardSource:
                 time.sleep(self.backoff_s * attempt)
             try:
                 if self._stream_into(stub, v, shard_index, size, buf):
-                    return bytes(buf)
+                    return buf.join()
                 why = "the stream ended before its last chunk"
             except grpc.RpcError as exc:
                 code = exc.code()
@@ -174,7 +192,7 @@ class GrpcShardSource:
             f"shard {shard_index} of weight version {v} from {endpoint} was cut short {self.max_resumes + 1} "
             f"time(s); got {len(buf)}/{size} bytes. Last: {why}")
 
-    def _stream_into(self, stub, version: int, shard_index: int, size: int, buf: bytearray) -> bool:
+    def _stream_into(self, stub, version: int, shard_index: int, size: int, buf: _Chunks) -> bool:
         """Append one stream's chunks to ``buf``; True when the shard's last chunk arrived."""
         request = weights_pb2.StreamShardsRequest(version=version, shard_index=shard_index, offset=len(buf))
         call = stub.StreamShards(request, timeout=self.deadline_s)
@@ -184,7 +202,7 @@ class GrpcShardSource:
                     raise CorruptShardError(
                         f"WeightStore sent version {chunk.version} shard {chunk.shard_index} offset {chunk.offset}, "
                         f"expected version {version} shard {shard_index} offset {len(buf)}", shard=shard_index)
-                buf += chunk.data
+                buf.append(chunk.data)
                 if len(buf) > size:
                     raise CorruptShardError(f"shard {shard_index} of version {version}: received {len(buf)} bytes, "
                                             f"the manifest says {size}", shard=shard_index)
