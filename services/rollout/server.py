@@ -164,8 +164,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-batch-size", type=int, default=int(env_default("max_batch_size", 64)),
-                   help="rows (prompts x n) decoded together")
+    p.add_argument("--max-batch-size", type=int, default=int(env_default("max_batch_size", 256)),
+                   help="rows (prompts x n) decoded together (default 256: one GRPO step of 32 prompts x 8 in one "
+                        "batch, as the in-process loop decodes it)")
 
 
 SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args)
