@@ -20,6 +20,10 @@ from fp8rl.model import CausalLM
 __all__ = ["QKVCalibrator"]
 
 
+class _PassDone(Exception):
+    """Raised by the last layer's Q/K/V hook: the rest of the forward pass is not needed."""
+
+
 class QKVCalibrator:
     """Computes :class:`QKVScales` for a model's current weights.
 
@@ -63,12 +67,16 @@ class QKVCalibrator:
         hist: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in ("q", "k", "v")}
         valid: list[torch.Tensor] = []  # (B, T) of the pass in flight
 
+        last = len(layers) - 1
+
         def make_hook(i: int):
             def hook(_mod, _inputs, outputs):
                 m = valid[0]  # (B, T)
                 for name, t in zip(("q", "k", "v"), outputs, strict=True):  # (B, H, T, D)
                     per_tok = t.detach().abs().amax(dim=(1, 3)).float()  # (B, T)
                     hist[name][i].append(float(per_tok.masked_fill(~m, 0.0).max()))
+                if i == last:  # nothing after the last layer's Q/K/V is read: cut the pass here
+                    raise _PassDone
             return hook
 
         handles = [layer.self_attn.qkv_point.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
@@ -86,7 +94,10 @@ class QKVCalibrator:
                     ids[b, :len(s)] = torch.tensor(list(s), dtype=torch.long)
                     mask[b, :len(s)] = True
                 valid[:] = [mask]
-                self.model(ids, attention_mask=mask.long())
+                try:
+                    self.model(ids, attention_mask=mask.long())
+                except _PassDone:
+                    pass
         finally:
             for h in handles:
                 h.remove()
