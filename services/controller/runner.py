@@ -31,6 +31,7 @@ found ``running`` is resumed. With ``base_version`` (the trainer's version at th
   checkpoint of version ``base + k``, which it republished under the next free version (versions only
   increase): reports of steps >= k are dropped, and step k continues from the republished version
   (``base_version`` moves so that ``base + step`` names the version each later step starts from).
+  A checkpoint of ``base + n + 1`` (taken after step n trained, before its report) finishes step n first.
 * anything else fails the job, naming both versions.
 
 Cancellation is read from Redis between phases: before TrainStep the half-done step is dropped;
@@ -269,18 +270,13 @@ class JobRunner:
             self.jobs.set_inflight(plan.job_id, None)
             self.jobs.update(plan.job_id, base_version=held - k)
             return k
+        if origin == expected + 1:  # checkpointed right after step n trained, before its report: finish step n
+            log.warning("job %s: the trainer resumed from the checkpoint of version %d (republished as %d), which "
+                        "holds step %d's update", plan.job_id, origin, held, n)
+            self.jobs.update(plan.job_id, base_version=held - n - 1)
+            return self._finish_trained(plan, n, expected, held)
         if held == expected + 1:
-            partial = self.jobs.inflight(plan.job_id)
-            if partial is None or partial["step"] != n:
-                log.warning("job %s: step %d trained but its rollout data is lost; recording it without", plan.job_id,
-                            n)
-                partial = {"step": n, "weight_version": held - 1, "new_version": held, "reward_mean": math.nan,
-                           "accuracy": math.nan, "metrics": {"recovered_without_rollout": 1.0}, "phase_times": {},
-                           "sequences": plan.prompts(plan.batch(n))}
-            partial["resumed"] = True
-            log.info("job %s: finishing step %d (already trained) after a restart", plan.job_id, n)
-            self._finish(plan, partial)
-            return n + 1
+            return self._finish_trained(plan, n, expected, held)
         if base <= held < expected:
             log.warning("job %s: the trainer was rolled back to weight version %d; dropping steps >= %d",
                         plan.job_id, held, held - base)
@@ -288,6 +284,21 @@ class JobRunner:
             return held - base
         raise _Failed(f"cannot resume: the trainer holds weight version {held}, but after {n} finished steps "
                       f"from version {base} the job expects {expected}")
+
+    def _finish_trained(self, plan: JobPlan, n: int, started: int, held: int) -> int:
+        """Step ``n`` (from version ``started``) was trained, the trainer holds its update as ``held``, but it was
+        not recorded: finish it from its calibration + refit."""
+        partial = self.jobs.inflight(plan.job_id)
+        if partial is None or partial["step"] != n:
+            log.warning("job %s: step %d trained but its rollout data is lost; recording it without", plan.job_id, n)
+            partial = {"step": n, "weight_version": started, "new_version": held, "reward_mean": math.nan,
+                       "accuracy": math.nan, "metrics": {"recovered_without_rollout": 1.0}, "phase_times": {},
+                       "sequences": plan.prompts(plan.batch(n))}
+        partial["new_version"] = held  # a republished checkpoint carries step n's update under a newer version
+        partial["resumed"] = True
+        log.info("job %s: finishing step %d (already trained) after a restart", plan.job_id, n)
+        self._finish(plan, partial)
+        return n + 1
 
     def _check(self, job_id: str, cancel: bool = True) -> None:
         if self._stop.is_set():

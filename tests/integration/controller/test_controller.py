@@ -251,6 +251,30 @@ def test_trainer_killed_mid_job_resumes_from_its_checkpoint_and_the_job_rewinds_
     assert held == restored + steps - k
 
 
+def test_a_checkpoint_taken_after_an_unrecorded_step_finishes_that_step_after_a_trainer_restart(stack):
+    steps = 4
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_yaml(steps=steps, checkpoint_every=0), job_id="ckpt-unrecorded")
+        base = next(iter(c.watch(job_id, timeout_s=WATCH_S))).weight_version
+        n, forced = _kill_with_step_half_done(stack, job_id, base, save_inflight=True)  # step n trained, not recorded
+        trainer = _trainer(stack)
+        assert trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60).version == base + n + 1
+        os.kill(stack.process("trainer")["pid"], signal.SIGKILL)
+        _respawn(stack, "trainer", "--resume", str(stack.run_dir / "checkpoints"))
+        _restart_controller(stack, stack.process("controller"))
+        reports = list(c.watch(job_id, timeout_s=WATCH_S * 3))
+        final = c.get_job(job_id)
+    assert final.state == "succeeded", final.error
+    assert [r.step for r in reports] == list(range(steps))
+    versions = [r.weight_version for r in reports]
+    assert versions[:n + 1] == list(range(base, base + n + 1))  # step n recorded from where it started
+    republished = versions[n + 1]  # step n's update under its new version: step n+1 starts from it
+    assert _refit(stack).restored_from(republished) == base + n + 1
+    assert versions[n + 1:] == list(range(republished, republished + steps - n - 1))
+    if forced:  # finished with the step's saved data, not re-run
+        assert reports[n].metrics["marker"] == 7.0 and reports[n].phase_times.calibrate > 0
+
+
 def _refit(stack) -> RefitStore:
     return RefitStore(connect(stack.info["redis_url"]), stack.info["namespace"])
 
