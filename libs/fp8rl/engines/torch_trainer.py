@@ -91,6 +91,8 @@ class TorchTrainer(TrainerBackend):
         seed: seeds the trainer's RNG (dropout-free models only use it for bookkeeping).
     """
 
+    CHECKPOINT_FORMAT = "fp8rl-torch-trainer/1"
+
     def __init__(
         self,
         model: CausalLM,
@@ -226,7 +228,7 @@ class TorchTrainer(TrainerBackend):
     def save_checkpoint(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
         state = {
-            "format": "fp8rl-torch-trainer/1",
+            "format": self.CHECKPOINT_FORMAT,
             "version": self._version,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -244,8 +246,8 @@ class TorchTrainer(TrainerBackend):
 
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("format") != "fp8rl-torch-trainer/1":
-            raise ValueError(f"{path} is not an fp8rl torch-trainer checkpoint (format={state.get('format')!r})")
+        if state.get("format") != self.CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint (format={state.get('format')!r})")
         if state["recipe_linear"] != self.recipe.linear:
             raise ValueError(
                 f"{path} was trained with {state['recipe_linear']} linears, this trainer uses {self.recipe.linear}"

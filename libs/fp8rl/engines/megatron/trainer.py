@@ -31,7 +31,6 @@ from .model import MegatronCausalLM, build_gpt_model, use_te
 
 __all__ = ["MegatronTrainer", "init_model_parallel"]
 
-CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
 
 
 def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -82,6 +81,8 @@ class MegatronTrainer(TorchTrainer):
         seed: seeds the trainer's RNG.
         tensor_model_parallel_size, pipeline_model_parallel_size: must be 1 (see the module doc).
     """
+
+    CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
 
     def __init__(
         self,
@@ -135,29 +136,5 @@ class MegatronTrainer(TorchTrainer):
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "version": self._version,
-            "model": self.model.state_dict(),  # Megatron layout: the optimizer state is keyed by these params
-            "optimizer": self.optimizer.state_dict(),
-            "rng": torch.get_rng_state(),
-            "recipe_linear": self.recipe.linear,
-        }
-        tmp = f"{path}.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
-
-    def load_checkpoint(self, path: str) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not an fp8rl megatron-trainer checkpoint (format={state.get('format')!r})")
-        if state["recipe_linear"] != self.recipe.linear:
-            raise ValueError(
-                f"{path} was trained with {state['recipe_linear']} linears, this trainer uses {self.recipe.linear}"
-            )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        self._version = int(state["version"])
+    # save_checkpoint / load_checkpoint are TorchTrainer's, under this class's CHECKPOINT_FORMAT: the state
+    # dicts hold Megatron's layout (the optimizer state is keyed by these parameters).
