@@ -26,6 +26,7 @@ __all__ = [
     "RolloutEngine",
     "TrainerBackend",
     "VersionMismatchError",
+    "served_version",
     "WeightLoadError",
 ]
 
@@ -36,6 +37,17 @@ class VersionMismatchError(RuntimeError):
     def __init__(self, requested: int, held: int | None):
         super().__init__(f"request pinned to weight version {requested}, but this engine holds version {held}")
         self.requested, self.held = requested, held
+
+
+def served_version(requested: int | None, held: int | None) -> int:
+    """The version a generate call runs at: ``held``, which ``requested`` (when given) must equal.
+
+    Raises:
+        VersionMismatchError: nothing is held yet, or the request is pinned to another version.
+    """
+    if held is None or (requested is not None and requested != held):
+        raise VersionMismatchError(requested if requested is not None else -1, held)
+    return held
 
 
 class WeightLoadError(ValueError):

@@ -29,7 +29,7 @@ import torch
 from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
 from fp8rl.model import CausalLM, KVCache
 
-from .base import RolloutEngine, Sample, SamplingParams, VersionMismatchError, WeightLoadError
+from .base import RolloutEngine, Sample, SamplingParams, WeightLoadError, served_version
 from .weights import apply_staged, stage_weights
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,7 @@ class TorchRolloutEngine(RolloutEngine):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
     ) -> list[Sample]:
         with self._lock:
-            held = self._version
-            if held is None or (weight_version is not None and weight_version != held):
-                raise VersionMismatchError(weight_version if weight_version is not None else -1, held)
+            held = served_version(weight_version, self._version)
             for qz in self.model.kv_quantizers:
                 qz.require_version(held)
             for i, p in enumerate(prompts):

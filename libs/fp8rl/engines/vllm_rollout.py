@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from fp8rl.fp8 import BLOCK, E4M3, Fp8Recipe, QKVScales, check_finite, quantize_blockwise
 from fp8rl.model import ModelConfig
 
-from .base import RolloutEngine, Sample, SamplingParams, VersionMismatchError, WeightLoadError
+from .base import RolloutEngine, Sample, SamplingParams, WeightLoadError, served_version
 from .vllm_launch import (
     check_recipe,
     cpu_defaults,
@@ -294,9 +294,7 @@ class VllmRolloutEngine(RolloutEngine):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
     ) -> list[Sample]:
         with self._lock:
-            held = self._version
-            if held is None or (weight_version is not None and weight_version != held):
-                raise VersionMismatchError(weight_version if weight_version is not None else -1, held)
+            held = served_version(weight_version, self._version)
             if self.recipe.fp8_kv and self._scales_version != held:
                 raise RuntimeError(f"FP8 KV cache: engine holds weight version {held} but QKV scales of version "
                                    f"{self._scales_version}; refusing to serve")
