@@ -119,20 +119,9 @@ def test_token_is_required(reward_service):
     channel.close()
 
 
-def _mint_cert(tmp: Path) -> tuple[Path, Path]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
-    return cert, key
-
-
-def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path):
+def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path, self_signed_cert):
     """TLS cert/key by flag, the token by environment, the default grader from the job YAML (--config)."""
-    cert, key = _mint_cert(tmp_path)
+    cert, key = self_signed_cert
     job = tmp_path / "job.yaml"
     job.write_text("reward:\n  grader: exact_match\n  timeout_s: 3\n")
     ready, log = tmp_path / "ready.json", tmp_path / "reward.log"
@@ -160,8 +149,8 @@ def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path):
 
 
 @pytest.mark.parametrize("role", ["reward", "calibrator"])
-def test_a_tls_cert_without_its_key_is_a_clear_startup_error(tmp_path, role):
-    cert, _ = _mint_cert(tmp_path)
+def test_a_tls_cert_without_its_key_is_a_clear_startup_error(tmp_path, role, self_signed_cert):
+    cert, _ = self_signed_cert
     job = tmp_path / "job.yaml"
     job.write_text("job:\n  name: tls-check\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}

@@ -15,6 +15,7 @@ import yaml
 
 from fp8rl.engines import SamplingParams, TorchTrainer, TrainBatch, TrainerConfig
 from fp8rl.fp8 import Fp8Recipe
+from fp8rl.loop import build_train_batch
 from fp8rl.model.presets import load_policy, prepare_tiny_arith
 from fp8rl.model.tokenizer import load_tokenizer
 from fp8rl.rl.metrics import token_mult_prob_error
@@ -56,19 +57,8 @@ def arith_prompts(tok, n: int) -> list[list[int]]:
 
 
 def train_batch(samples, pad_id: int) -> TrainBatch:
-    """Right-padded prompt+response rows with gen_logprobs aligned as in ``fp8rl.engines.base``."""
-    rows = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
-    T_ = max(map(len, rows))
-    B = len(rows)
-    ids = torch.full((B, T_), pad_id, dtype=torch.long)
-    attn, mask, gen = torch.zeros(B, T_, dtype=torch.long), torch.zeros(B, T_), torch.zeros(B, T_)
-    for b, (s, r) in enumerate(zip(samples, rows, strict=True)):
-        P, R = len(s.prompt_ids), len(s.token_ids)
-        ids[b, :len(r)] = torch.tensor(r)
-        attn[b, :len(r)] = 1
-        mask[b, P:P + R] = 1
-        gen[b, P:P + R] = torch.tensor(s.logprobs)
-    return TrainBatch(ids, attn, mask, torch.zeros(B), gen)
+    """Right-padded prompt+response rows with gen_logprobs aligned as in ``fp8rl.engines.base`` (no advantages)."""
+    return build_train_batch(samples, None, 1, pad_id, advantages=torch.zeros(len(samples)))
 
 
 def test_generated_logprobs_match_the_trainer(engine, preset):

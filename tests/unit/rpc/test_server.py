@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -166,15 +163,8 @@ def test_tls_config_errors(tmp_path):
         make_channel("127.0.0.1:1", tls_ca=str(tmp_path / "ca.pem"))
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to mint a test certificate")
-def test_tls_with_token(tmp_path, monkeypatch):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+def test_tls_with_token(self_signed_cert, monkeypatch):
+    cert, key = self_signed_cert
     monkeypatch.setenv("FP8RL_TLS_CERT", str(cert))
     monkeypatch.setenv("FP8RL_TLS_KEY", str(key))
     server, _, port = _serve(token=TOKEN)
