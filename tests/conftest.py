@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def _cpu_kernels() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to run when ``ATEN_CPU_CAPABILITY`` asks for kernels torch did not take.
+
+    A typo or a capability this CPU lacks would make the ISA-matrix tier (``make test-isa``) test the
+    native kernels a second time and call that a pass.
+    """
+    wanted, held = os.environ.get("ATEN_CPU_CAPABILITY"), _cpu_kernels()
+    if wanted and wanted.upper() != held.upper():
+        raise pytest.UsageError(f"ATEN_CPU_CAPABILITY={wanted} but torch runs {held} kernels")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which CPU kernels this run uses: numerics differ between ISAs, so every log says which it had."""
+    restrict = ", ".join(f"{k}={os.environ[k]}" for k in ISA_VARIABLES if k in os.environ) or "none"
+    return f"cpu kernels: torch {_cpu_kernels()} (ISA restrictions: {restrict})"
 
 
 @pytest.fixture(scope="session")

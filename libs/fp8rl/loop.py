@@ -30,7 +30,7 @@ from fp8rl.data import ArithConfig, ArithDataset, get_grader
 from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainBatch, TrainerConfig
 from fp8rl.fp8 import RECIPES, recipe_for_role
 from fp8rl.model.presets import TINY_ARITH_TASK, load_policy
-from fp8rl.rl import IS_MODES, LossConfig, grpo_advantages, mismatch_metrics
+from fp8rl.rl import IS_MODES, LossConfig, grpo_advantages, mismatch_metrics, mismatch_promise
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,23 @@ class GRPOLoop:
 
     def evaluate(self) -> float:
         """Greedy accuracy of the rollout engine (deployed numerics) on the validation set."""
-        prompts = [self.tok.encode(p.prompt) for p in self.eval_set]
-        samples = self.rollout.generate(prompts, SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens),
-                                        weight_version=self.rollout.weight_version)
-        right = [self.grader(self.tok.decode(s.token_ids), self.eval_set[s.prompt_index].answer) for s in samples]
-        return sum(right) / len(right)
+        rates = self.solve_rates(self.eval_set, n=1, temperature=0.0)
+        return sum(rates) / len(rates)
+
+    def solve_rates(self, problems, *, n: int, temperature: float, seed: int = 0) -> list[float]:
+        """Per problem, the fraction of ``n`` rollout-engine samples the grader scores right.
+
+        The rollout engine answers at the version it holds (deployed numerics: what a refit
+        delivered, not the trainer's copy); ``seed`` fixes the sampler, so an unchanged engine
+        gives the same rates.
+        """
+        prompts = [self.tok.encode(p.prompt) for p in problems]
+        params = SamplingParams(temperature=temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_tokens, n=n,
+                                seed=seed)
+        right = [0] * len(problems)
+        for s in self.rollout.generate(prompts, params, weight_version=self.rollout.weight_version):
+            right[s.prompt_index] += self.grader(self.tok.decode(s.token_ids), problems[s.prompt_index].answer)
+        return [r / n for r in right]
 
     def step(self, step: int) -> dict[str, float]:
         cfg, times = self.cfg, {}
@@ -206,7 +218,13 @@ class GRPOLoop:
         times["refit"] = time.perf_counter() - t
 
         total = sum(times.values())
+        served = {s.weight_version for s in samples}
         out = {"step": step, "weight_version": self.trainer.version,
+               # what the rollout engine served this step and holds after the refit (DESIGN §3: weights
+               # and scales of one version arrive together)
+               "rollout/served_version": served.pop() if len(served) == 1 else -1,
+               "rollout/weight_version": self.rollout.weight_version,
+               "rollout/scales_version": self.rollout.scales_version if self.rollout_recipe.fp8_kv else -1,
                "reward_mean": float(rewards.mean()), "accuracy": float((rewards > 0.5).float().mean()),
                "response_len": statistics.fmean(len(s.token_ids) for s in samples),
                **mismatch, **{f"train/{k}": v for k, v in train.items()},
@@ -215,9 +233,16 @@ class GRPOLoop:
         return out
 
 
-def run(cfg: LoopConfig, *, progress: bool = True) -> dict:
-    """Run ``cfg.steps`` steps; return ``{"config", "steps": [...], "summary": {...}}``."""
-    loop = GRPOLoop(cfg)
+def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None) -> dict:
+    """Run ``cfg.steps`` steps; return ``{"config", "steps": [...], "summary": {...}}``.
+
+    ``loop`` is an already built :class:`GRPOLoop` of ``cfg`` to run (e.g. to measure its engines
+    before and after); by default one is built.
+    """
+    if loop is None:
+        loop = GRPOLoop(cfg)
+    elif loop.cfg != cfg:
+        raise ValueError("run(cfg, loop=...) needs the loop built from the same cfg")
     history: list[dict] = []
     val = {0: loop.evaluate()}
     bar = tqdm(range(cfg.steps), desc=f"grpo {cfg.recipe} kv={cfg.kv_cache_dtype}", disable=not progress,
@@ -244,6 +269,11 @@ def run(cfg: LoopConfig, *, progress: bool = True) -> dict:
         "step_seconds_mean": statistics.fmean(h["time/step"] for h in history),
         **{f"phase_seconds/{p}": statistics.fmean(h[f"time/{p}"] for h in history) for p in PHASES},
     }
+    promise = summary["token_mult_prob_error_promise"] = mismatch_promise(cfg.recipe, cfg.kv_cache_dtype)
+    if summary["token_mult_prob_error_median"] > promise:
+        log.warning("median token_mult_prob_error %.4f is above what %s with kv_cache_dtype=%s promises (%.2f): "
+                    "the rollout and the trainer disagree more than this recipe should (DESIGN §4)",
+                    summary["token_mult_prob_error_median"], cfg.recipe, cfg.kv_cache_dtype, promise)
     result = {"config": asdict(cfg), "steps": history, "validation": val, "summary": summary}
     if cfg.out_dir:
         from fp8rl.report import write_report  # matplotlib/tensorboard only when a report is asked for

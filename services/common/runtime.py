@@ -53,8 +53,8 @@ from fp8rl.rpc.server import ServicerAdder, build_server, set_serving
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "RefitFollower", "rpc_method",
-           "require", "check_token_ids", "serve", "main"]
+__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "RefitFollower", "PendingRefit",
+           "AWAITING_SCALES", "REFIT_FAILED", "rpc_method", "require", "check_token_ids", "serve", "main"]
 
 # flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
 ENV = {
@@ -171,6 +171,23 @@ class Service(abc.ABC):
         """Stop background threads (health is already NOT_SERVING)."""
 
 
+AWAITING_SCALES = "awaiting_scales"  # PendingRefit.reason: v is published, its QKV scales are not (yet)
+REFIT_FAILED = "refit_failed"  # PendingRefit.reason: applying v failed; retried with back-off
+
+
+@dataclass(frozen=True)
+class PendingRefit:
+    """A published version newer than the one held that the follower saw and has not applied, and why.
+
+    Attributes:
+        version: the newest published version (``weights:latest``) when the follower last looked.
+        reason: :data:`AWAITING_SCALES` or :data:`REFIT_FAILED`.
+    """
+
+    version: int
+    reason: str
+
+
 class RefitFollower:
     """Keeps a refit subscriber at ``weights:latest``: a replica lease plus two threads.
 
@@ -180,6 +197,11 @@ class RefitFollower:
     the subscriber ``requires_scales`` — runs ``subscriber.sync_to`` (which applies weights and
     scales together, verified, and acks). A failed sync keeps the old version serving and is
     retried with back-off; events only wake the thread, the decision is always re-read from Redis.
+
+    :attr:`pending` says what the follow thread decided on its last look at Redis: None when the
+    engine holds ``weights:latest`` (or nothing is published), else a :class:`PendingRefit` naming
+    the version it is deferring and why — so a caller can tell "v was seen and is waiting for its
+    scales" from "v was not noticed yet" (a Status RPC reports it).
 
     Args:
         ctx: the service context (store, replica id, endpoint, lease TTL, stop event).
@@ -196,6 +218,7 @@ class RefitFollower:
         self._failed: int | None = None
         self._retry_at, self._backoff = 0.0, 0.5
         self._threads: list[threading.Thread] = []
+        self.pending: PendingRefit | None = None  # written by the follow thread only; read anywhere
 
     def start(self) -> None:
         self.register()
@@ -232,17 +255,21 @@ class RefitFollower:
     def _maybe_sync(self) -> None:
         latest, held = self.store.latest(), self.subscriber.engine.weight_version
         if latest is None or (held is not None and latest <= held):
+            self.pending = None
             return
         if self.subscriber.requires_scales and self.store.get_scales(latest) is None:
+            self.pending = PendingRefit(latest, AWAITING_SCALES)
             return  # the calibrator has not published v's scales: never serve v without them
         if self._failed == latest and time.monotonic() < self._retry_at:
             return
         try:
             self.sync_to(latest)
             self._failed, self._backoff = None, 0.5
+            self.pending = None
         except Exception as exc:  # noqa: BLE001 - any failure keeps the old weights and is retried
             self._backoff = self._backoff * 2 if self._failed == latest else 0.5
             self._failed, self._retry_at = latest, time.monotonic() + min(self._backoff, 30.0)
+            self.pending = PendingRefit(latest, REFIT_FAILED)
             log.warning("could not apply weight version %d (still serving %s); retrying in %.1f s: %s",
                         latest, held, min(self._backoff, 30.0), exc)
 

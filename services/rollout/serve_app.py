@@ -103,10 +103,12 @@ class RolloutReplica:
         log.info("Serve rollout replica %s serving gRPC at %s", self.ctx.replica_id, self.ctx.endpoint)
 
     def status(self) -> dict[str, Any]:
-        """The replica's id, endpoint, held weight/scales version and readiness."""
-        e = self.service.engine
+        """The replica's id, endpoint, held weight/scales version, readiness and the refit it defers (or None)."""
+        e, pending = self.service.engine, self.service.follower.pending
         return {"replica_id": self.ctx.replica_id, "endpoint": self.ctx.endpoint, "weight_version": e.weight_version,
-                "scales_version": e.scales_version, "ready": self.service.ready()}
+                "scales_version": e.scales_version, "ready": self.service.ready(),
+                "pending_version": pending.version if pending else None,
+                "pending_reason": pending.reason if pending else None}
 
     def generate(self, prompts: list[list[int]], weight_version: int, max_tokens: int = 8, n: int = 1,
                  temperature: float = 1.0, seed: int | None = None) -> dict[str, Any]:

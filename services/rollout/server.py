@@ -8,6 +8,8 @@ Wiring only — proto ↔ :class:`SamplingParams` / :class:`Sample`, plus the en
 * With an FP8 KV cache a version is applied only once its scales are published. The controller calls
   ``Calibrate(0, prompts)`` before the first step; until then the replica stays NOT_SERVING.
 * Health is SERVING only while the engine holds a version (and, for FP8 KV, that version's scales).
+  ``Status`` also names a newer published version the replica has seen but not applied, and why
+  (``pending_version`` / ``pending_reason``: its scales are not published yet, or the refit failed).
 * ``Generate`` is pinned: a request for any other version than the held one is FAILED_PRECONDITION,
   naming both; a refit waits for the batch in flight (the engine's lock), so it lands between batches.
 """
@@ -160,6 +162,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             resp.weight_version = s.engine.weight_version
         if s.fp8_kv and s.engine.scales_version is not None:
             resp.scales_version = s.engine.scales_version
+        pending = s.follower.pending  # one read: the follow thread replaces it whole
+        if pending is not None:
+            resp.pending_version, resp.pending_reason = pending.version, pending.reason
         return resp
 
 

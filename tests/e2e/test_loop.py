@@ -1,14 +1,42 @@
-"""The in-process GRPO loop really learns, FP8 end to end with an FP8 KV cache, on the tiny-arith preset."""
+"""The in-process GRPO loop really learns, FP8 end to end with an FP8 KV cache, on the tiny-arith preset.
+
+How learning is judged (the tiny-arith weights differ per machine, and so does every trajectory:
+CPU kernels round differently, so nothing here depends on exact numbers):
+
+* **Statistic** — the policy's expected reward on the whole task: over every distinct problem of
+  the task (:func:`task_problems`; 126 for two operands up to 9, so the set is the population and
+  no problem-sampling noise enters), the mean fraction of ``EVAL_SAMPLES`` samples at temperature 1
+  that the *rollout engine* answers right, measured before step 0 and after the last step.
+  ``gain = after - before``. The rollout engine is measured, not the trainer, so a refit that never
+  reaches the rollout shows as no gain.
+* **Noise** — each measurement averages ``N * EVAL_SAMPLES`` Bernoulli draws, so
+  ``SE(gain) = sqrt(sum_i p_i(1-p_i)/n over both measurements) / N`` (:func:`gain_and_se`, from the
+  measured ``p_i``, as for independent draws; the shared sampler seed can only couple the two, and a
+  policy whose weights did not change scores ``gain`` ~ 0, moved only by its recalibrated KV scales).
+  At most sqrt(2 * N * 0.25 / n) / N = 0.0074 for N = 126, n = 72 (every p_i = 1/2); 0.0062 measured.
+* **Margin** — ``REQUIRED_GAIN = 0.03`` and the judge first requires ``SE <= REQUIRED_GAIN / 4``, so a
+  run that did not learn passes with probability below Phi(-4) ~ 3e-5. Measured gains after 32
+  steps (lr 1e-4): 0.056–0.095 over seeds 0 and 1, native AVX-512 and AVX2-restricted kernels.
+* **Negative controls** (same judge, must fail): lr = 0 (the optimizer moves nothing), a refit that
+  never reaches the rollout engine, and negated rewards (wrong advantages).
+"""
 
 import json
 
 import pytest
+import torch
 
-from fp8rl.loop import LoopConfig, main, run
+from fp8rl.loop import GRPOLoop, LoopConfig, main, run
 from fp8rl.model.presets import prepare_tiny_arith
+from fp8rl.rl.metrics import mismatch_promise
 
-# The warm start is cached (~1 min on 2 cores the first time); the loop itself takes ~1 min.
-REWARD_GAIN_MIN = 0.05  # mean reward of the last steps must beat the first steps by this much
+TASK = {"max_operand": 9, "num_terms": 2, "ops": ("+", "-"), "word_problems": False}
+STEPS = 32  # the learning run (about 45 s on 2 cores)
+CONTROL_STEPS = 12  # the negative controls: enough to move the policy when learning is broken
+EVAL_SAMPLES = 72  # samples per problem per measurement: SE <= 0.0075 even if every p_i were 1/2
+EVAL_SEED = 12345
+REQUIRED_GAIN = 0.03  # absolute expected-reward gain the learning run must show
+SE_FRACTION = 0.25  # the measurement's SE may be at most this fraction of REQUIRED_GAIN
 
 
 @pytest.fixture(scope="module")
@@ -16,21 +44,105 @@ def preset():
     return prepare_tiny_arith(progress=False)
 
 
+def _config(steps: int, **kw) -> LoopConfig:
+    base = dict(recipe="fp8_e2e", kv_cache_dtype="fp8", steps=steps, prompts_per_step=16, group_size=8, lr=1e-4,
+                num_minibatches=4, eval_size=64, seed=0, arith=TASK)
+    return LoopConfig(**{**base, **kw})
+
+
+def task_problems(loop: GRPOLoop) -> list:
+    """The task's distinct problems (every one the generator draws, deduplicated by prompt)."""
+    return list({p.prompt: p for p in loop.data.eval_set(4096)}.values())
+
+
+def gain_and_se(before: list[float], after: list[float], n: int) -> tuple[float, float]:
+    """``(mean(after) - mean(before), its standard error)`` for per-problem rates of ``n`` Bernoulli draws each."""
+    N = len(before)
+    var = sum(p * (1 - p) / n for p in before + after)
+    return (sum(after) - sum(before)) / N, var**0.5 / N
+
+
+def learning_run(cfg: LoopConfig, patch=None) -> tuple[float, float, dict]:
+    """Build the loop, measure, run ``cfg``, measure again: ``(gain, se, run result)``.
+
+    ``patch(loop)`` breaks something after the first measurement (the negative controls) and may
+    return an ``undo()`` that runs before the second, so both measure the same way.
+    """
+    loop = GRPOLoop(cfg)
+    problems = task_problems(loop)
+    before = loop.solve_rates(problems, n=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED)
+    undo = patch(loop) if patch is not None else None
+    res = run(cfg, progress=False, loop=loop)
+    if undo is not None:
+        undo()
+    after = loop.solve_rates(problems, n=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED)
+    gain, se = gain_and_se(before, after, EVAL_SAMPLES)
+    print(f"{len(problems)} problems: expected reward {sum(before) / len(before):.4f} -> "
+          f"{sum(after) / len(after):.4f}, gain {gain:+.4f} (SE {se:.4f}, required {REQUIRED_GAIN})")
+    return gain, se, res
+
+
+def learned(gain: float, se: float) -> bool:
+    """The judge: a gain of at least REQUIRED_GAIN, measured with SE <= SE_FRACTION * REQUIRED_GAIN."""
+    assert se <= SE_FRACTION * REQUIRED_GAIN, f"measurement too noisy to judge: SE {se:.4f}"
+    return gain >= REQUIRED_GAIN
+
+
 def test_fp8_e2e_kv_fp8_loop_learns_and_reports(preset, tmp_path):
-    cfg = LoopConfig(recipe="fp8_e2e", kv_cache_dtype="fp8", steps=16, prompts_per_step=16, group_size=8,
-                     lr=2e-4, num_minibatches=4, eval_size=64, seed=0, out_dir=str(tmp_path),
-                     arith={"max_operand": 9, "num_terms": 2, "ops": ("+", "-"), "word_problems": False})
-    res = run(cfg, progress=False)
+    cfg = _config(STEPS, out_dir=str(tmp_path))
+    gain, se, res = learning_run(cfg)
+    assert learned(gain, se), f"no learning: gain {gain:+.4f} < {REQUIRED_GAIN} (SE {se:.4f})"
+
+    steps = res["steps"]
+    # the rollout engine served step s at version s, then held v = s+1 — weights and scales of v together
+    assert [h["rollout/served_version"] for h in steps] == list(range(STEPS))
+    assert [h["rollout/weight_version"] for h in steps] == list(range(1, STEPS + 1))
+    assert [h["rollout/scales_version"] for h in steps] == list(range(1, STEPS + 1))
+    assert [h["weight_version"] for h in steps] == list(range(1, STEPS + 1))
+
     s = res["summary"]
-    first = sum(h["reward_mean"] for h in res["steps"][:4]) / 4
-    last = sum(h["reward_mean"] for h in res["steps"][-4:]) / 4
-    assert last > first + REWARD_GAIN_MIN, (first, last)
-    # every step refitted the rollout to the trainer's new version with scales of that version
-    assert [h["weight_version"] for h in res["steps"]] == list(range(1, 17))
-    assert all(h["time/calibrate"] > 0 for h in res["steps"])
-    assert 1.0 <= s["token_mult_prob_error_mean"] < 1.5
+    promise = mismatch_promise("fp8_e2e", "fp8")
+    print(f"token_mult_prob_error median {s['token_mult_prob_error_median']:.5f} "
+          f"(mean {s['token_mult_prob_error_mean']:.5f}), promise {promise}")
+    assert 1.0 <= s["token_mult_prob_error_median"] <= promise
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 16 and "token_mult_prob_error" in json.loads(lines[0])
+    assert len(lines) == STEPS and "token_mult_prob_error" in json.loads(lines[0])
+
+
+def _lr_zero(loop: GRPOLoop):
+    for g in loop.trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+    start = {k: v.clone() for k, v in loop.trainer.state_dict().items()}
+
+    def undo() -> None:  # the optimizer really moved nothing
+        assert all(torch.equal(v, start[k]) for k, v in loop.trainer.state_dict().items())
+    return undo
+
+
+def _refit_never_reaches_the_rollout(loop: GRPOLoop):
+    frozen = {k: v.clone() for k, v in loop.trainer.state_dict().items()}
+    load = loop.rollout.load_weights
+    loop.rollout.load_weights = lambda version, _tensors, qkv_scales=None: load(version, frozen, qkv_scales)
+
+
+def _negated_rewards(loop: GRPOLoop):
+    right = loop.grader
+    loop.grader = lambda text, answer: 1.0 - right(text, answer)  # every advantage gets the wrong sign
+
+    def undo() -> None:
+        loop.grader = right
+    return undo
+
+
+CONTROLS = {"lr_zero": _lr_zero, "refit_never_reaches_the_rollout": _refit_never_reaches_the_rollout,
+            "negated_rewards": _negated_rewards}
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_the_judge_rejects_broken_learning(preset, control):
+    """Negative controls: each breaks one thing learning needs; the same judge must say 'did not learn'."""
+    gain, se, _ = learning_run(_config(CONTROL_STEPS), CONTROLS[control])
+    assert not learned(gain, se), f"{control}: gain {gain:+.4f} passed the judge"
 
 
 def test_cli_rejects_bad_arguments(capsys):

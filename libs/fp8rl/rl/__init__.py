@@ -12,14 +12,16 @@ Pure PyTorch, no other fp8rl imports: engines and the loop call in, never the re
 
 from fp8rl.rl.advantages import grpo_advantages
 from fp8rl.rl.loss import IS_MODES, LossConfig, importance_weights, policy_loss
-from fp8rl.rl.metrics import mismatch_metrics, token_mult_prob_error
+from fp8rl.rl.metrics import MISMATCH_PROMISE, mismatch_metrics, mismatch_promise, token_mult_prob_error
 
 __all__ = [
     "IS_MODES",
+    "MISMATCH_PROMISE",
     "LossConfig",
     "grpo_advantages",
     "importance_weights",
     "mismatch_metrics",
+    "mismatch_promise",
     "policy_loss",
     "token_mult_prob_error",
 ]

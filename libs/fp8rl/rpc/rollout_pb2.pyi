@@ -71,7 +71,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = ("weight_version", "scales_version", "replica_id", "engine", "recipe", "kv_cache_dtype", "ready")
+    __slots__ = ("weight_version", "scales_version", "replica_id", "engine", "recipe", "kv_cache_dtype", "ready", "pending_version", "pending_reason")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCALES_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class RolloutStatusResponse(_message.Message):
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_REASON_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     scales_version: int
     replica_id: str
@@ -86,4 +88,6 @@ class RolloutStatusResponse(_message.Message):
     recipe: str
     kv_cache_dtype: str
     ready: bool
-    def __init__(self, weight_version: _Optional[int] = ..., scales_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., recipe: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+    pending_version: int
+    pending_reason: str
+    def __init__(self, weight_version: _Optional[int] = ..., scales_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., recipe: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., ready: _Optional[bool] = ..., pending_version: _Optional[int] = ..., pending_reason: _Optional[str] = ...) -> None: ...

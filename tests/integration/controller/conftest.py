@@ -1,8 +1,12 @@
 """Controller-test fixtures: a tiny random checkpoint, its job file, and a whole stack started by the launcher.
 
-The stack is started exactly as a user would: ``python -m deploy.launcher up --job J --run-dir R`` (a
+A stack is started exactly as a user would: ``python -m deploy.launcher up --job J --run-dir R`` (a
 fresh redis-server plus trainer, calibrator, reward, one rollout replica and the controller as real
-processes), and stopped with ``python -m deploy.launcher down``. One stack per test module.
+processes), and stopped with ``python -m deploy.launcher down``. Starting one is the slow part, so a
+module keeps its stack between tests — but no test relies on what an earlier one left: each asks for
+what it needs (``stack``: every process up and no job in flight; ``pristine_stack``: also no job ever
+submitted, so the trainer holds v0), and a new stack is launched whenever the current one is not that
+(stopped by ``down``, a process dead, a job left in flight, or already used when a pristine one is asked).
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 import yaml
 
+from fp8rl.jobstore import JobStore
 from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
 from fp8rl.model.tokenizer import CharTokenizer
+from fp8rl.refit import RefitStore, connect
 
 REPO = Path(__file__).resolve().parents[3]
 UP_TIMEOUT_S = 240.0  # five processes import torch at once on two shared cores
@@ -57,6 +64,16 @@ def launcher(*args: str, timeout: float = UP_TIMEOUT_S) -> subprocess.CompletedP
                           text=True, timeout=timeout)
 
 
+def alive(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    stat = f"/proc/{pid}/stat"
+    return not (os.path.exists(stat) and open(stat).read().rsplit(")", 1)[-1].split()[0] == "Z")
+
+
 @dataclass
 class Stack:
     """A launched stack: its run directory, job file and controller address."""
@@ -79,18 +96,82 @@ class Stack:
     def job_yaml(self, **job) -> str:
         return yaml.safe_dump(tiny_job(self.model_dir, **job))
 
+    def jobs(self) -> JobStore:
+        return JobStore(redis.Redis.from_url(self.info["redis_url"]))
+
+    def refit(self) -> RefitStore:
+        return RefitStore(connect(self.info["redis_url"]), self.info["namespace"])
+
+    def usable(self) -> bool:
+        """Not stopped, every recorded process (respawned ones under their new pid) running, no job in flight."""
+        info = self.info
+        if info.get("stopped") or not all(alive(p["pid"]) for p in info["processes"]):
+            return False
+        try:
+            jobs = self.jobs()
+            return not (jobs.in_state("pending") or jobs.in_state("running"))
+        except redis.RedisError:
+            return False
+
+    def pristine(self) -> bool:
+        """No job was ever submitted and the trainer's v0 is still the latest version."""
+        return not self.jobs().list("", 1) and self.refit().latest() == 0
+
+
+class Stacks:
+    """One module's stacks: hands each test a live one, launching a new one only when the current can't serve."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.current: Stack | None = None
+
+    def get(self, *, pristine: bool = False) -> Stack:
+        st = self.current
+        if st is not None and not (st.usable() and (not pristine or st.pristine())):
+            self._down(st)
+            st = self.current = None
+        if st is None:
+            st = self.current = self._up()
+        return st
+
+    def _up(self) -> Stack:
+        tmp = self.tmp_path_factory.mktemp("controller-stack")
+        model_dir = tiny_model(tmp / "model")
+        job_file = tmp / "job.yaml"
+        job_file.write_text(yaml.safe_dump(tiny_job(model_dir)))
+        run_dir = tmp / "run"
+        up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+        if up.returncode != 0:
+            pytest.fail(f"launcher up failed ({up.returncode}):\n{up.stderr[-4000:]}", pytrace=False)
+        return Stack(run_dir, job_file, model_dir)
+
+    @staticmethod
+    def _down(st: Stack) -> None:
+        if not st.info.get("stopped"):
+            launcher("down", "--run-dir", str(st.run_dir), "--grace", "10", timeout=60)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self._down(self.current)
+            self.current = None
+
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("controller-stack")
-    model_dir = tiny_model(tmp / "model")
-    job_file = tmp / "job.yaml"
-    job_file.write_text(yaml.safe_dump(tiny_job(model_dir)))
-    run_dir = tmp / "run"
-    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
-    if up.returncode != 0:
-        pytest.fail(f"launcher up failed ({up.returncode}):\n{up.stderr[-4000:]}", pytrace=False)
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
+    s = Stacks(tmp_path_factory)
     try:
-        yield Stack(run_dir, job_file, model_dir)
+        yield s
     finally:
-        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+        s.close()
+
+
+@pytest.fixture
+def stack(stacks: Stacks) -> Stack:
+    """A running stack with no job in flight; earlier tests' jobs, versions and checkpoints may be in it."""
+    return stacks.get()
+
+
+@pytest.fixture
+def pristine_stack(stacks: Stacks) -> Stack:
+    """A running stack on which no job was ever submitted: the trainer holds v0 and the job list is empty."""
+    return stacks.get(pristine=True)

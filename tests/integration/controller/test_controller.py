@@ -1,8 +1,10 @@
 """JobService end to end: a stack started by ``deploy.launcher up``, driven with the SDK, stopped by ``down``.
 
-The tests run in file order on one stack: a 2-step job (the first, so the trainer starts at v0, and
-its numbers must equal the in-process loop's), rejected submissions, a cancelled job, a controller
-killed mid-job and restarted, and finally ``down``.
+A 2-step job on a pristine stack (the trainer at v0, so its numbers must equal the in-process loop's),
+rejected submissions, a cancelled job, a controller / Redis / trainer killed mid-job and restarted, and
+``down``. Each test stands alone, in any order: it asks for the stack it needs (``stack`` or
+``pristine_stack``, see conftest.py), checks versions relative to where its own job started, and
+compares job lists with what it read before rather than with what earlier tests left.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from fp8rl.config import ConfigError
 from fp8rl.jobstore import JobStore
 from fp8rl.loop import LoopConfig, run
 from fp8rl.refit import RefitStore, connect
+from fp8rl.rl.metrics import mismatch_promise
 from fp8rl.rpc import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.sdk import Fp8rlClient
 
-from .conftest import REPO, launcher
+from .conftest import REPO, alive, launcher
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +48,8 @@ def _submit_raw(stack, job_yaml: str) -> tuple[grpc.StatusCode, str]:
     return ei.value.code(), ei.value.details()
 
 
-def test_two_step_job_end_to_end_matches_the_in_process_loop(stack):
+def test_two_step_job_end_to_end_matches_the_in_process_loop(pristine_stack):
+    stack = pristine_stack
     with _client(stack) as c:
         job_id = c.submit_job(stack.job_file)
         reports = list(c.watch(job_id, timeout_s=WATCH_S))
@@ -54,7 +58,8 @@ def test_two_step_job_end_to_end_matches_the_in_process_loop(stack):
     assert (info.state, info.step, info.total_steps, info.error) == ("succeeded", 2, 2, "")
     assert [(r.step, r.weight_version, r.state) for r in reports] == [(0, 0, "running"), (1, 1, "succeeded")]
     for r in reports:
-        assert 1.0 <= r.token_mult_prob_error < 1.5
+        print(f"step {r.step}: token_mult_prob_error {r.token_mult_prob_error:.5f}")
+        assert 1.0 <= r.token_mult_prob_error <= mismatch_promise("fp8_e2e", "fp8", over="step")
         assert {"gen_kl_k3", "train/loss", "refit/fenced"} <= set(r.metrics)
         pt = r.phase_times
         assert min(pt.rollout, pt.reward, pt.logprobs, pt.train, pt.publish, pt.calibrate, pt.refit) > 0
@@ -86,6 +91,8 @@ def test_unknown_key_is_invalid_argument_naming_it(stack):
 def test_job_for_another_model_or_recipe_is_failed_precondition(stack):
     job = yaml.safe_load(stack.job_yaml())
     job["policy"]["model"] = "tiny-arith"
+    with _client(stack) as c:
+        before = c.list_jobs()
     code, details = _submit_raw(stack, yaml.safe_dump(job))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "policy.model" in details
     job = yaml.safe_load(stack.job_yaml())
@@ -93,7 +100,7 @@ def test_job_for_another_model_or_recipe_is_failed_precondition(stack):
     code, details = _submit_raw(stack, yaml.safe_dump(job))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "fp8_gen_only" in details and "fp8_e2e" in details
     with _client(stack) as c:
-        assert all(j.state == "succeeded" for j in c.list_jobs())  # nothing was enqueued
+        assert c.list_jobs() == before  # nothing was enqueued
 
 
 def test_cancel_stops_a_running_job(stack):
@@ -108,9 +115,14 @@ def test_cancel_stops_a_running_job(stack):
         final = c.get_job(job_id)
         assert (final.state, final.step) == ("cancelled", len(seen)) and final.step < 500
         assert c.cancel_job(job_id).state == "cancelled"  # cancelling a terminal job is a no-op
-        assert [j.job_id for j in c.list_jobs(state="cancelled")] == ["to-cancel"]
-        time.sleep(1.0)
-        assert c.get_job(job_id).step == final.step  # and it stays stopped
+        cancelled = c.list_jobs(state="cancelled")
+        assert job_id in [j.job_id for j in cancelled] and all(j.state == "cancelled" for j in cancelled)
+        # and it stays stopped: the runner takes jobs one at a time, so once a later job has run to the end it
+        # has left the cancelled one for good
+        after = c.submit_job(stack.job_yaml(steps=1), job_id="after-cancel")
+        assert [r.step for r in c.watch(after, timeout_s=WATCH_S)] == [0]
+        assert c.get_job(after).state == "succeeded"
+        assert (c.get_job(job_id).state, c.get_job(job_id).step) == ("cancelled", final.step)
 
 
 def _trainer(stack):
@@ -285,14 +297,5 @@ def test_down_stops_every_process(stack):
     assert res.returncode == 0, res.stderr
     assert stack.info.get("stopped") is True
     for pid in pids:
-        assert not _alive(pid), f"pid {pid} still running after down"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    stat = f"/proc/{pid}/stat"
-    return not (os.path.exists(stat) and open(stat).read().rsplit(")", 1)[-1].split()[0] == "Z")
+        assert not alive(pid), f"pid {pid} still running after down"
 

@@ -118,8 +118,12 @@ def test_two_serve_replicas_refit_to_a_new_version_and_both_serve_it(cluster):
                 for s, a in zip(samples, [1.0, -1.0, 0.5, -0.5], strict=True)]
         resp = train.TrainStep(trainer_pb2.TrainStepRequest(expected_version=0, rows=rows, step=0), timeout=T)
         assert resp.new_version == 1 and store.latest() == 1
-        time.sleep(0.5)  # v1 without its scales is never applied: both still serve v0
-        assert all(s.weight_version == 0 for s in statuses(store).values())
+        # v1 without its scales is never applied: wait until both replicas have seen v1 (each names it as pending,
+        # or wrongly applied it), then check each defers it for exactly that reason and still serves v0
+        seen = wait_until(lambda: len(st := statuses(store)) == REPLICAS and all(
+            s.pending_version == 1 or s.weight_version != 0 for s in st.values()) and st, "both replicas to see v1")
+        assert all((s.weight_version, s.pending_version, s.pending_reason) == (0, 1, "awaiting_scales")
+                   for s in seen.values()), seen
         seqs = [common_pb2.TokenSequence(token_ids=list(r.prompt_ids) + list(r.response_ids)) for r in rows]
         cal.Calibrate(calibrator_pb2.CalibrateRequest(version=1, sequences=seqs), timeout=T)
 

@@ -101,3 +101,16 @@ def test_bad_inputs_raise() -> None:
         mismatch_metrics(lp, lp, torch.full((2, 3), 0.5))
     with pytest.raises(ValueError, match="is_lo < is_hi"):
         mismatch_metrics(lp, lp, torch.ones(2, 3), is_lo=2.0, is_hi=1.0)
+
+
+def test_mismatch_promise_names_what_it_does_not_know():
+    from fp8rl.rl import mismatch_promise
+
+    assert mismatch_promise("fp8_e2e", "fp8") <= mismatch_promise("fp8_e2e", "fp8", over="step")
+    assert mismatch_promise("bf16") < mismatch_promise("fp8_gen_only")  # FP8 on one side only disagrees more
+    with pytest.raises(ValueError, match="recipe='fp4'"):
+        mismatch_promise("fp4")
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        mismatch_promise("fp8_e2e", "int8")
+    with pytest.raises(ValueError, match="over must be"):
+        mismatch_promise("fp8_e2e", over="mean")

@@ -1,7 +1,9 @@
 """The SDK client and the ``fp8rl`` CLI against a test double of the controller on a real gRPC server.
 
-``FakeController`` implements JobService over an in-memory job table (the real controller comes
-later); its state outlives server restarts, so a watch can be broken and resumed for real.
+``FakeController`` implements JobService over an in-memory job table; its state outlives server
+restarts, so a watch can be broken and resumed for real, and outages and delays can be injected. The
+same main calls against the real controller (a launched stack) are in
+tests/integration/controller/test_sdk_real.py.
 """
 
 from __future__ import annotations
