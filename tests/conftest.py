@@ -10,6 +10,16 @@ from pathlib import Path
 import pytest
 
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+# Credentials a developer may have exported for a stack of their own (`deploy.launcher up` suggests
+# FP8RL_TOKEN_FILE): tests choose their tokens themselves, so none of these may leak into them.
+CREDENTIAL_VARIABLES = ("FP8RL_AUTH_TOKEN", "FP8RL_TOKEN_FILE", "FP8RL_SERVICE_TOKEN", "FP8RL_SERVICE_TOKEN_FILE",
+                        "FP8RL_CLIENT_TOKEN", "FP8RL_CLIENT_TOKEN_FILE", "FP8RL_INSECURE")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Drop the caller's fp8rl credentials from the environment of the whole run (and of its children)."""
+    for var in CREDENTIAL_VARIABLES:
+        os.environ.pop(var, None)
 
 
 def _cpu_kernels() -> str:

@@ -1,7 +1,13 @@
 """The job YAML: one file describes a GRPO run; keys compatible in spirit with NeMo RL's.
 
 Validated on load: every unknown key, wrong type or out-of-range value raises
-:class:`ConfigError` naming the dotted key (``policy.generation.vllm_cfg.precision``). The
+:class:`ConfigError` naming the dotted key (``policy.generation.vllm_cfg.precision``), and messages
+quote at most a short prefix of a bad value. Bounded before and while parsing (:mod:`fp8rl.limits`):
+at most ``MAX_JOB_YAML_BYTES`` of YAML, nested at most ``MAX_YAML_DEPTH`` deep; anchors and aliases
+(``&a`` / ``*a``, hence ``<<`` merges) are refused, so an alias bomb is a one-line error, not a
+gigabyte; every integer within ``MAX_CONFIG_INT`` (``job.steps`` within ``MAX_JOB_STEPS`` ...), every
+float finite, and one step's batch within the services' default per-request bounds. A sampling
+temperature below ``GREEDY_TEMPERATURE`` is greedy (stored as 0.0). The
 precision recipe is *derived* from two keys, as in NeMo RL::
 
     policy.generation.vllm_cfg.precision   policy.training.megatron_cfg.fp8_cfg.enabled   recipe
@@ -21,11 +27,14 @@ A minimal job (everything else defaulted)::
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fp8rl import limits
 
 __all__ = ["ConfigError", "JobConfig", "DEFAULTS", "load_job_config", "parse_job_config"]
 
@@ -110,6 +119,72 @@ _NON_NEGATIVE = {"job.seed", "job.checkpoint_every", "job.eval_every", "policy.g
                  "policy.training.weight_decay", "policy.training.grad_clip"}
 
 
+# Upper bounds tighter than MAX_CONFIG_INT (inclusive); see fp8rl.limits for why each one.
+_MAXIMUM: dict[str, int | float] = {
+    "job.steps": limits.MAX_JOB_STEPS, "job.checkpoint_every": limits.MAX_JOB_STEPS,
+    "job.eval_every": limits.MAX_JOB_STEPS, "job.seed": limits.MAX_JOB_SEED,
+    "job.eval_size": limits.MAX_GENERATE_PROMPTS, "policy.generation.max_new_tokens": limits.MAX_NEW_TOKENS,
+    "policy.generation.temperature": limits.MAX_TEMPERATURE,
+    "grpo.num_prompts_per_step": limits.MAX_GENERATE_PROMPTS,
+    "grpo.num_generations_per_prompt": limits.MAX_SAMPLES_PER_PROMPT,
+    "calibration.max_sequences": limits.MAX_BATCH_ROWS,
+}
+_SHOWN_CHARS = 80  # how much of a bad value or key an error message quotes
+
+
+def _short(val: Any) -> str:
+    """``repr(val)``, cut to :data:`_SHOWN_CHARS` (a 1 MiB bad value must not make a 1 MiB message)."""
+    text = repr(val)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def _clip(text: str, limit: int = 400) -> str:
+    """``text`` cut to ``limit`` characters (messages from parsers and validators can quote whole inputs)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: parsing is the costly part
+_OPEN_EVENTS = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+_CLOSE_EVENTS = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
+
+
+def _check_events(text: str) -> None:
+    """Refuse anchors / aliases and nesting deeper than ``MAX_YAML_DEPTH`` from the parse events alone.
+
+    Runs before anything is built, so an alias bomb (a few hundred bytes that expand to gigabytes) fails at
+    its first anchor, with a one-line message.
+    """
+    loader, depth = _Loader(text), 0
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            where = f"line {event.start_mark.line + 1}"
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise ConfigError(f"{where}: YAML anchors and aliases (&name, *name, << merges) are not allowed in "
+                                  f"job files; write the values out")
+            if isinstance(event, _OPEN_EVENTS):
+                depth += 1
+                if depth > limits.MAX_YAML_DEPTH:
+                    raise ConfigError(f"{where}: the job file nests deeper than {limits.MAX_YAML_DEPTH} levels")
+            elif isinstance(event, _CLOSE_EVENTS):
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
+def _load_yaml(text: str) -> Any:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.MAX_JOB_YAML_BYTES:
+        raise ConfigError(f"job file is {size} bytes; the limit is {limits.MAX_JOB_YAML_BYTES} bytes")
+    try:
+        _check_events(text)
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader (CSafeLoader / SafeLoader)
+    except ConfigError:
+        raise
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: e.g. an int of > 4300 digits
+        raise ConfigError(f"job file is not valid YAML: {_clip(str(e))}") from None
+
+
 def _merge(defaults: dict, given: Any, path: str) -> dict:
     if not isinstance(given, dict):
         raise ConfigError(f"{path or 'job file'}: expected a mapping, got {type(given).__name__}")
@@ -118,7 +193,7 @@ def _merge(defaults: dict, given: Any, path: str) -> dict:
         dotted = f"{path}.{key}" if path else str(key)
         if key not in defaults:
             known = ", ".join(sorted(defaults))
-            raise ConfigError(f"unknown key {dotted!r} (known keys here: {known})")
+            raise ConfigError(f"unknown key {_short(dotted)} (known keys here: {known})")
         d = defaults[key]
         if isinstance(d, dict):
             out[key] = _merge(d, val if val is not None else {}, dotted)
@@ -143,9 +218,16 @@ def _check_type(key: str, default: Any, val: Any) -> Any:
         ok = val is None or isinstance(val, str | int | float) and not isinstance(val, bool)
     if not ok:
         raise ConfigError(f"{key}: expected {type(default).__name__ if default is not None else 'a value'}, "
-                          f"got {val!r}")
+                          f"got {_short(val)}")
+    if isinstance(val, float) and not math.isfinite(val):
+        raise ConfigError(f"{key}: must be a finite number, got {val}")
+    magnitude = max(limits.MAX_CONFIG_INT, _MAXIMUM.get(key, 0))
+    if isinstance(val, int) and not isinstance(val, bool) and abs(val) > magnitude:
+        raise ConfigError(f"{key}: {_short(val)} is out of range (at most {magnitude} in magnitude)")
+    if key in _MAXIMUM and val > _MAXIMUM[key]:
+        raise ConfigError(f"{key}: must be <= {_MAXIMUM[key]}, got {val}")
     if key in _CHOICES and val not in _CHOICES[key]:
-        raise ConfigError(f"{key}: {val!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
+        raise ConfigError(f"{key}: {_short(val)} is not one of {', '.join(map(str, _CHOICES[key]))}")
     if key in _POSITIVE and not val > 0:
         raise ConfigError(f"{key}: must be > 0, got {val}")
     if key in _NON_NEGATIVE and val < 0:
@@ -232,17 +314,36 @@ class JobConfig:
         return yaml.safe_dump(self.raw, sort_keys=False)
 
 
+_MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
+
+def _check_batch_shape(merged: dict) -> None:
+    """One step's batch must fit one call of each service at its default bounds (see :mod:`fp8rl.limits`)."""
+    prompts, group = merged["grpo"]["num_prompts_per_step"], merged["grpo"]["num_generations_per_prompt"]
+    rows, max_new = prompts * group, merged["policy"]["generation"]["max_new_tokens"]
+    if rows > limits.MAX_BATCH_ROWS:
+        raise ConfigError(f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt: {prompts} x {group} = "
+                          f"{rows} rows per step; the limit is {limits.MAX_BATCH_ROWS} (rows of one TrainStep)")
+    if rows * max_new > limits.MAX_GENERATED_TOKENS:
+        raise ConfigError(f"policy.generation.max_new_tokens: {rows} rows x {max_new} tokens = {rows * max_new} "
+                          f"generated tokens per step; the limit is {limits.MAX_GENERATED_TOKENS} (one Generate call)")
+
+
 def parse_job_config(data: dict | str | None) -> JobConfig:
     """Validate a mapping (or YAML text) against the schema; raise :class:`ConfigError` on any problem."""
     if isinstance(data, str):
-        try:
-            data = yaml.safe_load(data)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"job file is not valid YAML: {e}") from None
+        data = _load_yaml(data)
     merged = _merge(DEFAULTS, data or {}, "")
     if merged["grpo"]["num_generations_per_prompt"] < 2:
         raise ConfigError("grpo.num_generations_per_prompt: must be >= 2 (GRPO compares samples of one prompt)")
-    if merged["data"]["task"] == "jsonl" and not merged["data"]["path"]:
+    _check_batch_shape(merged)
+    gen = merged["policy"]["generation"]
+    if 0 < gen["temperature"] < limits.GREEDY_TEMPERATURE:
+        gen["temperature"] = 0.0  # greedy, as the rollout engines treat it (logits / T would overflow)
+    path = merged["data"]["path"]
+    if path is not None and not (isinstance(path, str) and 0 < len(path) <= _MAX_PATH_CHARS and "\0" not in path):
+        raise ConfigError(f"data.path: expected a file path of 1-{_MAX_PATH_CHARS} characters, got {_short(path)}")
+    if merged["data"]["task"] == "jsonl" and not path:
         raise ConfigError("data.path: required when data.task is 'jsonl'")
     if not 0 < merged["policy"]["generation"]["top_p"] <= 1:
         raise ConfigError(f"policy.generation.top_p: must be in (0, 1], got {merged['policy']['generation']['top_p']}")
@@ -256,7 +357,7 @@ def parse_job_config(data: dict | str | None) -> JobConfig:
         try:
             build()
         except ValueError as e:
-            raise ConfigError(f"{section}: {e}") from None
+            raise ConfigError(f"{section}: {_clip(str(e))}") from None
     return cfg
 
 
@@ -266,6 +367,9 @@ def load_job_config(path: str | Path) -> JobConfig:
     if not p.is_file():
         raise ConfigError(f"job file {str(p)!r} does not exist")
     try:
+        size = p.stat().st_size
+        if size > limits.MAX_JOB_YAML_BYTES:  # before reading it: the limit is on work, not only on parsing
+            raise ConfigError(f"job file is {size} bytes; the limit is {limits.MAX_JOB_YAML_BYTES} bytes")
         return parse_job_config(p.read_text())
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None

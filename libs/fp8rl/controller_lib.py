@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from fp8rl.config import JobConfig
-from fp8rl.data import ArithDataset, Problem, load_jsonl
+from fp8rl.data import ArithDataset, DataRoot, Problem, load_jsonl
 from fp8rl.model.presets import PRESETS, prepare_tiny_arith
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
 from fp8rl.rl import grpo_advantages
 
 __all__ = [
-    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "check_deployment",
+    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "check_data", "check_deployment",
     "deployment_mismatch", "eval_problems", "group_advantages", "load_job_tokenizer", "new_job_id", "problem_source",
     "reward_summary", "sampling_seed", "split_evenly",
 ]
@@ -88,28 +88,38 @@ def check_deployment(job: JobConfig, deployed: JobConfig) -> None:
         raise DeploymentMismatchError(why)
 
 
-def problem_source(job: JobConfig) -> Callable[[int], list[Problem]]:
+def check_data(job: JobConfig, data: DataRoot) -> None:
+    """Refuse (:class:`fp8rl.data.DataFileError`) a ``jsonl`` job whose ``data.path`` is outside ``data``'s
+    root, not a regular file or over its byte limit — without reading it (rows are counted when the job runs)."""
+    if job.get("data.task") == "jsonl":
+        data.check(job.get("data.path"))
+
+
+def problem_source(job: JobConfig, data: DataRoot | None = None) -> Callable[[int], list[Problem]]:
     """``batch(step)`` → the step's ``grpo.num_prompts_per_step`` problems; deterministic in (job, step).
 
     ``data.task: arith`` draws from :class:`ArithDataset` (seeded by ``job.seed``); ``jsonl`` cycles
-    through the file in order.
+    through the file in order — ``data.path`` under ``data``'s root (default: the working directory),
+    within its byte and row limits.
     """
     n = job.get("grpo.num_prompts_per_step")
     if job.get("data.task") == "arith":
-        data = ArithDataset(job.arith_config(), seed=job.get("job.seed"))
-        return lambda step: data.batch(step, n)
-    problems = load_jsonl(job.get("data.path"))
+        arith = ArithDataset(job.arith_config(), seed=job.get("job.seed"))
+        return lambda step: arith.batch(step, n)
+    data = data or DataRoot()
+    problems = load_jsonl(data.resolve(job.get("data.path")), max_rows=data.max_rows, max_bytes=data.max_bytes)
     if not problems:
         raise ValueError(f"data.path: {job.get('data.path')} holds no problems")
     return lambda step: [problems[(step * n + i) % len(problems)] for i in range(n)]
 
 
-def eval_problems(job: JobConfig) -> list[Problem]:
+def eval_problems(job: JobConfig, data: DataRoot | None = None) -> list[Problem]:
     """``job.eval_size`` validation problems (arith: the eval seed stream; jsonl: the file's first rows)."""
     size = job.get("job.eval_size")
     if job.get("data.task") == "arith":
         return ArithDataset(job.arith_config(), seed=job.get("job.seed")).eval_set(size)
-    return load_jsonl(job.get("data.path"), limit=size)
+    data = data or DataRoot()
+    return load_jsonl(data.resolve(job.get("data.path")), limit=size, max_bytes=data.max_bytes)
 
 
 def load_job_tokenizer(job: JobConfig) -> Tokenizer:
@@ -169,17 +179,19 @@ class JobPlan:
         tok: the policy's tokenizer.
         batch: ``batch(step)`` → the step's problems (see :func:`problem_source`).
         eval_every, eval_set: validation cadence and problems (empty when ``job.eval_every`` is 0).
+
+    ``data`` confines and bounds a ``jsonl`` job's data file (see :class:`fp8rl.data.DataRoot`).
     """
 
-    def __init__(self, job_id: str, job: JobConfig) -> None:
+    def __init__(self, job_id: str, job: JobConfig, data: DataRoot | None = None) -> None:
         self.job_id, self.job = job_id, job
         self.total = job.get("job.steps")
         self.group = job.get("grpo.num_generations_per_prompt")
         self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
         self.tok = load_job_tokenizer(job)
-        self.batch = problem_source(job)
+        self.batch = problem_source(job, data)
         self.eval_every = job.get("job.eval_every")
-        self.eval_set = eval_problems(job) if self.eval_every else []
+        self.eval_set = eval_problems(job, data) if self.eval_every else []
 
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:
         """Prompt token ids (with BOS, without EOS) of ``problems``."""

@@ -90,12 +90,16 @@ def _opt_int(x: bytes | str | None) -> int | None:
     return None if _s(x) == "" else int(_s(x))
 
 
+# ARGV: to_state, now, error ("" sets none), from_state... — the error lands with the state, never after it
 _TRANSITION = """
 local cur = redis.call('GET', KEYS[1])
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   if cur == ARGV[i] then
     redis.call('SET', KEYS[1], ARGV[1])
     redis.call('HSET', KEYS[2], 'updated_unix', ARGV[2])
+    if ARGV[3] ~= '' then
+      redis.call('HSET', KEYS[2], 'error', ARGV[3])
+    end
     return 1
   end
 end
@@ -172,14 +176,13 @@ class JobStore:
 
     # -- state changes ------------------------------------------------------------------------
     def transition(self, job_id: str, to_state: str, from_states: tuple[str, ...], error: str = "") -> bool:
-        """Set the state to ``to_state`` only if it is one of ``from_states`` now (atomic); returns whether it did."""
+        """Set the state to ``to_state`` (and ``error``, when given) only if it is one of ``from_states`` now, in one
+        atomic step (a reader never sees ``failed`` without its error); returns whether it did."""
         if to_state not in JOB_STATES:
             raise ValueError(f"unknown job state {to_state!r}; expected one of {', '.join(JOB_STATES)}")
         k = Keys(job_id)
-        won = bool(self._transition(keys=[k.job_state(), k.job_info()], args=[to_state, time.time(), *from_states]))
-        if won and error:
-            self.update(job_id, error=error)
-        return won
+        args = [to_state, time.time(), error, *from_states]
+        return bool(self._transition(keys=[k.job_state(), k.job_info()], args=args))
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Set bookkeeping fields of ``job:info`` (None deletes a field) and touch ``updated_unix``."""

@@ -12,10 +12,12 @@ Wiring only — the model is the trainer's model code converted with ``job.fp8_r
   as they are (a retried call is idempotent and cheap).
 * The first set, for version 0, is the controller's to trigger: ``Calibrate(0, prompts)`` before the
   first step. FP8-KV rollout replicas do not serve v0 until it exists.
+* A call with more than ``--max-rows`` sequences (``fp8rl.limits.MAX_BATCH_ROWS``) is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import threading
 import time
@@ -24,6 +26,7 @@ from collections.abc import Mapping
 import grpc
 import torch
 
+from fp8rl import limits
 from fp8rl.engines import QKVCalibrator, RolloutEngine
 from fp8rl.engines.weights import apply_staged, stage_weights
 from fp8rl.fp8 import E4M3, Fp8InferenceLinear, QKVScales, convert_model, dequantize_blockwise
@@ -38,6 +41,7 @@ from services.common.runtime import (
     Service,
     ServiceSpec,
     check_token_ids,
+    env_default,
     require,
     rpc_method,
 )
@@ -134,6 +138,8 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
         s, t0, v = self.s, time.perf_counter(), request.version
         require(v >= 0, f"version must be >= 0, got {v}")
         require(request.sequences, "CalibrateRequest.sequences is empty: calibration needs at least one sequence")
+        num, limit = len(request.sequences), s.ctx.args.max_rows
+        require(num <= limit, f"CalibrateRequest.sequences: {num} sequences; the limit is {limit} (--max-rows)")
         seqs = [check_token_ids(q.token_ids, s.vocab_size, s.max_len, f"sequence {i}")
                 for i, q in enumerate(request.sequences)]
         stored = s.ctx.store.get_scales(v)
@@ -154,4 +160,9 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
         return calibrator_pb2.CalibrateResponse(scales=_scale_set(stored), seconds=time.perf_counter() - t0)
 
 
-SPEC = ServiceSpec(name="calibrator", default_port=50054, build=CalibratorService)
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-rows", type=int, default=int(env_default("max_rows", limits.MAX_BATCH_ROWS)),
+                   help="most sequences in one Calibrate call")
+
+
+SPEC = ServiceSpec(name="calibrator", default_port=50054, build=CalibratorService, add_args=_add_args)

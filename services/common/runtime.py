@@ -8,7 +8,8 @@ Usage (every role the same way)::
 Lifecycle:
 
 1. flags are parsed (each falls back to an environment variable, see :data:`ENV`), logging is set up and
-   ``torch.set_num_threads($FP8RL_TORCH_THREADS, default 1)`` — several services often share one box;
+   ``torch.set_num_threads($FP8RL_TORCH_THREADS, default 1)`` — several services often share one box; the
+   token scopes are resolved and an open non-loopback listener refused (:mod:`services.common.security`);
 2. the job YAML is validated and a :class:`~fp8rl.refit.RefitStore` for the job is opened;
 3. the role's :class:`Service` is built (model loading: the slow part), then its gRPC server (health
    NOT_SERVING) is started and :meth:`Service.start` runs — the role flips health to SERVING through
@@ -49,7 +50,9 @@ import redis
 from fp8rl.config import ConfigError, JobConfig, load_job_config
 from fp8rl.refit import LeaseExpiredError, RefitConnectionError, RefitError, RefitStore, RefitSubscriber, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
-from fp8rl.rpc.server import ServicerAdder, build_server, set_serving
+from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, build_server, set_serving
+
+from . import security
 
 log = logging.getLogger("fp8rl.service")
 
@@ -62,7 +65,7 @@ ENV = {
     "redis_url": "FP8RL_REDIS_URL", "job_id": "FP8RL_JOB_ID", "replica_id": "FP8RL_REPLICA_ID",
     "ready_file": "FP8RL_READY_FILE", "log_level": "FP8RL_LOG_LEVEL", "max_message_bytes": "FP8RL_MAX_MESSAGE_BYTES",
     "lease_ttl": "FP8RL_LEASE_TTL_S", "grace": "FP8RL_SHUTDOWN_GRACE_S", "workers": "FP8RL_GRPC_WORKERS",
-    "token": "FP8RL_AUTH_TOKEN", "tls_cert": "FP8RL_TLS_CERT", "tls_key": "FP8RL_TLS_KEY", "tls_ca": "FP8RL_TLS_CA",
+    "token": "FP8RL_AUTH_TOKEN", **security.SECURITY_ENV,  # token: the client token's old variable
 }
 ENV_TORCH_THREADS = "FP8RL_TORCH_THREADS"
 _WILDCARD_HOSTS = {"", "[::]", "::", "0.0.0.0"}
@@ -310,12 +313,16 @@ class ServiceSpec:
         default_port: port used when neither ``--port`` nor ``$FP8RL_PORT`` is given.
         build: makes the :class:`Service` from the :class:`Context` (loads models; may raise StartupError).
         add_args: adds the role's own flags to the parser.
+        scopes: the token scopes its RPCs belong to (``fp8rl.rpc.server``): the controller's JobService is
+            :data:`~fp8rl.rpc.server.SCOPE_CLIENT`, every other role :data:`~fp8rl.rpc.server.SCOPE_SERVICE`.
+            Listening off loopback needs a token for each (or ``--insecure``).
     """
 
     name: str
     default_port: int
     build: Callable[[Context], Service]
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
+    scopes: tuple[str, ...] = (SCOPE_SERVICE,)
 
 
 def env_default(flag: str, default: Any = None) -> Any:
@@ -354,28 +361,19 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
-    """``--token``, ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (each falls back to its variable in :data:`ENV`)."""
-    p.add_argument("--token", default=env_default("token"),
-                   help="shared bearer token: calls without it get UNAUTHENTICATED, and this service sends it on its "
-                        "own calls (default: none)")
-    p.add_argument("--tls-cert", default=env_default("tls_cert"), help="PEM certificate chain: serve TLS only")
-    p.add_argument("--tls-key", default=env_default("tls_key"), help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", default=env_default("tls_ca"),
-                   help="PEM CA that this service's outgoing calls verify other services against")
+    """The token scopes, ``--insecure`` and TLS flags (:mod:`services.common.security`)."""
+    security.add_security_args(p)
 
 
-def apply_security_args(args: argparse.Namespace) -> None:
-    """Make the flags the credentials of every outgoing channel too.
+def apply_security_args(args: argparse.Namespace, scopes: Iterable[str] = (SCOPE_SERVICE,)) -> None:
+    """Resolve ``args.tokens``, refuse an open non-loopback listener, export the outgoing credentials.
 
-    :func:`fp8rl.rpc.channel.make_channel` reads ``$FP8RL_AUTH_TOKEN`` / ``$FP8RL_TLS_CA`` when not given
-    them, so a flag given on the command line is exported to this process's environment.
+    See :func:`services.common.security.apply_security_args`; its errors become :class:`StartupError`.
     """
-    for flag in ("token", "tls_ca"):
-        value = getattr(args, flag)
-        if value is not None:
-            os.environ[ENV[flag]] = value
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise StartupError("--tls-cert and --tls-key go together: give both (TLS) or neither (plaintext)")
+    try:
+        security.apply_security_args(args, scopes)
+    except (ValueError, FileNotFoundError) as exc:
+        raise StartupError(str(exc)) from None
 
 
 def _write_ready_file(path: str, payload: dict) -> None:
@@ -395,7 +393,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))
     try:
-        apply_security_args(args)
+        apply_security_args(args, spec.scopes)
         job = load_job_config(args.config)
         store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
         ctx = Context(spec.name, args, job, store)
@@ -411,7 +409,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     try:
         server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
                                             max_message_bytes=args.max_message_bytes, max_workers=args.workers,
-                                            token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                                            scoped_tokens=args.tokens, tls_cert=args.tls_cert, tls_key=args.tls_key)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad TLS files, port in use
         log.error("cannot start %s: %s", spec.name, exc)
         print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)

@@ -51,8 +51,17 @@ from dataclasses import dataclass
 import grpc
 import redis
 
-from fp8rl.config import JobConfig, parse_job_config
-from fp8rl.controller_lib import JobPlan, check_deployment, group_advantages, new_job_id, reward_summary, sampling_seed
+from fp8rl.config import ConfigError, JobConfig, parse_job_config
+from fp8rl.controller_lib import (
+    JobPlan,
+    check_data,
+    check_deployment,
+    group_advantages,
+    new_job_id,
+    reward_summary,
+    sampling_seed,
+)
+from fp8rl.data import DataFileError, DataRoot
 from fp8rl.jobstore import JobRecord, JobStore
 from fp8rl.refit import RefitStore
 from fp8rl.rollout_pool import RolloutError, RolloutPool
@@ -95,6 +104,7 @@ class RunnerSettings:
         generate_attempts: tries of one prompt chunk (each on the next replica) before the step fails.
         step_attempts: tries of a step whose RPC failed transiently (UNAVAILABLE / DEADLINE_EXCEEDED).
         retry_pause_s: pause before the first retry of such a step; doubles per retry (at most 30 s).
+        data: the data root ``data.path`` must lie under, and the byte / row limits of a data file.
     """
 
     refit_timeout_s: float = 60.0
@@ -102,6 +112,7 @@ class RunnerSettings:
     generate_attempts: int = 3
     step_attempts: int = 5
     retry_pause_s: float = 2.0
+    data: DataRoot = DataRoot()
 
 
 @dataclass(frozen=True)
@@ -128,10 +139,19 @@ class JobRunner:
 
     # -- the servicer's API --------------------------------------------------------------------
     def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
-        """Validate and enqueue. Raises ConfigError, DeploymentMismatchError, ValueError (bad id), JobExistsError."""
+        """Validate and enqueue. Raises ConfigError, DeploymentMismatchError, ValueError (bad id), JobExistsError.
+
+        ``job_id`` None picks a fresh id; any string given, ``""`` included, must be a valid id. A ``jsonl``
+        job's data file is checked here (location, kind, size); its rows are read when the job starts.
+        """
         job = parse_job_config(job_yaml)
         check_deployment(job, self.deployed)
-        rec = self.jobs.create(job_id or new_job_id(job.get("job.name")), job_yaml, job.get("job.steps"))
+        try:
+            check_data(job, self.settings.data)
+        except DataFileError as exc:
+            raise ConfigError(str(exc)) from None
+        rec = self.jobs.create(new_job_id(job.get("job.name")) if job_id is None else job_id, job_yaml,
+                               job.get("job.steps"))
         log.info("job %s submitted (%d steps)", rec.job_id, rec.total_steps)
         self._notify()
         return rec
@@ -204,7 +224,7 @@ class JobRunner:
     def _run(self, job_id: str) -> None:
         attempts = 0
         try:
-            plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)))
+            plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)), self.settings.data)
             while True:
                 try:
                     return self._advance(plan)

@@ -7,23 +7,35 @@ sees their refit state (leases, acks) in Redis. Submitted jobs are checked again
 * a YAML that does not validate is INVALID_ARGUMENT naming the key (``fp8rl.config``);
 * a job whose model, precision recipe or another setting baked into the services differs from the
   deployment is FAILED_PRECONDITION naming the key (``fp8rl.controller_lib.DEPLOYMENT_KEYS``);
-* a taken ``job_id`` is ALREADY_EXISTS, an unknown one NOT_FOUND.
+* a taken ``job_id`` is ALREADY_EXISTS, an unknown one NOT_FOUND; an empty or malformed one (``""``
+  given explicitly included) INVALID_ARGUMENT;
+* a ``jsonl`` job's ``data.path`` must be a regular file inside the data root (``--data-root``, env
+  ``FP8RL_DATA_ROOT``; default: the directory of the controller's own ``--config`` job file), at most
+  ``--max-data-bytes`` large — else INVALID_ARGUMENT. Its rows (at most ``--max-data-rows``) are read
+  when the job starts; a file that fails then fails the job with the reason as its error.
+
+At most ``--max-watch-streams`` WatchJob streams run at once (RESOURCE_EXHAUSTED beyond), so watchers
+cannot take every worker from GetJob / CancelJob / health.
 
 Flags beyond the common ones: ``--trainer``, ``--reward``, ``--calibrator`` (``host:port``; env
-``FP8RL_TRAINER_ADDR`` ...), ``--refit-timeout``, ``--replica-wait``, ``--cancel-wait``. Rollout
-replicas need no flag: they are found through their leases.
+``FP8RL_TRAINER_ADDR`` ...), ``--refit-timeout``, ``--replica-wait``, ``--cancel-wait``, the data and
+watch flags above. Rollout replicas need no flag: they are found through their leases.
 """
 
 from __future__ import annotations
 
 import argparse
 import threading
+from pathlib import Path
 
 import grpc
 
+from fp8rl import limits
 from fp8rl.config import ConfigError
 from fp8rl.controller_lib import DeploymentMismatchError
+from fp8rl.data import DataRoot
 from fp8rl.jobstore import JOB_STATES, JobExistsError, JobRecord, JobStore
+from fp8rl.refit.keys import validate_job_id
 from fp8rl.rpc import (
     calibrator_pb2_grpc,
     common_pb2,
@@ -34,6 +46,7 @@ from fp8rl.rpc import (
     trainer_pb2_grpc,
 )
 from fp8rl.rpc.channel import make_channel
+from fp8rl.rpc.server import SCOPE_CLIENT
 from services.common.runtime import Abort, Context, Service, ServiceSpec, StartupError, env_default, rpc_method
 
 from .runner import PHASES, Backends, JobRunner, RunnerSettings
@@ -44,8 +57,23 @@ DEFAULT_LIST_LIMIT = 100
 
 
 def _info(rec: JobRecord) -> controller_pb2.JobInfo:
-    return controller_pb2.JobInfo(job_id=rec.job_id, state=rec.state, step=rec.steps_done, total_steps=rec.total_steps,
+    # total_steps is bounded on submit (fp8rl.limits.MAX_JOB_STEPS); saturate anyway so a record written
+    # before that bound can never make GetJob / ListJobs / CancelJob fail with "Value out of range".
+    return controller_pb2.JobInfo(job_id=rec.job_id, state=rec.state, step=rec.steps_done,
+                                  total_steps=max(-limits.INT64_MAX, min(rec.total_steps, limits.INT64_MAX)),
                                   error=rec.error, created_unix=rec.created_unix, updated_unix=rec.updated_unix)
+
+
+def _job_id(value: str) -> str:
+    """A request's ``job_id``: INVALID_ARGUMENT when empty or malformed (never treated as "unset")."""
+    if not value:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty: name a job")
+    if len(value) > 64:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"job_id is {len(value)} characters; the limit is 64")
+    try:
+        return validate_job_id(value)
+    except ValueError as exc:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"job_id: {exc}") from None
 
 
 def _report(r: dict) -> controller_pb2.StepReport:
@@ -63,11 +91,15 @@ def _not_found(exc: KeyError) -> Abort:
 class JobServicer(controller_pb2_grpc.JobServiceServicer):
     """proto ↔ runner; status codes, nothing else."""
 
-    def __init__(self, runner: JobRunner, cancel_wait_s: float) -> None:
+    def __init__(self, runner: JobRunner, cancel_wait_s: float, max_watch_streams: int = limits.MAX_WATCH_STREAMS):
         self.r, self.cancel_wait_s = runner, cancel_wait_s
+        self.max_watch_streams = max_watch_streams
+        self._watch_slots = threading.BoundedSemaphore(max_watch_streams)
 
     @rpc_method
     def SubmitJob(self, request, context):
+        if request.HasField("job_id"):
+            _job_id(request.job_id)  # "" given explicitly is refused, not taken as unset
         try:
             rec = self.r.submit(request.job_yaml, request.job_id if request.HasField("job_id") else None)
         except ConfigError as exc:
@@ -82,16 +114,23 @@ class JobServicer(controller_pb2_grpc.JobServiceServicer):
 
     @rpc_method
     def WatchJob(self, request, context):
+        job_id = _job_id(request.job_id)
+        if not self._watch_slots.acquire(blocking=False):
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.max_watch_streams} WatchJob streams are open (the limit, --max-watch-streams); "
+                        f"close one or poll GetJob")
         try:
-            for r in self.r.watch(request.job_id, request.from_step, context.is_active):
+            for r in self.r.watch(job_id, request.from_step, context.is_active):
                 yield _report(r)
         except KeyError as exc:
             raise _not_found(exc) from None
+        finally:
+            self._watch_slots.release()
 
     @rpc_method
     def GetJob(self, request, context):
         try:
-            return controller_pb2.GetJobResponse(job=_info(self.r.get(request.job_id)))
+            return controller_pb2.GetJobResponse(job=_info(self.r.get(_job_id(request.job_id))))
         except KeyError as exc:
             raise _not_found(exc) from None
 
@@ -108,7 +147,8 @@ class JobServicer(controller_pb2_grpc.JobServiceServicer):
     @rpc_method
     def CancelJob(self, request, context):
         try:
-            rec = self.r.cancel(request.job_id, request.reason or "cancelled by request", self.cancel_wait_s)
+            rec = self.r.cancel(_job_id(request.job_id), request.reason[:1000] or "cancelled by request",
+                                self.cancel_wait_s)
         except KeyError as exc:
             raise _not_found(exc) from None
         return controller_pb2.CancelJobResponse(job=_info(rec))
@@ -131,9 +171,13 @@ class ControllerService(Service):
             calibrator=calibrator_pb2_grpc.CalibratorServiceStub(self._channel(a.calibrator)),
             rollout=lambda endpoint: rollout_pb2_grpc.RolloutServiceStub(self._channel(endpoint)),
         )
-        settings = RunnerSettings(refit_timeout_s=a.refit_timeout, replica_wait_s=a.replica_wait)
+        root = Path(a.data_root) if a.data_root else Path(a.config).resolve().parent
+        data = DataRoot(root, max_bytes=a.max_data_bytes, max_rows=a.max_data_rows)
+        settings = RunnerSettings(refit_timeout_s=a.refit_timeout, replica_wait_s=a.replica_wait, data=data)
         self.runner = JobRunner(JobStore(ctx.store.client), ctx.store, backends, ctx.job, settings)
-        self.cancel_wait_s = a.cancel_wait
+        self.cancel_wait_s, self.max_watch_streams = a.cancel_wait, a.max_watch_streams
+        if self.max_watch_streams < 1:
+            raise StartupError(f"--max-watch-streams must be >= 1, got {self.max_watch_streams}")
 
     def _channel(self, target: str) -> grpc.Channel:
         with self._lock:
@@ -142,7 +186,8 @@ class ControllerService(Service):
             return self._channels[target]
 
     def servicers(self):
-        return [(controller_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(self.runner, self.cancel_wait_s))]
+        return [(controller_pb2_grpc.add_JobServiceServicer_to_server,
+                 JobServicer(self.runner, self.cancel_wait_s, self.max_watch_streams))]
 
     def start(self, ctx: Context) -> None:
         self.runner.start()  # resumes a job left running by a previous controller, then serves the queue
@@ -164,6 +209,17 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a step waits for a rollout replica holding its version")
     p.add_argument("--cancel-wait", type=float, default=float(env_default("cancel_wait_s", 20.0)),
                    help="seconds CancelJob waits for a running job to stop before answering")
+    p.add_argument("--data-root", default=env_default("data_root"),
+                   help="directory a job's data.path must lie in; relative paths are relative to it (default: the "
+                        "directory of --config)")
+    p.add_argument("--max-data-bytes", type=int, default=int(env_default("max_data_bytes", limits.MAX_DATA_BYTES)),
+                   help="largest data.path file read, in bytes")
+    p.add_argument("--max-data-rows", type=int, default=int(env_default("max_data_rows", limits.MAX_DATA_ROWS)),
+                   help="most problems a data.path file may hold")
+    p.add_argument("--max-watch-streams", type=int,
+                   default=int(env_default("max_watch_streams", limits.MAX_WATCH_STREAMS)),
+                   help="concurrent WatchJob streams; more get RESOURCE_EXHAUSTED")
 
 
-SPEC = ServiceSpec(name="controller", default_port=50050, build=ControllerService, add_args=_add_args)
+SPEC = ServiceSpec(name="controller", default_port=50050, build=ControllerService, add_args=_add_args,
+                   scopes=(SCOPE_CLIENT,))  # JobService: the client token; its own calls carry the service token

@@ -1,9 +1,10 @@
 """``python -m services.reward``: build the reward server, serve until SIGTERM/SIGINT, stop gracefully.
 
 The reward service holds no model and no Redis state, so it does not use the shared skeleton's job
-store; it shares its flags for security (``--token``, ``--tls-cert``, ``--tls-key``, with the same
-environment fallbacks) and takes the job YAML optionally (``--config``: ``reward.grader`` and
-``reward.timeout_s`` become the defaults; explicit flags win). Parse flags, build
+store; it shares its security flags (``--service-token[-file]``, ``--client-token[-file]``, ``--insecure``,
+``--tls-cert``, ``--tls-key``, with the same environment fallbacks: :mod:`services.common.security`) and
+takes the job YAML optionally (``--config``: ``reward.grader`` and ``reward.timeout_s`` become the
+defaults; explicit flags win). Parse flags, build
 (:func:`fp8rl.rpc.server.build_server`), start, mark health SERVING, write the ready file, wait
 for a signal, mark NOT_SERVING, drain in-flight calls, exit 0 (2 on bad flags or config).
 
@@ -22,6 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
+from fp8rl import limits
 from fp8rl.config import ConfigError, load_job_config
 from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingPool
 from fp8rl.rpc import reward_pb2_grpc
@@ -46,6 +48,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=None,
                    help=f"per-item grading time bound (default: the job's, else {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--grading-workers", type=int, default=4, help="grading threads (default 4)")
+    p.add_argument("--max-items", type=int, default=int(env_default("max_items", limits.MAX_SCORE_ITEMS)),
+                   help=f"most items in one Score call (default {limits.MAX_SCORE_ITEMS})")
+    p.add_argument("--max-response-chars", type=int,
+                   default=int(env_default("max_response_chars", limits.MAX_RESPONSE_CHARS)),
+                   help=f"most characters in one item's response or answer (default {limits.MAX_RESPONSE_CHARS})")
     p.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     return p.parse_args(argv)
 
@@ -61,16 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(argv)
     try:
-        apply_security_args(args)
+        apply_security_args(args)  # Score is a service-scope RPC; refuses an open non-loopback listener
         job = load_job_config(args.config) if args.config else None
         if args.grader is None:
             args.grader = job.get("reward.grader") if job else "math_verify"
         if args.timeout_s is None:
             args.timeout_s = job.get("reward.timeout_s") if job else DEFAULT_TIMEOUT_S
-        servicer = RewardServicer(args.grader, args.timeout_s, GradingPool(max_workers=args.grading_workers))
+        servicer = RewardServicer(args.grader, args.timeout_s, GradingPool(max_workers=args.grading_workers),
+                                  max_items=args.max_items, max_response_chars=args.max_response_chars)
         server, health, port = build_server(
             [(reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer)],
-            port=args.port, host=args.host, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            port=args.port, host=args.host, scoped_tokens=args.tokens, tls_cert=args.tls_cert, tls_key=args.tls_key,
         )
     except (ValueError, RuntimeError, FileNotFoundError, ConfigError, StartupError) as e:
         print(f"reward: {e}", file=sys.stderr)

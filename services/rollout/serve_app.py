@@ -84,14 +84,15 @@ class RolloutReplica:
             argv += ["--advertise-host", _node_ip()]
         args = parse_args(SPEC, argv)
         logging.basicConfig(level=args.log_level.upper())
-        apply_security_args(args)  # --token / --tls-* become the credentials of outgoing channels too
+        apply_security_args(args)  # the service token / --tls-ca become the credentials of outgoing channels too
         job = load_job_config(args.config)
         store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
         self.ctx = Context(SPEC.name, args, job, store)
         self.service = RolloutService(self.ctx)
         self.server, health, port = build_server(self.service.servicers(), port=args.port, host=args.host,
                                                  max_message_bytes=args.max_message_bytes, max_workers=args.workers,
-                                                 token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                                                 scoped_tokens=args.tokens, tls_cert=args.tls_cert,
+                                                 tls_key=args.tls_key)
         self.ctx._health, self.ctx.port = health, port
         self.ctx.endpoint = f"{args.advertise_host}:{port}"
         self.server.start()

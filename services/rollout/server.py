@@ -12,6 +12,11 @@ Wiring only — proto ↔ :class:`SamplingParams` / :class:`Sample`, plus the en
   (``pending_version`` / ``pending_reason``: its scales are not published yet, or the refit failed).
 * ``Generate`` is pinned: a request for any other version than the held one is FAILED_PRECONDITION,
   naming both; a refit waits for the batch in flight (the engine's lock), so it lands between batches.
+* ``Generate`` is bounded before any work (INVALID_ARGUMENT naming the limit and the value): at most
+  ``--max-prompts`` prompts, ``--max-n`` samples per prompt and ``--max-generated-tokens`` tokens
+  (prompts × n × max_tokens); temperature finite in [0, 100], below 1e-5 greedy (``fp8rl.limits``).
+  The engine checks the call between decode steps: a call cancelled or past its deadline stops at
+  once and frees the engine for the next one.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from collections import defaultdict
 
 import grpc
 
+from fp8rl import limits
 from fp8rl.config import JobConfig
-from fp8rl.engines import RolloutEngine, SamplingParams, TorchRolloutEngine, VersionMismatchError
+from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, TorchRolloutEngine, VersionMismatchError
 from fp8rl.model.presets import load_policy
 from fp8rl.refit import RefitSubscriber
 from fp8rl.refit.grpc_source import GrpcShardSource
@@ -120,13 +126,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad sampling parameters: {exc}") from None
 
+    def _check_size(self, request) -> None:
+        """The request's size against this replica's limits, before any of it is converted or run."""
+        a, sp = self.s.ctx.args, request.sampling
+        num = len(request.prompts)
+        require(num <= a.max_prompts, f"GenerateRequest.prompts: {num} prompts; the limit is {a.max_prompts} "
+                                      f"(--max-prompts)")
+        require(sp.n <= a.max_n, f"sampling.n: {sp.n} samples per prompt; the limit is {a.max_n} (--max-n)")
+        tokens = num * max(sp.n, 0) * max(sp.max_tokens, 0)
+        require(tokens <= a.max_generated_tokens,
+                f"prompts x sampling.n x sampling.max_tokens: {num} x {sp.n} x {sp.max_tokens} = {tokens} tokens; "
+                f"the limit is {a.max_generated_tokens} (--max-generated-tokens)")
+
     @rpc_method
     def Generate(self, request, context):
         s = self.s
         require(request.prompts, "GenerateRequest.prompts is empty")
+        self._check_size(request)
+        params = self._params(request.sampling)
         prompts = [check_token_ids(p.token_ids, s.vocab_size, s.max_len, f"prompt {i}")
                    for i, p in enumerate(request.prompts)]
-        params = self._params(request.sampling)
         held = s.engine.weight_version
         if not s.ready():
             raise Abort(grpc.StatusCode.UNAVAILABLE,
@@ -137,9 +156,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         f"request pinned to weight version {request.weight_version}, but replica "
                         f"{s.ctx.replica_id} holds version {held}")
         try:
-            samples = s.engine.generate(prompts, params, weight_version=request.weight_version)
+            samples = s.engine.generate(prompts, params, weight_version=request.weight_version,
+                                        should_stop=lambda: not context.is_active())
         except VersionMismatchError as exc:  # a refit landed between the check above and the batch
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {s.ctx.replica_id}: {exc}") from None
+        except Cancelled as exc:  # the caller is gone; the status is for the log
+            raise Abort(grpc.StatusCode.CANCELLED, f"request {request.request_id[:100]!r}: {exc}") from None
         except ValueError as exc:  # e.g. prompt + max_tokens longer than the model's positions
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         seen: dict[int, int] = defaultdict(int)
@@ -172,6 +194,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=int(env_default("max_batch_size", 256)),
                    help="rows (prompts x n) decoded together (default 256: one GRPO step of 32 prompts x 8 in one "
                         "batch, as the in-process loop decodes it)")
+    p.add_argument("--max-prompts", type=int, default=int(env_default("max_prompts", limits.MAX_GENERATE_PROMPTS)),
+                   help="most prompts in one Generate call")
+    p.add_argument("--max-n", type=int, default=int(env_default("max_n", limits.MAX_SAMPLES_PER_PROMPT)),
+                   help="most samples per prompt (sampling.n) in one Generate call")
+    p.add_argument("--max-generated-tokens", type=int,
+                   default=int(env_default("max_generated_tokens", limits.MAX_GENERATED_TOKENS)),
+                   help="token budget of one Generate call: prompts x n x max_tokens")
 
 
 SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args)

@@ -12,6 +12,10 @@ Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.loop.
 * Invariant: the version the trainer holds is always published. A step that applied but could not
   be published (Redis down) fails the call with UNAVAILABLE and is published again before the next call.
 * Malformed rows are INVALID_ARGUMENT with the row and field named; the trainer's state is untouched.
+  More than ``--max-rows`` rows (``fp8rl.limits.MAX_BATCH_ROWS``) are refused before the call waits for
+  the trainer; a call cancelled or past its deadline stops between micro-batches, nothing applied.
+* ``SaveCheckpoint`` writes only into ``--checkpoint-dir`` (:mod:`services.trainer.checkpoints`): a request
+  names a checkpoint or nothing, never a path; old automatic checkpoints are pruned.
 """
 
 from __future__ import annotations
@@ -19,15 +23,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import re
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import torch
 
-from fp8rl.engines import Sample, TrainBatch, make_trainer_backend
+from fp8rl import limits
+from fp8rl.engines import Cancelled, Sample, TrainBatch, make_trainer_backend
 from fp8rl.fp8 import fp8_linear_names
 from fp8rl.loop import build_train_batch
 from fp8rl.model.presets import load_policy
@@ -47,24 +50,11 @@ from services.common.runtime import (
     rpc_method,
 )
 
+from .checkpoints import CheckpointDir, CheckpointLimitError, CheckpointNameError, resolve_checkpoint
+
 log = logging.getLogger(__name__)
 
 __all__ = ["TrainerService", "TrainerServicer", "SPEC", "resolve_checkpoint"]
-
-_CKPT = re.compile(r"trainer-v(\d+)\.pt")
-
-
-def resolve_checkpoint(path: str) -> Path:
-    """A checkpoint file, or the newest ``trainer-v*.pt`` in a directory written by SaveCheckpoint."""
-    p = Path(path)
-    if p.is_dir():
-        found = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _CKPT.fullmatch(f.name)))
-        if not found:
-            raise StartupError(f"--resume {path}: no trainer-v*.pt checkpoint in that directory")
-        return found[-1][1]
-    if not p.is_file():
-        raise StartupError(f"--resume {path}: no such checkpoint file or directory")
-    return p
 
 
 class TrainerService(Service):
@@ -84,11 +74,15 @@ class TrainerService(Service):
             self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.get("loss.kl_coef") > 0 else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        if args.resume:
-            path = resolve_checkpoint(args.resume)
+        try:
+            self.checkpoints = CheckpointDir(args.checkpoint_dir or f"checkpoints/{ctx.job_id}",
+                                             keep=args.keep_checkpoints, max_named=args.max_named_checkpoints)
+            path = resolve_checkpoint(args.resume) if args.resume else None
+        except (ValueError, FileNotFoundError) as exc:
+            raise StartupError(str(exc)) from None
+        if path is not None:
             self.trainer.load_checkpoint(str(path))
             log.info("resumed from %s at weight version %d", path, self.trainer.version)
-        self.checkpoint_dir = args.checkpoint_dir or f"checkpoints/{ctx.job_id}"
         self.publisher = RefitPublisher(ctx.store, shard_bytes=args.shard_bytes)
         self.weight_store = WeightStoreServicer(self.publisher, chunk_bytes=args.chunk_bytes)
         self.lock = threading.Lock()  # one step / logprobs / checkpoint at a time
@@ -184,9 +178,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 + (" (a retried step that already applied?)" if expected == held - 1 else ""),
                 grpc.StatusCode.FAILED_PRECONDITION)
 
+    def _check_rows(self, rows) -> None:
+        limit = self.s.ctx.args.max_rows
+        require(len(rows) <= limit, f"rows: {len(rows)} rows; the limit is {limit} (--max-rows)")
+
     @rpc_method
     def TrainStep(self, request, context):
         s, t0 = self.s, time.perf_counter()
+        self._check_rows(request.rows)  # before the lock: an oversize batch never waits for (or holds) it
+
+        def stop() -> bool:  # polled between micro-batches
+            return not context.is_active()
+
         with s.lock:
             self._publish()
             self._require_version(request.expected_version)
@@ -196,13 +199,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             require(bad is None, f"row {bad}: advantage must be finite")
             batch = self._batch(samples, advantages)
             t = time.perf_counter()
-            batch.prev_logprobs = s.trainer.compute_logprobs(batch)
-            mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
-            t_logprobs, t = time.perf_counter() - t, time.perf_counter()
             try:
-                train = s.trainer.train_step(batch)
+                batch.prev_logprobs = s.trainer.compute_logprobs(batch, should_stop=stop)
+                mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
+                t_logprobs, t = time.perf_counter() - t, time.perf_counter()
+                train = s.trainer.train_step(batch, should_stop=stop)
             except FloatingPointError as exc:  # step skipped, version unchanged
                 raise Abort(grpc.StatusCode.INTERNAL, f"step {request.step}: {exc}") from None
+            except Cancelled as exc:  # the caller is gone; weights and version are unchanged
+                raise Abort(grpc.StatusCode.CANCELLED, f"step {request.step}: {exc}") from None
             t_train = time.perf_counter() - t
             t_publish = self._publish()
         metrics = {**mismatch, **{f"train/{k}": v for k, v in train.items()}}
@@ -216,12 +221,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @rpc_method
     def ComputeLogprobs(self, request, context):
         s = self.s
+        self._check_rows(request.rows)
         with s.lock:
             if request.HasField("expected_version"):
                 self._require_version(request.expected_version)
             samples, has_gen = self._samples(request.rows, need_gen=False)
             batch = self._batch(samples, [0.0] * len(samples))
-            prev = s.trainer.compute_logprobs(batch)  # (B, T)
+            try:
+                prev = s.trainer.compute_logprobs(batch, should_stop=lambda: not context.is_active())  # (B, T)
+            except Cancelled as exc:
+                raise Abort(grpc.StatusCode.CANCELLED, str(exc)) from None
             version = s.trainer.version
         rows = [trainer_pb2.RowLogprobs(logprobs=prev[b, len(x.prompt_ids):len(x.prompt_ids) + len(x.token_ids)]
                                         .tolist()) for b, x in enumerate(samples)]
@@ -231,17 +240,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @rpc_method
     def SaveCheckpoint(self, request, context):
         s = self.s
-        directory = Path(request.path or s.checkpoint_dir)
+        require(not request.path, "SaveCheckpointRequest.path is refused: the trainer writes checkpoints only into its "
+                                  "own --checkpoint-dir; name the checkpoint with `name`, or leave it empty")
+        directory = s.checkpoints.directory
         with s.lock:
             version = s.trainer.version
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-                s.trainer.save_checkpoint(str(directory / f"trainer-v{version:06d}.pt"))
+                file = s.checkpoints.save(s.trainer, request.name)
+            except CheckpointNameError as exc:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {exc}") from None
+            except CheckpointLimitError as exc:
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             except OSError as exc:
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot write a checkpoint into {directory}: "
                                                                  f"{exc}") from None
-        log.info("checkpoint of weight version %d written into %s", version, directory)
-        return trainer_pb2.SaveCheckpointResponse(path=str(directory), version=version)
+        log.info("checkpoint of weight version %d written to %s", version, directory / file)
+        return trainer_pb2.SaveCheckpointResponse(path=str(directory), version=version, file=file)
 
     @rpc_method
     def Status(self, request, context):
@@ -254,7 +268,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=env_default("resume"),
                    help="checkpoint file, or a directory of trainer-v*.pt (the newest is used)")
     p.add_argument("--checkpoint-dir", default=env_default("checkpoint_dir"),
-                   help="where SaveCheckpoint writes when the request names no path (default checkpoints/JOB)")
+                   help="the one directory SaveCheckpoint writes into (default checkpoints/JOB)")
+    p.add_argument("--keep-checkpoints", type=int, default=int(env_default("keep_checkpoints", 5)),
+                   help="automatic checkpoints kept, newest by version (0 keeps every one: unbounded disk use)")
+    p.add_argument("--max-named-checkpoints", type=int, default=int(env_default("max_named_checkpoints", 8)),
+                   help="distinct checkpoint names SaveCheckpoint accepts (0 refuses names)")
+    p.add_argument("--max-rows", type=int, default=int(env_default("max_rows", limits.MAX_BATCH_ROWS)),
+                   help="most rows in one TrainStep or ComputeLogprobs call")
     p.add_argument("--shard-bytes", type=int, default=int(env_default("shard_bytes", 64 * 1024 * 1024)))
     p.add_argument("--chunk-bytes", type=int, default=int(env_default("chunk_bytes", DEFAULT_CHUNK_BYTES)),
                    help="WeightStore stream chunk size, 1-4 MiB")

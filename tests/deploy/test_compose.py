@@ -14,7 +14,8 @@ import pytest
 
 from deploy import smoke
 
-ENV = {"FP8RL_REDIS_PASSWORD": "0123abcd", "FP8RL_AUTH_TOKEN": "token-for-tests"}
+ENV = {"FP8RL_REDIS_PASSWORD": "0123abcd", "FP8RL_SERVICE_TOKEN": "service-token-for-tests",
+       "FP8RL_CLIENT_TOKEN": "client-token-for-tests"}
 LONG_RUNNING = {"cpu": {"redis", "trainer", "rollout", "calibrator", "reward", "controller"},
                 "gpu": {"redis", "trainer-gpu", "rollout-gpu", "calibrator", "reward", "controller"}}
 
@@ -51,7 +52,9 @@ def test_healthchecks_and_start_order(profile_config):
             assert dep in services or cond["required"] is False, f"{name} needs {dep}, not in profile {profile}"
             assert cond["condition"] in ("service_healthy", "service_completed_successfully"), (name, dep)
         assert svc["read_only"] and svc["cap_drop"] == ["ALL"], name
-        assert svc["environment"]["FP8RL_AUTH_TOKEN"] == ENV["FP8RL_AUTH_TOKEN"], name
+        for var in ("FP8RL_SERVICE_TOKEN", "FP8RL_CLIENT_TOKEN"):  # both scopes' secrets, in every service
+            assert svc["environment"][var] == ENV[var], (name, var)
+        assert "FP8RL_AUTH_TOKEN" not in svc["environment"], name
     assert services["controller"]["depends_on"]["redis"]["condition"] == "service_healthy"
     published = {n for n, s in services.items() if s.get("ports")}
     assert published == {"controller"} and services["controller"]["ports"][0]["host_ip"] == "127.0.0.1"
@@ -95,8 +98,14 @@ def test_build_plan_names_real_dockerfile_targets(profile_config):
 
 
 def test_missing_password_is_refused_with_its_name(repo):
-    out = _config(repo, "cpu", env={"FP8RL_AUTH_TOKEN": "t"})
+    out = _config(repo, "cpu", env={k: v for k, v in ENV.items() if k != "FP8RL_REDIS_PASSWORD"})
     assert out.returncode != 0 and "FP8RL_REDIS_PASSWORD" in out.stderr
+
+
+@pytest.mark.parametrize("missing", ["FP8RL_SERVICE_TOKEN", "FP8RL_CLIENT_TOKEN"])
+def test_missing_token_is_refused_with_its_name(repo, missing):
+    out = _config(repo, "cpu", env={k: v for k, v in ENV.items() if k != missing})
+    assert out.returncode != 0 and missing in out.stderr
 
 
 def test_parser_rejects_a_dependency_on_an_unknown_service(repo, tmp_path):

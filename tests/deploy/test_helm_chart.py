@@ -140,37 +140,49 @@ def test_gpu_requests_node_selectors_and_tolerations():
     assert "nvidia.com/gpu" not in str(container(cpu_docs, "rollout")["resources"])
 
 
+TOKEN_SECRETS = {"FP8RL_SERVICE_TOKEN": "rl-fp8rl-service-token", "FP8RL_CLIENT_TOKEN": "rl-fp8rl-client-token"}
+
+
 def test_secrets_are_referenced_never_inlined():
     values = _values("gpu")
-    token, password = values["auth"]["token"], values["redis"]["password"]
+    service, client = values["auth"]["serviceToken"], values["auth"]["clientToken"]
+    password = values["redis"]["password"]
     docs, _ = render(values)
     secrets = by_kind(docs, "Secret")
-    assert base64.b64decode(secrets["rl-fp8rl-auth"]["data"]["token"]).decode() == token
+    assert base64.b64decode(secrets["rl-fp8rl-service-token"]["data"]["token"]).decode() == service
+    assert base64.b64decode(secrets["rl-fp8rl-client-token"]["data"]["token"]).decode() == client
     assert base64.b64decode(secrets["rl-fp8rl-redis"]["data"]["redis-password"]).decode() == password
     for d in docs:
         if d["kind"] == "Secret":
             continue
         text = yaml.safe_dump(d)
-        assert token not in text and password not in text, f"{d['kind']}/{d['metadata']['name']} inlines a secret"
+        for secret in (service, client, password):
+            assert secret not in text, f"{d['kind']}/{d['metadata']['name']} inlines a secret"
     for role in FP8RL_ROLES:
         env = {e["name"]: e for e in container(docs, role)["env"]}
-        assert env["FP8RL_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rl-fp8rl-auth", "key": "token"}
+        for var, secret in TOKEN_SECRETS.items():  # both scopes wired into every role
+            assert env[var]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "token"}, (role, var)
+        assert "FP8RL_AUTH_TOKEN" not in env, role  # the one-token variable would blur the two scopes
         if role != "reward":
             assert env["FP8RL_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
             assert env["FP8RL_REDIS_URL"]["value"] == "redis://:$(FP8RL_REDIS_PASSWORD)@rl-fp8rl-redis:6379/0"
 
 
 def test_generated_secrets_and_external_redis():
-    docs, _ = render()
-    token = base64.b64decode(by_kind(docs, "Secret")["rl-fp8rl-auth"]["data"]["token"]).decode()
-    assert len(token) == 32 and token.isalnum()
+    docs, notes = render()
+    generated = {name: base64.b64decode(by_kind(docs, "Secret")[name]["data"]["token"]).decode()
+                 for name in TOKEN_SECRETS.values()}
+    assert all(len(t) == 32 and t.isalnum() for t in generated.values())
+    assert len(set(generated.values())) == 2  # one token per scope
+    assert "secret rl-fp8rl-client-token" in notes and "rl-fp8rl-service-token" in notes
     docs, _ = render(_values("external-redis"))
     secrets = by_kind(docs, "Secret")
-    assert "rl-fp8rl-auth" not in secrets  # auth.existingSecret: nothing generated
+    assert not set(TOKEN_SECRETS.values()) & set(secrets)  # auth.existing*Secret: nothing generated
     assert base64.b64decode(secrets["rl-fp8rl-redis"]["data"]["redis-url"]).decode().startswith("redis://:ext-pass@")
     env = {e["name"]: e for e in container(docs, "trainer")["env"]}
     assert env["FP8RL_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "rl-fp8rl-redis", "key": "redis-url"}
-    assert env["FP8RL_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fp8rl-token"
+    assert env["FP8RL_SERVICE_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fp8rl-service-token"
+    assert env["FP8RL_CLIENT_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fp8rl-client-token"
     assert not by_kind(docs, "NetworkPolicy")
 
 
@@ -219,6 +231,10 @@ def test_job_configmap_is_a_valid_job():
     ({"job": {"policy": {"model": "m", "training": {"backend": "megatron"}}}, "trainer": {"variant": "gpu"}},
      "needs a GPU trainer: set trainer.variant=gpu and trainer.gpus>=1 (have variant=gpu, gpus=0)"),
     ({"rollout": {"replicas": 2, "pdb": {"maxUnavailable": 2}}}, "would let a drain take every one"),
+    ({"auth": {"serviceToken": "same-token", "clientToken": "same-token"}},
+     "auth.serviceToken equals auth.clientToken"),
+    ({"auth": {"existingServiceSecret": "s", "existingClientSecret": "s"}}, "name the same Secret"),
+    ({"auth": {"token": "one-for-all"}}, "additional properties 'token' not allowed"),
 ])
 def test_bad_values_fail_the_render_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError) as err:
@@ -230,4 +246,4 @@ def test_notes_tell_how_to_check_health_and_submit():
     _, notes = render()
     assert "python -m fp8rl.rpc.health_probe" in notes
     assert "fp8rl --target 127.0.0.1:50050 submit job.yaml --watch" in notes
-    assert "secret rl-fp8rl-auth" in notes
+    assert "secret rl-fp8rl-client-token" in notes  # the CLI's token is the client one

@@ -38,14 +38,14 @@ def _wait_ready_file(proc: subprocess.Popen, path: Path, log: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reward_service(tmp_path_factory):
-    """A running reward service with a bearer token; yields (proc, port, ready_file)."""
+    """A running reward service with a service token (Score's scope); yields (proc, port, ready_file)."""
     tmp = tmp_path_factory.mktemp("reward")
     ready, log = tmp / "ready.json", tmp / "reward.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready), "--token", TOKEN,
-             "--timeout-s", "10"],
+            [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready),
+             "--service-token", TOKEN, "--timeout-s", "10"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     info = _wait_ready_file(proc, ready, log)
@@ -125,7 +125,7 @@ def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path, self_signed_cer
     job = tmp_path / "job.yaml"
     job.write_text("reward:\n  grader: exact_match\n  timeout_s: 3\n")
     ready, log = tmp_path / "ready.json", tmp_path / "reward.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")} | {"FP8RL_AUTH_TOKEN": TOKEN}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")} | {"FP8RL_SERVICE_TOKEN": TOKEN}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready), "--config", str(job),

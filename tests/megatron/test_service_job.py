@@ -58,11 +58,11 @@ def megatron_stack(megatron_core, tmp_path_factory):
 def test_three_step_job_on_the_megatron_backend(megatron_stack):
     stack = megatron_stack
     trainer = trainer_pb2_grpc.TrainerServiceStub(
-        make_channel(f"127.0.0.1:{stack.process('trainer')['port']}", token="", tls_ca=""))
+        make_channel(f"127.0.0.1:{stack.process('trainer')['port']}", token=stack.service_token, tls_ca=""))
     status = trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=30)
     assert (status.backend, status.recipe, status.version) == ("megatron", "fp8_e2e", 0)
 
-    with Fp8rlClient(stack.target, token="", tls_ca="", timeout_s=30) as c:
+    with Fp8rlClient(stack.target, token=stack.client_token, tls_ca="", timeout_s=30) as c:
         job_id = c.submit_job(stack.job_file)
         reports = list(c.watch(job_id, timeout_s=WATCH_S))
         info = c.get_job(job_id)

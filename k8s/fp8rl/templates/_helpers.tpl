@@ -50,8 +50,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s/%s:%s-%s" $repo .role (default .root.Chart.AppVersion $img.tag) (default "cpu" .variant) -}}
 {{- end -}}
 
-{{- define "fp8rl.secretName" -}}
-{{- default (include "fp8rl.component" (dict "root" . "component" "auth")) .Values.auth.existingSecret -}}
+{{- define "fp8rl.serviceSecretName" -}}
+{{- default (include "fp8rl.component" (dict "root" . "component" "service-token")) .Values.auth.existingServiceSecret -}}
+{{- end -}}
+
+{{- define "fp8rl.clientSecretName" -}}
+{{- default (include "fp8rl.component" (dict "root" . "component" "client-token")) .Values.auth.existingClientSecret -}}
 {{- end -}}
 
 {{- define "fp8rl.redisSecretName" -}}
@@ -130,11 +134,20 @@ inlined: the Redis URL is composed by Kubernetes from $(FP8RL_REDIS_PASSWORD) at
 {{ include "fp8rl.authEnv" . }}
 {{- end -}}
 
+{{/*
+Both tokens, to every role: each service requires the service token and sends it on its own calls; the controller
+requires the client token on its JobService; the others know it only to answer its holder PERMISSION_DENIED.
+*/}}
 {{- define "fp8rl.authEnv" -}}
-- name: FP8RL_AUTH_TOKEN
+- name: FP8RL_SERVICE_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ include "fp8rl.secretName" . }}
+      name: {{ include "fp8rl.serviceSecretName" . }}
+      key: token
+- name: FP8RL_CLIENT_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fp8rl.clientSecretName" . }}
       key: token
 {{- if .Values.tls.enabled }}
 - name: FP8RL_TLS_CERT
@@ -234,6 +247,12 @@ Checks the render fails on, each with the value to change. Included by templates
 {{- end -}}
 {{- if and $v.redis.bundled (or $v.redis.external.url $v.redis.external.existingSecret) -}}
 {{- fail "redis.external.* is set while redis.bundled is true: set redis.bundled=false to use the external Redis, or drop redis.external" -}}
+{{- end -}}
+{{- if and $v.auth.serviceToken (eq $v.auth.serviceToken $v.auth.clientToken) -}}
+{{- fail "auth.serviceToken equals auth.clientToken: give each scope its own token (or leave both empty to generate them), or a client-token holder could call the internal RPCs" -}}
+{{- end -}}
+{{- if and $v.auth.existingServiceSecret (eq $v.auth.existingServiceSecret $v.auth.existingClientSecret) -}}
+{{- fail "auth.existingServiceSecret and auth.existingClientSecret name the same Secret: each scope needs its own Secret (key `token`)" -}}
 {{- end -}}
 {{- if and $v.tls.enabled (not $v.tls.secretName) -}}
 {{- fail "tls.enabled is true but tls.secretName is empty: name a kubernetes.io/tls Secret holding tls.crt, tls.key and ca.crt" -}}

@@ -3,10 +3,12 @@
 * :mod:`.problem` — :class:`Problem`, the ``(prompt, answer)`` record every source yields.
 * :mod:`.arith` — synthetic arithmetic word problems for the tiny embedded preset.
 * :mod:`.jsonl` — problems from JSON-lines files (own shape or OpenMathInstruct-2).
+* :mod:`.files` — :class:`DataRoot`: data files confined to a root, regular files only, read within limits.
 * :mod:`.grading` — graders ``(response, answer) -> reward in [0, 1]`` that never raise.
 """
 
 from .arith import ArithConfig, ArithDataset, format_sft_example, generate_problems, make_prompt
+from .files import DataFileError, DataRoot
 from .grading import (
     GRADERS,
     Grader,
@@ -24,6 +26,8 @@ __all__ = [
     "GRADERS",
     "ArithConfig",
     "ArithDataset",
+    "DataFileError",
+    "DataRoot",
     "Grader",
     "Problem",
     "exact_match_grader",

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fp8rl.limits import MAX_DATA_BYTES
+
+from .files import DataFileError, open_regular_file, read_lines
 from .problem import Problem
 
 __all__ = ["KNOWN_SHAPES", "load_jsonl", "wrap_math_prompt"]
@@ -28,8 +31,13 @@ def load_jsonl(
     prompt_key: str | None = None,
     answer_key: str | None = None,
     limit: int | None = None,
+    max_rows: int | None = None,
+    max_bytes: int = MAX_DATA_BYTES,
 ) -> list[Problem]:
     """Reads one :class:`Problem` per non-blank line of a UTF-8 JSON-lines file.
+
+    Only a regular file is read (opened without blocking, see :func:`fp8rl.data.files.open_regular_file`),
+    at most ``max_bytes`` of it.
 
     Args:
         path: the ``.jsonl`` file.
@@ -38,12 +46,16 @@ def load_jsonl(
         answer_key: field holding the reference answer. Strings are kept (stripped); ints and
             floats are converted with ``str``.
         limit: stop after this many problems (the rest of the file is not read); None reads all.
+        max_rows: refuse a file holding more problems than this (None: no bound but ``max_bytes``).
+        max_bytes: refuse a file larger than this.
 
     Returns:
         The problems in file order.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        DataFileError: ``path`` is not a regular file (a device, FIFO, directory), or it holds more than
+            ``max_bytes`` bytes, a line over the line limit or more than ``max_rows`` problems.
         ValueError: bad arguments, or a line that is not UTF-8 JSON, a row that is not an
             object, lacks a key, has a non-string or empty prompt, or an answer that is not a
             string or number — the message names the file and the 1-based line number.
@@ -59,14 +71,17 @@ def load_jsonl(
     problems: list[Problem] = []
     if limit == 0:
         return problems
-    with path.open("rb") as f:  # bytes, so a bad encoding is reported with its line number
-        for lineno, raw in enumerate(f, start=1):
+    with open_regular_file(path, max_bytes) as f:  # bytes, so a bad encoding is reported with its line number
+        for lineno, raw in read_lines(f, str(path), max_bytes):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({e.reason})") from None
             if not line.strip():
                 continue
+            if max_rows is not None and len(problems) >= max_rows:
+                raise DataFileError(f"data.path: {path} holds more than {max_rows} problems (the limit); "
+                                    f"line {lineno} is past it")
             problems.append(_parse_row(line, path, lineno, prompt_key, answer_key))
             if limit is not None and len(problems) >= limit:
                 break

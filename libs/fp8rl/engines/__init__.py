@@ -6,9 +6,11 @@ extra) is built by :func:`make_trainer_backend`.
 """
 
 from .base import (
+    Cancelled,
     RolloutEngine,
     Sample,
     SamplingParams,
+    ShouldStop,
     TrainBatch,
     TrainerBackend,
     VersionMismatchError,
@@ -21,7 +23,7 @@ from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 
 __all__ = [
     "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",
-    "VersionMismatchError", "WeightLoadError",
+    "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
     "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "sequence_logprobs",
     "make_trainer_backend",
 ]

@@ -12,14 +12,19 @@ generated (response) tokens.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fp8rl.fp8 import QKVScales
+from fp8rl.limits import GREEDY_TEMPERATURE, MAX_TEMPERATURE
 
 __all__ = [
+    "Cancelled",
+    "ShouldStop",
+    "check_stop",
     "SamplingParams",
     "Sample",
     "TrainBatch",
@@ -50,6 +55,21 @@ def served_version(requested: int | None, held: int | None) -> int:
     return held
 
 
+ShouldStop = Callable[[], bool]
+"""A cancellation check engines poll between units of work (decode steps, micro-batches): True means the caller
+is gone (its RPC was cancelled or passed its deadline), so the engine stops and raises :class:`Cancelled`."""
+
+
+class Cancelled(RuntimeError):
+    """The work was abandoned because its ``should_stop`` check said so; no state was changed by it."""
+
+
+def check_stop(should_stop: ShouldStop | None, what: str) -> None:
+    """Raise :class:`Cancelled` (naming ``what`` was stopped) when ``should_stop`` is given and returns True."""
+    if should_stop is not None and should_stop():
+        raise Cancelled(f"{what} stopped: the caller cancelled or its deadline passed")
+
+
 class WeightLoadError(ValueError):
     """A refit payload was refused (missing/unknown tensor, wrong shape/dtype, NaN, stale version).
 
@@ -62,7 +82,8 @@ class SamplingParams:
     """How to sample.
 
     Attributes:
-        temperature: softmax temperature; 0 means greedy.
+        temperature: softmax temperature, finite, in ``[0, MAX_TEMPERATURE]`` (``fp8rl.limits``); 0 means
+            greedy, and so does any value below ``GREEDY_TEMPERATURE`` (stored as 0.0).
         top_p: nucleus sampling mass in (0, 1].
         max_tokens: most tokens generated per sample.
         n: samples per prompt (the GRPO group size).
@@ -78,8 +99,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be finite and in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # logits / T would overflow FP32: sample greedily
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
@@ -168,12 +191,17 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> list[Sample]:
         """Sample ``params.n`` responses per prompt (prompt-major order: prompt 0's samples first).
 
+        ``should_stop`` is polled between decode steps (as often as the engine can): once it returns
+        True the engine drops the batch, frees itself for the next call and raises :class:`Cancelled`.
+
         Raises:
             VersionMismatchError: ``weight_version`` is given and differs from the served one.
+            Cancelled: ``should_stop`` returned True.
         """
 
     @abc.abstractmethod
@@ -199,12 +227,20 @@ class TrainerBackend(abc.ABC):
         """Weight version of the current parameters (0 = initial, +1 per train step)."""
 
     @abc.abstractmethod
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``(B, T)`` logprobs of ``batch.input_ids`` under the current weights (no grad)."""
+    def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
+        """``(B, T)`` logprobs of ``batch.input_ids`` under the current weights (no grad).
+
+        ``should_stop`` is polled between micro-batches (:class:`Cancelled` once it returns True).
+        """
 
     @abc.abstractmethod
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns loss/metric floats and bumps ``version``."""
+    def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns loss/metric floats and bumps ``version``.
+
+        ``should_stop`` is polled between micro-batches; once it returns True the step is abandoned
+        before the optimizer changes anything (weights, optimizer state and version as before) and
+        :class:`Cancelled` is raised.
+        """
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ the softmax probabilities to E4M3.
 Invariants: :meth:`generate` serves only the version it holds (a pinned request for another gets
 :class:`VersionMismatchError`) and, with an FP8 KV cache, only with the QKV scales of that same
 version; :meth:`load_weights` validates everything before overwriting the live tensors in place,
-under the same lock ``generate`` holds, so a refit lands between batches.
+under the same lock ``generate`` holds, so a refit lands between batches. ``generate`` polls its
+``should_stop`` check before every decode step, so an abandoned call releases that lock within one step.
 
 Logprobs: ``log_softmax(logits / temperature)`` of the sampled token — the temperature-scaled
 distribution the token was drawn from, before top-p renormalisation (the trainer computes the
@@ -29,7 +30,7 @@ import torch
 from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
 from fp8rl.model import CausalLM, KVCache
 
-from .base import RolloutEngine, Sample, SamplingParams, WeightLoadError, served_version
+from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
 from .weights import apply_staged, stage_weights
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,11 @@ class TorchRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> list[Sample]:
         with self._lock:
+            check_stop(should_stop, "generation")  # gone while it waited for the engine: never start
             held = served_version(weight_version, self._version)
             for qz in self.model.kv_quantizers:
                 qz.require_version(held)
@@ -160,11 +163,12 @@ class TorchRolloutEngine(RolloutEngine):
             rows = [(pi, tuple(p)) for pi, p in enumerate(prompts) for _ in range(params.n)]
             out: list[Sample] = []
             for start in range(0, len(rows), self.max_batch_size):
-                out += self._generate_rows(rows[start:start + self.max_batch_size], params, gen, held)
+                out += self._generate_rows(rows[start:start + self.max_batch_size], params, gen, held, should_stop)
             return out
 
     @torch.no_grad()
-    def _generate_rows(self, rows, params: SamplingParams, gen, version: int) -> list[Sample]:
+    def _generate_rows(self, rows, params: SamplingParams, gen, version: int,
+                       should_stop: ShouldStop | None) -> list[Sample]:
         B = len(rows)
         P = max(len(p) for _, p in rows)
         ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
@@ -180,6 +184,7 @@ class TorchRolloutEngine(RolloutEngine):
         done = torch.zeros(B, dtype=torch.bool)
         lengths = torch.full((B,), params.max_tokens, dtype=torch.long)
         for t in range(params.max_tokens):
+            check_stop(should_stop, "generation")  # between decode steps: a gone caller frees the engine now
             tok, lp = sample_next(logits, params, gen)
             tokens[:, t], logps[:, t] = tok, lp
             hit = torch.isin(tok, stops) & ~done

@@ -5,7 +5,8 @@ kept; forward and both backward GEMMs in block-scaled FP8); ``bf16`` and ``fp8_g
 in high precision. Loss aggregation is token-level over the global batch: micro-batch losses are
 divided by the *global* number of generated tokens, so gradient accumulation sums to exactly the
 full-batch gradient. Checkpoints hold weights, optimizer state, RNG state and the version, and
-resume bit-identically.
+resume bit-identically. A ``should_stop`` check runs before every micro-batch; a step it stops leaves
+weights, optimizer and version as they were.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fp8rl.fp8 import Fp8Recipe, convert_model
 from fp8rl.model import CausalLM
 from fp8rl.rl import LossConfig, policy_loss
 
-from .base import TrainBatch, TrainerBackend
+from .base import ShouldStop, TrainBatch, TrainerBackend, check_stop
 
 __all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs"]
 
@@ -129,30 +130,31 @@ class TorchTrainer(TrainerBackend):
     def version(self) -> int:
         return self._version
 
-    def _micro_batches(self, batch: TrainBatch):
+    def _micro_batches(self, batch: TrainBatch, should_stop: ShouldStop | None = None):
         mb = self.config.micro_batch_size
         for start in range(0, batch.input_ids.shape[0], mb):
+            check_stop(should_stop, "training step")
             yield batch.slice(start, start + mb)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs_of(self.model, batch)
+    def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
+        return self._logprobs_of(self.model, batch, should_stop)
 
     @torch.no_grad()
-    def _logprobs_of(self, model: CausalLM, batch: TrainBatch) -> torch.Tensor:
+    def _logprobs_of(self, model: CausalLM, batch: TrainBatch, should_stop: ShouldStop | None = None) -> torch.Tensor:
         outs = [
             sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.config.temperature)
-            for mb in self._micro_batches(batch)
+            for mb in self._micro_batches(batch, should_stop)
         ]
         return torch.cat(outs, dim=0)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
         if batch.prev_logprobs is None:
-            batch.prev_logprobs = self.compute_logprobs(batch)
+            batch.prev_logprobs = self.compute_logprobs(batch, should_stop=should_stop)
         if self.config.loss.kl_coef > 0 and batch.ref_logprobs is None:
             if self.ref_model is None:
                 raise ValueError("loss.kl_coef > 0 needs a reference model (ref_model) or batch.ref_logprobs")
-            batch.ref_logprobs = self._logprobs_of(self.ref_model, batch)
+            batch.ref_logprobs = self._logprobs_of(self.ref_model, batch, should_stop)
         rows = batch.input_ids.shape[0]
         k = min(self.config.num_minibatches, rows)
         bounds = [(i * rows) // k for i in range(k + 1)]
@@ -165,7 +167,7 @@ class TorchTrainer(TrainerBackend):
                         copy.deepcopy(self.optimizer.state_dict()))
         try:
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                m = self._update(batch.slice(lo, hi))
+                m = self._update(batch.slice(lo, hi), should_stop)
                 for key, val in m.items():
                     totals[key] = totals.get(key, 0.0) + val / k
         except Exception:
@@ -177,13 +179,13 @@ class TorchTrainer(TrainerBackend):
         totals["lr"] = self.config.lr
         return totals
 
-    def _update(self, batch: TrainBatch) -> dict[str, float]:
+    def _update(self, batch: TrainBatch, should_stop: ShouldStop | None = None) -> dict[str, float]:
         """One optimizer update on ``batch`` (token-level mean over its generated tokens)."""
         num_tokens = max(batch.num_tokens, 1)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             n_mb = mb.num_tokens
             if n_mb == 0:
                 continue

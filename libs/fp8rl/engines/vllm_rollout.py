@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from fp8rl.fp8 import BLOCK, E4M3, Fp8Recipe, QKVScales, check_finite, quantize_blockwise
 from fp8rl.model import ModelConfig
 
-from .base import RolloutEngine, Sample, SamplingParams, WeightLoadError, served_version
+from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
 from .vllm_launch import (
     check_recipe,
     cpu_defaults,
@@ -291,9 +291,13 @@ class VllmRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> list[Sample]:
+        # vLLM's LLM.generate runs the whole batch in one call: should_stop is checked before it starts (once the
+        # lock is ours), so a call abandoned while it queued behind another never occupies the engine.
         with self._lock:
+            check_stop(should_stop, "generation")
             held = served_version(weight_version, self._version)
             if self.recipe.fp8_kv and self._scales_version != held:
                 raise RuntimeError(f"FP8 KV cache: engine holds weight version {held} but QKV scales of version "

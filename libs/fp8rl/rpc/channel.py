@@ -9,8 +9,14 @@ Environment fallbacks (used when the matching argument is None; an empty string 
 
 ==================== ===========================================================
 ``FP8RL_AUTH_TOKEN`` bearer token sent as ``authorization: Bearer <token>``
+``FP8RL_TOKEN_FILE`` file holding that token, read when ``FP8RL_AUTH_TOKEN`` is unset
 ``FP8RL_TLS_CA``     PEM file of the CA that signed the servers' certificates
 ==================== ===========================================================
+
+Which token: an SDK / CLI user sends the *client* token (JobService); a service process sends the
+*service* token on its calls to the other services — the service skeleton makes it this process's
+``$FP8RL_AUTH_TOKEN`` (see :mod:`fp8rl.rpc.server` for the two scopes). ``deploy.launcher up``
+writes both into ``RUN/secrets/`` (mode 0600).
 
 The token is attached by a client interceptor (not call credentials), so it also works on
 plaintext channels inside a cluster; over an untrusted network pair it with TLS.
@@ -32,16 +38,21 @@ __all__ = [
     "Deadlines",
     "ENV_AUTH_TOKEN",
     "ENV_TLS_CA",
+    "ENV_TOKEN_FILE",
     "KEEPALIVE_TIME_MS",
     "make_channel",
     "wait_ready",
     "resolve_setting",
+    "resolve_token",
     "read_pem",
+    "read_token_file",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # weight-shard chunks and big rollout batches; gRPC's default is 4 MiB
 ENV_AUTH_TOKEN = "FP8RL_AUTH_TOKEN"
+ENV_TOKEN_FILE = "FP8RL_TOKEN_FILE"
 ENV_TLS_CA = "FP8RL_TLS_CA"
+MAX_TOKEN_BYTES = 4096  # a bearer token is a short secret; a bigger "token file" is the wrong file
 
 # Keepalive pings detect dead peers on long-lived streams (WatchJob, StreamShards) behind
 # load balancers. The server must accept pings at least this often, or it answers with
@@ -117,6 +128,50 @@ def read_pem(path: str, what: str, env_var: str) -> bytes:
     return p.read_bytes()
 
 
+def read_token_file(path: str | os.PathLike, what: str = "token file") -> str:
+    """The token stored in ``path`` (surrounding whitespace, e.g. a trailing newline, removed).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or is not a regular file.
+        ValueError: the file is empty, larger than :data:`MAX_TOKEN_BYTES`, not UTF-8 text, or
+            holds whitespace inside the token (a header value cannot carry it).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {str(p)!r} does not exist or is not a regular file")
+    raw = p.read_bytes()[: MAX_TOKEN_BYTES + 1]
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ValueError(f"{what} {str(p)!r} is larger than {MAX_TOKEN_BYTES} bytes: not a bearer token")
+    try:
+        token = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {str(p)!r} is not UTF-8 text") from None
+    if not token:
+        raise ValueError(f"{what} {str(p)!r} is empty")
+    if any(c.isspace() for c in token):
+        raise ValueError(f"{what} {str(p)!r} holds whitespace inside the token; write the token alone")
+    return token
+
+
+def resolve_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str | None:
+    """The bearer token a client sends, or None for none.
+
+    Order: ``token`` (``""`` means none, whatever else is set); ``token_file``; ``$FP8RL_AUTH_TOKEN``
+    when it is set at all (set but empty means none); ``$FP8RL_TOKEN_FILE``.
+
+    Raises:
+        FileNotFoundError, ValueError: the token file chosen cannot be used (see :func:`read_token_file`).
+    """
+    if token is not None:
+        return token or None
+    if token_file:
+        return read_token_file(token_file)
+    if ENV_AUTH_TOKEN in os.environ:
+        return os.environ[ENV_AUTH_TOKEN] or None
+    env_file = os.environ.get(ENV_TOKEN_FILE)
+    return read_token_file(env_file, f"token file (${ENV_TOKEN_FILE})") if env_file else None
+
+
 _CALL_DETAILS_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
 
 
@@ -165,6 +220,7 @@ def make_channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     token: str | None = None,
     tls_ca: str | None = None,
+    token_file: str | os.PathLike | None = None,
 ) -> grpc.Channel:
     """Opens a channel to an fp8rl service.
 
@@ -173,16 +229,18 @@ def make_channel(
     Args:
         target: ``host:port`` (any gRPC target string, e.g. ``dns:///trainer:50051``).
         max_message_bytes: cap on a single sent or received message; must match the server's.
-        token: bearer token to send; None reads ``$FP8RL_AUTH_TOKEN``; "" sends none.
+        token: bearer token to send; "" sends none; None reads ``token_file``, else
+            ``$FP8RL_AUTH_TOKEN``, else ``$FP8RL_TOKEN_FILE`` (:func:`resolve_token`).
         tls_ca: PEM CA file; when set the channel uses TLS and verifies the server against it.
             None reads ``$FP8RL_TLS_CA``; "" (or both unset) means plaintext.
+        token_file: file holding the token (used when ``token`` is None).
 
     Returns:
         A ``grpc.Channel`` usable with any generated stub in :mod:`fp8rl.rpc`.
 
     Raises:
-        ValueError: ``max_message_bytes`` is not positive.
-        FileNotFoundError: the CA file does not exist.
+        ValueError: ``max_message_bytes`` is not positive, or the token file is unusable.
+        FileNotFoundError: the CA file or the token file does not exist.
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
@@ -200,7 +258,7 @@ def make_channel(
         channel = grpc.secure_channel(target, creds, options=options)
     else:
         channel = grpc.insecure_channel(target, options=options)
-    bearer = resolve_setting(token, ENV_AUTH_TOKEN)
+    bearer = resolve_token(token, token_file)
     if bearer is not None:
         channel = grpc.intercept_channel(channel, _BearerTokenInterceptor(bearer))
     _TARGETS[channel] = target

@@ -82,7 +82,8 @@ class JobServiceServicer:
 
     def WatchJob(self, request, context):
         """Streams one report per finished step, starting at from_step (already finished steps are
-        replayed first), and ends when the job reaches a terminal state. Errors: NOT_FOUND.
+        replayed first), and ends when the job reaches a terminal state. Errors: NOT_FOUND;
+        RESOURCE_EXHAUSTED when the controller's cap on concurrent streams is reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,8 +55,10 @@ class RolloutServiceServicer:
         """Samples `sampling.n` responses per prompt and streams them back one Sample per message,
         as soon as each finishes (so the order is not guaranteed; use prompt_index/sample_index).
         Errors: FAILED_PRECONDITION when the replica does not hold `weight_version`;
-        INVALID_ARGUMENT for bad sampling parameters or empty prompts; UNAVAILABLE while the
-        replica has no weights loaded.
+        INVALID_ARGUMENT for bad sampling parameters, empty prompts, or a request over the replica's
+        limits (prompts, n, prompts x n x max_tokens; see fp8rl.limits); UNAVAILABLE while the
+        replica has no weights loaded, or when it is busy. A call cancelled by its client or past
+        its deadline stops between decode steps.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,15 +6,27 @@ optional TLS. Health starts NOT_SERVING for the whole server and for every regis
 the service flips it with :func:`set_serving` once its backend is loaded, and back before it
 stops (so k8s stops routing to it first).
 
-Auth: when a token is configured, every call must carry ``authorization: Bearer <token>``
-metadata or it fails with UNAUTHENTICATED — except the health service. Health stays open on
-purpose: kubelet's native gRPC probes cannot send metadata, and health reveals nothing but
-SERVING / NOT_SERVING. Reflection is *not* exempt (it reveals the API surface).
+Auth has two scopes, each with its own bearer token (:class:`ScopedTokens`):
+
+* **client** — the controller's ``JobService`` (submit, watch, get, list, cancel): what an SDK / CLI
+  user holds;
+* **service** — every other RPC (TrainStep, ComputeLogprobs, SaveCheckpoint, the WeightStore,
+  Generate, Score, Calibrate, each service's Status): what the services send one another.
+
+A call must carry ``authorization: Bearer <token>`` of its RPC's scope. No token, or one that is
+neither scope's, fails with UNAUTHENTICATED; the *other* scope's token fails with PERMISSION_DENIED
+naming the scope needed (so a client-token holder can neither train nor read weights). A scope with
+no token configured is open. The health service is always open: kubelet's native gRPC probes cannot
+send metadata, and health reveals nothing but SERVING / NOT_SERVING. Reflection is *not* exempt (it
+reveals the API surface): either scope's token opens it.
+
+``build_server(token=T)`` is the one-token form (``T`` for both scopes, ``$FP8RL_AUTH_TOKEN`` when
+None) for single-purpose servers and tests; services pass ``scoped_tokens``.
 
 Environment fallbacks (used when the matching argument is None; an empty string disables):
 
 ==================== ===============================================
-``FP8RL_AUTH_TOKEN`` bearer token required from callers
+``FP8RL_AUTH_TOKEN`` the one-token form's token
 ``FP8RL_TLS_CERT``   PEM certificate chain of this server
 ``FP8RL_TLS_KEY``    PEM private key of that certificate
 ==================== ===============================================
@@ -25,21 +37,72 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .channel import DEFAULT_MAX_MESSAGE_BYTES, ENV_AUTH_TOKEN, KEEPALIVE_TIME_MS, read_pem, resolve_setting
+from fp8rl.limits import RESERVED_WORKERS
 
-__all__ = ["ENV_TLS_CERT", "ENV_TLS_KEY", "HealthServicer", "build_server", "set_serving"]
+from .channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ENV_AUTH_TOKEN,
+    ENV_TOKEN_FILE,
+    KEEPALIVE_TIME_MS,
+    read_pem,
+    resolve_setting,
+)
+from .guard import RequestGuard
+
+__all__ = ["CLIENT_SCOPE_SERVICES", "ENV_TLS_CERT", "ENV_TLS_KEY", "SCOPE_CLIENT", "SCOPE_SERVICE", "HealthServicer",
+           "ScopedTokens", "build_server", "rpc_scope", "set_serving"]
 
 ENV_TLS_CERT = "FP8RL_TLS_CERT"
 ENV_TLS_KEY = "FP8RL_TLS_KEY"
 
 # Services reachable without the bearer token (see the module docstring for why).
 _AUTH_EXEMPT_SERVICES = frozenset({health.SERVICE_NAME})
+
+SCOPE_CLIENT, SCOPE_SERVICE = "client", "service"
+# The services an SDK / CLI user may call (client scope); every other fp8rl service is internal (service scope).
+CLIENT_SCOPE_SERVICES = frozenset({"fp8rl.v1.JobService"})
+_SCOPE_CALLS = {SCOPE_CLIENT: "JobService: submit, watch, get, list and cancel jobs",
+                SCOPE_SERVICE: "the services' internal RPCs"}
+
+
+def rpc_scope(method: str) -> str | None:
+    """The scope whose token ``method`` (``/package.Service/Method``) needs.
+
+    Returns :data:`SCOPE_CLIENT` for :data:`CLIENT_SCOPE_SERVICES`, None for health (open) and
+    reflection (either scope's token), :data:`SCOPE_SERVICE` for everything else.
+    """
+    service = method.lstrip("/").split("/", 1)[0]
+    if service in _AUTH_EXEMPT_SERVICES or service == reflection.SERVICE_NAME:
+        return None
+    return SCOPE_CLIENT if service in CLIENT_SCOPE_SERVICES else SCOPE_SERVICE
+
+
+@dataclass(frozen=True)
+class ScopedTokens:
+    """The bearer token of each scope; None (or "") leaves that scope open.
+
+    Attributes:
+        service: token of the internal RPCs (every service but the controller's JobService).
+        client: token of the JobService (what the SDK / CLI sends).
+    """
+
+    service: str | None = None
+    client: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "service", self.service or None)
+        object.__setattr__(self, "client", self.client or None)
+
+    def get(self, scope: str) -> str | None:
+        """The token of ``scope`` (:data:`SCOPE_SERVICE` or :data:`SCOPE_CLIENT`)."""
+        return self.service if scope == SCOPE_SERVICE else self.client
 
 ServicerAdder = tuple[Callable[[Any, grpc.Server], None], Any]
 
@@ -94,14 +157,15 @@ class _RecordingServer:
         return getattr(self._server, name)
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that fails with UNAUTHENTICATED.
+def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str,
+                  code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as ``handler`` that fails with ``code``.
 
-    Requests are left undeserialized: nothing from an unauthenticated caller is parsed.
+    Requests are left undeserialized: nothing from a caller without the right token is parsed.
     """
 
     def deny(_request_or_iterator, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
 
     if handler is None or not (handler.request_streaming or handler.response_streaming):
         return grpc.unary_unary_rpc_method_handler(deny)
@@ -113,26 +177,39 @@ def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.R
 
 
 class _BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>`` (health exempt)."""
+    """Checks each call's ``authorization: Bearer <token>`` against its RPC's scope (see the module docstring)."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: ScopedTokens):
+        self._expected = {scope: f"Bearer {t}".encode() for scope in (SCOPE_SERVICE, SCOPE_CLIENT)
+                          if (t := tokens.get(scope)) is not None}
 
     def intercept_service(self, continuation, handler_call_details):
-        service = handler_call_details.method.lstrip("/").split("/", 1)[0]
-        if service in _AUTH_EXEMPT_SERVICES:
-            return continuation(handler_call_details)
+        method = handler_call_details.method
+        required = rpc_scope(method)
+        service = method.lstrip("/").split("/", 1)[0]
+        if service in _AUTH_EXEMPT_SERVICES or not self._expected or (
+                required is not None and required not in self._expected):
+            return continuation(handler_call_details)  # health, or a scope left open
         given = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), None)
-        if given is None:
-            message = (
-                f"missing bearer token for {handler_call_details.method}: this server requires metadata "
-                f"'authorization: Bearer <token>' (clients made by fp8rl.rpc.make_channel send ${ENV_AUTH_TOKEN})"
-            )
-        elif hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        if isinstance(given, str):
+            given = given.encode()
+        # every scope is compared (constant time each), so timing tells nothing about which one matched
+        held = [s for s, exp in self._expected.items() if given is not None and hmac.compare_digest(given, exp)]
+        if held and (required is None or required in held):
             return continuation(handler_call_details)
+        code = grpc.StatusCode.UNAUTHENTICATED
+        needed = f"the {required} token" if required else "a token"
+        if held:
+            code = grpc.StatusCode.PERMISSION_DENIED
+            message = (f"{method} needs {needed} ({_SCOPE_CALLS[required]}); the {held[0]} token only grants "
+                       f"{_SCOPE_CALLS[held[0]]}")
+        elif given is None:
+            message = (f"missing bearer token for {method}: this server requires metadata 'authorization: Bearer "
+                       f"<token>' with {needed} (clients made by fp8rl.rpc.make_channel send ${ENV_AUTH_TOKEN} or the "
+                       f"file ${ENV_TOKEN_FILE})")
         else:
-            message = f"invalid bearer token for {handler_call_details.method}: the token does not match this server's"
-        return _deny_handler(continuation(handler_call_details), message)
+            message = f"invalid bearer token for {method}: it is not {needed} of this server"
+        return _deny_handler(continuation(handler_call_details), message, code)
 
 
 def _server_credentials(tls_cert: str | None, tls_key: str | None) -> grpc.ServerCredentials | None:
@@ -158,6 +235,8 @@ def build_server(
     tls_key: str | None = None,
     max_workers: int = 8,
     host: str = "[::]",
+    scoped_tokens: ScopedTokens | None = None,
+    reserved_workers: int = RESERVED_WORKERS,
 ) -> tuple[grpc.Server, HealthServicer, int]:
     """Builds (but does not start) a gRPC server hosting the given servicers.
 
@@ -178,20 +257,26 @@ def build_server(
         port: TCP port to listen on; 0 picks a free ephemeral port (returned).
         max_message_bytes: cap on a single received or sent message; a larger request fails
             with RESOURCE_EXHAUSTED.
-        token: bearer token callers must present; None reads ``$FP8RL_AUTH_TOKEN``; "" means
-            no auth.
+        token: the one-token form: callers of either scope present it; None reads
+            ``$FP8RL_AUTH_TOKEN``; "" means no auth. Ignored when ``scoped_tokens`` is given.
         tls_cert: PEM certificate chain; with ``tls_key`` the port serves TLS only. None reads
             ``$FP8RL_TLS_CERT``; "" means plaintext.
         tls_key: PEM private key; None reads ``$FP8RL_TLS_KEY``.
         max_workers: handler threads, i.e. RPCs (streams included) served concurrently.
+        reserved_workers: of those, how many long calls may never occupy: at most
+            ``max(1, max_workers - reserved_workers)`` calls other than health / Status run at once, the
+            next gets UNAVAILABLE (:mod:`fp8rl.rpc.guard`, which also answers malformed requests with
+            INVALID_ARGUMENT).
         host: address to bind; the default listens on every interface (IPv4 and IPv6).
+        scoped_tokens: one token per scope (service, client); a scope without one is open.
 
     Returns:
         ``(server, health, bound_port)``: the unstarted server, its health servicer (every
         status NOT_SERVING until :func:`set_serving`), and the port actually bound.
 
     Raises:
-        ValueError: bad limits, or only one of certificate / key given.
+        ValueError: bad limits, only one of certificate / key given, or the two scoped tokens are equal
+            (which would let a client-token holder call internal RPCs).
         FileNotFoundError: a TLS file does not exist.
         RuntimeError: the address could not be bound (e.g. port in use).
     """
@@ -200,7 +285,14 @@ def build_server(
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
     credentials = _server_credentials(tls_cert, tls_key)  # fail on bad TLS config before anything else
-    bearer = resolve_setting(token, ENV_AUTH_TOKEN)
+    if scoped_tokens is not None:
+        tokens = scoped_tokens
+        if tokens.service is not None and tokens.service == tokens.client:
+            raise ValueError("the service token and the client token are equal: give each scope its own token, or "
+                             "a client-token holder could call the internal RPCs")
+    else:
+        bearer = resolve_setting(token, ENV_AUTH_TOKEN)
+        tokens = ScopedTokens(service=bearer, client=bearer)
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -210,7 +302,8 @@ def build_server(
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fp8rl-grpc"),
-        interceptors=[_BearerTokenInterceptor(bearer)] if bearer is not None else [],
+        interceptors=[*([_BearerTokenInterceptor(tokens)] if tokens.service or tokens.client else []),
+                      RequestGuard(max(1, max_workers - reserved_workers))],
         options=options,
     )
 

@@ -78,18 +78,22 @@ class ComputeLogprobsResponse(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "name")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    name: str
+    def __init__(self, path: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
-    __slots__ = ("path", "version")
+    __slots__ = ("path", "version", "file")
     PATH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
     path: str
     version: int
-    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    file: str
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., file: _Optional[str] = ...) -> None: ...
 
 class TrainerStatusRequest(_message.Message):
     __slots__ = ()

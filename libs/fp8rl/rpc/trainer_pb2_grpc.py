@@ -80,7 +80,10 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Writes a checkpoint from which training resumes bit-identically.
+        """Writes a checkpoint from which training resumes bit-identically, always inside the trainer's
+        own checkpoint directory (--checkpoint-dir): a request may name the checkpoint, never a path.
+        Errors: INVALID_ARGUMENT for a path or a malformed name (nothing is written);
+        RESOURCE_EXHAUSTED when the trainer already keeps its maximum of named checkpoints.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

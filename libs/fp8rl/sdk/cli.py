@@ -2,7 +2,7 @@
 
 Usage::
 
-    fp8rl [--target HOST:PORT] [--token TOKEN] [--tls-ca PEM] [--timeout S] COMMAND ...
+    fp8rl [--target HOST:PORT] [--token TOKEN | --token-file FILE] [--tls-ca PEM] [--timeout S] COMMAND ...
 
     fp8rl submit JOB.yaml [--job-id ID] [--watch]   validate locally, submit, print the job id
     fp8rl watch JOB_ID [--from-step N] [--plain]    live progress: reward, accuracy, token_mult_prob_error
@@ -10,8 +10,9 @@ Usage::
     fp8rl cancel JOB_ID [--reason TEXT]             stop a job after its current step
     fp8rl up|down [ARGS ...]                        start/stop the local stack (delegates to deploy.launcher)
 
-The target comes from ``--target``, else ``$FP8RL_TARGET``, else ``localhost:50050``; the token
-from ``--token``, else ``$FP8RL_AUTH_TOKEN``.
+The target comes from ``--target``, else ``$FP8RL_TARGET``, else ``localhost:50050``; the client
+token (the JobService scope) from ``--token``, else ``--token-file``, else ``$FP8RL_AUTH_TOKEN``, else the
+file ``$FP8RL_TOKEN_FILE`` — ``python -m deploy.launcher up`` writes it to ``RUN/secrets/client.token``.
 
 Exit codes: 0 success; 2 bad input (invalid job file, unknown job, id taken, bad arguments);
 3 controller unavailable (unreachable or not answering in time); 1 anything else, including a
@@ -51,7 +52,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8rl", description="Submit and watch fp8rl GRPO jobs.")
     p.add_argument("--target", default=None,
                    help=f"controller host:port (default ${ENV_TARGET}, else {DEFAULT_TARGET})")
-    p.add_argument("--token", default=None, help="bearer token (default $FP8RL_AUTH_TOKEN)")
+    p.add_argument("--token", default=None, help="client bearer token (default $FP8RL_AUTH_TOKEN)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the client token (default $FP8RL_TOKEN_FILE; the launcher writes "
+                        "RUN/secrets/client.token)")
     p.add_argument("--tls-ca", default=None, help="PEM CA file to verify the controller (default $FP8RL_TLS_CA)")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -156,7 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         return _launcher(args.command, args.args)
     if args.command == "submit":
         load_job_text(args.job_file)  # validate before even opening a channel
-    with Fp8rlClient(args.target, token=args.token, tls_ca=args.tls_ca, timeout_s=args.timeout) as client:
+    with Fp8rlClient(args.target, token=args.token, token_file=args.token_file, tls_ca=args.tls_ca,
+                     timeout_s=args.timeout) as client:
         if args.command == "submit":
             job_id = client.submit_job(args.job_file, job_id=args.job_id)
             print(job_id, flush=True)

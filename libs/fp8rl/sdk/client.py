@@ -42,6 +42,7 @@ from .types import (
     InvalidArgument,
     JobInfo,
     NotFound,
+    PermissionDenied,
     PhaseTimes,
     StepReport,
     Unauthenticated,
@@ -61,6 +62,7 @@ _ERRORS: dict[grpc.StatusCode, type[Fp8rlError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -116,7 +118,10 @@ class Fp8rlClient:
     Args:
         target: controller address ``host:port``; None reads ``$FP8RL_TARGET``, else
             ``localhost:50050``.
-        token: bearer token; None reads ``$FP8RL_AUTH_TOKEN``; "" sends none.
+        token: the client token (JobService scope); "" sends none; None reads ``token_file``, else
+            ``$FP8RL_AUTH_TOKEN``, else the file ``$FP8RL_TOKEN_FILE`` (``deploy.launcher up`` writes it as
+            ``RUN/secrets/client.token``).
+        token_file: file holding the client token (used when ``token`` is None).
         tls_ca: PEM CA file to verify the controller with (TLS); None reads ``$FP8RL_TLS_CA``.
         timeout_s: deadline of every unary call; None uses each RPC's default
             (:data:`fp8rl.rpc.channel.DEFAULT_DEADLINE_S`).
@@ -135,6 +140,7 @@ class Fp8rlClient:
         *,
         token: str | None = None,
         tls_ca: str | None = None,
+        token_file: str | os.PathLike | None = None,
         timeout_s: float | None = None,
         retries: int = 4,
         backoff_s: float = 0.2,
@@ -152,7 +158,7 @@ class Fp8rlClient:
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.watch_reconnect_s, self.watch_segment_s = watch_reconnect_s, watch_segment_s
-        self._channel = make_channel(self.target, token=token, tls_ca=tls_ca)
+        self._channel = make_channel(self.target, token=token, tls_ca=tls_ca, token_file=token_file)
         self._stub = controller_pb2_grpc.JobServiceStub(self._channel)
 
     def close(self) -> None:

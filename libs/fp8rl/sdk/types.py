@@ -155,5 +155,9 @@ class Unauthenticated(Fp8rlError):
     """The server wants a bearer token and none (or a wrong one) was sent."""
 
 
+class PermissionDenied(Fp8rlError):
+    """The token sent is valid but of the wrong scope (e.g. the service token on the JobService)."""
+
+
 class DeadlineExceeded(Unavailable):
     """The server did not answer within the call's deadline (it may be overloaded or hung)."""

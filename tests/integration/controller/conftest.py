@@ -93,6 +93,16 @@ class Stack:
     def process(self, name: str) -> dict:
         return next(p for p in self.info["processes"] if p["name"] == name)
 
+    @property
+    def client_token(self) -> str:
+        """The JobService token the launcher generated for this stack (what the SDK sends)."""
+        return Path(self.info["secrets"]["client_token_file"]).read_text().strip()
+
+    @property
+    def service_token(self) -> str:
+        """The internal RPCs' token the launcher generated for this stack (what the services send each other)."""
+        return Path(self.info["secrets"]["service_token_file"]).read_text().strip()
+
     def job_yaml(self, **job) -> str:
         return yaml.safe_dump(tiny_job(self.model_dir, **job))
 

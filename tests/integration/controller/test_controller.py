@@ -38,11 +38,11 @@ WATCH_S = 60.0
 
 
 def _client(stack) -> Fp8rlClient:
-    return Fp8rlClient(stack.target, token="", tls_ca="", timeout_s=30)
+    return Fp8rlClient(stack.target, token=stack.client_token, tls_ca="", timeout_s=30)
 
 
 def _submit_raw(stack, job_yaml: str) -> tuple[grpc.StatusCode, str]:
-    stub = controller_pb2_grpc.JobServiceStub(make_channel(stack.target, token="", tls_ca=""))
+    stub = controller_pb2_grpc.JobServiceStub(make_channel(stack.target, token=stack.client_token, tls_ca=""))
     with pytest.raises(grpc.RpcError) as ei:
         stub.SubmitJob(controller_pb2.SubmitJobRequest(job_yaml=job_yaml), timeout=30)
     return ei.value.code(), ei.value.details()
@@ -127,7 +127,7 @@ def test_cancel_stops_a_running_job(stack):
 
 def _trainer(stack):
     target = f"127.0.0.1:{stack.process('trainer')['port']}"
-    return trainer_pb2_grpc.TrainerServiceStub(make_channel(target, token="", tls_ca=""))
+    return trainer_pb2_grpc.TrainerServiceStub(make_channel(target, token=stack.service_token, tls_ca=""))
 
 
 def _restart_controller(stack, ctl: dict) -> None:

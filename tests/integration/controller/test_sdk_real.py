@@ -24,7 +24,7 @@ WATCH_S = 60.0
 
 
 def _client(stack) -> Fp8rlClient:
-    return Fp8rlClient(stack.target, token="", tls_ca="", timeout_s=30)
+    return Fp8rlClient(stack.target, token=stack.client_token, tls_ca="", timeout_s=30)
 
 
 def _id(what: str) -> str:

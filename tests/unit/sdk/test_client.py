@@ -320,6 +320,24 @@ def test_token_required():
         s.stop()
 
 
+def test_token_file_and_scope_errors(tmp_path, monkeypatch, capsys):
+    s = Served(token="t0k3n")
+    try:
+        token_file = tmp_path / "client.token"
+        token_file.write_text("t0k3n\n")
+        with Fp8rlClient(s.target, token_file=token_file) as c:
+            assert c.list_jobs() == []
+        monkeypatch.setenv("FP8RL_TOKEN_FILE", str(token_file))
+        with Fp8rlClient(s.target) as c:  # found through $FP8RL_TOKEN_FILE
+            assert c.list_jobs() == []
+        monkeypatch.delenv("FP8RL_TOKEN_FILE")
+        assert cli.main(["--target", s.target, "--token-file", str(token_file), "status"]) == 0
+        assert cli.main(["--target", s.target, "--token-file", str(tmp_path / "missing"), "status"]) == 2
+        assert "does not exist" in capsys.readouterr().err
+    finally:
+        s.stop()
+
+
 def test_server_side_invalid_argument_maps(client):
     # Bypass local validation to see the server's own rejection mapped.
     with pytest.raises(InvalidArgument, match="job.stepz"):

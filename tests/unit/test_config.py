@@ -1,0 +1,92 @@
+"""fp8rl.config bounds: YAML size, anchors/aliases, nesting, integer ranges, finite floats, batch shape, greedy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from fp8rl import limits
+from fp8rl.config import ConfigError, load_job_config, parse_job_config
+
+# Each level multiplies by 9: 9**3 leaves here; nine levels would be 387 M strings (and a 50 MB error message).
+ALIAS_BOMB = """\
+a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+job: {name: *c}
+"""
+
+
+def refused(text_or_mapping, match: str) -> str:
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=match) as err:
+        parse_job_config(text_or_mapping)
+    assert time.perf_counter() - t0 < 2.0
+    assert len(str(err.value)) < 600  # a message for people, never the offending value echoed whole
+    return str(err.value)
+
+
+def test_alias_bomb_and_anchors_are_refused_at_once():
+    refused(ALIAS_BOMB, r"line 1: YAML anchors and aliases .* are not allowed")
+    refused("job: &j {steps: 3}\npolicy: {model: x}\n", "anchors and aliases")
+    refused("base: &b {steps: 3}\njob:\n  <<: *b\n", "anchors and aliases")
+
+
+def test_yaml_bytes_are_limited_before_parsing():
+    big = "job: {name: x}\n" + "# pad\n" * (limits.MAX_JOB_YAML_BYTES // 6 + 1)
+    msg = refused(big, f"the limit is {limits.MAX_JOB_YAML_BYTES} bytes")
+    assert str(len(big)) in msg
+
+
+def test_load_job_config_checks_the_size_before_reading(tmp_path):
+    p = tmp_path / "big.yaml"
+    p.write_text("x" * (limits.MAX_JOB_YAML_BYTES + 1))
+    with pytest.raises(ConfigError, match=rf"big.yaml: job file is {limits.MAX_JOB_YAML_BYTES + 1} bytes"):
+        load_job_config(p)
+
+
+def test_deep_nesting_and_huge_ints_are_config_errors():
+    refused("[" * 100, f"nests deeper than {limits.MAX_YAML_DEPTH} levels")
+    refused("[" * limits.MAX_JOB_YAML_BYTES, "not valid YAML")  # libyaml's own depth limit, as a ConfigError
+    refused({"data": {"arith": {"ops": [1] * 50_000}}}, r"data.arith: .*characters\)")  # a validator's long message
+    refused("job: {steps: 1" + "0" * 5000 + "}", "not valid YAML")  # Python refuses to convert > 4300 digits
+
+
+@pytest.mark.parametrize(("yaml_text", "match"), [
+    ("job: {steps: 9223372036854775808}", r"job.steps: 9223372036854775808 is out of range \(at most 2147483647"),
+    (f"job: {{steps: {limits.MAX_JOB_STEPS + 1}}}", rf"job.steps: must be <= {limits.MAX_JOB_STEPS}, got 1000001"),
+    ("job: {steps: 0}", r"job.steps: must be > 0, got 0"),
+    ("job: {seed: -1}", r"job.seed: must be >= 0"),
+    ("job: {seed: 4294967296}", r"job.seed: 4294967296 is out of range \(at most 4294967295"),
+    ("grpo: {num_prompts_per_step: 0}", r"grpo.num_prompts_per_step: must be > 0"),
+    ("policy: {training: {micro_batch_size: 0}}", r"micro_batch_size: must be > 0"),
+    ("policy: {generation: {temperature: .inf}}", r"temperature: must be a finite number, got inf"),
+    ("policy: {generation: {temperature: .nan}}", r"temperature: must be a finite number, got nan"),
+    ("policy: {generation: {temperature: 101.0}}", r"temperature: must be <= 100.0, got 101.0"),
+    ("policy: {generation: {top_p: .nan}}", r"top_p: must be a finite number"),
+    ("policy: {training: {lr: .inf}}", r"policy.training.lr: must be a finite number"),
+    ("grpo: {num_prompts_per_step: 4096, num_generations_per_prompt: 8}", r"32768 rows per step; the limit is 8192"),
+    ("policy: {generation: {max_new_tokens: 32768}}\ngrpo: {num_prompts_per_step: 1024, num_generations_per_prompt: 8}",
+     r"generated tokens per step; the limit is 16777216"),
+    ("data: {task: jsonl, path: 5}", r"data.path: expected a file path"),
+])
+def test_out_of_range_values_name_the_key_limit_and_value(yaml_text, match):
+    refused(yaml_text, match)
+
+
+def test_bad_values_are_quoted_short():
+    msg = refused({"job": {"steps": "y" * 100_000}}, r"job.steps: expected int")
+    assert "100002 characters" in msg
+    refused({"x" * 100_000: 1}, r"unknown key 'xxxx.*characters")
+
+
+def test_tiny_temperatures_are_greedy_and_valid_jobs_still_load():
+    cfg = parse_job_config({"policy": {"generation": {"temperature": 1e-300}}})
+    assert cfg.get("policy.generation.temperature") == 0.0
+    warm = parse_job_config({"policy": {"generation": {"temperature": 0.7}}})
+    assert warm.get("policy.generation.temperature") == 0.7
+    cfg = parse_job_config(yaml.safe_dump({"job": {"steps": limits.MAX_JOB_STEPS},
+                                           "grpo": {"num_prompts_per_step": 32}}))
+    assert cfg.get("job.steps") == limits.MAX_JOB_STEPS
