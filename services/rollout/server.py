@@ -114,6 +114,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def __init__(self, service: RolloutService) -> None:
         self.s = service
+        self._generating, self._count_lock = 0, threading.Lock()  # Generate calls inside the engine (Status)
 
     def _params(self, sp: rollout_pb2.SamplingParams) -> SamplingParams:
         try:
@@ -155,6 +156,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                         f"request pinned to weight version {request.weight_version}, but replica "
                         f"{s.ctx.replica_id} holds version {held}")
+        with self._count_lock:
+            self._generating += 1
         try:
             samples = s.engine.generate(prompts, params, weight_version=request.weight_version,
                                         should_stop=lambda: not context.is_active())
@@ -164,6 +167,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise Abort(grpc.StatusCode.CANCELLED, f"request {request.request_id[:100]!r}: {exc}") from None
         except ValueError as exc:  # e.g. prompt + max_tokens longer than the model's positions
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        finally:
+            with self._count_lock:
+                self._generating -= 1
         seen: dict[int, int] = defaultdict(int)
         for smp in samples:
             index = seen[smp.prompt_index]
@@ -178,7 +184,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         s = self.s
         resp = rollout_pb2.RolloutStatusResponse(
             replica_id=s.ctx.replica_id, engine=s.backend, recipe=s.ctx.job.recipe,
-            kv_cache_dtype=s.ctx.job.kv_cache_dtype, ready=s.ready(),
+            kv_cache_dtype=s.ctx.job.kv_cache_dtype, ready=s.ready(), generating=self._generating,
         )
         if s.engine.weight_version is not None:
             resp.weight_version = s.engine.weight_version

@@ -71,7 +71,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = ("weight_version", "scales_version", "replica_id", "engine", "recipe", "kv_cache_dtype", "ready", "pending_version", "pending_reason")
+    __slots__ = ("weight_version", "scales_version", "replica_id", "engine", "recipe", "kv_cache_dtype", "ready", "pending_version", "pending_reason", "generating")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCALES_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RolloutStatusResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
     PENDING_REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     scales_version: int
     replica_id: str
@@ -90,4 +91,5 @@ class RolloutStatusResponse(_message.Message):
     ready: bool
     pending_version: int
     pending_reason: str
-    def __init__(self, weight_version: _Optional[int] = ..., scales_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., recipe: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., ready: _Optional[bool] = ..., pending_version: _Optional[int] = ..., pending_reason: _Optional[str] = ...) -> None: ...
+    generating: int
+    def __init__(self, weight_version: _Optional[int] = ..., scales_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., recipe: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., ready: _Optional[bool] = ..., pending_version: _Optional[int] = ..., pending_reason: _Optional[str] = ..., generating: _Optional[int] = ...) -> None: ...

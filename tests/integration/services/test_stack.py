@@ -248,15 +248,17 @@ def test_a_killed_replica_restarts_and_rejoins_at_the_latest_version(stack: Stac
     rows = rows_from(generate(st, PROMPTS[:1], 1, n=2, seed=9), [1.0, -1.0])
     errors: list[grpc.StatusCode] = []
 
-    def long_generate():
+    def long_generate():  # 1024 rows x 48 tokens: four engine batches, seconds on this model
         try:
-            generate(st, PROMPTS * 16, 1, n=8, max_tokens=48, temperature=1.0)
+            generate(st, PROMPTS * 64, 1, n=8, max_tokens=48, temperature=1.0)
         except grpc.RpcError as exc:
             errors.append(exc.code())
 
     t = threading.Thread(target=long_generate)
     t.start()
-    time.sleep(0.5)  # the batch takes seconds on this model: the kill lands mid-generation
+    # kill once the replica says it is computing that call, so the kill lands mid-generation
+    wait_until(lambda: st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5).generating == 1,
+               "the long Generate to start", proc=st.rollout)
     st.rollout.kill()  # SIGKILL: no graceful anything
     t.join(timeout=T)
     assert errors == [grpc.StatusCode.UNAVAILABLE]
