@@ -204,8 +204,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
                 t_logprobs, t = time.perf_counter() - t, time.perf_counter()
                 train = s.trainer.train_step(batch, should_stop=stop)
-            except FloatingPointError as exc:  # step skipped, version unchanged
-                raise Abort(grpc.StatusCode.INTERNAL, f"step {request.step}: {exc}") from None
+            except FloatingPointError as exc:  # step skipped, version unchanged: the batch's values overflowed
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"step {request.step}: this batch gives {exc} (e.g. advantages too large)") from None
             except Cancelled as exc:  # the caller is gone; weights and version are unchanged
                 raise Abort(grpc.StatusCode.CANCELLED, f"step {request.step}: {exc}") from None
             t_train = time.perf_counter() - t

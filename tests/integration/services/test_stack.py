@@ -212,8 +212,10 @@ def test_malformed_requests_are_refused_and_every_service_keeps_serving(stack: S
     nan = trainer_pb2.Sequence(prompt_ids=[1, 5], response_ids=[6, 7], gen_logprobs=[float("nan"), -1.0])
     short = trainer_pb2.Sequence(prompt_ids=[1, 5], response_ids=[6, 7], gen_logprobs=[-1.0])
     oov = trainer_pb2.Sequence(prompt_ids=[1, 500], response_ids=[6], gen_logprobs=[-1.0])
+    overflow = [trainer_pb2.Sequence(prompt_ids=r.prompt_ids, response_ids=r.response_ids, gen_logprobs=r.gen_logprobs,
+                                     advantage=a) for r, a in zip(ok, (3e38, -3e38), strict=True)]  # finite float32
     for rows, needle in (([*ok, nan], "gen_logprobs[0] is nan"), ([short], "1 gen_logprobs for 2 response_ids"),
-                         ([], "no rows"), ([oov], "token id 500")):
+                         ([], "no rows"), ([oov], "token id 500"), (overflow, "non-finite gradient")):
         code, details = code_of(lambda r=rows: st.train().TrainStep(
             trainer_pb2.TrainStepRequest(expected_version=1, rows=r), timeout=T))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, details
