@@ -172,10 +172,13 @@ def _check_events(text: str) -> None:
         loader.dispose()
 
 
-def _load_yaml(text: str) -> Any:
-    size = len(text.encode("utf-8", "surrogatepass"))
+def _check_yaml_size(size: int) -> None:
     if size > limits.MAX_JOB_YAML_BYTES:
         raise ConfigError(f"job file is {size} bytes; the limit is {limits.MAX_JOB_YAML_BYTES} bytes")
+
+
+def _load_yaml(text: str) -> Any:
+    _check_yaml_size(len(text.encode("utf-8", "surrogatepass")))
     try:
         _check_events(text)
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader (CSafeLoader / SafeLoader)
@@ -367,9 +370,7 @@ def load_job_config(path: str | Path) -> JobConfig:
     if not p.is_file():
         raise ConfigError(f"job file {str(p)!r} does not exist")
     try:
-        size = p.stat().st_size
-        if size > limits.MAX_JOB_YAML_BYTES:  # before reading it: the limit is on work, not only on parsing
-            raise ConfigError(f"job file is {size} bytes; the limit is {limits.MAX_JOB_YAML_BYTES} bytes")
+        _check_yaml_size(p.stat().st_size)  # before reading it: the limit is on work, not only on parsing
         return parse_job_config(p.read_text())
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
