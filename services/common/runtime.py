@@ -231,14 +231,21 @@ class RefitFollower:
             self._threads.append(t)
 
     def stop(self) -> None:
+        """Stop both threads and release the lease (a clean stop is not a fence)."""
         self.ctx.stopping.set()
         for t in self._threads:
             t.join(timeout=self.poll_ms / 1000 + 5)
+        if self._threads:
+            try:
+                self.store.release(self.ctx.replica_id)
+            except Exception as exc:  # noqa: BLE001 - it expires on its own
+                log.warning("could not release the lease of %s: %s", self.ctx.replica_id, exc)
 
     def register(self) -> None:
         """(Re)create this replica's lease, recording the version held."""
         held = self.subscriber.engine.weight_version
-        self.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, held, self.ctx.args.lease_ttl)
+        self.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, held, self.ctx.args.lease_ttl,
+                                    role=self.ctx.name)
 
     def sync_to(self, version: int) -> int:
         """``subscriber.sync_to(version)`` under the lock; a lease lost meanwhile is renewed and the ack redone."""
@@ -304,6 +311,50 @@ class RefitFollower:
                 log.warning("heartbeat failed: %s", exc)
 
 
+class EndpointLease:
+    """The lease of a role that does not follow refit (trainer, reward, controller): its endpoint in Redis.
+
+    Registered once the server listens, renewed every ``ttl/3``, re-registered when lost (expired while
+    Redis was away, or fenced) and released on a clean stop — so a service restarted on another port
+    is found by whoever resolves its role (:meth:`RefitStore.endpoint_of`). Redis being down only
+    delays the lease: the thread logs and retries, the service keeps serving.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._thread: threading.Thread | None = None
+
+    def _register(self) -> None:
+        self.ctx.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, None, self.ctx.args.lease_ttl,
+                                        role=self.ctx.name)
+
+    def start(self) -> None:
+        try:
+            self._register()
+        except Exception as exc:  # noqa: BLE001 - Redis away at start: the heartbeat thread keeps trying
+            log.warning("cannot register the %s lease yet: %s", self.ctx.name, exc)
+        self._thread = threading.Thread(target=self._loop, name=f"{self.ctx.name}-lease", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        period = max(0.05, self.ctx.args.lease_ttl / 3)
+        while not self.ctx.stopping.wait(period):
+            try:
+                if not self.ctx.store.heartbeat(self.ctx.replica_id, None):
+                    log.warning("the %s lease of %s was lost; re-registering", self.ctx.name, self.ctx.replica_id)
+                    self._register()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("lease heartbeat failed: %s", exc)
+
+    def release(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.ctx.store.release(self.ctx.replica_id)
+        except Exception as exc:  # noqa: BLE001 - it expires on its own
+            log.warning("could not release the %s lease: %s", self.ctx.name, exc)
+
+
 @dataclass(frozen=True)
 class ServiceSpec:
     """A role: its name, default port, constructor, and extra flags.
@@ -316,6 +367,8 @@ class ServiceSpec:
         scopes: the token scopes its RPCs belong to (``fp8rl.rpc.server``): the controller's JobService is
             :data:`~fp8rl.rpc.server.SCOPE_CLIENT`, every other role :data:`~fp8rl.rpc.server.SCOPE_SERVICE`.
             Listening off loopback needs a token for each (or ``--insecure``).
+        follows_refit: the role's lease is its :class:`RefitFollower`'s (rollout, calibrator); every other
+            role gets an :class:`EndpointLease` from the skeleton.
     """
 
     name: str
@@ -323,6 +376,7 @@ class ServiceSpec:
     build: Callable[[Context], Service]
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
     scopes: tuple[str, ...] = (SCOPE_SERVICE,)
+    follows_refit: bool = False
 
 
 def env_default(flag: str, default: Any = None) -> Any:
@@ -425,6 +479,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    lease: EndpointLease | None = None
     server.start()
     try:
         service.start(ctx)
@@ -435,6 +490,9 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         ctx.failure = exc if expected else RuntimeError(str(exc))
         ctx.stopping.set()
     else:
+        if not spec.follows_refit:
+            lease = EndpointLease(ctx)
+            lease.start()
         log.info("%s listening on %s (job %s)", spec.name, ctx.endpoint, ctx.job_id)
         if args.ready_file:
             _write_ready_file(args.ready_file, {"service": spec.name, "pid": os.getpid(), "port": port,
@@ -442,6 +500,8 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     while not ctx.stopping.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
     health.enter_graceful_shutdown()  # NOT_SERVING first: probes stop routing before anything closes
+    if lease is not None:
+        lease.release()
     service.stop()
     server.stop(args.grace).wait()
     if args.ready_file and Path(args.ready_file).exists():

@@ -36,6 +36,19 @@ found ``running`` is resumed. With ``base_version`` (the trainer's version at th
 
 Cancellation is read from Redis between phases: before TrainStep the half-done step is dropped;
 after it the step is finished (so replicas end on one consistent version) and recorded as the last.
+
+Faults. Services are found through their role leases in Redis at every call (:class:`Backends`), so one
+restarted on another port is reached at the next try. A step whose call fails transiently
+(UNAVAILABLE / DEADLINE_EXCEEDED) is retried from the reconcile above, after a back-off that doubles
+from ``retry_pause_s``; the budget (``step_attempts``) is per step and starts afresh once a step is
+recorded. The report shows ``metrics["retries"]`` and, in ``phase_times.outage``, the time lost to
+failed tries and back-off. A rollout replica that fails UNAVAILABLE is marked suspect and its chunk
+re-issued to the others (:class:`fp8rl.rollout_pool.RolloutPool`). Leases fenced during a step (late
+acks, expired leases) are counted in ``metrics["replica_fenced"]``.
+
+Rewards. Only graded items (status GRADED / UNPARSABLE) are trained on: TIMEOUT / ERROR items are
+re-scored up to ``score_attempts`` times in all, and if any is still ungraded the job fails naming it —
+a placeholder 0 never reaches TrainStep.
 """
 
 from __future__ import annotations
@@ -73,7 +86,9 @@ log = logging.getLogger("fp8rl.controller")
 __all__ = ["PHASES", "Backends", "JobRunner", "RunnerSettings"]
 
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
+REPORT_TIMES = (*PHASES, "outage", "total")  # the keys of a report's phase_times
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_GRADED = {reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE}  # rewards that are verdicts
 
 
 class _Failed(Exception):
@@ -102,8 +117,11 @@ class RunnerSettings:
         refit_timeout_s: how long to wait for every live replica's ack of v+1 before fencing.
         replica_wait_s: how long a step waits for some rollout replica to hold its version.
         generate_attempts: tries of one prompt chunk (each on the next replica) before the step fails.
-        step_attempts: tries of a step whose RPC failed transiently (UNAVAILABLE / DEADLINE_EXCEEDED).
+        step_attempts: tries of one step whose RPC failed transiently (UNAVAILABLE / DEADLINE_EXCEEDED);
+            counted afresh for every step.
         retry_pause_s: pause before the first retry of such a step; doubles per retry (at most 30 s).
+        score_attempts: Score calls for an item the reward service could not grade (timeout / error)
+            before the job fails.
         data: the data root ``data.path`` must lie under, and the byte / row limits of a data file.
     """
 
@@ -112,17 +130,25 @@ class RunnerSettings:
     generate_attempts: int = 3
     step_attempts: int = 5
     retry_pause_s: float = 2.0
+    score_attempts: int = 3
     data: DataRoot = DataRoot()
 
 
 @dataclass(frozen=True)
 class Backends:
-    """Stubs of the services a step calls; rollout replicas are found through their Redis leases."""
+    """How a step reaches the services: each role's endpoint is read from its newest live lease at every call.
 
-    trainer: object  # TrainerServiceStub
-    reward: object  # RewardServiceStub
-    calibrator: object  # CalibratorServiceStub
-    rollout: Callable[[str], object]  # endpoint -> RolloutServiceStub
+    Attributes:
+        stub: ``(role, endpoint)`` → that service's stub (the caller owns and caches the channels).
+        fallback: role → ``host:port`` used while no lease of that role is live (the controller's
+            ``--trainer`` ... flags; empty when every service registers, as the launcher's do).
+    """
+
+    stub: Callable[[str, str], object]
+    fallback: dict[str, str]
+
+    def rollout(self, endpoint: str) -> object:
+        return self.stub("rollout", endpoint)
 
 
 class JobRunner:
@@ -136,6 +162,9 @@ class JobRunner:
         self._cond = threading.Condition()
         self.pool = RolloutPool(refit, backends.rollout, self.settings.generate_attempts)
         self._thread: threading.Thread | None = None
+        self._faults = {"retries": 0, "outage": 0.0}  # of the step in flight; reset when a step is recorded
+        self._events_after = "0-0"  # events stream position at the start of the step in flight
+        self._step_t0 = 0.0  # perf_counter when the step in flight began (the last report, or the job's start)
 
     # -- the servicer's API --------------------------------------------------------------------
     def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
@@ -222,19 +251,26 @@ class JobRunner:
                 self._stop.wait(1.0)
 
     def _run(self, job_id: str) -> None:
-        attempts = 0
+        self._faults = {"retries": 0, "outage": 0.0}
+        self._events_after = self.refit.last_event_id()
         try:
             plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)), self.settings.data)
             while True:
+                t_try = time.perf_counter()
                 try:
                     return self._advance(plan)
                 except _RpcFailed as exc:
-                    attempts += 1
-                    if exc.code not in _TRANSIENT or attempts >= self.settings.step_attempts:
-                        raise _Failed(str(exc)) from None
-                    log.warning("job %s: %s; retrying the step (%d/%d)", job_id, exc, attempts,
+                    f = self._faults  # reset by _finish whenever a step was recorded meanwhile
+                    f["retries"] += 1
+                    if exc.code not in _TRANSIENT or f["retries"] >= self.settings.step_attempts:
+                        raise _Failed(str(exc) if exc.code not in _TRANSIENT else
+                                      f"{exc} (after {f['retries']} tries of step {self.get(job_id).steps_done})"
+                                      ) from None
+                    pause = min(30.0, self.settings.retry_pause_s * 2 ** (f["retries"] - 1))
+                    log.warning("job %s: %s; retrying the step in %.1f s (%d/%d)", job_id, exc, pause, f["retries"],
                                 self.settings.step_attempts)
-                    self._stop.wait(min(30.0, self.settings.retry_pause_s * 2 ** (attempts - 1)))
+                    self._stop.wait(pause)
+                    f["outage"] += time.perf_counter() - max(t_try, self._step_t0)  # this step's failed try + pause
         except _Stopping:
             log.info("job %s left running for the next controller", job_id)
         except _Cancelled:
@@ -258,7 +294,7 @@ class JobRunner:
         v = rec.base_version + step
         if plan.fp8_kv and self.refit.get_scales(v) is None:  # e.g. v0 of a fresh deployment
             seqs = plan.prompts(plan.batch(step))
-            self._rpc("calibrate", self.b.calibrator.Calibrate, calibrator_pb2.CalibrateRequest(
+            self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
                 version=v, sequences=[common_pb2.TokenSequence(token_ids=s) for s in seqs]), DL.calibrate)
         self._refit_wait(v)
         while step < plan.total:
@@ -270,7 +306,7 @@ class JobRunner:
     def _reconcile(self, plan: JobPlan) -> int:
         """The next step to run, after matching the job's record with the version the trainer holds."""
         rec = self.get(plan.job_id)
-        status = self._rpc("status", self.b.trainer.Status, trainer_pb2.TrainerStatusRequest(), DL.status)
+        status = self._rpc("status", "trainer", "Status", trainer_pb2.TrainerStatusRequest(), DL.status)
         if status.recipe != self.deployed.recipe:
             raise _Failed(f"the trainer runs recipe {status.recipe}, but the controller was deployed for "
                           f"{self.deployed.recipe}: the services were started with different job files")
@@ -326,11 +362,17 @@ class JobRunner:
         if cancel and self.get(job_id).cancel_requested:
             raise _Cancelled
 
-    def _rpc(self, phase: str, method, request, timeout: float | None):
+    def _rpc(self, phase: str, role: str, method: str, request, timeout: float | None):
+        """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address)."""
+        lease = self.refit.endpoint_of(role)
+        endpoint = lease.endpoint if lease is not None else self.b.fallback.get(role)
+        if not endpoint:
+            raise _RpcFailed(phase, grpc.StatusCode.UNAVAILABLE, f"no live {role} lease in Redis (is the {role} "
+                                                                 f"service running?) and no --{role} address")
         try:
-            return method(request, timeout=timeout)
+            return getattr(self.b.stub(role, endpoint), method)(request, timeout=timeout)
         except grpc.RpcError as err:
-            raise _RpcFailed(phase, err.code(), err.details()) from None
+            raise _RpcFailed(phase, err.code(), f"{role} at {endpoint}: {err.details()}") from None
 
     # -- one step ------------------------------------------------------------------------------
     def _first_half(self, plan: JobPlan, step: int, v: int) -> dict:
@@ -351,7 +393,7 @@ class JobRunner:
         adv = group_advantages(rewards, plan.group, plan.job.get("grpo.leave_one_out"))
         rows = [trainer_pb2.Sequence(prompt_ids=prompts[i], response_ids=s.token_ids, gen_logprobs=s.logprobs,
                                      advantage=a) for (i, s), a in zip(samples, adv, strict=True)]
-        resp = self._rpc("train", self.b.trainer.TrainStep,
+        resp = self._rpc("train", "trainer", "TrainStep",
                          trainer_pb2.TrainStepRequest(expected_version=v, rows=rows, step=step), DL.train_step)
         pt = resp.phase_times
         times.update(logprobs=pt.logprobs, train=pt.train, publish=pt.publish)
@@ -369,7 +411,7 @@ class JobRunner:
         self._check(plan.job_id, cancel=False)
         t = time.perf_counter()
         if plan.fp8_kv:
-            self._rpc("calibrate", self.b.calibrator.Calibrate, calibrator_pb2.CalibrateRequest(
+            self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
                 version=v1, sequences=[common_pb2.TokenSequence(token_ids=s) for s in partial["sequences"]]),
                 DL.calibrate)
         times["calibrate"] = time.perf_counter() - t
@@ -377,8 +419,9 @@ class JobRunner:
         fenced = self._refit_wait(v1)
         times["refit"] = time.perf_counter() - t
         wall = time.time() - partial["started_unix"] if "started_unix" in partial and not partial.get("resumed") else 0
-        times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES))
-        metrics = {**partial["metrics"], "refit/fenced": float(len(fenced))}
+        times["outage"] = self._faults["outage"]
+        times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES) + times["outage"])
+        metrics = {**partial["metrics"], "refit/fenced": float(len(fenced)), "retries": float(self._faults["retries"])}
         if plan.eval_every and (step + 1) % plan.eval_every == 0:
             metrics["val_accuracy"] = self._evaluate(plan, v1)
         rec = self.get(plan.job_id)
@@ -386,14 +429,20 @@ class JobRunner:
         every = plan.job.get("job.checkpoint_every")
         if every and ((step + 1) % every == 0 or state != "running"):
             t = time.perf_counter()
-            ck = self._rpc("checkpoint", self.b.trainer.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(),
+            ck = self._rpc("checkpoint", "trainer", "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(),
                            DL.save_checkpoint)
             metrics["time/checkpoint"] = time.perf_counter() - t
             self.jobs.update(plan.job_id, checkpoint_path=ck.path, checkpoint_version=ck.version)
+        after, fenced_events = self._events_after, 0
+        for e in self.refit.events(self._events_after, count=10_000):
+            after, fenced_events = e.id, fenced_events + (e.type == "replica_fenced")
+        metrics["replica_fenced"] = float(fenced_events)  # refit timeouts and expired leases, during this step
         report = {"job_id": plan.job_id, "step": step, "weight_version": partial["weight_version"],
                   "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
-                  "phase_times": {p: times.get(p, 0.0) for p in (*PHASES, "total")}}
+                  "phase_times": {p: times.get(p, 0.0) for p in REPORT_TIMES}}
         self.jobs.append_report(plan.job_id, report, state)
+        self._faults, self._events_after = {"retries": 0, "outage": 0.0}, after  # the next step's budget
+        self._step_t0 = time.perf_counter()
         self._notify()
         log.info("job %s step %d/%d: v%d -> v%d reward %.3f accuracy %.3f token_mult_prob_error %.4f (%.2f s)",
                  plan.job_id, step + 1, plan.total, partial["weight_version"], v1, report["reward_mean"],
@@ -424,10 +473,36 @@ class JobRunner:
             raise _Failed(f"rollout: {exc}") from None
 
     def _score(self, plan: JobPlan, pairs) -> list[float]:
+        """One graded reward per pair: items the service could not grade are re-scored, up to
+        ``score_attempts`` calls; one still ungraded fails the job (its 0 would be trained on as a verdict)."""
         grader = plan.job.get("reward.grader")
         items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
                  for p, s in pairs]
-        return list(self._rpc("reward", self.b.reward.Score, reward_pb2.ScoreRequest(items=items), DL.score).rewards)
+        rewards: list[float | None] = [None] * len(items)
+        todo, why = list(range(len(items))), {}
+        for attempt in range(self.settings.score_attempts):
+            resp = self._rpc("reward", "reward", "Score", reward_pb2.ScoreRequest(items=[items[i] for i in todo]),
+                             DL.score)
+            if not (len(resp.rewards) == len(resp.statuses) == len(todo)):
+                raise _Failed(f"reward: the reward service answered {len(resp.rewards)} rewards and "
+                              f"{len(resp.statuses)} statuses for {len(todo)} items")
+            again = []
+            for i, r, st, err in zip(todo, resp.rewards, resp.statuses, list(resp.errors) or [""] * len(todo),
+                                     strict=True):
+                if st in _GRADED and math.isfinite(r) and 0.0 <= r <= 1.0:
+                    rewards[i] = float(r)
+                else:
+                    again.append(i)
+                    why[i] = err or f"status {reward_pb2.GradeStatus.Name(st)}, reward {r}"
+            todo = again
+            if not todo:
+                return rewards
+            log.warning("job %s: %d of %d responses were not graded (items[%d]: %s); scoring them again (%d/%d)",
+                        plan.job_id, len(todo), len(items), todo[0], why[todo[0]], attempt + 1,
+                        self.settings.score_attempts)
+        raise _Failed(f"reward: {len(todo)} of {len(items)} responses could not be graded in "
+                      f"{self.settings.score_attempts} tries (items[{todo[0]}]: {why[todo[0]]}); the step was not "
+                      f"trained, so no placeholder reward was learned from")
 
     def _evaluate(self, plan: JobPlan, v: int) -> float:
         """Greedy accuracy of the deployed rollout numerics on the job's validation set."""

@@ -17,9 +17,12 @@ sees their refit state (leases, acks) in Redis. Submitted jobs are checked again
 At most ``--max-watch-streams`` WatchJob streams run at once (RESOURCE_EXHAUSTED beyond), so watchers
 cannot take every worker from GetJob / CancelJob / health.
 
-Flags beyond the common ones: ``--trainer``, ``--reward``, ``--calibrator`` (``host:port``; env
-``FP8RL_TRAINER_ADDR`` ...), ``--refit-timeout``, ``--replica-wait``, ``--cancel-wait``, the data and
-watch flags above. Rollout replicas need no flag: they are found through their leases.
+Every service is found through its role lease in Redis (registered by the common skeleton), read
+again at every call, so a service restarted on another port is reached at the next retry. Flags
+beyond the common ones: ``--trainer``, ``--reward``, ``--calibrator`` (``host:port``; env
+``FP8RL_TRAINER_ADDR`` ...: optional fallbacks used only while no lease of that role is live),
+``--refit-timeout``, ``--replica-wait``, ``--cancel-wait``, ``--step-attempts``, the data and watch
+flags above.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ from fp8rl.rpc.channel import make_channel
 from fp8rl.rpc.server import SCOPE_CLIENT
 from services.common.runtime import Abort, Context, Service, ServiceSpec, StartupError, env_default, rpc_method
 
-from .runner import PHASES, Backends, JobRunner, RunnerSettings
+from .runner import REPORT_TIMES, Backends, JobRunner, RunnerSettings
 
 __all__ = ["ControllerService", "JobServicer", "SPEC"]
 
 DEFAULT_LIST_LIMIT = 100
+_STUBS = {"trainer": trainer_pb2_grpc.TrainerServiceStub, "reward": reward_pb2_grpc.RewardServiceStub,
+          "calibrator": calibrator_pb2_grpc.CalibratorServiceStub, "rollout": rollout_pb2_grpc.RolloutServiceStub}
 
 
 def _info(rec: JobRecord) -> controller_pb2.JobInfo:
@@ -81,7 +86,7 @@ def _report(r: dict) -> controller_pb2.StepReport:
     return controller_pb2.StepReport(
         job_id=r["job_id"], step=r["step"], weight_version=r["weight_version"], reward_mean=r["reward_mean"],
         accuracy=r["accuracy"], metrics=r.get("metrics", {}), state=r["state"],
-        phase_times=common_pb2.PhaseTimes(**{p: pt.get(p, 0.0) for p in (*PHASES, "total")}))
+        phase_times=common_pb2.PhaseTimes(**{p: pt.get(p, 0.0) for p in REPORT_TIMES}))
 
 
 def _not_found(exc: KeyError) -> Abort:
@@ -159,21 +164,16 @@ class ControllerService(Service):
 
     def __init__(self, ctx: Context) -> None:
         a = ctx.args
-        for flag in ("trainer", "reward", "calibrator"):
-            if not getattr(a, flag):
-                raise StartupError(f"--{flag} HOST:PORT (or $FP8RL_{flag.upper()}_ADDR) is required: the controller "
-                                   f"calls the {flag} service every step")
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        backends = Backends(
-            trainer=trainer_pb2_grpc.TrainerServiceStub(self._channel(a.trainer)),
-            reward=reward_pb2_grpc.RewardServiceStub(self._channel(a.reward)),
-            calibrator=calibrator_pb2_grpc.CalibratorServiceStub(self._channel(a.calibrator)),
-            rollout=lambda endpoint: rollout_pb2_grpc.RolloutServiceStub(self._channel(endpoint)),
-        )
+        backends = Backends(stub=lambda role, endpoint: _STUBS[role](self._channel(endpoint)),
+                            fallback={f: getattr(a, f) for f in ("trainer", "reward", "calibrator") if getattr(a, f)})
         root = Path(a.data_root) if a.data_root else Path(a.config).resolve().parent
         data = DataRoot(root, max_bytes=a.max_data_bytes, max_rows=a.max_data_rows)
-        settings = RunnerSettings(refit_timeout_s=a.refit_timeout, replica_wait_s=a.replica_wait, data=data)
+        if a.step_attempts < 1:
+            raise StartupError(f"--step-attempts must be >= 1, got {a.step_attempts}")
+        settings = RunnerSettings(refit_timeout_s=a.refit_timeout, replica_wait_s=a.replica_wait, data=data,
+                                  step_attempts=a.step_attempts)
         self.runner = JobRunner(JobStore(ctx.store.client), ctx.store, backends, ctx.job, settings)
         self.cancel_wait_s, self.max_watch_streams = a.cancel_wait, a.max_watch_streams
         if self.max_watch_streams < 1:
@@ -202,7 +202,11 @@ class ControllerService(Service):
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     for flag in ("trainer", "reward", "calibrator"):
-        p.add_argument(f"--{flag}", default=env_default(f"{flag}_addr"), help=f"host:port of the {flag} service")
+        p.add_argument(f"--{flag}", default=env_default(f"{flag}_addr"),
+                       help=f"host:port of the {flag} service while none holds a live lease in Redis (default: none)")
+    p.add_argument("--step-attempts", type=int, default=int(env_default("step_attempts", 5)),
+                   help="tries of one step whose calls fail transiently (UNAVAILABLE / DEADLINE_EXCEEDED), counted "
+                        "afresh for every step")
     p.add_argument("--refit-timeout", type=float, default=float(env_default("refit_timeout_s", 60.0)),
                    help="seconds to wait for every live replica's ack of a new version before fencing the late ones")
     p.add_argument("--replica-wait", type=float, default=float(env_default("replica_wait_s", 120.0)),

@@ -1,5 +1,5 @@
 """The reward service: ``RewardService.Score`` over :mod:`fp8rl.data.scoring` (DESIGN §2, reward phase).
 
-Run it with ``python -m services.reward --port 50053 --ready-file /tmp/reward.json``; the
-servicer is :class:`services.reward.server.RewardServicer`.
+Run it with ``python -m services.reward --config JOB.yaml --port 50053``; the service is
+:class:`services.reward.server.RewardService` on the common skeleton (:mod:`services.common.runtime`).
 """

@@ -1,8 +1,16 @@
-"""RewardServicer: proto ↔ :mod:`fp8rl.data.scoring`, nothing else.
+"""The reward service: ``RewardService.Score`` over :mod:`fp8rl.data.scoring`, on the common skeleton.
 
-Every item is graded by the grader it names (``""`` = the service's default) with a per-item
-wall-clock bound; a wrong, unparsable, hung or crashing answer scores 0 and never fails the
-call. The only failure is a caller's mistake: an unknown grader name is INVALID_ARGUMENT,
+Started like every role (``python -m services.reward --config JOB.yaml``, :mod:`services.common.runtime`):
+the job's ``reward.grader`` and ``reward.timeout_s`` are the defaults (``--grader`` / ``--timeout-s``
+win). It holds no model and no refit state; Redis holds only its endpoint lease (role ``reward``), so a
+reward service restarted on another port is found by the controller.
+
+Every item is graded by the grader it names (``""`` = the service's default) in a
+:class:`~fp8rl.data.process_pool.ProcessGradingPool` (``--grading-workers`` processes) with a per-item
+wall-clock bound; a wrong or unparsable answer scores 0 and never fails the call. Each item comes back
+with a status (``GradeStatus``): a hung grader's item is ``TIMEOUT`` (its worker process is killed and
+replaced), a crashing one ``ERROR`` — both *ungraded*, so the controller retries them and never trains
+on their placeholder 0. The only failure is a caller's mistake: an unknown grader name is INVALID_ARGUMENT,
 naming the item and the known graders, and nothing in that batch is graded. So is a batch over the
 size limits (more than ``max_items`` items, or a response or answer longer than ``max_response_chars``;
 defaults in :mod:`fp8rl.limits`), refused before anything is graded.
@@ -10,14 +18,23 @@ defaults in :mod:`fp8rl.limits`), refused before anything is graded.
 
 from __future__ import annotations
 
+import argparse
+import importlib
+
 import grpc
 
 from fp8rl import limits
 from fp8rl.data import GRADERS
+from fp8rl.data.process_pool import ProcessGradingPool
 from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingPool, grade_many
 from fp8rl.rpc import reward_pb2, reward_pb2_grpc
+from services.common.runtime import Context, Service, ServiceSpec, StartupError, env_default
 
-__all__ = ["RewardServicer"]
+__all__ = ["RewardService", "RewardServicer", "SPEC", "STATUS_CODES"]
+
+# fp8rl.data.scoring's statuses on the wire
+STATUS_CODES = {"ok": reward_pb2.GRADE_STATUS_GRADED, "unparsable": reward_pb2.GRADE_STATUS_UNPARSABLE,
+                "timeout": reward_pb2.GRADE_STATUS_TIMEOUT, "error": reward_pb2.GRADE_STATUS_ERROR}
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -36,7 +53,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """
 
     def __init__(self, default_grader: str = "math_verify", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 pool: GradingPool | None = None, *, max_items: int = limits.MAX_SCORE_ITEMS,
+                 pool: GradingPool | ProcessGradingPool | None = None, *, max_items: int = limits.MAX_SCORE_ITEMS,
                  max_response_chars: int = limits.MAX_RESPONSE_CHARS):
         if default_grader not in GRADERS:
             raise ValueError(f"unknown default grader {default_grader!r}; known graders: {', '.join(sorted(GRADERS))}")
@@ -73,4 +90,58 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             rewards=[r.reward for r in results],
             num_unparsable=sum(r.status == "unparsable" for r in results),
             errors=["" if r.status == "ok" else f"{r.status}: {r.detail}" for r in results],
+            statuses=[STATUS_CODES[r.status] for r in results],
         )
+
+
+class RewardService(Service):
+    """A grading process pool and the servicer over it."""
+
+    def __init__(self, ctx: Context) -> None:
+        a, job = ctx.args, ctx.job
+        modules = tuple(a.grader_module or ())
+        for name in modules:  # registers their graders here (names are checked here) and in every worker
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - any import failure is a startup error naming the module
+                raise StartupError(f"--grader-module {name}: cannot import it: {type(exc).__name__}: {exc}") from None
+        grader = a.grader or job.get("reward.grader")
+        timeout_s = a.timeout_s if a.timeout_s is not None else job.get("reward.timeout_s")
+        if a.grading_workers < 1:
+            raise StartupError(f"--grading-workers must be >= 1, got {a.grading_workers}")
+        try:
+            self.servicer = RewardServicer(grader, timeout_s, None, max_items=a.max_items,
+                                           max_response_chars=a.max_response_chars)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self.pool = ProcessGradingPool(a.grading_workers, modules=modules, eager=True)
+        self.servicer._pool = self.pool
+        self.grader, self.timeout_s = grader, timeout_s
+
+    def servicers(self):
+        return [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer)]
+
+    def start(self, ctx: Context) -> None:
+        ctx.set_serving(True)
+
+    def stop(self) -> None:
+        self.pool.close()
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grader", default=env_default("grader"),
+                   help="grader for items that name none (default: the job's reward.grader)")
+    p.add_argument("--timeout-s", type=float, default=env_default("grade_timeout_s"),
+                   help="per-item grading time bound in seconds (default: the job's reward.timeout_s)")
+    p.add_argument("--grader-module", action="append", default=None, metavar="MODULE",
+                   help="import MODULE (repeatable) to register more graders (fp8rl.data.register_grader)")
+    p.add_argument("--grading-workers", type=int, default=int(env_default("grading_workers", 2)),
+                   help="grading worker processes (default 2)")
+    p.add_argument("--max-items", type=int, default=int(env_default("max_items", limits.MAX_SCORE_ITEMS)),
+                   help=f"most items in one Score call (default {limits.MAX_SCORE_ITEMS})")
+    p.add_argument("--max-response-chars", type=int,
+                   default=int(env_default("max_response_chars", limits.MAX_RESPONSE_CHARS)),
+                   help=f"most characters in one item's response or answer (default {limits.MAX_RESPONSE_CHARS})")
+
+
+SPEC = ServiceSpec(name="reward", default_port=50053, build=RewardService, add_args=_add_args)

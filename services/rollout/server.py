@@ -209,4 +209,5 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one Generate call: prompts x n x max_tokens")
 
 
-SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args)
+SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args,
+                   follows_refit=True)

@@ -163,9 +163,9 @@ def test_secrets_are_referenced_never_inlined():
         for var, secret in TOKEN_SECRETS.items():  # both scopes wired into every role
             assert env[var]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "token"}, (role, var)
         assert "FP8RL_AUTH_TOKEN" not in env, role  # the one-token variable would blur the two scopes
-        if role != "reward":
-            assert env["FP8RL_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
-            assert env["FP8RL_REDIS_URL"]["value"] == "redis://:$(FP8RL_REDIS_PASSWORD)@rl-fp8rl-redis:6379/0"
+        # every role holds a role lease in Redis (the reward service too: that is how it is found)
+        assert env["FP8RL_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+        assert env["FP8RL_REDIS_URL"]["value"] == "redis://:$(FP8RL_REDIS_PASSWORD)@rl-fp8rl-redis:6379/0"
 
 
 def test_generated_secrets_and_external_redis():

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fp8rl.refit import RefitStore, connect
 from fp8rl.rpc import reward_pb2, reward_pb2_grpc
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S, make_channel
 
@@ -36,16 +37,38 @@ def _wait_ready_file(proc: subprocess.Popen, path: Path, log: Path) -> dict:
     pytest.fail(f"reward service did not become ready (exit {proc.poll()}); log:\n{log.read_text()[-3000:]}")
 
 
+SLOW_GRADERS = """
+import time
+from fp8rl.data import register_grader
+
+def sleepy(response, answer):  # sleeps as many seconds as the response says, then calls it right
+    time.sleep(float(response))
+    return 1.0
+
+def broken(response, answer):
+    raise RuntimeError("this grader always fails")
+
+register_grader("test_sleepy", sleepy)
+register_grader("test_broken", broken)
+"""
+ITEM_TIMEOUT_S = 3.0  # the service's per-item bound in this module
+
+
 @pytest.fixture(scope="module")
-def reward_service(tmp_path_factory):
-    """A running reward service with a service token (Score's scope); yields (proc, port, ready_file)."""
+def reward_service(tmp_path_factory, redis_url):
+    """A running reward service (math_verify by default, two graders of a test module registered) with a
+    service token (Score's scope) and its endpoint lease in Redis; yields (proc, port, ready_file)."""
     tmp = tmp_path_factory.mktemp("reward")
-    ready, log = tmp / "ready.json", tmp / "reward.log"
+    ready, log, job = tmp / "ready.json", tmp / "reward.log", tmp / "job.yaml"
+    job.write_text("job:\n  name: reward-test\nreward:\n  grader: math_verify\n")
+    (tmp / "slow_graders.py").write_text(SLOW_GRADERS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp), env.get("PYTHONPATH", "")])
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready),
-             "--service-token", TOKEN, "--timeout-s", "10"],
+            [sys.executable, "-m", "services.reward", "--config", str(job), "--port", "0", "--ready-file", str(ready),
+             "--redis-url", redis_url, "--job-id", "reward-test", "--replica-id", "reward-0",
+             "--service-token", TOKEN, "--timeout-s", str(ITEM_TIMEOUT_S), "--grader-module", "slow_graders"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     info = _wait_ready_file(proc, ready, log)
@@ -92,6 +115,33 @@ def test_scores_a_mixed_batch(stub):
     assert list(response.rewards) == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert response.num_unparsable == 2
     assert [e.split(":")[0] for e in response.errors] == ["", "", "unparsable", "", "unparsable"]
+    g, u = reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE
+    assert list(response.statuses) == [g, g, u, g, u]
+
+
+def test_the_service_registers_its_endpoint_lease(reward_service, redis_url):
+    _, port, _ = reward_service
+    lease = RefitStore(connect(redis_url), "reward-test").endpoint_of("reward")
+    assert lease is not None and lease.replica_id == "reward-0" and lease.endpoint.endswith(f":{port}")
+
+
+def test_hung_and_crashing_graders_are_ungraded_and_never_hold_a_worker(stub):
+    """Three items that would hang for a minute each (two worker processes) and one whose grader raises come
+    back TIMEOUT / ERROR, not a plain 0; the batch ends within ~2 rounds of the per-item bound; each hung
+    worker is killed and replaced, so the next batch of right answers is graded (reward 1, GRADED)."""
+    hung = [_item("60", "1", grader="test_sleepy") for _ in range(3)]
+    request = reward_pb2.ScoreRequest(items=[*hung, _item("\\boxed{1}", "1"), _item("x", "1", grader="test_broken")])
+    t = time.monotonic()
+    response = stub.Score(request, timeout=120)
+    took = time.monotonic() - t
+    timeout, error, graded = (reward_pb2.GRADE_STATUS_TIMEOUT, reward_pb2.GRADE_STATUS_ERROR,
+                              reward_pb2.GRADE_STATUS_GRADED)
+    assert list(response.statuses) == [timeout, timeout, timeout, graded, error]
+    assert list(response.rewards) == [0.0, 0.0, 0.0, 1.0, 0.0]
+    assert "took longer than" in response.errors[0] and "always fails" in response.errors[4]
+    assert took < 60, f"a hung grader held the batch for {took:.0f} s"
+    after = stub.Score(reward_pb2.ScoreRequest(items=[_item("\\boxed{2}", "2") for _ in range(4)]), timeout=120)
+    assert list(after.statuses) == [graded] * 4 and list(after.rewards) == [1.0] * 4
 
 
 def test_empty_batch(stub):
@@ -119,17 +169,17 @@ def test_token_is_required(reward_service):
     channel.close()
 
 
-def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path, self_signed_cert):
+def test_tls_token_and_job_defaults_from_flags_and_env(tmp_path, self_signed_cert, redis_url):
     """TLS cert/key by flag, the token by environment, the default grader from the job YAML (--config)."""
     cert, key = self_signed_cert
     job = tmp_path / "job.yaml"
-    job.write_text("reward:\n  grader: exact_match\n  timeout_s: 3\n")
+    job.write_text("job:\n  name: reward-tls\nreward:\n  grader: exact_match\n  timeout_s: 3\n")
     ready, log = tmp_path / "ready.json", tmp_path / "reward.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")} | {"FP8RL_SERVICE_TOKEN": TOKEN}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.reward", "--port", "0", "--ready-file", str(ready), "--config", str(job),
-             "--tls-cert", str(cert), "--tls-key", str(key)],
+             "--redis-url", redis_url, "--tls-cert", str(cert), "--tls-key", str(key)],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     try:

@@ -44,11 +44,7 @@ spec:
       env:
         - name: FP8RL_PORT
           value: {{ .port | quote }}
-        {{- if .runtimeEnv }}
         {{- include "fp8rl.env" $root | nindent 8 }}
-        {{- else }}
-        {{- include "fp8rl.authEnv" $root | nindent 8 }}
-        {{- end }}
         {{- with .env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

@@ -20,6 +20,13 @@ response held no answer the grader could read (reward 0), ``"timeout"`` the boun
 0), ``"error"`` the grader broke its contract (raised, or returned a value outside [0, 1]) or
 the reference answer itself was unusable (reward 0).
 
+Only ``"ok"`` and ``"unparsable"`` are *graded* (:data:`GRADED`, :func:`is_graded`): their reward
+is the grader's verdict. A ``"timeout"`` or ``"error"`` item's 0.0 is a placeholder, not a reward —
+whoever trains on rewards must retry it or drop the step, never learn from it (NeMo RL #3589).
+
+The reward service runs :class:`fp8rl.data.process_pool.ProcessGradingPool` (a hung grader's process
+is killed at its bound); the thread pool here is the in-process default.
+
 Where the status comes from: a grader object with a ``grade(response, answer) -> GradeResult``
 method (a :class:`DetailedGrader`, e.g. ``math_verify``) reports its own; for a plain grader,
 a 0.0 reward on a response with neither a ``\\boxed{}`` nor any number counts as
@@ -44,6 +51,7 @@ from .grading import extract_boxed, extract_final_number, get_grader
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "STATUSES",
+    "GRADED",
     "DetailedGrader",
     "GradeResult",
     "GradeStatus",
@@ -51,10 +59,12 @@ __all__ = [
     "default_pool",
     "grade_many",
     "grade_with_status",
+    "is_graded",
 ]
 
 GradeStatus = Literal["ok", "unparsable", "timeout", "error"]
 STATUSES: tuple[str, ...] = ("ok", "unparsable", "timeout", "error")
+GRADED: tuple[str, ...] = ("ok", "unparsable")  # statuses whose reward is a verdict; the others are placeholders
 DEFAULT_TIMEOUT_S = 5.0  # same default as the job file's reward.timeout_s
 
 
@@ -71,6 +81,11 @@ class GradeResult:
     reward: float
     status: GradeStatus
     detail: str = ""
+
+
+def is_graded(status: str) -> bool:
+    """Whether an item with this status was graded (its reward may be trained on)."""
+    return status in GRADED
 
 
 @runtime_checkable
@@ -176,6 +191,10 @@ class GradingPool:
         with self._lock:
             return self._stuck
 
+    def grade(self, name: str, response: str, answer: str, *, timeout_s: float) -> _Task:
+        """Queues one item for the grader named ``name`` (the same call as the process pool's)."""
+        return self.submit(_run_grader, get_grader(name), response, answer, timeout_s=timeout_s)
+
     def submit(self, fn: Callable[..., GradeResult], *args, timeout_s: float) -> _Task:
         """Queues ``fn(*args)``; wait on the returned task's ``done`` event, then read ``result``."""
         task = _Task(fn, args, timeout_s)
@@ -277,7 +296,8 @@ def grade_many(
     Args:
         items: ``(grader_name, response, answer)`` triples; names as in :func:`.grading.get_grader`.
         timeout_s: per-item wall-clock bound in seconds (> 0).
-        pool: the pool to run on; None uses :func:`default_pool`.
+        pool: the pool to run on (a :class:`GradingPool` or a
+            :class:`~fp8rl.data.process_pool.ProcessGradingPool`); None uses :func:`default_pool`.
 
     Returns:
         One :class:`GradeResult` per item, in order.
@@ -288,12 +308,12 @@ def grade_many(
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
     items = list(items)
-    graders = {name: get_grader(name) for name in {name for name, _, _ in items}}
+    for name in {name for name, _, _ in items}:
+        get_grader(name)  # an unknown name fails the batch before anything runs
     if not items:
         return []
     pool = pool if pool is not None else default_pool()
-    tasks = [pool.submit(_run_grader, graders[name], response, answer, timeout_s=timeout_s)
-             for name, response, answer in items]
+    tasks = [pool.grade(name, response, answer, timeout_s=timeout_s) for name, response, answer in items]
     for task in tasks:
         task.done.wait()  # always set: by the worker, the watchdog (timeout) or a saturated pool
     return [task.result for task in tasks]

@@ -10,6 +10,11 @@ Invariants this module enforces (each with a test in ``tests/integration/refit``
   when absent — callers must never fall back to 1.0 (the NeMo RL #3225 failure).
 * Only a replica holding a live lease can ack; fencing deletes the lease atomically, so a fenced
   replica's late ack is refused and its next heartbeat tells it to rejoin.
+* Every service holds a lease naming its ``role`` (:data:`ROLES`) and the endpoint it serves on, so a
+  service restarted on another port is found by reading Redis, never a flag. Refit acks are awaited
+  from ``rollout`` leases only. A lease that ends without a clean release — fenced for a missed
+  refit, or expired because its holder stopped heartbeating — emits exactly one ``replica_fenced``
+  event, whose ``reason`` says which (``refit_timeout`` / ``lease_expired``).
 
 All key names come from :mod:`fp8rl.refit.keys`. Values are bytes (the client must not decode
 responses). Scripts receive every key through ``KEYS``, so they are cluster-safe.
@@ -31,8 +36,14 @@ from .shards import decode_scales, encode_scales
 
 __all__ = [
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
-    "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
+    "Event", "ReplicaLease", "RefitStore", "connect", "redact_url", "ROLES", "FENCE_REFIT_TIMEOUT",
+    "FENCE_LEASE_EXPIRED",
 ]
+
+# The roles a lease can name; a lease written before roles existed reads as "rollout".
+ROLES = ("rollout", "calibrator", "trainer", "reward", "controller")
+FENCE_REFIT_TIMEOUT = "refit_timeout"  # replica_fenced.reason: it did not ack a version in time
+FENCE_LEASE_EXPIRED = "lease_expired"  # replica_fenced.reason: its lease ran out (holder dead or cut off)
 
 
 class RefitError(RuntimeError):
@@ -104,22 +115,27 @@ class Event:
         type: ``weights_published``, ``scales_published``, ``replica_registered`` or ``replica_fenced``.
         version: the weight version concerned (None when the event has none).
         replica: the replica id for replica events, else None.
+        reason: for ``replica_fenced``, :data:`FENCE_REFIT_TIMEOUT` or :data:`FENCE_LEASE_EXPIRED`; else None.
     """
 
     id: str
     type: str
     version: int | None
     replica: str | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
 class ReplicaLease:
-    """A live replica lease: its id, the endpoint it serves on, the version it holds, the lease TTL."""
+    """A live lease: its id, the endpoint it serves on, the version it holds, the lease TTL, its role and
+    when it was (re)registered (ms since the epoch; a restart makes a new one)."""
 
     replica_id: str
     endpoint: str
     version: int | None
     ttl_ms: int
+    role: str = "rollout"
+    registered_ms: int = 0
 
 
 def _s(x: bytes | str) -> str:
@@ -146,11 +162,13 @@ return {1, redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'type', 'sca
 """
 _REGISTER = """
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'endpoint', ARGV[2], 'version', ARGV[3], 'ttl_ms', ARGV[4])
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'endpoint', ARGV[2], 'version', ARGV[3], 'ttl_ms', ARGV[4], 'role', ARGV[6],
+           'registered_ms', tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'replica_registered', 'version', ARGV[3],
-           'replica', ARGV[1])
+           'replica', ARGV[1], 'role', ARGV[6])
 return 1
 """
 _HEARTBEAT = """
@@ -170,12 +188,19 @@ _FENCE = """
 local had = redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'type', 'replica_fenced', 'version', ARGV[2],
-           'replica', ARGV[1])
+           'replica', ARGV[1], 'reason', 'refit_timeout')
 return had
 """
 _PRUNE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], ARGV[1]) end
-return 0
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('SREM', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'type', 'replica_fenced', 'version', '',
+           'replica', ARGV[1], 'reason', 'lease_expired')
+return 1
+"""
+_RELEASE = """
+redis.call('DEL', KEYS[1])
+return redis.call('SREM', KEYS[2], ARGV[1])
 """
 
 class RefitStore:
@@ -198,6 +223,7 @@ class RefitStore:
             name: client.register_script(src) for name, src in (
                 ("publish", _PUBLISH), ("put_scales", _PUT_SCALES), ("register", _REGISTER),
                 ("heartbeat", _HEARTBEAT), ("ack", _ACK), ("fence", _FENCE), ("prune", _PRUNE),
+                ("release", _RELEASE),
             )
         }
 
@@ -311,20 +337,31 @@ class RefitStore:
         for eid, fields in self.client.xrange(key, min=f"({after_id}", count=count):
             pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2], strict=True)
             f = {_s(a): _s(b) for a, b in pairs}
-            events.append(Event(_s(eid), f.get("type", ""), _opt_int(f.get("version")), f.get("replica")))
+            events.append(Event(_s(eid), f.get("type", ""), _opt_int(f.get("version")), f.get("replica"),
+                                f.get("reason")))
         return events
 
     # -- replica leases and acks -------------------------------------------------------------
-    def register_replica(self, replica_id: str, endpoint: str, version: int | None, ttl_s: float) -> None:
-        """Create (or replace) ``replica_id``'s lease, valid for ``ttl_s`` unless renewed."""
+    def register_replica(self, replica_id: str, endpoint: str, version: int | None, ttl_s: float,
+                         role: str = "rollout") -> None:
+        """Create (or replace) ``replica_id``'s lease of ``role`` (one of :data:`ROLES`), valid for ``ttl_s``
+        unless renewed. Replacing a lease (a restart under the same id) is not a fence: no event but
+        ``replica_registered``."""
         validate_replica_id(replica_id)
+        if role not in ROLES:
+            raise ValueError(f"unknown lease role {role!r}; known roles: {', '.join(ROLES)}")
         ttl_ms = self._ttl_ms(ttl_s)
         k = self.keys
         self._scripts["register"](
             keys=[k.replica(replica_id), k.replica_index(), k.events()],
             args=[replica_id, endpoint, "" if version is None else validate_version(version), ttl_ms,
-                  self.events_maxlen],
+                  self.events_maxlen, role],
         )
+
+    def release(self, replica_id: str) -> bool:
+        """Drop ``replica_id``'s lease on a clean shutdown (no ``replica_fenced`` event); whether it was held."""
+        k = self.keys
+        return bool(self._scripts["release"](keys=[k.replica(replica_id), k.replica_index()], args=[replica_id]))
 
     def heartbeat(self, replica_id: str, version: int | None) -> bool:
         """Renew the lease for another TTL and record the held version.
@@ -336,8 +373,12 @@ class RefitStore:
         v = "" if version is None else validate_version(version)
         return bool(self._scripts["heartbeat"](keys=[self.keys.replica(replica_id)], args=[v]))
 
-    def live_replicas(self) -> dict[str, ReplicaLease]:
-        """Replica id → lease, for every replica whose lease has not expired (expired ids are pruned)."""
+    def live_replicas(self, role: str | None = None) -> dict[str, ReplicaLease]:
+        """Lease id → lease, for every lease of ``role`` (None: any role) that has not expired.
+
+        Expired ids are pruned here, each emitting one ``replica_fenced`` event with reason
+        :data:`FENCE_LEASE_EXPIRED` (whoever reads first emits it; the others see it gone).
+        """
         ids = sorted(_s(x) for x in self.client.smembers(self.keys.replica_index()))
         pipe = self.client.pipeline(transaction=False)
         for rid in ids:
@@ -345,12 +386,21 @@ class RefitStore:
         out: dict[str, ReplicaLease] = {}
         for rid, h in zip(ids, pipe.execute(), strict=True):
             if not h:
-                self._scripts["prune"](keys=[self.keys.replica(rid), self.keys.replica_index()], args=[rid])
+                self._scripts["prune"](keys=[self.keys.replica(rid), self.keys.replica_index(), self.keys.events()],
+                                       args=[rid, self.events_maxlen])
                 continue
             h = {_s(a): b for a, b in h.items()}
-            out[rid] = ReplicaLease(rid, _s(h.get("endpoint", b"")), _opt_int(h.get("version")),
-                                    int(_s(h.get("ttl_ms", b"0"))))
+            lease = ReplicaLease(rid, _s(h.get("endpoint", b"")), _opt_int(h.get("version")),
+                                 int(_s(h.get("ttl_ms", b"0"))), _s(h.get("role", b"rollout")) or "rollout",
+                                 int(_s(h.get("registered_ms", b"0")) or 0))
+            if role is None or lease.role == role:
+                out[rid] = lease
         return out
+
+    def endpoint_of(self, role: str) -> ReplicaLease | None:
+        """The newest live lease of ``role`` (latest registration), or None when none is live."""
+        leases = self.live_replicas(role)
+        return max(leases.values(), key=lambda ls: (ls.registered_ms, ls.replica_id)) if leases else None
 
     def ack(self, replica_id: str, version: int) -> None:
         """Record that ``replica_id`` applied ``version`` (weights and scales).
@@ -375,8 +425,9 @@ class RefitStore:
         """Replica ids that acked ``version``."""
         return {_s(x) for x in self.client.smembers(self.keys.acks(version))}
 
-    def wait_for_acks(self, version: int, timeout_s: float, poll_s: float = 0.05) -> tuple[list[str], list[str]]:
-        """Wait until every replica holding a live lease has acked ``version``, or ``timeout_s`` passes.
+    def wait_for_acks(self, version: int, timeout_s: float, poll_s: float = 0.05,
+                      role: str = "rollout") -> tuple[list[str], list[str]]:
+        """Wait until every live ``role`` lease (the rollout replicas) acked ``version``, or ``timeout_s`` passes.
 
         A replica whose lease expires while we wait stops being waited for (it is not live); with
         no live replica at all this returns at once.
@@ -387,7 +438,7 @@ class RefitStore:
         deadline = time.monotonic() + timeout_s
         while True:
             acked = self.acks(version)
-            missing = sorted(set(self.live_replicas()) - acked)
+            missing = sorted(set(self.live_replicas(role)) - acked)
             if not missing or time.monotonic() >= deadline:
                 return sorted(acked), missing
             time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))

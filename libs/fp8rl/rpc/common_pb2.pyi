@@ -37,7 +37,7 @@ class QKVScaleSet(_message.Message):
     def __init__(self, version: _Optional[int] = ..., q: _Optional[_Iterable[float]] = ..., k: _Optional[_Iterable[float]] = ..., v: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
-    __slots__ = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit", "total")
+    __slots__ = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit", "total", "outage")
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class PhaseTimes(_message.Message):
     CALIBRATE_FIELD_NUMBER: _ClassVar[int]
     REFIT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OUTAGE_FIELD_NUMBER: _ClassVar[int]
     rollout: float
     reward: float
     logprobs: float
@@ -54,7 +55,8 @@ class PhaseTimes(_message.Message):
     calibrate: float
     refit: float
     total: float
-    def __init__(self, rollout: _Optional[float] = ..., reward: _Optional[float] = ..., logprobs: _Optional[float] = ..., train: _Optional[float] = ..., publish: _Optional[float] = ..., calibrate: _Optional[float] = ..., refit: _Optional[float] = ..., total: _Optional[float] = ...) -> None: ...
+    outage: float
+    def __init__(self, rollout: _Optional[float] = ..., reward: _Optional[float] = ..., logprobs: _Optional[float] = ..., train: _Optional[float] = ..., publish: _Optional[float] = ..., calibrate: _Optional[float] = ..., refit: _Optional[float] = ..., total: _Optional[float] = ..., outage: _Optional[float] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)

@@ -1,10 +1,24 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class GradeStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRADE_STATUS_UNSPECIFIED: _ClassVar[GradeStatus]
+    GRADE_STATUS_GRADED: _ClassVar[GradeStatus]
+    GRADE_STATUS_UNPARSABLE: _ClassVar[GradeStatus]
+    GRADE_STATUS_TIMEOUT: _ClassVar[GradeStatus]
+    GRADE_STATUS_ERROR: _ClassVar[GradeStatus]
+GRADE_STATUS_UNSPECIFIED: GradeStatus
+GRADE_STATUS_GRADED: GradeStatus
+GRADE_STATUS_UNPARSABLE: GradeStatus
+GRADE_STATUS_TIMEOUT: GradeStatus
+GRADE_STATUS_ERROR: GradeStatus
 
 class ScoreItem(_message.Message):
     __slots__ = ("response", "answer", "grader")
@@ -23,11 +37,13 @@ class ScoreRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("rewards", "num_unparsable", "errors")
+    __slots__ = ("rewards", "num_unparsable", "errors", "statuses")
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     NUM_UNPARSABLE_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
     rewards: _containers.RepeatedScalarFieldContainer[float]
     num_unparsable: int
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rewards: _Optional[_Iterable[float]] = ..., num_unparsable: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    statuses: _containers.RepeatedScalarFieldContainer[GradeStatus]
+    def __init__(self, rewards: _Optional[_Iterable[float]] = ..., num_unparsable: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., statuses: _Optional[_Iterable[_Union[GradeStatus, str]]] = ...) -> None: ...

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class RewardServiceStub:
     """Scores responses with pluggable graders. Bad or unparsable answers score 0; they never
-    fail the call.
+    fail the call. Each item carries a status: only GRADED and UNPARSABLE items hold a reward a
+    caller may train on; TIMEOUT and ERROR items could not be graded (their 0 is a placeholder).
     """
 
     def __init__(self, channel):
@@ -45,7 +46,8 @@ class RewardServiceStub:
 
 class RewardServiceServicer:
     """Scores responses with pluggable graders. Bad or unparsable answers score 0; they never
-    fail the call.
+    fail the call. Each item carries a status: only GRADED and UNPARSABLE items hold a reward a
+    caller may train on; TIMEOUT and ERROR items could not be graded (their 0 is a placeholder).
     """
 
     def Score(self, request, context):
@@ -73,7 +75,8 @@ def add_RewardServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class RewardService:
     """Scores responses with pluggable graders. Bad or unparsable answers score 0; they never
-    fail the call.
+    fail the call. Each item carries a status: only GRADED and UNPARSABLE items hold a reward a
+    caller may train on; TIMEOUT and ERROR items could not be graded (their 0 is a placeholder).
     """
 
     @staticmethod

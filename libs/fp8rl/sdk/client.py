@@ -93,7 +93,8 @@ def _step_report(m: controller_pb2.StepReport) -> StepReport:
         job_id=m.job_id, step=m.step, weight_version=m.weight_version, reward_mean=m.reward_mean,
         accuracy=m.accuracy, metrics=dict(m.metrics), state=m.state,
         phase_times=PhaseTimes(rollout=t.rollout, reward=t.reward, logprobs=t.logprobs, train=t.train,
-                               publish=t.publish, calibrate=t.calibrate, refit=t.refit, total=t.total),
+                               publish=t.publish, calibrate=t.calibrate, refit=t.refit, total=t.total,
+                               outage=t.outage),
     )
 
 

@@ -42,6 +42,7 @@ class PhaseTimes:
     calibrate: float = 0.0
     refit: float = 0.0
     total: float = 0.0
+    outage: float = 0.0  # lost to failed tries of the step and the back-off before retrying them
 
     @property
     def calibrate_share(self) -> float:

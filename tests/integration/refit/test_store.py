@@ -196,3 +196,44 @@ def test_password_protected_redis(redis_auth_server, job_id: str):
 def test_unreachable_redis_fails_clearly():
     with pytest.raises(RefitConnectionError, match=r"cannot use Redis at redis://:\*\*\*@127.0.0.1:1/0"):
         connect("redis://:pw@127.0.0.1:1/0", timeout_s=0.5)
+
+
+def test_roles_filter_leases_and_only_rollout_leases_are_awaited(store: RefitStore):
+    store.publish(manifest(store.job, 1))
+    store.register_replica("rollout-0", "h:1", 0, ttl_s=30)  # role defaults to rollout
+    store.register_replica("calibrator", "h:2", 0, ttl_s=30, role="calibrator")
+    store.register_replica("trainer", "h:3", None, ttl_s=30, role="trainer")
+    assert set(store.live_replicas()) == {"rollout-0", "calibrator", "trainer"}
+    assert set(store.live_replicas("rollout")) == {"rollout-0"}
+    assert store.live_replicas("calibrator")["calibrator"].role == "calibrator"
+    store.ack("rollout-0", 1)
+    assert store.wait_for_acks(1, timeout_s=0.1) == (["rollout-0"], [])  # neither calibrator nor trainer awaited
+    with pytest.raises(ValueError, match="unknown lease role 'gpu'"):
+        store.register_replica("x", "h:4", None, ttl_s=30, role="gpu")
+
+
+def test_endpoint_of_a_role_is_its_newest_live_lease(store: RefitStore):
+    assert store.endpoint_of("trainer") is None
+    store.register_replica("trainer-a", "h:1", None, ttl_s=30, role="trainer")
+    time.sleep(0.01)
+    store.register_replica("trainer-b", "h:2", None, ttl_s=30, role="trainer")
+    assert store.endpoint_of("trainer").endpoint == "h:2"
+    store.register_replica("trainer-a", "h:9", None, ttl_s=30, role="trainer")  # restarted on another port
+    lease = store.endpoint_of("trainer")
+    assert (lease.replica_id, lease.endpoint) == ("trainer-a", "h:9") and lease.registered_ms > 0
+
+
+def test_an_expired_lease_emits_one_replica_fenced_event_and_a_released_one_none(store: RefitStore):
+    after = store.last_event_id()
+    store.register_replica("r0", "h:1", None, ttl_s=0.3)
+    store.register_replica("r1", "h:2", None, ttl_s=30)
+    assert store.release("r1") is True and store.release("r1") is False
+    time.sleep(0.5)
+    assert store.live_replicas() == {} and store.live_replicas() == {}  # the second read finds nothing to prune
+    fenced = [(e.replica, e.reason) for e in store.events(after) if e.type == "replica_fenced"]
+    assert fenced == [("r0", "lease_expired")]
+    store.register_replica("r2", "h:3", 0, ttl_s=30)
+    store.publish(manifest(store.job, 1))
+    after = store.last_event_id()
+    store.fence("r2", 1)
+    assert [(e.replica, e.reason) for e in store.events(after)] == [("r2", "refit_timeout")]

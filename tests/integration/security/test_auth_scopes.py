@@ -241,11 +241,13 @@ def test_listening_off_loopback_without_a_token_refuses_to_start(role, argv, sco
     assert f"--{scope}-token-file" in res.stderr and "--insecure" in res.stderr
 
 
-def test_insecure_allows_an_open_listener(tmp_path):
-    ready = tmp_path / "ready.json"
+def test_insecure_allows_an_open_listener(tmp_path, redis_url):
+    ready, job = tmp_path / "ready.json", tmp_path / "job.yaml"
+    job.write_text("job:\n  name: insecure-listen\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
     proc = subprocess.Popen([sys.executable, "-m", "services.reward", "--port", "0", "--host", "0.0.0.0",
-                             "--insecure", "--ready-file", str(ready)], cwd=REPO, env=env,
+                             "--insecure", "--ready-file", str(ready), "--config", str(job), "--redis-url", redis_url],
+                            cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
