@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-chaos test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-chaos test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ test: $(STAMP)  ## default test tier (unit + integration, CPU, no slow/vllm/mega
 
 test-slow: $(STAMP)  ## slow tier: longer loop runs and recipe comparisons
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+test-controls: $(STAMP)  ## the e2e learning judge's negative controls (lr 0, refit cut, negated rewards) must fail it
+	$(BIN)/python -m pytest -m controls $(PYTEST_ARGS)
 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         job_file.write_text(yaml.safe_dump(raw, sort_keys=False))
         job = load_job_config(job_file)
         cfg = loop_config(job)
-        from fp8rl.model.presets import PRESETS, prepare_tiny_arith
+        from fp8rl.presets import PRESETS, prepare_tiny_arith
 
         if cfg.model in PRESETS:
             prepare_tiny_arith()  # cached after the first call; neither timing includes it

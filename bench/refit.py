@@ -46,8 +46,8 @@ from fp8rl.fp8 import Fp8Recipe, fp8_linear_names
 from fp8rl.model import CausalLM
 from fp8rl.model.config import ModelConfig
 from fp8rl.refit import DEFAULT_SHARD_BYTES, Manifest, RefitPublisher, RefitStore, assemble
-from fp8rl.refit.grpc_source import DEFAULT_CHUNK_BYTES, GrpcShardSource, WeightStoreServicer
 from fp8rl.refit.shards import verify_shard
+from fp8rl.refit.transport.grpc import DEFAULT_CHUNK_BYTES, GrpcShardSource, WeightStoreServicer
 from fp8rl.rpc import weights_pb2_grpc
 from fp8rl.rpc.server import build_server
 

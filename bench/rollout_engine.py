@@ -22,7 +22,7 @@ import torch
 from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model import CausalLM, save_hf_checkpoint
-from fp8rl.model.presets import tiny_arith_config
+from fp8rl.presets import tiny_arith_config
 
 
 def _median(fn, repeats: int) -> float:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             eng.load_scales(QKVCalibrator(model).calibrate(0, prompts))
         res[name] = n_tokens / _median(lambda eng=eng: eng.generate(prompts, params), args.repeats)
     if args.vllm:  # same weights, prompts, batch and lengths, float32 (vLLM-CPU's fast dtype without AVX512-BF16)
-        from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+        from fp8rl.engines.vllm.rollout import VllmRolloutEngine
 
         with tempfile.TemporaryDirectory() as d:
             save_hf_checkpoint(model, cfg, d)

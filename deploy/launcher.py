@@ -236,7 +236,7 @@ def _signal(pid: int, sig: int) -> None:
 
 def _prepare_model(job) -> None:
     model = job.get("policy.model")
-    from fp8rl.model.presets import PRESETS, prepare_tiny_arith, preset_dir
+    from fp8rl.presets import PRESETS, prepare_tiny_arith, preset_dir
 
     if model in PRESETS:
         if not (preset_dir(model) / "fp8rl_preset.json").exists():

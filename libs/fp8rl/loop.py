@@ -20,23 +20,31 @@ import json
 import logging
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm import tqdm
 
+from fp8rl.controller.plan import sampling_seed
+from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.data import ArithConfig, ArithDataset, get_grader
-from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.engines import (
+    QKVCalibrator,
+    SamplingParams,
+    TorchRolloutEngine,
+    TorchTrainer,
+    TrainerConfig,
+    build_train_batch,
+    train_on_batch,
+)
 from fp8rl.fp8 import RECIPES, recipe_for_role
-from fp8rl.model.presets import TINY_ARITH_TASK, load_policy
-from fp8rl.rl import IS_MODES, LossConfig, grpo_advantages, mismatch_metrics, mismatch_promise
+from fp8rl.presets import TINY_ARITH_TASK, load_policy
+from fp8rl.rl import IS_MODES, LossConfig, mismatch_promise
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LoopConfig", "GRPOLoop", "build_train_batch", "main"]
 
-PHASES = ("rollout", "reward", "logprobs", "train", "calibrate", "refit")
 
 
 @dataclass(frozen=True)
@@ -103,33 +111,6 @@ class LoopConfig:
             raise ValueError(f"group_size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
 
 
-def build_train_batch(
-    samples, rewards: torch.Tensor | None, group_size: int, pad_id: int, *, advantages: torch.Tensor | None = None
-) -> TrainBatch:
-    """Right-padded :class:`TrainBatch` from prompt-major samples.
-
-    Advantages are the GRPO advantages of ``rewards`` (groups of ``group_size`` consecutive
-    samples), or given directly with ``advantages`` (e.g. already computed by a controller).
-    """
-    if (rewards is None) == (advantages is None):
-        raise ValueError("build_train_batch needs exactly one of rewards or advantages")
-    rows = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
-    T = max(len(r) for r in rows)
-    B = len(rows)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    loss_mask = torch.zeros(B, T)
-    gen = torch.zeros(B, T)
-    for b, (s, r) in enumerate(zip(samples, rows, strict=True)):
-        P, n = len(s.prompt_ids), len(s.token_ids)
-        ids[b, :len(r)] = torch.tensor(r)
-        attn[b, :len(r)] = 1
-        loss_mask[b, P:P + n] = 1.0
-        gen[b, P:P + n] = torch.tensor(s.logprobs)
-    adv = grpo_advantages(rewards, group_size).float() if advantages is None else advantages.float()
-    return TrainBatch(ids, attn, loss_mask, adv, gen)
-
-
 class GRPOLoop:
     """Holds the engines of one run; :meth:`step` runs one GRPO step and returns its metrics."""
 
@@ -156,6 +137,7 @@ class GRPOLoop:
         self.data = ArithDataset(ArithConfig(**cfg.arith), seed=cfg.seed)
         self.eval_set = self.data.eval_set(cfg.eval_size)
         self.grader = get_grader("exact_match")
+        self.plan, self.backends = _LoopPlan(self), _InProcess(self)
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
             prompts = [self.tok.encode(p.prompt) for p in self.data.batch(0, cfg.prompts_per_step)]
             self.rollout.load_scales(self.calibrator.calibrate(self.trainer.version, prompts))
@@ -181,56 +163,70 @@ class GRPOLoop:
         return [r / n for r in right]
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, times = self.cfg, {}
-        v = self.trainer.version
-        t = time.perf_counter()
-        problems = self.data.batch(step, cfg.prompts_per_step)
-        prompts = [self.tok.encode(p.prompt) for p in problems]
-        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                                n=cfg.group_size, seed=cfg.seed * 1_000_003 + step)
-        samples = self.rollout.generate(prompts, params, weight_version=v)
-        times["rollout"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        rewards = torch.tensor([self.grader(self.tok.decode(s.token_ids), problems[s.prompt_index].answer)
-                                for s in samples], dtype=torch.float64)
-        times["reward"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        batch = build_train_batch(samples, rewards, cfg.group_size, self.tok.pad_id)
-        batch.prev_logprobs = self.trainer.compute_logprobs(batch)
-        mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
-        times["logprobs"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        train = self.trainer.train_step(batch)
-        times["train"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        scales = None
-        if self.rollout_recipe.fp8_kv:
-            seqs = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
-            scales = self.calibrator.calibrate(self.trainer.version, seqs)
-        times["calibrate"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        self.rollout.load_weights(self.trainer.version, self.trainer.state_dict(), scales)
-        times["refit"] = time.perf_counter() - t
-
+        """One GRPO step (:func:`fp8rl.controller.step.run_step`, the controller's code) on this loop's engines."""
+        partial, times, _ = run_step(self.plan, self.backends, step, self.trainer.version)
+        times = {p: times.get(p, 0.0) for p in PHASES}
         total = sum(times.values())
-        served = {s.weight_version for s in samples}
-        out = {"step": step, "weight_version": self.trainer.version,
-               # what the rollout engine served this step and holds after the refit (DESIGN §3: weights
-               # and scales of one version arrive together)
-               "rollout/served_version": served.pop() if len(served) == 1 else -1,
-               "rollout/weight_version": self.rollout.weight_version,
-               "rollout/scales_version": self.rollout.scales_version if self.rollout_recipe.fp8_kv else -1,
-               "reward_mean": float(rewards.mean()), "accuracy": float((rewards > 0.5).float().mean()),
-               "response_len": statistics.fmean(len(s.token_ids) for s in samples),
-               **mismatch, **{f"train/{k}": v for k, v in train.items()},
-               **{f"time/{k}": v for k, v in times.items()}, "time/step": total,
-               "calibrate_share": times["calibrate"] / total}
-        return out
+        return {"step": step, "weight_version": self.trainer.version,
+                # what the rollout engine served this step and holds after the refit (DESIGN §3: weights
+                # and scales of one version arrive together)
+                "rollout/served_version": partial["served_version"],
+                "rollout/weight_version": self.rollout.weight_version,
+                "rollout/scales_version": self.rollout.scales_version if self.rollout_recipe.fp8_kv else -1,
+                "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], **partial["metrics"],
+                **{f"time/{k}": v for k, v in times.items()}, "time/step": total,
+                "calibrate_share": times["calibrate"] / total}
+
+
+class _LoopPlan:
+    """The loop's :class:`~fp8rl.controller.step.StepPlan`: its dataset, tokenizer and config."""
+
+    def __init__(self, loop: GRPOLoop) -> None:
+        cfg = loop.cfg
+        self.group, self.fp8_kv, self.leave_one_out = cfg.group_size, loop.rollout_recipe.fp8_kv, True
+        self.temperature = cfg.temperature
+        self._data, self._tok, self._n = loop.data, loop.tok, cfg.prompts_per_step
+
+    def batch(self, step: int):
+        return self._data.batch(step, self._n)
+
+    def prompts(self, problems):
+        return [self._tok.encode(p.prompt) for p in problems]
+
+
+class _InProcess:
+    """The loop's :class:`~fp8rl.controller.step.StepBackends`: the engines, called directly."""
+
+    def __init__(self, loop: GRPOLoop) -> None:
+        self.loop = loop
+        self._scales = None
+
+    def generate(self, prompts, version, *, step, n, temperature):
+        cfg = self.loop.cfg
+        params = SamplingParams(temperature=temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, n=n,
+                                seed=sampling_seed(cfg.seed, step, 0))
+        return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version)]
+
+    def score(self, pairs):
+        return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
+
+    def train(self, version, step, rows):
+        loop = self.loop
+        if loop.trainer.version != version:
+            raise RuntimeError(f"step {step} expects the trainer at version {version}, it holds {loop.trainer.version}")
+        batch = build_train_batch([s for _, s, _ in rows], None, loop.cfg.group_size, loop.tok.pad_id,
+                                  advantages=torch.tensor([a for _, _, a in rows], dtype=torch.float64))
+        out = train_on_batch(loop.trainer, batch)
+        return Trained(loop.trainer.version, out.metrics, {"logprobs": out.logprobs_s, "train": out.train_s})
+
+    def calibrate(self, version, sequences):
+        self._scales = self.loop.calibrator.calibrate(version, sequences)
+
+    def await_refit(self, version):
+        loop = self.loop
+        scales, self._scales = (self._scales, None) if loop.rollout_recipe.fp8_kv else (None, None)
+        loop.rollout.load_weights(version, loop.trainer.state_dict(), scales)
+        return {}
 
 
 def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None) -> dict:

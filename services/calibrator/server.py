@@ -30,14 +30,20 @@ from fp8rl import limits
 from fp8rl.engines import QKVCalibrator, RolloutEngine
 from fp8rl.engines.weights import apply_staged, stage_weights
 from fp8rl.fp8 import E4M3, Fp8InferenceLinear, QKVScales, convert_model, dequantize_blockwise
-from fp8rl.model.presets import load_policy
-from fp8rl.refit import RefitError, RefitFailedError, RefitSubscriber, StaleVersionError, UnknownVersionError
-from fp8rl.refit.grpc_source import GrpcShardSource
+from fp8rl.presets import load_policy
+from fp8rl.refit import (
+    RefitError,
+    RefitFailedError,
+    RefitFollower,
+    RefitSubscriber,
+    StaleVersionError,
+    UnknownVersionError,
+)
+from fp8rl.refit.transport.grpc import GrpcShardSource
 from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc, common_pb2
 from services.common.runtime import (
     Abort,
     Context,
-    RefitFollower,
     Service,
     ServiceSpec,
     check_token_ids,

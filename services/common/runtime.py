@@ -38,7 +38,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ import grpc
 import redis
 
 from fp8rl.config import ConfigError, JobConfig, load_job_config
-from fp8rl.refit import LeaseExpiredError, RefitConnectionError, RefitError, RefitStore, RefitSubscriber, connect
+from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, build_server, set_serving
 
@@ -56,8 +55,8 @@ from . import security
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "RefitFollower", "PendingRefit",
-           "AWAITING_SCALES", "REFIT_FAILED", "rpc_method", "require", "check_token_ids", "serve", "main"]
+__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "EndpointLease", "rpc_method",
+           "require", "check_token_ids", "serve", "main"]
 
 # flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
 ENV = {
@@ -147,6 +146,15 @@ class Context:
         self.failure: BaseException | None = None
         self._health = None
 
+    @property
+    def role(self) -> str:
+        """The lease role: the service's name."""
+        return self.name
+
+    @property
+    def lease_ttl(self) -> float:
+        return self.args.lease_ttl
+
     def set_serving(self, serving: bool) -> None:
         """Flip gRPC health for the whole server (ignored once shutdown began)."""
         if self._health is not None and not self.stopping.is_set():
@@ -172,143 +180,6 @@ class Service(abc.ABC):
 
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Stop background threads (health is already NOT_SERVING)."""
-
-
-AWAITING_SCALES = "awaiting_scales"  # PendingRefit.reason: v is published, its QKV scales are not (yet)
-REFIT_FAILED = "refit_failed"  # PendingRefit.reason: applying v failed; retried with back-off
-
-
-@dataclass(frozen=True)
-class PendingRefit:
-    """A published version newer than the one held that the follower saw and has not applied, and why.
-
-    Attributes:
-        version: the newest published version (``weights:latest``) when the follower last looked.
-        reason: :data:`AWAITING_SCALES` or :data:`REFIT_FAILED`.
-    """
-
-    version: int
-    reason: str
-
-
-class RefitFollower:
-    """Keeps a refit subscriber at ``weights:latest``: a replica lease plus two threads.
-
-    The heartbeat thread renews the lease every ``ttl/3`` and re-registers when it was lost
-    (expired or fenced). The follow thread watches the job's events stream and, whenever the newest
-    published version is newer than the one held and applicable — its QKV scales published too when
-    the subscriber ``requires_scales`` — runs ``subscriber.sync_to`` (which applies weights and
-    scales together, verified, and acks). A failed sync keeps the old version serving and is
-    retried with back-off; events only wake the thread, the decision is always re-read from Redis.
-
-    :attr:`pending` says what the follow thread decided on its last look at Redis: None when the
-    engine holds ``weights:latest`` (or nothing is published), else a :class:`PendingRefit` naming
-    the version it is deferring and why — so a caller can tell "v was seen and is waiting for its
-    scales" from "v was not noticed yet" (a Status RPC reports it).
-
-    Args:
-        ctx: the service context (store, replica id, endpoint, lease TTL, stop event).
-        subscriber: the refit subscriber of this replica's engine.
-        lock: serialises syncs with the service's own use of the engine.
-        on_change: called after every sync attempt (e.g. to flip health).
-        poll_ms: longest wait for an event before Redis is re-read.
-    """
-
-    def __init__(self, ctx: Context, subscriber: RefitSubscriber, *, lock: threading.Lock,
-                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000) -> None:
-        self.ctx, self.subscriber, self.lock, self.on_change, self.poll_ms = ctx, subscriber, lock, on_change, poll_ms
-        self.store = ctx.store
-        self._failed: int | None = None
-        self._retry_at, self._backoff = 0.0, 0.5
-        self._threads: list[threading.Thread] = []
-        self.pending: PendingRefit | None = None  # written by the follow thread only; read anywhere
-
-    def start(self) -> None:
-        self.register()
-        for target in (self._heartbeat_loop, self._follow_loop):
-            t = threading.Thread(target=target, name=f"{self.ctx.name}-{target.__name__.strip('_')}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def stop(self) -> None:
-        """Stop both threads and release the lease (a clean stop is not a fence)."""
-        self.ctx.stopping.set()
-        for t in self._threads:
-            t.join(timeout=self.poll_ms / 1000 + 5)
-        if self._threads:
-            try:
-                self.store.release(self.ctx.replica_id)
-            except Exception as exc:  # noqa: BLE001 - it expires on its own
-                log.warning("could not release the lease of %s: %s", self.ctx.replica_id, exc)
-
-    def register(self) -> None:
-        """(Re)create this replica's lease, recording the version held."""
-        held = self.subscriber.engine.weight_version
-        self.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, held, self.ctx.args.lease_ttl,
-                                    role=self.ctx.name)
-
-    def sync_to(self, version: int) -> int:
-        """``subscriber.sync_to(version)`` under the lock; a lease lost meanwhile is renewed and the ack redone."""
-        try:
-            with self.lock:
-                try:
-                    return self.subscriber.sync_to(version)
-                except LeaseExpiredError:  # applied, but the lease lapsed: rejoin, then ack what we hold
-                    log.warning("lease of %s lapsed during the refit to %d; re-registering", self.ctx.replica_id,
-                                version)
-                    self.register()
-                    self.store.ack(self.ctx.replica_id, version)
-                    return version
-        finally:
-            self.on_change()
-
-    def _maybe_sync(self) -> None:
-        latest, held = self.store.latest(), self.subscriber.engine.weight_version
-        if latest is None or (held is not None and latest <= held):
-            self.pending = None
-            return
-        if self.subscriber.requires_scales and self.store.get_scales(latest) is None:
-            self.pending = PendingRefit(latest, AWAITING_SCALES)
-            return  # the calibrator has not published v's scales: never serve v without them
-        if self._failed == latest and time.monotonic() < self._retry_at:
-            return
-        try:
-            self.sync_to(latest)
-            self._failed, self._backoff = None, 0.5
-            self.pending = None
-        except Exception as exc:  # noqa: BLE001 - any failure keeps the old weights and is retried
-            self._backoff = self._backoff * 2 if self._failed == latest else 0.5
-            self._failed, self._retry_at = latest, time.monotonic() + min(self._backoff, 30.0)
-            self.pending = PendingRefit(latest, REFIT_FAILED)
-            log.warning("could not apply weight version %d (still serving %s); retrying in %.1f s: %s",
-                        latest, held, min(self._backoff, 30.0), exc)
-
-    def _follow_loop(self) -> None:
-        after: str | None = None
-        while not self.ctx.stopping.is_set():
-            try:
-                if after is None:
-                    after = self.store.last_event_id()
-                self._maybe_sync()
-                events = self.store.events(after, block_ms=self.poll_ms)
-                if events:
-                    after = events[-1].id
-                if any(e.type == "replica_fenced" and e.replica == self.ctx.replica_id for e in events):
-                    log.warning("replica %s was fenced; rejoining at weights:latest", self.ctx.replica_id)
-                    self.register()
-            except Exception as exc:  # noqa: BLE001 - Redis down or restarting: keep serving, retry
-                log.warning("refit follower: %s; retrying in 1 s", exc)
-                self.ctx.stopping.wait(1.0)
-
-    def _heartbeat_loop(self) -> None:
-        period = max(0.05, self.ctx.args.lease_ttl / 3)
-        while not self.ctx.stopping.wait(period):
-            try:
-                if not self.store.heartbeat(self.ctx.replica_id, self.subscriber.engine.weight_version):
-                    log.warning("lease of %s expired or was fenced; re-registering", self.ctx.replica_id)
-                    self.register()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("heartbeat failed: %s", exc)
 
 
 class EndpointLease:
@@ -367,7 +238,7 @@ class ServiceSpec:
         scopes: the token scopes its RPCs belong to (``fp8rl.rpc.server``): the controller's JobService is
             :data:`~fp8rl.rpc.server.SCOPE_CLIENT`, every other role :data:`~fp8rl.rpc.server.SCOPE_SERVICE`.
             Listening off loopback needs a token for each (or ``--insecure``).
-        follows_refit: the role's lease is its :class:`RefitFollower`'s (rollout, calibrator); every other
+        follows_refit: the role's lease is its :class:`~fp8rl.refit.RefitFollower`'s (rollout, calibrator); every other
             role gets an :class:`EndpointLease` from the skeleton.
     """
 

@@ -14,7 +14,7 @@ Before a job's first step: Calibrate(v, the first step's prompts) when v has no 
 replicas do not serve v without them), then wait for a rollout replica holding v. Every
 ``job.checkpoint_every`` steps, and when the job ends, TrainerService.SaveCheckpoint.
 
-Restart. The controller keeps nothing that matters in memory (see :mod:`fp8rl.jobstore`); a job
+Restart. The controller keeps nothing that matters in memory (see :mod:`fp8rl.controller.jobstore`); a job
 found ``running`` is resumed. With ``base_version`` (the trainer's version at the job's step 0) and
 ``n`` finished steps, the trainer should hold ``base + n``:
 
@@ -43,7 +43,7 @@ restarted on another port is reached at the next try. A step whose call fails tr
 from ``retry_pause_s``; the budget (``step_attempts``) is per step and starts afresh once a step is
 recorded. The report shows ``metrics["retries"]`` and, in ``phase_times.outage``, the time lost to
 failed tries and back-off. A rollout replica that fails UNAVAILABLE is marked suspect and its chunk
-re-issued to the others (:class:`fp8rl.rollout_pool.RolloutPool`). Leases fenced during a step (late
+re-issued to the others (:class:`fp8rl.controller.pool.RolloutPool`). Leases fenced during a step (late
 acks, expired leases) are counted in ``metrics["replica_fenced"]``.
 
 Rewards. Only graded items (status GRADED / UNPARSABLE) are trained on: TIMEOUT / ERROR items are
@@ -55,58 +55,37 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import grpc
 import redis
 
 from fp8rl.config import ConfigError, JobConfig, parse_job_config
-from fp8rl.controller_lib import (
+from fp8rl.controller.jobstore import JobRecord, JobStore
+from fp8rl.controller.plan import (
     JobPlan,
     check_data,
     check_deployment,
-    group_advantages,
     new_job_id,
     reward_summary,
-    sampling_seed,
 )
+from fp8rl.controller.pool import RolloutPool
+from fp8rl.controller.reconcile import reconcile
+from fp8rl.controller.step import PHASES, finish, first_half
 from fp8rl.data import DataFileError, DataRoot
-from fp8rl.jobstore import JobRecord, JobStore
 from fp8rl.refit import RefitStore
-from fp8rl.rollout_pool import RolloutError, RolloutPool
-from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
+
+from .backends import TRANSIENT, Backends, GrpcStep, JobCancelled, JobFailed, RpcFailed, Stopping
 
 log = logging.getLogger("fp8rl.controller")
 
 __all__ = ["PHASES", "Backends", "JobRunner", "RunnerSettings"]
 
-PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 REPORT_TIMES = (*PHASES, "outage", "total")  # the keys of a report's phase_times
-_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-_GRADED = {reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE}  # rewards that are verdicts
-
-
-class _Failed(Exception):
-    """The job cannot go on; the message is recorded as its error."""
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class _Stopping(Exception):
-    """The controller is shutting down: leave the job ``running``, to be resumed."""
-
-
-class _RpcFailed(Exception):
-    def __init__(self, phase: str, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(f"{phase}: {code.name}: {detail}")
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -132,23 +111,6 @@ class RunnerSettings:
     retry_pause_s: float = 2.0
     score_attempts: int = 3
     data: DataRoot = DataRoot()
-
-
-@dataclass(frozen=True)
-class Backends:
-    """How a step reaches the services: each role's endpoint is read from its newest live lease at every call.
-
-    Attributes:
-        stub: ``(role, endpoint)`` → that service's stub (the caller owns and caches the channels).
-        fallback: role → ``host:port`` used while no lease of that role is live (the controller's
-            ``--trainer`` ... flags; empty when every service registers, as the launcher's do).
-    """
-
-    stub: Callable[[str, str], object]
-    fallback: dict[str, str]
-
-    def rollout(self, endpoint: str) -> object:
-        return self.stub("rollout", endpoint)
 
 
 class JobRunner:
@@ -259,11 +221,11 @@ class JobRunner:
                 t_try = time.perf_counter()
                 try:
                     return self._advance(plan)
-                except _RpcFailed as exc:
+                except RpcFailed as exc:
                     f = self._faults  # reset by _finish whenever a step was recorded meanwhile
                     f["retries"] += 1
-                    if exc.code not in _TRANSIENT or f["retries"] >= self.settings.step_attempts:
-                        raise _Failed(str(exc) if exc.code not in _TRANSIENT else
+                    if exc.code not in TRANSIENT or f["retries"] >= self.settings.step_attempts:
+                        raise JobFailed(str(exc) if exc.code not in TRANSIENT else
                                       f"{exc} (after {f['retries']} tries of step {self.get(job_id).steps_done})"
                                       ) from None
                     pause = min(30.0, self.settings.retry_pause_s * 2 ** (f["retries"] - 1))
@@ -271,15 +233,15 @@ class JobRunner:
                                 self.settings.step_attempts)
                     self._stop.wait(pause)
                     f["outage"] += time.perf_counter() - max(t_try, self._step_t0)  # this step's failed try + pause
-        except _Stopping:
+        except Stopping:
             log.info("job %s left running for the next controller", job_id)
-        except _Cancelled:
+        except JobCancelled:
             self.jobs.transition(job_id, "cancelled", ("running",))
             log.info("job %s cancelled", job_id)
         except redis.RedisError:
             raise
         except Exception as exc:  # noqa: BLE001 - anything else ends the job with a message for people
-            msg = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
+            msg = str(exc) if isinstance(exc, JobFailed) else f"{type(exc).__name__}: {exc}"
             log.exception("job %s failed: %s", job_id, msg)
             self.jobs.transition(job_id, "failed", ("running",), error=msg)
         finally:
@@ -308,38 +270,26 @@ class JobRunner:
         rec = self.get(plan.job_id)
         status = self._rpc("status", "trainer", "Status", trainer_pb2.TrainerStatusRequest(), DL.status)
         if status.recipe != self.deployed.recipe:
-            raise _Failed(f"the trainer runs recipe {status.recipe}, but the controller was deployed for "
+            raise JobFailed(f"the trainer runs recipe {status.recipe}, but the controller was deployed for "
                           f"{self.deployed.recipe}: the services were started with different job files")
         held, n = status.version, rec.steps_done
-        if rec.base_version is None:
-            self.jobs.update(plan.job_id, base_version=held - n)
-            return n
-        base, expected = rec.base_version, rec.base_version + n
-        if held == expected:
-            return n
-        origin = self.refit.restored_from(held)
-        if origin is not None and base <= origin <= expected:
-            k = origin - base  # the trainer restarted from the checkpoint taken after step k-1, republished as held
-            log.warning("job %s: the trainer resumed from the checkpoint of version %d (republished as %d); "
-                        "dropping steps >= %d and continuing from there", plan.job_id, origin, held, k)
-            self.jobs.truncate_reports(plan.job_id, k)
+        origin = self.refit.restored_from(held) if rec.base_version is not None else None
+        r = reconcile(rec.base_version, n, held, origin)
+        if r.case == "unknown":
+            raise JobFailed(r.error)
+        if r.case != "fresh" and r.case != "in_step":
+            log.warning("job %s: resuming (%s): the trainer holds weight version %d (restored from %s) after %d "
+                        "finished steps from version %s; %s step %d", plan.job_id, r.case, held, origin, n,
+                        rec.base_version, "finishing" if r.finish else "continuing at", r.step)
+        if r.truncate_to is not None:
+            self.jobs.truncate_reports(plan.job_id, r.truncate_to)
+        if r.drop_inflight:
             self.jobs.set_inflight(plan.job_id, None)
-            self.jobs.update(plan.job_id, base_version=held - k)
-            return k
-        if origin == expected + 1:  # checkpointed right after step n trained, before its report: finish step n
-            log.warning("job %s: the trainer resumed from the checkpoint of version %d (republished as %d), which "
-                        "holds step %d's update", plan.job_id, origin, held, n)
-            self.jobs.update(plan.job_id, base_version=held - n - 1)
-            return self._finish_trained(plan, n, expected, held)
-        if held == expected + 1:
-            return self._finish_trained(plan, n, expected, held)
-        if base <= held < expected:
-            log.warning("job %s: the trainer was rolled back to weight version %d; dropping steps >= %d",
-                        plan.job_id, held, held - base)
-            self.jobs.truncate_reports(plan.job_id, held - base)
-            return held - base
-        raise _Failed(f"cannot resume: the trainer holds weight version {held}, but after {n} finished steps "
-                      f"from version {base} the job expects {expected}")
+        if r.base_version is not None:
+            self.jobs.update(plan.job_id, base_version=r.base_version)
+        if r.finish:  # the step started from the version the record expected, before any base move
+            return self._finish_trained(plan, n, rec.base_version + n, held)
+        return r.step
 
     def _finish_trained(self, plan: JobPlan, n: int, started: int, held: int) -> int:
         """Step ``n`` (from version ``started``) was trained, the trainer holds its update as ``held``, but it was
@@ -358,70 +308,31 @@ class JobRunner:
 
     def _check(self, job_id: str, cancel: bool = True) -> None:
         if self._stop.is_set():
-            raise _Stopping
+            raise Stopping
         if cancel and self.get(job_id).cancel_requested:
-            raise _Cancelled
+            raise JobCancelled
 
     def _rpc(self, phase: str, role: str, method: str, request, timeout: float | None):
-        """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address)."""
-        lease = self.refit.endpoint_of(role)
-        endpoint = lease.endpoint if lease is not None else self.b.fallback.get(role)
-        if not endpoint:
-            raise _RpcFailed(phase, grpc.StatusCode.UNAVAILABLE, f"no live {role} lease in Redis (is the {role} "
-                                                                 f"service running?) and no --{role} address")
-        try:
-            return getattr(self.b.stub(role, endpoint), method)(request, timeout=timeout)
-        except grpc.RpcError as err:
-            raise _RpcFailed(phase, err.code(), f"{role} at {endpoint}: {err.details()}") from None
+        return GrpcStep(self, None).rpc(phase, role, method, request, timeout)
 
     # -- one step ------------------------------------------------------------------------------
     def _first_half(self, plan: JobPlan, step: int, v: int) -> dict:
-        """rollout → reward → TrainStep; the result is saved as ``inflight`` before anything else."""
-        t0, times = time.time(), {}
-        self._check(plan.job_id)
-        problems = plan.batch(step)
-        prompts = plan.prompts(problems)
-        t = time.perf_counter()
-        samples = self._generate(plan, prompts, v, step=step, n=plan.group,
-                                 temperature=plan.job.get("policy.generation.temperature"))
-        times["rollout"] = time.perf_counter() - t
-        self._check(plan.job_id)
-        t = time.perf_counter()
-        rewards = self._score(plan, [(problems[i], s) for i, s in samples])
-        times["reward"] = time.perf_counter() - t
-        self._check(plan.job_id)
-        adv = group_advantages(rewards, plan.group, plan.job.get("grpo.leave_one_out"))
-        rows = [trainer_pb2.Sequence(prompt_ids=prompts[i], response_ids=s.token_ids, gen_logprobs=s.logprobs,
-                                     advantage=a) for (i, s), a in zip(samples, adv, strict=True)]
-        resp = self._rpc("train", "trainer", "TrainStep",
-                         trainer_pb2.TrainStepRequest(expected_version=v, rows=rows, step=step), DL.train_step)
-        pt = resp.phase_times
-        times.update(logprobs=pt.logprobs, train=pt.train, publish=pt.publish)
-        partial = {"step": step, "weight_version": v, "new_version": resp.new_version, **reward_summary(rewards),
-                   "metrics": {**dict(resp.metrics), "response_len": statistics.fmean(len(s.token_ids)
-                                                                                       for _, s in samples)},
-                   "phase_times": times, "started_unix": t0,
-                   "sequences": [prompts[i] + list(s.token_ids) for i, s in samples]}
+        """rollout → reward → TrainStep (:func:`fp8rl.controller.step.first_half`); the record is saved as
+        ``inflight`` before anything else."""
+        partial = first_half(plan, GrpcStep(self, plan), step, v, check=lambda: self._check(plan.job_id))
         self.jobs.set_inflight(plan.job_id, partial)
         return partial
 
     def _finish(self, plan: JobPlan, partial: dict) -> str:
-        """calibrate → refit → (eval, checkpoint) → record the report; returns the job's state after it."""
-        step, v1, times = partial["step"], partial["new_version"], dict(partial["phase_times"])
-        self._check(plan.job_id, cancel=False)
-        t = time.perf_counter()
-        if plan.fp8_kv:
-            self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
-                version=v1, sequences=[common_pb2.TokenSequence(token_ids=s) for s in partial["sequences"]]),
-                DL.calibrate)
-        times["calibrate"] = time.perf_counter() - t
-        t = time.perf_counter()
-        fenced = self._refit_wait(v1)
-        times["refit"] = time.perf_counter() - t
+        """calibrate → refit (:func:`fp8rl.controller.step.finish`) → (eval, checkpoint) → record the report;
+        returns the job's state after it."""
+        step, v1 = partial["step"], partial["new_version"]
+        times, refit_metrics = finish(plan, GrpcStep(self, plan), partial,
+                                      check=lambda: self._check(plan.job_id, cancel=False))
         wall = time.time() - partial["started_unix"] if "started_unix" in partial and not partial.get("resumed") else 0
         times["outage"] = self._faults["outage"]
         times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES) + times["outage"])
-        metrics = {**partial["metrics"], "refit/fenced": float(len(fenced)), "retries": float(self._faults["retries"])}
+        metrics = {**partial["metrics"], **refit_metrics, "retries": float(self._faults["retries"])}
         if plan.eval_every and (step + 1) % plan.eval_every == 0:
             metrics["val_accuracy"] = self._evaluate(plan, v1)
         rec = self.get(plan.job_id)
@@ -458,53 +369,9 @@ class JobRunner:
             self.refit.fence(rid, version)
         return missing
 
-    def _generate(self, plan: JobPlan, prompts: list[list[int]], v: int, *, step: int, n: int,
-                  temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
-        g, seed = plan.job.raw["policy"]["generation"], plan.job.get("job.seed")
-        try:
-            return self.pool.generate(
-                prompts, v, n=n, sampling={"temperature": temperature, "top_p": g["top_p"],
-                                           "max_tokens": g["max_new_tokens"]},
-                seed_of=lambda a: sampling_seed(seed, step, a), request_id=f"{plan.job_id}-s{step}",
-                wait_s=self.settings.replica_wait_s, tick=lambda: self._check(plan.job_id, cancel=False))
-        except RolloutError as exc:
-            if exc.code is not None:
-                raise _RpcFailed("rollout", exc.code, str(exc)) from None
-            raise _Failed(f"rollout: {exc}") from None
-
-    def _score(self, plan: JobPlan, pairs) -> list[float]:
-        """One graded reward per pair: items the service could not grade are re-scored, up to
-        ``score_attempts`` calls; one still ungraded fails the job (its 0 would be trained on as a verdict)."""
-        grader = plan.job.get("reward.grader")
-        items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
-                 for p, s in pairs]
-        rewards: list[float | None] = [None] * len(items)
-        todo, why = list(range(len(items))), {}
-        for attempt in range(self.settings.score_attempts):
-            resp = self._rpc("reward", "reward", "Score", reward_pb2.ScoreRequest(items=[items[i] for i in todo]),
-                             DL.score)
-            if not (len(resp.rewards) == len(resp.statuses) == len(todo)):
-                raise _Failed(f"reward: the reward service answered {len(resp.rewards)} rewards and "
-                              f"{len(resp.statuses)} statuses for {len(todo)} items")
-            again = []
-            for i, r, st, err in zip(todo, resp.rewards, resp.statuses, list(resp.errors) or [""] * len(todo),
-                                     strict=True):
-                if st in _GRADED and math.isfinite(r) and 0.0 <= r <= 1.0:
-                    rewards[i] = float(r)
-                else:
-                    again.append(i)
-                    why[i] = err or f"status {reward_pb2.GradeStatus.Name(st)}, reward {r}"
-            todo = again
-            if not todo:
-                return rewards
-            log.warning("job %s: %d of %d responses were not graded (items[%d]: %s); scoring them again (%d/%d)",
-                        plan.job_id, len(todo), len(items), todo[0], why[todo[0]], attempt + 1,
-                        self.settings.score_attempts)
-        raise _Failed(f"reward: {len(todo)} of {len(items)} responses could not be graded in "
-                      f"{self.settings.score_attempts} tries (items[{todo[0]}]: {why[todo[0]]}); the step was not "
-                      f"trained, so no placeholder reward was learned from")
-
     def _evaluate(self, plan: JobPlan, v: int) -> float:
         """Greedy accuracy of the deployed rollout numerics on the job's validation set."""
-        samples = self._generate(plan, plan.prompts(plan.eval_set), v, step=0, n=1, temperature=0.0)
-        return reward_summary(self._score(plan, [(plan.eval_set[i], s) for i, s in samples]))["accuracy"]
+        g = GrpcStep(self, plan)
+        samples = g.generate(plan.prompts(plan.eval_set), v, step=0, n=1, temperature=0.0)
+        return reward_summary(g.score([(plan.eval_set[i], s) for i, s in samples]))["accuracy"]
+

@@ -6,7 +6,7 @@ sees their refit state (leases, acks) in Redis. Submitted jobs are checked again
 
 * a YAML that does not validate is INVALID_ARGUMENT naming the key (``fp8rl.config``);
 * a job whose model, precision recipe or another setting baked into the services differs from the
-  deployment is FAILED_PRECONDITION naming the key (``fp8rl.controller_lib.DEPLOYMENT_KEYS``);
+  deployment is FAILED_PRECONDITION naming the key (``fp8rl.controller.plan.DEPLOYMENT_KEYS``);
 * a taken ``job_id`` is ALREADY_EXISTS, an unknown one NOT_FOUND; an empty or malformed one (``""``
   given explicitly included) INVALID_ARGUMENT;
 * a ``jsonl`` job's ``data.path`` must be a regular file inside the data root (``--data-root``, env
@@ -35,9 +35,9 @@ import grpc
 
 from fp8rl import limits
 from fp8rl.config import ConfigError
-from fp8rl.controller_lib import DeploymentMismatchError
+from fp8rl.controller.jobstore import JOB_STATES, JobExistsError, JobRecord, JobStore
+from fp8rl.controller.plan import DeploymentMismatchError
 from fp8rl.data import DataRoot
-from fp8rl.jobstore import JOB_STATES, JobExistsError, JobRecord, JobStore
 from fp8rl.refit.keys import validate_job_id
 from fp8rl.rpc import (
     calibrator_pb2_grpc,

@@ -1,7 +1,7 @@
 """Rollout replicas as a Ray Serve application: scale-out on an existing engine instead of a home-made one.
 
 Each Serve replica is one whole rollout replica — the same :class:`~services.rollout.server.RolloutService`
-that ``python -m services.rollout`` runs: its engine, its :class:`~services.common.runtime.RefitFollower`
+that ``python -m services.rollout`` runs: its engine, its :class:`~fp8rl.refit.RefitFollower`
 (a refit subscriber holding **its own lease** in Redis, named after the Serve replica) and its gRPC server
 on a free port, advertised at the node's IP. So nothing else changes: the controller finds the replicas
 through their leases and calls ``Generate`` on them directly (pinned to a version), refits reach every

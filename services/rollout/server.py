@@ -25,20 +25,21 @@ import argparse
 import logging
 import threading
 from collections import defaultdict
+from pathlib import Path
 
 import grpc
 
 from fp8rl import limits
 from fp8rl.config import JobConfig
-from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, TorchRolloutEngine, VersionMismatchError
-from fp8rl.model.presets import load_policy
-from fp8rl.refit import RefitSubscriber
-from fp8rl.refit.grpc_source import GrpcShardSource
+from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, VersionMismatchError, make_rollout_engine
+from fp8rl.model.tokenizer import load_tokenizer
+from fp8rl.presets import PRESETS, load_policy, prepare_tiny_arith
+from fp8rl.refit import RefitFollower, RefitSubscriber
+from fp8rl.refit.transport.grpc import GrpcShardSource
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
 from services.common.runtime import (
     Abort,
     Context,
-    RefitFollower,
     Service,
     ServiceSpec,
     StartupError,
@@ -53,30 +54,27 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutService", "RolloutServicer", "SPEC"]
 
 
-def _torch_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
-    policy, tok, _ = load_policy(job.get("policy.model"))
-    engine = TorchRolloutEngine(
-        policy, job.fp8_recipe("rollout"), eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id,
-        initial_version=None, max_batch_size=args.max_batch_size, seed=job.get("job.seed"),
-    )
-    return engine, policy.config.vocab_size, policy.config.max_position_embeddings
-
-
 def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
-    """``(engine, vocab_size, max_positions)`` for ``policy.generation.backend``."""
-    backend = job.get("policy.generation.backend")
-    if backend == "vllm":  # imported here: vLLM is an optional install (.venv-vllm, the GPU image)
-        from fp8rl.engines.vllm_launch import Fp8UnsupportedError, VllmUnavailableError
-        from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+    """``(engine, vocab_size, max_positions)`` for ``policy.generation.backend`` (:func:`make_rollout_engine`)."""
+    name = job.get("policy.model")
+    if job.get("policy.generation.backend") == "vllm":  # vLLM loads the checkpoint itself
+        from fp8rl.engines.vllm.launch import Fp8UnsupportedError, VllmUnavailableError
 
+        path = prepare_tiny_arith() if name in PRESETS else Path(name)
+        tok = load_tokenizer(path)
         try:
-            engine = VllmRolloutEngine.from_job(job, max_batch_size=args.max_batch_size)
+            engine = make_rollout_engine(job, None, path, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id,
+                                         max_batch_size=args.max_batch_size)
         except (Fp8UnsupportedError, VllmUnavailableError) as exc:
             raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
         return engine, engine.config.vocab_size, engine.config.max_position_embeddings
-    if backend != "torch":
-        raise StartupError(f"policy.generation.backend: unknown rollout engine {backend!r} (expected 'torch')")
-    return _torch_engine(job, args)
+    policy, tok, path = load_policy(name)
+    try:
+        engine = make_rollout_engine(job, policy, path, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id,
+                                     max_batch_size=args.max_batch_size)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return engine, policy.config.vocab_size, policy.config.max_position_embeddings
 
 
 class RolloutService(Service):

@@ -1,6 +1,6 @@
 """TrainerService and WeightStore on one port: the policy trainer (``policy.training.backend: torch``) and its shards.
 
-Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.loop.build_train_batch`), the
+Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.engines.build_train_batch`), the
 :class:`TorchTrainer`, and :class:`RefitPublisher` + :class:`WeightStoreServicer`:
 
 * Startup: load the policy (or ``--resume`` a checkpoint) and publish its version — 0 for a fresh job.
@@ -30,12 +30,11 @@ import grpc
 import torch
 
 from fp8rl import limits
-from fp8rl.engines import Cancelled, Sample, TrainBatch, make_trainer_backend
+from fp8rl.engines import Cancelled, Sample, TrainBatch, build_train_batch, make_trainer_backend, train_on_batch
 from fp8rl.fp8 import fp8_linear_names
-from fp8rl.loop import build_train_batch
-from fp8rl.model.presets import load_policy
+from fp8rl.presets import load_policy
 from fp8rl.refit import RefitPublisher, StaleVersionError
-from fp8rl.refit.grpc_source import DEFAULT_CHUNK_BYTES, WeightStoreServicer
+from fp8rl.refit.transport.grpc import DEFAULT_CHUNK_BYTES, WeightStoreServicer
 from fp8rl.rl import mismatch_metrics
 from fp8rl.rpc import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2_grpc
 from services.common.runtime import (
@@ -198,26 +197,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             bad = next((i for i, a in enumerate(advantages) if not math.isfinite(a)), None)
             require(bad is None, f"row {bad}: advantage must be finite")
             batch = self._batch(samples, advantages)
-            t = time.perf_counter()
-            try:
-                batch.prev_logprobs = s.trainer.compute_logprobs(batch, should_stop=stop)
-                mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
-                t_logprobs, t = time.perf_counter() - t, time.perf_counter()
-                train = s.trainer.train_step(batch, should_stop=stop)
+            try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
+                out = train_on_batch(s.trainer, batch, should_stop=stop)
             except FloatingPointError as exc:  # step skipped, version unchanged: the batch's values overflowed
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"step {request.step}: this batch gives {exc} (e.g. advantages too large)") from None
             except Cancelled as exc:  # the caller is gone; weights and version are unchanged
                 raise Abort(grpc.StatusCode.CANCELLED, f"step {request.step}: {exc}") from None
-            t_train = time.perf_counter() - t
             t_publish = self._publish()
-        metrics = {**mismatch, **{f"train/{k}": v for k, v in train.items()}}
-        phases = common_pb2.PhaseTimes(logprobs=t_logprobs, train=t_train, publish=t_publish,
+        phases = common_pb2.PhaseTimes(logprobs=out.logprobs_s, train=out.train_s, publish=t_publish,
                                        total=time.perf_counter() - t0)
         log.info("step %d: weight version %d -> %d, loss %.4f, token_mult_prob_error %.4f", request.step,
-                 request.expected_version, s.trainer.version, train.get("loss", float("nan")),
-                 mismatch["token_mult_prob_error"])
-        return trainer_pb2.TrainStepResponse(new_version=s.trainer.version, metrics=metrics, phase_times=phases)
+                 request.expected_version, s.trainer.version, out.metrics.get("train/loss", float("nan")),
+                 out.metrics["token_mult_prob_error"])
+        return trainer_pb2.TrainStepResponse(new_version=s.trainer.version, metrics=out.metrics, phase_times=phases)
 
     @rpc_method
     def ComputeLogprobs(self, request, context):

@@ -16,8 +16,9 @@ from .base import (
     VersionMismatchError,
     WeightLoadError,
 )
+from .batch import TrainOutcome, build_train_batch, train_on_batch
 from .calibrator import QKVCalibrator
-from .factory import make_trainer_backend
+from .factory import make_rollout_engine, make_trainer_backend
 from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 
@@ -25,5 +26,5 @@ __all__ = [
     "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",
     "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
     "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "sequence_logprobs",
-    "make_trainer_backend",
+    "make_trainer_backend", "make_rollout_engine", "TrainOutcome", "build_train_batch", "train_on_batch",
 ]

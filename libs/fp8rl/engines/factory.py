@@ -1,4 +1,5 @@
-"""The trainer backend a job asks for (``policy.training.backend: torch | megatron``), built in one place."""
+"""The engines a job asks for, each built in one place: the trainer backend (``policy.training.backend:
+torch | megatron``) and the rollout engine (``policy.generation.backend: torch | vllm``)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import importlib.util
 
 from fp8rl.model import CausalLM
 
-from .base import TrainerBackend
+from .base import RolloutEngine, TrainerBackend
+from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer
 
-__all__ = ["make_trainer_backend", "TRAINER_BACKENDS"]
+__all__ = ["make_trainer_backend", "make_rollout_engine", "TRAINER_BACKENDS", "ROLLOUT_BACKENDS"]
 
 TRAINER_BACKENDS = ("torch", "megatron")
 
@@ -37,3 +39,31 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
                                tensor_model_parallel_size=mc["tensor_model_parallel_size"],
                                pipeline_model_parallel_size=mc["pipeline_model_parallel_size"])
     raise ValueError(f"policy.training.backend: {backend!r} is not one of {', '.join(TRAINER_BACKENDS)}")
+
+
+ROLLOUT_BACKENDS = ("torch", "vllm")
+
+
+def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: list[int], pad_token_id: int,
+                        max_batch_size: int = 64) -> RolloutEngine:
+    """The :class:`RolloutEngine` of ``job``'s ``policy.generation.backend``: the embedded torch engine on
+    ``policy``, or vLLM on the checkpoint at ``path`` (the same weights, resolved by the caller; vLLM
+    loads them itself, so ``policy`` may be None). The engine holds no version until its first refit.
+
+    Raises:
+        ValueError: an unknown backend (the message names the key).
+        fp8rl.engines.vllm.launch.VllmUnavailableError / Fp8UnsupportedError: vLLM missing, or no FP8 here.
+    """
+    backend = job.get("policy.generation.backend")
+    if backend == "torch":
+        if policy is None:
+            raise ValueError("policy.generation.backend: 'torch' runs on the loaded policy; none was given")
+        return TorchRolloutEngine(policy, job.fp8_recipe("rollout"), eos_token_ids=eos_token_ids,
+                                  pad_token_id=pad_token_id, initial_version=None, max_batch_size=max_batch_size,
+                                  seed=job.get("job.seed"))
+    if backend == "vllm":  # imported here: vLLM is an optional install
+        from .vllm.rollout import VllmRolloutEngine
+
+        return VllmRolloutEngine.from_job(job, path, max_batch_size=max_batch_size)
+    raise ValueError(f"policy.generation.backend: unknown rollout engine {backend!r} "
+                     f"(expected one of {', '.join(ROLLOUT_BACKENDS)})")

@@ -9,8 +9,10 @@ Modules: :mod:`.keys` (every Redis key name), :mod:`.shards` (raw-byte shard for
 :mod:`.subscriber` (``RefitPublisher``, ``RefitSubscriber``, ``ShardSource``).
 """
 
+from .follower import AWAITING_SCALES, REFIT_FAILED, LeaseHolder, PendingRefit, RefitFollower
 from .keys import JOBS_INDEX, Keys, validate_job_id, validate_replica_id, validate_version
 from .manifest import Manifest, assemble, build_shards
+from .publisher import RefitPublisher
 from .shards import DEFAULT_SHARD_BYTES, DTYPES, CorruptShardError, TensorEntry, pack_tensors, unpack_tensors
 from .store import (
     Event,
@@ -24,20 +26,15 @@ from .store import (
     connect,
     redact_url,
 )
-from .subscriber import (
-    InProcessShardSource,
-    MissingScalesError,
-    RefitFailedError,
-    RefitPublisher,
-    RefitSubscriber,
-    ShardSource,
-)
+from .subscriber import MissingScalesError, RefitFailedError, RefitSubscriber, RefitTarget
+from .transport import InProcessShardSource, ShardSource, make_shard_source
 
 __all__ = [
     "JOBS_INDEX", "Keys", "validate_job_id", "validate_replica_id", "validate_version",
     "Manifest", "assemble", "build_shards",
     "DEFAULT_SHARD_BYTES", "DTYPES", "CorruptShardError", "TensorEntry", "pack_tensors", "unpack_tensors",
-    "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
+    "RefitTarget", "make_shard_source", "RefitFollower", "PendingRefit", "LeaseHolder", "AWAITING_SCALES",
+    "REFIT_FAILED", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
     "InProcessShardSource", "MissingScalesError", "RefitFailedError", "RefitPublisher", "RefitSubscriber",
     "ShardSource",

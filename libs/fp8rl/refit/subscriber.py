@@ -1,8 +1,9 @@
-"""Both ends of a refit: the publisher (trainer side) and the subscriber (one rollout replica).
+"""Replica side of a refit: keep one :class:`RefitTarget` (a rollout engine, the calibrator's model) at a
+published version.
 
-The transport of shard bytes is behind :class:`ShardSource` (the gRPC ``WeightStore.Stream``
-client implements it elsewhere; :class:`InProcessShardSource` serves tests and the in-process
-loop). This module knows manifests, Redis and an engine's ``load_weights``, never gRPC.
+The transport of shard bytes is behind :class:`~fp8rl.refit.transport.ShardSource`
+(:mod:`fp8rl.refit.transport`); the publisher is :mod:`fp8rl.refit.publisher`. This module knows
+manifests, Redis and a target's ``load_weights``, never gRPC and never the engines.
 
 Invariants of :meth:`RefitSubscriber.sync_to` (DESIGN §3):
 
@@ -17,25 +18,22 @@ Invariants of :meth:`RefitSubscriber.sync_to` (DESIGN §3):
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
-from fp8rl.engines.base import RolloutEngine
+from fp8rl.fp8 import QKVScales
 
-from .manifest import Manifest, assemble, build_shards
-from .shards import DEFAULT_SHARD_BYTES, CorruptShardError, verify_shard
+from .manifest import Manifest, assemble
+from .shards import CorruptShardError, verify_shard
 from .store import RefitError, RefitStore, StaleVersionError, UnknownVersionError
+from .transport import ShardSource
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "ShardSource", "InProcessShardSource", "RefitSubscriber", "RefitPublisher", "MissingScalesError",
-    "RefitFailedError",
-]
+__all__ = ["RefitSubscriber", "RefitTarget", "MissingScalesError", "RefitFailedError"]
 
 
 class MissingScalesError(RefitError):
@@ -46,33 +44,16 @@ class RefitFailedError(RefitError):
     """Shards could not be fetched intact within the retry budget; the old weights keep serving."""
 
 
-@runtime_checkable
-class ShardSource(Protocol):
-    """Fetches the bytes of one shard of a published version (from wherever they are served)."""
+class RefitTarget(Protocol):
+    """What refit needs of whatever it keeps at the published version (a rollout engine, the calibrator's
+    model): the versions it holds and an atomic load. Refit never imports the engines."""
 
-    def fetch(self, manifest: Manifest, shard_index: int) -> bytes:
-        """The bytes of shard ``shard_index`` of ``manifest.version``; may raise on transport errors."""
-        ...
+    @property
+    def weight_version(self) -> int | None: ...
 
-
-class InProcessShardSource:
-    """A :class:`ShardSource` over an in-memory ``{version: [shard bytes, ...]}`` mapping (a live view).
-
-    Args:
-        shards: version → list of shard bytes; read at every fetch, so later additions are seen.
-    """
-
-    def __init__(self, shards: Mapping[int, Sequence[bytes]]) -> None:
-        self._shards = shards
-
-    def fetch(self, manifest: Manifest, shard_index: int) -> bytes:
-        try:
-            shards = self._shards[manifest.version]
-        except KeyError:
-            raise LookupError(f"no shards held for weight version {manifest.version}") from None
-        if not 0 <= shard_index < len(shards):
-            raise LookupError(f"weight version {manifest.version} has {len(shards)} shards, asked for {shard_index}")
-        return shards[shard_index]
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor],
+                     qkv_scales: QKVScales | None = None) -> None:
+        """Apply ``version`` (weights and, for an FP8 KV cache, its scales) all or nothing."""
 
 
 class RefitSubscriber:
@@ -92,7 +73,7 @@ class RefitSubscriber:
     def __init__(
         self,
         store: RefitStore,
-        engine: RolloutEngine,
+        engine: RefitTarget,
         source: ShardSource,
         replica_id: str,
         *,
@@ -192,97 +173,3 @@ class RefitSubscriber:
                     f"published within {self.scales_timeout_s} s; still serving version {self.engine.weight_version}"
                 )
             time.sleep(self.poll_s)
-
-
-class RefitPublisher:
-    """Trainer side: builds shards, keeps the newest ``keep`` versions in memory to serve, publishes.
-
-    The shards of a version are held *before* its manifest appears in Redis, so every published
-    version is servable the moment a replica learns about it. Thread-safe: a server may call
-    :meth:`shards` while the trainer publishes.
-
-    Args:
-        store: the job's :class:`RefitStore`.
-        shard_bytes: most bytes per shard.
-        keep: how many of the newest versions stay servable (older ones are evicted).
-        endpoint: ``host:port`` of the WeightStore serving these shards ("" when in-process).
-    """
-
-    def __init__(
-        self, store: RefitStore, shard_bytes: int = DEFAULT_SHARD_BYTES, *, keep: int = 2, endpoint: str = ""
-    ) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        self.store, self.shard_bytes, self.keep, self.endpoint = store, shard_bytes, keep, endpoint
-        self._shards: dict[int, list[bytes]] = {}
-        self._lock = threading.Lock()
-
-    def publish(
-        self,
-        state_dict: Mapping[str, torch.Tensor],
-        version: int,
-        *,
-        recipe: str,
-        fp8_prefixes: Iterable[str] = (),
-        pow2_scale: bool = False,
-    ) -> Manifest:
-        """Quantize/serialise ``state_dict`` as ``version`` and publish it (see :func:`build_shards`).
-
-        Raises:
-            StaleVersionError: ``version`` is not newer than ``weights:latest`` (nothing kept or published).
-            ValueError: NaN/Inf in a tensor, or a bad FP8 prefix (nothing published).
-        """
-        latest = self.store.latest()
-        if latest is not None and version <= latest:  # cheap early refusal; publish() re-checks atomically
-            raise StaleVersionError(version, latest)
-        manifest, shards = build_shards(
-            state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
-            fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
-        )
-        with self._lock:
-            self._shards[version] = shards
-        try:
-            self.store.publish(manifest)
-        except Exception:
-            with self._lock:
-                self._shards.pop(version, None)
-            raise
-        with self._lock:
-            for v in sorted(self._shards)[:-self.keep]:
-                del self._shards[v]
-        return manifest
-
-    def versions(self) -> list[int]:
-        """Versions whose shards are held, oldest first."""
-        with self._lock:
-            return sorted(self._shards)
-
-    def shards(self, version: int) -> list[bytes]:
-        """The shard bytes of ``version``; ``LookupError`` if it was evicted or never published here."""
-        with self._lock:
-            if version not in self._shards:
-                raise LookupError(f"shards of weight version {version} are not held (held: {sorted(self._shards)})")
-            return list(self._shards[version])
-
-    def source(self) -> InProcessShardSource:
-        """A :class:`ShardSource` serving this publisher's held shards directly (in-process refits)."""
-        return InProcessShardSource(_LockedView(self))
-
-
-class _LockedView(Mapping[int, Sequence[bytes]]):
-    """Read-only, lock-taking mapping view of a publisher's held shards."""
-
-    def __init__(self, publisher: RefitPublisher) -> None:
-        self._p = publisher
-
-    def __getitem__(self, version: int) -> Sequence[bytes]:
-        try:
-            return self._p.shards(version)
-        except LookupError:
-            raise KeyError(version) from None
-
-    def __iter__(self):
-        return iter(self._p.versions())
-
-    def __len__(self) -> int:
-        return len(self._p.versions())

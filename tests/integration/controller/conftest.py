@@ -24,7 +24,7 @@ import redis
 import torch
 import yaml
 
-from fp8rl.jobstore import JobStore
+from fp8rl.controller.jobstore import JobStore
 from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
 from fp8rl.model.tokenizer import CharTokenizer
 from fp8rl.refit import RefitStore, connect

@@ -22,7 +22,7 @@ import redis
 import yaml
 
 from fp8rl.config import ConfigError
-from fp8rl.jobstore import JobStore
+from fp8rl.controller.jobstore import JobStore
 from fp8rl.loop import LoopConfig, run
 from fp8rl.refit import RefitStore, connect
 from fp8rl.rl.metrics import mismatch_promise

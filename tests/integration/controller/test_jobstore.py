@@ -1,4 +1,4 @@
-"""fp8rl.jobstore on a real Redis, and the controller's pure helpers (fp8rl.controller_lib)."""
+"""fp8rl.controller.jobstore on a real Redis, and the controller's pure helpers (fp8rl.controller.plan)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from fp8rl.config import parse_job_config
-from fp8rl.controller_lib import deployment_mismatch, new_job_id, sampling_seed, split_evenly
-from fp8rl.jobstore import JobExistsError, JobStore
+from fp8rl.controller.jobstore import JobExistsError, JobStore
+from fp8rl.controller.plan import deployment_mismatch, new_job_id, sampling_seed, split_evenly
 from fp8rl.refit.keys import validate_job_id
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from fp8rl.controller.pool import RolloutPool
 from fp8rl.refit import RefitStore, connect
-from fp8rl.rollout_pool import RolloutPool
 from fp8rl.rpc import rollout_pb2
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ import torch
 
 from fp8rl.engines import SamplingParams, TorchRolloutEngine
 from fp8rl.fp8 import Fp8Recipe, fp8_linear_names
-from fp8rl.model.presets import load_policy
+from fp8rl.presets import load_policy
 from fp8rl.refit import Manifest, RefitFailedError, RefitPublisher, RefitStore, RefitSubscriber, connect
-from fp8rl.refit.grpc_source import MIN_CHUNK_BYTES, GrpcShardSource, ShardTransferError, WeightStoreServicer
+from fp8rl.refit.transport.grpc import MIN_CHUNK_BYTES, GrpcShardSource, ShardTransferError, WeightStoreServicer
 from fp8rl.rpc import weights_pb2, weights_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.rpc.server import build_server

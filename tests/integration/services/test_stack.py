@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.config import load_job_config
 from fp8rl.engines import SamplingParams, TorchRolloutEngine
-from fp8rl.model.presets import load_policy
+from fp8rl.presets import load_policy
 from fp8rl.refit import RefitStore, assemble, connect
-from fp8rl.refit.grpc_source import GrpcShardSource
+from fp8rl.refit.transport.grpc import GrpcShardSource
 from fp8rl.rl.metrics import mismatch_promise
 from fp8rl.rpc import (
     calibrator_pb2,

@@ -15,8 +15,8 @@ import torch
 
 from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainerConfig
 from fp8rl.fp8 import Fp8Recipe, quantize_state_dict
-from fp8rl.model.presets import load_policy, prepare_tiny_arith
 from fp8rl.model.tokenizer import load_tokenizer
+from fp8rl.presets import load_policy, prepare_tiny_arith
 from fp8rl.rl.metrics import token_mult_prob_error
 
 from .test_vllm_rollout import arith_prompts, train_batch
@@ -33,8 +33,8 @@ RECIPE = Fp8Recipe(linear="fp8", kv_cache_dtype="fp8", num_last_layers_in_bf16=1
 
 @pytest.fixture(scope="module")
 def setup():
-    from fp8rl.engines.vllm_launch import fp8_support_problem
-    from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+    from fp8rl.engines.vllm.launch import fp8_support_problem
+    from fp8rl.engines.vllm.rollout import VllmRolloutEngine
 
     problem = fp8_support_problem(RECIPE)
     if problem:

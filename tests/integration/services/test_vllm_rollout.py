@@ -13,11 +13,10 @@ import pytest
 import torch
 import yaml
 
-from fp8rl.engines import SamplingParams, TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.engines import SamplingParams, TorchTrainer, TrainBatch, TrainerConfig, build_train_batch
 from fp8rl.fp8 import Fp8Recipe
-from fp8rl.loop import build_train_batch
-from fp8rl.model.presets import load_policy, prepare_tiny_arith
 from fp8rl.model.tokenizer import load_tokenizer
+from fp8rl.presets import load_policy, prepare_tiny_arith
 from fp8rl.rl.metrics import token_mult_prob_error
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -38,7 +37,7 @@ def preset():
 
 @pytest.fixture(scope="module")
 def engine(preset):
-    from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+    from fp8rl.engines.vllm.rollout import VllmRolloutEngine
 
     path, tok = preset
     eng = VllmRolloutEngine(path, Fp8Recipe(linear="bf16"), eos_token_ids=[tok.eos_id], initial_version=None,
@@ -51,7 +50,7 @@ def engine(preset):
 
 def arith_prompts(tok, n: int) -> list[list[int]]:
     from fp8rl.data import ArithConfig, ArithDataset
-    from fp8rl.model.presets import TINY_ARITH_TASK
+    from fp8rl.presets import TINY_ARITH_TASK
 
     return [tok.encode(p.prompt) for p in ArithDataset(ArithConfig(**TINY_ARITH_TASK), seed=7).eval_set(n)]
 
@@ -95,7 +94,7 @@ def test_refit_through_the_protocol_matches_the_trainer_at_the_new_version(
     engine, preset, spawner, redis_url, module_job_id, tmp_path_factory
 ):
     from fp8rl.refit import RefitStore, RefitSubscriber, connect
-    from fp8rl.refit.grpc_source import GrpcShardSource
+    from fp8rl.refit.transport.grpc import GrpcShardSource
     from fp8rl.rpc import trainer_pb2, trainer_pb2_grpc
 
     path, tok = preset
@@ -156,8 +155,8 @@ def advantages(n: int) -> list[float]:
 def test_fp8_on_a_machine_without_fp8_fails_at_start(preset, monkeypatch):
     """Refused before vLLM starts, naming what is missing. Where the hardware has FP8 (this dev box has
     AMX + AVX-512; CI boxes may be AVX2 only), the CPU feature probes are turned off to see the refusal."""
-    from fp8rl.engines.vllm_launch import Fp8UnsupportedError, fp8_support_problem
-    from fp8rl.engines.vllm_rollout import VllmRolloutEngine
+    from fp8rl.engines.vllm.launch import Fp8UnsupportedError, fp8_support_problem
+    from fp8rl.engines.vllm.rollout import VllmRolloutEngine
 
     path, tok = preset
     recipe = Fp8Recipe(linear="fp8", kv_cache_dtype="fp8")
@@ -184,7 +183,7 @@ def test_fp8_on_a_machine_without_fp8_fails_at_start(preset, monkeypatch):
 ])
 def test_rollout_service_refuses_at_start_with_a_message(preset, spawner, module_job_id, tmp_path_factory,
                                                          vllm_cfg, message):
-    from fp8rl.engines.vllm_launch import fp8_support_problem
+    from fp8rl.engines.vllm.launch import fp8_support_problem
 
     path, _ = preset
     if message.startswith("cannot") and fp8_support_problem(Fp8Recipe(linear="fp8")) is None:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fp8rl.config import parse_job_config
-from fp8rl.controller_lib import check_data, problem_source
+from fp8rl.controller.plan import check_data, problem_source
 from fp8rl.data import DataFileError, DataRoot, load_jsonl
 from fp8rl.data.files import open_regular_file, read_lines
 

@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-from fp8rl.engines import Cancelled, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainerConfig
+from fp8rl.engines import Cancelled, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainerConfig, build_train_batch
 from fp8rl.fp8 import Fp8Recipe, recipe_for_role
 from fp8rl.limits import GREEDY_TEMPERATURE, MAX_TEMPERATURE
-from fp8rl.loop import build_train_batch
 
 
 class StopAfter:

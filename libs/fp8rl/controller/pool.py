@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from fp8rl.controller_lib import split_evenly
+from fp8rl.controller.plan import split_evenly
 from fp8rl.refit import RefitStore
 from fp8rl.refit.store import ReplicaLease
 from fp8rl.rpc import rollout_pb2

@@ -1,5 +1,7 @@
 """The gRPC transport of refit shards: the ``WeightStore`` servicer and a :class:`ShardSource` over it.
 
+``make_shard_source("grpc")`` builds the replica side.
+
 Trainer side, :class:`WeightStoreServicer` serves the shards a :class:`RefitPublisher` holds:
 ``StreamShards`` sends one shard from the requested offset to its end in chunks of
 ``chunk_bytes`` (1–4 MiB), in order, the final one flagged ``last``; ``GetManifest`` returns a held
@@ -27,9 +29,9 @@ import grpc
 from fp8rl.rpc import weights_pb2, weights_pb2_grpc
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S, make_channel
 
-from .manifest import Manifest
-from .shards import CorruptShardError
-from .subscriber import RefitPublisher
+from ..manifest import Manifest
+from ..publisher import RefitPublisher
+from ..shards import CorruptShardError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ numbers and strings (vLLM's msgpack IPC, no pickle); the weights of a refit come
 safetensors file the driver wrote into a private directory on the same host (``/dev/shm`` where
 available) — tensors nested in RPC arguments are not rebuilt by vLLM 0.32's decoder, and safetensors
 is a format that cannot execute code. Everything in it was validated (and quantized) by
-:class:`~fp8rl.engines.vllm_rollout.VllmRolloutEngine` first; network shards never reach this module.
+:class:`~fp8rl.engines.vllm.rollout.VllmRolloutEngine` first; network shards never reach this module.
 
 Targets vLLM 0.32.0: ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
 (the layerwise in-place reload, which re-runs each quant method's ``process_weights_after_loading``

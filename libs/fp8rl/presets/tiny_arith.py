@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from fp8rl.data import ArithConfig, ArithDataset, exact_match_grader
-
-from .config import ModelConfig
-from .hf_io import load_hf_checkpoint, save_hf_checkpoint
-from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
-from .transformer import CausalLM
+from fp8rl.engines.base import SamplingParams
+from fp8rl.engines.torch_rollout import TorchRolloutEngine
+from fp8rl.fp8 import Fp8Recipe
+from fp8rl.model.config import ModelConfig
+from fp8rl.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from fp8rl.model.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from fp8rl.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +67,6 @@ def preset_dir(name: str = "tiny-arith") -> Path:
 @torch.no_grad()
 def greedy_accuracy(model: CausalLM, tok: Tokenizer, problems, max_tokens: int = 8, batch_size: int = 128) -> float:
     """Fraction of ``problems`` answered exactly by greedy decoding (full recompute; small models only)."""
-    from fp8rl.engines.base import SamplingParams
-    from fp8rl.engines.torch_rollout import TorchRolloutEngine  # engines sit above model: import lazily
-    from fp8rl.fp8 import Fp8Recipe
 
     engine = TorchRolloutEngine(model, Fp8Recipe(linear="bf16"), eos_token_ids=[tok.eos_id],
                                 max_batch_size=batch_size, pad_token_id=tok.pad_id)

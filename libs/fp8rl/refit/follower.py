@@ -1,0 +1,179 @@
+"""The lease follower: keeps a :class:`~fp8rl.refit.RefitSubscriber` at ``weights:latest`` and its lease alive.
+
+A rollout replica (and the calibrator) runs one: a lease of its role in Redis naming its endpoint and
+the version it holds, renewed every TTL/3, and a thread that applies each newly published version as
+soon as it is applicable (its QKV scales published too, when the target needs them).
+
+Invariant: the follower never applies a version its target cannot serve correctly — without its
+scales, or partially; a failed apply keeps the old version serving and is retried with back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from .store import LeaseExpiredError, RefitStore
+from .subscriber import RefitSubscriber
+
+__all__ = ["AWAITING_SCALES", "REFIT_FAILED", "LeaseHolder", "PendingRefit", "RefitFollower"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseHolder(Protocol):
+    """Who holds a lease: a service's context (:class:`services.common.runtime.Context`) is one."""
+
+    store: RefitStore
+    replica_id: str
+    endpoint: str  # read when (re)registering: known once the server is bound
+    stopping: threading.Event
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def lease_ttl(self) -> float: ...
+
+
+AWAITING_SCALES = "awaiting_scales"  # PendingRefit.reason: v is published, its QKV scales are not (yet)
+REFIT_FAILED = "refit_failed"  # PendingRefit.reason: applying v failed; retried with back-off
+
+
+@dataclass(frozen=True)
+class PendingRefit:
+    """A published version newer than the one held that the follower saw and has not applied, and why.
+
+    Attributes:
+        version: the newest published version (``weights:latest``) when the follower last looked.
+        reason: :data:`AWAITING_SCALES` or :data:`REFIT_FAILED`.
+    """
+
+    version: int
+    reason: str
+
+
+class RefitFollower:
+    """Keeps a refit subscriber at ``weights:latest``: a replica lease plus two threads.
+
+    The heartbeat thread renews the lease every ``ttl/3`` and re-registers when it was lost
+    (expired or fenced). The follow thread watches the job's events stream and, whenever the newest
+    published version is newer than the one held and applicable — its QKV scales published too when
+    the subscriber ``requires_scales`` — runs ``subscriber.sync_to`` (which applies weights and
+    scales together, verified, and acks). A failed sync keeps the old version serving and is
+    retried with back-off; events only wake the thread, the decision is always re-read from Redis.
+
+    :attr:`pending` says what the follow thread decided on its last look at Redis: None when the
+    engine holds ``weights:latest`` (or nothing is published), else a :class:`PendingRefit` naming
+    the version it is deferring and why — so a caller can tell "v was seen and is waiting for its
+    scales" from "v was not noticed yet" (a Status RPC reports it).
+
+    Args:
+        holder: who holds the lease (:class:`LeaseHolder`: its store, role, id, endpoint, TTL, stop event —
+            a service's context is one).
+        subscriber: the refit subscriber of this replica's engine.
+        lock: serialises syncs with the service's own use of the engine.
+        on_change: called after every sync attempt (e.g. to flip health).
+        poll_ms: longest wait for an event before Redis is re-read.
+    """
+
+    def __init__(self, holder: LeaseHolder, subscriber: RefitSubscriber, *, lock: threading.Lock,
+                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000) -> None:
+        self.ctx, self.subscriber, self.lock = holder, subscriber, lock
+        self.on_change, self.poll_ms = on_change, poll_ms
+        self.store = holder.store
+        self._failed: int | None = None
+        self._retry_at, self._backoff = 0.0, 0.5
+        self._threads: list[threading.Thread] = []
+        self.pending: PendingRefit | None = None  # written by the follow thread only; read anywhere
+
+    def start(self) -> None:
+        self.register()
+        for target in (self._heartbeat_loop, self._follow_loop):
+            t = threading.Thread(target=target, name=f"{self.ctx.role}-{target.__name__.strip('_')}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Stop both threads and release the lease (a clean stop is not a fence)."""
+        self.ctx.stopping.set()
+        for t in self._threads:
+            t.join(timeout=self.poll_ms / 1000 + 5)
+        if self._threads:
+            try:
+                self.store.release(self.ctx.replica_id)
+            except Exception as exc:  # noqa: BLE001 - it expires on its own
+                log.warning("could not release the lease of %s: %s", self.ctx.replica_id, exc)
+
+    def register(self) -> None:
+        """(Re)create this replica's lease, recording the version held."""
+        held = self.subscriber.engine.weight_version
+        self.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, held, self.ctx.lease_ttl,
+                                    role=self.ctx.role)
+
+    def sync_to(self, version: int) -> int:
+        """``subscriber.sync_to(version)`` under the lock; a lease lost meanwhile is renewed and the ack redone."""
+        try:
+            with self.lock:
+                try:
+                    return self.subscriber.sync_to(version)
+                except LeaseExpiredError:  # applied, but the lease lapsed: rejoin, then ack what we hold
+                    log.warning("lease of %s lapsed during the refit to %d; re-registering", self.ctx.replica_id,
+                                version)
+                    self.register()
+                    self.store.ack(self.ctx.replica_id, version)
+                    return version
+        finally:
+            self.on_change()
+
+    def _maybe_sync(self) -> None:
+        latest, held = self.store.latest(), self.subscriber.engine.weight_version
+        if latest is None or (held is not None and latest <= held):
+            self.pending = None
+            return
+        if self.subscriber.requires_scales and self.store.get_scales(latest) is None:
+            self.pending = PendingRefit(latest, AWAITING_SCALES)
+            return  # the calibrator has not published v's scales: never serve v without them
+        if self._failed == latest and time.monotonic() < self._retry_at:
+            return
+        try:
+            self.sync_to(latest)
+            self._failed, self._backoff = None, 0.5
+            self.pending = None
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the old weights and is retried
+            self._backoff = self._backoff * 2 if self._failed == latest else 0.5
+            self._failed, self._retry_at = latest, time.monotonic() + min(self._backoff, 30.0)
+            self.pending = PendingRefit(latest, REFIT_FAILED)
+            log.warning("could not apply weight version %d (still serving %s); retrying in %.1f s: %s",
+                        latest, held, min(self._backoff, 30.0), exc)
+
+    def _follow_loop(self) -> None:
+        after: str | None = None
+        while not self.ctx.stopping.is_set():
+            try:
+                if after is None:
+                    after = self.store.last_event_id()
+                self._maybe_sync()
+                events = self.store.events(after, block_ms=self.poll_ms)
+                if events:
+                    after = events[-1].id
+                if any(e.type == "replica_fenced" and e.replica == self.ctx.replica_id for e in events):
+                    log.warning("replica %s was fenced; rejoining at weights:latest", self.ctx.replica_id)
+                    self.register()
+            except Exception as exc:  # noqa: BLE001 - Redis down or restarting: keep serving, retry
+                log.warning("refit follower: %s; retrying in 1 s", exc)
+                self.ctx.stopping.wait(1.0)
+
+    def _heartbeat_loop(self) -> None:
+        period = max(0.05, self.ctx.lease_ttl / 3)
+        while not self.ctx.stopping.wait(period):
+            try:
+                if not self.store.heartbeat(self.ctx.replica_id, self.subscriber.engine.weight_version):
+                    log.warning("lease of %s expired or was fenced; re-registering", self.ctx.replica_id)
+                    self.register()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("heartbeat failed: %s", exc)

@@ -1,0 +1,22 @@
+"""The transport seam of refit: where the bytes of one shard come from.
+
+A :class:`ShardSource` fetches shard bytes; it does not verify them — :class:`fp8rl.refit.RefitSubscriber`
+checks every shard and tensor checksum and re-fetches a corrupt one, so any transport may be lossy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ..manifest import Manifest
+
+__all__ = ["ShardSource"]
+
+
+@runtime_checkable
+class ShardSource(Protocol):
+    """Fetches the bytes of one shard of a published version (from wherever they are served)."""
+
+    def fetch(self, manifest: Manifest, shard_index: int) -> bytes:
+        """The bytes of shard ``shard_index`` of ``manifest.version``; may raise on transport errors."""
+        ...

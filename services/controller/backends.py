@@ -1,0 +1,150 @@
+"""The controller's gRPC adapters: the services behind :class:`fp8rl.controller.step.StepBackends`.
+
+Every call resolves its role's endpoint from the newest live lease in Redis (a restarted service is
+found on its new port at the next try) and converts protos; the step logic is the library's. Score
+items the reward service could not grade are scored again, and a step never trains on a placeholder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from fp8rl.controller.plan import JobPlan, sampling_seed
+from fp8rl.controller.pool import RolloutError
+from fp8rl.controller.step import Trained
+from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
+
+log = logging.getLogger("fp8rl.controller")
+
+__all__ = ["Backends", "GrpcStep", "JobCancelled", "JobFailed", "RpcFailed", "Stopping", "TRANSIENT"]
+
+TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_GRADED = {reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE}  # rewards that are verdicts
+
+
+class JobFailed(Exception):
+    """The job cannot go on; the message is recorded as its error."""
+
+
+class JobCancelled(Exception):
+    pass
+
+
+class Stopping(Exception):
+    """The controller is shutting down: leave the job ``running``, to be resumed."""
+
+
+class RpcFailed(Exception):
+    def __init__(self, phase: str, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{phase}: {code.name}: {detail}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Backends:
+    """How a step reaches the services: each role's endpoint is read from its newest live lease at every call.
+
+    Attributes:
+        stub: ``(role, endpoint)`` → that service's stub (the caller owns and caches the channels).
+        fallback: role → ``host:port`` used while no lease of that role is live (the controller's
+            ``--trainer`` ... flags; empty when every service registers, as the launcher's do).
+    """
+
+    stub: Callable[[str, str], object]
+    fallback: dict[str, str]
+
+    def rollout(self, endpoint: str) -> object:
+        return self.stub("rollout", endpoint)
+
+
+class GrpcStep:
+    """:class:`fp8rl.controller.step.StepBackends` over the services: protos in and out, nothing else."""
+
+    def __init__(self, runner, plan: JobPlan) -> None:
+        self.r, self.plan = runner, plan  # the JobRunner: its settings, rollout pool, refit store, cancel check
+
+    def generate(self, prompts, version, *, step, n, temperature):
+        return self._sample(self.plan, prompts, version, step=step, n=n, temperature=temperature)
+
+    def score(self, pairs):
+        return self._grade(self.plan, pairs)
+
+    def train(self, version, step, rows):
+        req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, rows=[
+            trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a)
+            for p, s, a in rows])
+        resp = self.rpc("train", "trainer", "TrainStep", req, DL.train_step)
+        pt = resp.phase_times
+        return Trained(resp.new_version, dict(resp.metrics),
+                       {"logprobs": pt.logprobs, "train": pt.train, "publish": pt.publish})
+
+    def calibrate(self, version, sequences):
+        self.rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
+            version=version, sequences=[common_pb2.TokenSequence(token_ids=q) for q in sequences]), DL.calibrate)
+
+    def await_refit(self, version):
+        return {"refit/fenced": float(len(self.r._refit_wait(version)))}
+
+    def rpc(self, phase: str, role: str, method: str, request, timeout: float | None):
+        """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address)."""
+        lease = self.r.refit.endpoint_of(role)
+        endpoint = lease.endpoint if lease is not None else self.r.b.fallback.get(role)
+        if not endpoint:
+            raise RpcFailed(phase, grpc.StatusCode.UNAVAILABLE, f"no live {role} lease in Redis (is the {role} "
+                                                                 f"service running?) and no --{role} address")
+        try:
+            return getattr(self.r.b.stub(role, endpoint), method)(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise RpcFailed(phase, err.code(), f"{role} at {endpoint}: {err.details()}") from None
+
+    def _sample(self, plan: JobPlan, prompts: list[list[int]], v: int, *, step: int, n: int,
+                  temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
+        g, seed = plan.job.raw["policy"]["generation"], plan.job.get("job.seed")
+        try:
+            return self.r.pool.generate(
+                prompts, v, n=n, sampling={"temperature": temperature, "top_p": g["top_p"],
+                                           "max_tokens": g["max_new_tokens"]},
+                seed_of=lambda a: sampling_seed(seed, step, a), request_id=f"{plan.job_id}-s{step}",
+                wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(plan.job_id, cancel=False))
+        except RolloutError as exc:
+            if exc.code is not None:
+                raise RpcFailed("rollout", exc.code, str(exc)) from None
+            raise JobFailed(f"rollout: {exc}") from None
+
+    def _grade(self, plan: JobPlan, pairs) -> list[float]:
+        """One graded reward per pair: items the service could not grade are re-scored, up to
+        ``score_attempts`` calls; one still ungraded fails the job (its 0 would be trained on as a verdict)."""
+        grader = plan.job.get("reward.grader")
+        items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
+                 for p, s in pairs]
+        rewards: list[float | None] = [None] * len(items)
+        todo, why = list(range(len(items))), {}
+        for attempt in range(self.r.settings.score_attempts):
+            resp = self.rpc("reward", "reward", "Score", reward_pb2.ScoreRequest(items=[items[i] for i in todo]),
+                             DL.score)
+            if not (len(resp.rewards) == len(resp.statuses) == len(todo)):
+                raise JobFailed(f"reward: the reward service answered {len(resp.rewards)} rewards and "
+                              f"{len(resp.statuses)} statuses for {len(todo)} items")
+            again = []
+            for i, r, st, err in zip(todo, resp.rewards, resp.statuses, list(resp.errors) or [""] * len(todo),
+                                     strict=True):
+                if st in _GRADED and math.isfinite(r) and 0.0 <= r <= 1.0:
+                    rewards[i] = float(r)
+                else:
+                    again.append(i)
+                    why[i] = err or f"status {reward_pb2.GradeStatus.Name(st)}, reward {r}"
+            todo = again
+            if not todo:
+                return rewards
+            log.warning("job %s: %d of %d responses were not graded (items[%d]: %s); scoring them again (%d/%d)",
+                        plan.job_id, len(todo), len(items), todo[0], why[todo[0]], attempt + 1,
+                        self.r.settings.score_attempts)
+        raise JobFailed(f"reward: {len(todo)} of {len(items)} responses could not be graded in "
+                      f"{self.r.settings.score_attempts} tries (items[{todo[0]}]: {why[todo[0]]}); the step was not "
+                      f"trained, so no placeholder reward was learned from")

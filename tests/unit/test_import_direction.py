@@ -1,0 +1,102 @@
+"""The dependency direction of the code base (docs/ARCHITECTURE.md), checked on every import statement.
+
+fp8 ← rl, model ← engines ← presets ← controller / loop; data and limits at the bottom; refit never imports
+engines or services; rpc ← sdk, services; services never import each other except ``services.common``;
+nothing in ``libs`` imports ``services``. Lazy imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# top-level package group -> the groups it may import (itself always)
+LIBS = {
+    "fp8rl.limits": set(),
+    "fp8rl.fp8": set(),
+    "fp8rl.rl": {"fp8rl.fp8"},
+    "fp8rl.model": {"fp8rl.fp8"},
+    "fp8rl.data": {"fp8rl.limits"},
+    "fp8rl.rpc": {"fp8rl.limits"},
+    "fp8rl.engines": {"fp8rl.fp8", "fp8rl.rl", "fp8rl.model", "fp8rl.data", "fp8rl.limits"},
+    "fp8rl.refit": {"fp8rl.fp8", "fp8rl.rpc", "fp8rl.limits"},
+    "fp8rl.presets": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.data"},
+    "fp8rl.config": {"fp8rl.limits", "fp8rl.fp8", "fp8rl.rl", "fp8rl.data", "fp8rl.engines"},
+    "fp8rl.sdk": {"fp8rl.rpc", "fp8rl.config", "fp8rl.limits"},
+    "fp8rl.controller": {"fp8rl.config", "fp8rl.data", "fp8rl.model", "fp8rl.presets", "fp8rl.rl", "fp8rl.refit",
+                         "fp8rl.rpc", "fp8rl.limits"},
+    "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.presets",
+                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits"},
+    "fp8rl.report": {"fp8rl.limits"},
+}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] == "libs":
+        parts = parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    mod = _module(path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                out.add(".".join(base + ([node.module] if node.module else [])))
+            else:
+                out.add(node.module)
+    return out
+
+
+def _group(name: str) -> str | None:
+    p = name.split(".")
+    if p[0] in ("fp8rl", "services"):
+        return ".".join(p[:2]) if len(p) > 1 else p[0]
+    return None
+
+
+def _arrows() -> list[tuple[str, str, str]]:
+    files = [*(REPO / "libs" / "fp8rl").rglob("*.py"), *(REPO / "services").rglob("*.py")]
+    return [(_module(f), _group(_module(f)), _group(t)) for f in files for t in _imports(f)
+            if _group(t) is not None and _group(t) != _group(_module(f))]
+
+
+def forbidden(arrows: list[tuple[str, str, str]]) -> list[str]:
+    bad = []
+    for mod, src, dst in arrows:
+        if src.startswith("services."):
+            ok = dst == "services.common" or dst.startswith("fp8rl") or dst == "fp8rl"
+        elif src in LIBS:
+            ok = dst in LIBS[src] or dst == "fp8rl"  # "fp8rl" itself: `from fp8rl import limits`
+        else:
+            ok = False  # a new package: give it a row above
+        if not ok:
+            bad.append(f"{mod} ({src}) imports {dst}")
+    return sorted(set(bad))
+
+
+def test_no_import_against_the_dependency_direction():
+    bad = forbidden(_arrows())
+    assert not bad, "imports against the dependency direction:\n  " + "\n  ".join(bad)
+
+
+def test_every_package_has_a_rule():
+    groups = {src for _, src, _ in _arrows() if src.startswith("fp8rl")}
+    assert groups <= set(LIBS) | {"fp8rl"}, sorted(groups - set(LIBS))
+
+
+def test_the_scanner_catches_a_forbidden_arrow():
+    arrows = [("fp8rl.refit.subscriber", "fp8rl.refit", "fp8rl.engines"),
+              ("fp8rl.model.x", "fp8rl.model", "fp8rl.presets"),
+              ("services.trainer.server", "services.trainer", "services.rollout"),
+              ("fp8rl.data.x", "fp8rl.data", "services.common")]
+    assert len(forbidden(arrows)) == 4
+    assert forbidden([("services.trainer.server", "services.trainer", "services.common")]) == []
