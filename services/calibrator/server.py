@@ -1,11 +1,13 @@
 """CalibratorService: QKV amax calibration of a published weight version → FP32 scales in Redis.
 
 Wiring only — the model is the trainer's model code converted with ``job.fp8_recipe("calibrator")``
-(forward only, DESIGN §5), refitted like a replica; :class:`QKVCalibrator` does the work:
+(forward only, DESIGN §5) as a :class:`fp8rl.engines.CalibrationModel`, refitted like a replica;
+:class:`QKVCalibrator` does the work:
 
-* The calibrator holds a replica lease and follows ``weights:latest`` (a :class:`RefitFollower` with
-  ``requires_scales=False``), so a new version is usually pulled — over ``WeightStore.StreamShards`` —
-  before its Calibrate call arrives, and the calibrator never holds up the acks of a version.
+* The calibrator holds a lease of role ``calibrator`` and follows ``weights:latest`` (a
+  :class:`RefitFollower` with ``requires_scales=False``), so a new version is usually pulled — over
+  ``WeightStore.StreamShards`` — before its Calibrate call arrives; refit acks are awaited from
+  ``rollout`` leases only, so the calibrator never holds up a version.
 * ``Calibrate(v, sequences)`` syncs to v if needed, calibrates on at most ``calibration.max_sequences``
   sequences (an evenly spaced, deterministic subset), publishes the set with ``RefitStore.put_scales``
   and returns it. Scales are immutable per version: when v's are already published they are returned
@@ -18,18 +20,14 @@ Wiring only — the model is the trainer's model code converted with ``job.fp8_r
 from __future__ import annotations
 
 import argparse
-import copy
 import threading
 import time
-from collections.abc import Mapping
 
 import grpc
-import torch
 
 from fp8rl import limits
-from fp8rl.engines import QKVCalibrator, RolloutEngine
-from fp8rl.engines.weights import apply_staged, stage_weights
-from fp8rl.fp8 import E4M3, Fp8InferenceLinear, QKVScales, convert_model, dequantize_blockwise
+from fp8rl.engines import CalibrationModel, QKVCalibrator
+from fp8rl.fp8 import QKVScales
 from fp8rl.presets import load_policy
 from fp8rl.refit import (
     RefitError,
@@ -52,40 +50,7 @@ from services.common.runtime import (
     rpc_method,
 )
 
-__all__ = ["CalibratorService", "CalibratorServicer", "CalibrationModel", "SPEC"]
-
-
-class CalibrationModel(RolloutEngine):
-    """The calibrator's model as a refit target: validate-then-apply loads, no sampling.
-
-    Linears the calibrator recipe runs in FP8 take the shipped E4M3 + block scales as they are. A
-    linear it keeps in high precision (``fp8_gen_only``: the trainer's numerics are BF16) but that
-    arrives in E4M3 is dequantized (``x ≈ q.float() * scale``) — the weights the rollout computes with.
-    """
-
-    def __init__(self, policy: torch.nn.Module, recipe) -> None:
-        self.model = convert_model(copy.deepcopy(policy), recipe, mode="inference").eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self._fp8 = {n for n, m in self.model.named_modules() if isinstance(m, Fp8InferenceLinear)}
-        self._version: int | None = None
-
-    @property
-    def weight_version(self) -> int | None:
-        return self._version
-
-    def generate(self, prompts, params, *, weight_version=None):
-        raise NotImplementedError("the calibrator runs forward passes only")
-
-    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None):
-        tensors = dict(tensors)
-        for name in [n for n, t in tensors.items() if t.dtype == E4M3 and n.endswith(".weight")]:
-            prefix = name.removesuffix(".weight")
-            if prefix not in self._fp8 and f"{prefix}.weight_scale" in tensors:
-                tensors[name] = dequantize_blockwise(tensors[name], tensors.pop(f"{prefix}.weight_scale"))
-        staged = stage_weights(self.model, tensors)  # raises WeightLoadError; nothing applied then
-        apply_staged(self.model, staged)
-        self._version = version
+__all__ = ["CalibratorService", "CalibratorServicer", "SPEC"]
 
 
 class CalibratorService(Service):

@@ -22,14 +22,15 @@ Lifecycle:
 
 Servicer methods wear :func:`rpc_method`: they raise :class:`Abort` (a status code and a message for
 people) and anything unexpected becomes INTERNAL with the traceback in the log.
+
+The nouns live beside this module — :mod:`.rpc` (Abort, require, rpc_method), :mod:`.service` (Context,
+Service, ServiceSpec, EndpointLease), :mod:`.security` (token scopes) — and are re-exported here, the
+one import a service needs.
 """
 
 from __future__ import annotations
 
-import abc
 import argparse
-import functools
-import inspect
 import json
 import logging
 import os
@@ -37,21 +38,18 @@ import re
 import signal
 import socket
 import sys
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-import redis
-
-from fp8rl.config import ConfigError, JobConfig, load_job_config
-from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, connect
+from fp8rl.config import ConfigError, load_job_config
+from fp8rl.refit import RefitError, RefitStore, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
-from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, build_server, set_serving
+from fp8rl.rpc.server import SCOPE_SERVICE, build_server
 
 from . import security
+from .rpc import Abort, check_token_ids, require, rpc_method
+from .service import Context, EndpointLease, Service, ServiceSpec, StartupError
 
 log = logging.getLogger("fp8rl.service")
 
@@ -68,186 +66,6 @@ ENV = {
 }
 ENV_TORCH_THREADS = "FP8RL_TORCH_THREADS"
 _WILDCARD_HOSTS = {"", "[::]", "::", "0.0.0.0"}
-
-
-class Abort(Exception):
-    """Ends an RPC with ``code`` and a message that names what was wrong (see :func:`rpc_method`)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class StartupError(RuntimeError):
-    """The service cannot start with this configuration (exit status 2, message on stderr)."""
-
-
-def require(ok: object, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-    """Raise :class:`Abort` (INVALID_ARGUMENT by default) with ``message`` unless ``ok``."""
-    if not ok:
-        raise Abort(code, message)
-
-
-def check_token_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str) -> list[int]:
-    """``ids`` as a list, after checking it is non-empty, in ``[0, vocab_size)`` and at most ``max_len`` long."""
-    ids = list(ids)
-    require(ids, f"{what} is empty")
-    require(len(ids) <= max_len, f"{what} has {len(ids)} tokens; the model holds at most {max_len} positions")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    require(bad is None, f"{what} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
-    return ids
-
-
-def rpc_method(fn: Callable) -> Callable:
-    """Decorate a servicer method (unary or server-streaming).
-
-    :class:`Abort` → its status; Redis unreachable → UNAVAILABLE (retryable); other errors → INTERNAL.
-    """
-    name = fn.__qualname__
-
-    def fail(exc: BaseException, context: grpc.ServicerContext):
-        if isinstance(exc, Abort):
-            log.info("%s -> %s: %s", name, exc.code.name, exc.message)
-            context.abort(exc.code, exc.message)
-        if isinstance(exc, redis.ConnectionError | redis.TimeoutError | RefitConnectionError):
-            log.warning("%s: Redis unreachable: %s", name, exc)  # transient: clients retry UNAVAILABLE
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}: the job state in Redis is unreachable ({exc}); retry")
-        log.exception("%s failed", name)
-        context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}: {exc}")
-
-    if inspect.isgeneratorfunction(fn):
-        @functools.wraps(fn)
-        def stream(self, request, context):
-            try:
-                yield from fn(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - every error becomes a status, none escapes as UNKNOWN
-                fail(exc, context)
-        return stream
-
-    @functools.wraps(fn)
-    def unary(self, request, context):
-        try:
-            return fn(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            fail(exc, context)
-    return unary
-
-
-class Context:
-    """What a service gets from the skeleton: its flags, job, Redis state, endpoint and health switch."""
-
-    def __init__(self, name: str, args: argparse.Namespace, job: JobConfig, store: RefitStore) -> None:
-        self.name, self.args, self.job, self.store = name, args, job, store
-        self.job_id: str = store.job
-        self.replica_id: str = args.replica_id
-        self.endpoint = ""  # "host:port" others reach this server at; set once the port is bound
-        self.port = 0
-        self.stopping = threading.Event()
-        self.failure: BaseException | None = None
-        self._health = None
-
-    @property
-    def role(self) -> str:
-        """The lease role: the service's name."""
-        return self.name
-
-    @property
-    def lease_ttl(self) -> float:
-        return self.args.lease_ttl
-
-    def set_serving(self, serving: bool) -> None:
-        """Flip gRPC health for the whole server (ignored once shutdown began)."""
-        if self._health is not None and not self.stopping.is_set():
-            set_serving(self._health, serving)
-
-    def fail(self, exc: BaseException) -> None:
-        """A background thread hit an unrecoverable error: stop the process with exit status 1."""
-        log.error("%s: fatal: %s", self.name, exc, exc_info=exc)
-        self.failure = exc
-        self.stopping.set()
-
-
-class Service(abc.ABC):
-    """One role's wiring: its servicers, what to do once the port is bound, and how to stop."""
-
-    @abc.abstractmethod
-    def servicers(self) -> list[ServicerAdder]:
-        """``(add_XServicer_to_server, servicer)`` pairs served on the role's port."""
-
-    @abc.abstractmethod
-    def start(self, ctx: Context) -> None:
-        """The server is listening at ``ctx.endpoint``: publish/register/start threads, then ``ctx.set_serving``."""
-
-    def stop(self) -> None:  # noqa: B027 - optional hook
-        """Stop background threads (health is already NOT_SERVING)."""
-
-
-class EndpointLease:
-    """The lease of a role that does not follow refit (trainer, reward, controller): its endpoint in Redis.
-
-    Registered once the server listens, renewed every ``ttl/3``, re-registered when lost (expired while
-    Redis was away, or fenced) and released on a clean stop — so a service restarted on another port
-    is found by whoever resolves its role (:meth:`RefitStore.endpoint_of`). Redis being down only
-    delays the lease: the thread logs and retries, the service keeps serving.
-    """
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self._thread: threading.Thread | None = None
-
-    def _register(self) -> None:
-        self.ctx.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, None, self.ctx.args.lease_ttl,
-                                        role=self.ctx.name)
-
-    def start(self) -> None:
-        try:
-            self._register()
-        except Exception as exc:  # noqa: BLE001 - Redis away at start: the heartbeat thread keeps trying
-            log.warning("cannot register the %s lease yet: %s", self.ctx.name, exc)
-        self._thread = threading.Thread(target=self._loop, name=f"{self.ctx.name}-lease", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        period = max(0.05, self.ctx.args.lease_ttl / 3)
-        while not self.ctx.stopping.wait(period):
-            try:
-                if not self.ctx.store.heartbeat(self.ctx.replica_id, None):
-                    log.warning("the %s lease of %s was lost; re-registering", self.ctx.name, self.ctx.replica_id)
-                    self._register()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("lease heartbeat failed: %s", exc)
-
-    def release(self) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        try:
-            self.ctx.store.release(self.ctx.replica_id)
-        except Exception as exc:  # noqa: BLE001 - it expires on its own
-            log.warning("could not release the %s lease: %s", self.ctx.name, exc)
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """A role: its name, default port, constructor, and extra flags.
-
-    Attributes:
-        name: ``trainer``, ``rollout``, ``calibrator``...
-        default_port: port used when neither ``--port`` nor ``$FP8RL_PORT`` is given.
-        build: makes the :class:`Service` from the :class:`Context` (loads models; may raise StartupError).
-        add_args: adds the role's own flags to the parser.
-        scopes: the token scopes its RPCs belong to (``fp8rl.rpc.server``): the controller's JobService is
-            :data:`~fp8rl.rpc.server.SCOPE_CLIENT`, every other role :data:`~fp8rl.rpc.server.SCOPE_SERVICE`.
-            Listening off loopback needs a token for each (or ``--insecure``).
-        follows_refit: the role's lease is its :class:`~fp8rl.refit.RefitFollower`'s (rollout, calibrator); every other
-            role gets an :class:`EndpointLease` from the skeleton.
-    """
-
-    name: str
-    default_port: int
-    build: Callable[[Context], Service]
-    add_args: Callable[[argparse.ArgumentParser], None] | None = None
-    scopes: tuple[str, ...] = (SCOPE_SERVICE,)
-    follows_refit: bool = False
 
 
 def env_default(flag: str, default: Any = None) -> Any:

@@ -17,6 +17,7 @@ from .base import (
     WeightLoadError,
 )
 from .batch import TrainOutcome, build_train_batch, train_on_batch
+from .calibration_model import CalibrationModel
 from .calibrator import QKVCalibrator
 from .factory import make_rollout_engine, make_trainer_backend
 from .torch_rollout import TorchRolloutEngine
@@ -25,6 +26,6 @@ from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 __all__ = [
     "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",
     "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
-    "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "sequence_logprobs",
+    "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "CalibrationModel", "sequence_logprobs",
     "make_trainer_backend", "make_rollout_engine", "TrainOutcome", "build_train_batch", "train_on_batch",
 ]

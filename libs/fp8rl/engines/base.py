@@ -189,6 +189,19 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int | None:
         """The version currently served (None before the first load)."""
 
+    @property
+    @abc.abstractmethod
+    def scales_version(self) -> int | None:
+        """The version whose QKV scales the FP8 KV cache holds (None: no FP8 KV cache, or none loaded yet)."""
+
+    @abc.abstractmethod
+    def load_scales(self, qkv_scales: QKVScales) -> None:
+        """Install the QKV scales of the version already held (the first calibration, before any refit).
+
+        Raises:
+            WeightLoadError: the scales are of another version, or do not fit the model.
+        """
+
     @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None,

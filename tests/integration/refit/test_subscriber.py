@@ -6,12 +6,12 @@ and scales, with an atomic load); the real engines get their own refit tests.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import pytest
 import torch
 
-from fp8rl.engines.base import RolloutEngine, Sample, SamplingParams, WeightLoadError
+from fp8rl.engines.base import WeightLoadError
 from fp8rl.fp8 import E4M3, QKVScales, quantize_state_dict
 from fp8rl.refit import (
     LeaseExpiredError,
@@ -32,8 +32,9 @@ pytestmark = pytest.mark.integration
 PREFIXES = ["model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
 
 
-class DictEngine(RolloutEngine):
-    """Holds tensors + version + QKV scales; ``load_weights`` validates first, then swaps all at once."""
+class DictEngine:
+    """A :class:`fp8rl.refit.RefitTarget` (what refit needs, nothing of an engine): holds tensors + version +
+    QKV scales; ``load_weights`` validates first, then swaps all at once."""
 
     def __init__(self, requires_scales: bool) -> None:
         self.requires_scales = requires_scales
@@ -45,11 +46,6 @@ class DictEngine(RolloutEngine):
     @property
     def weight_version(self) -> int | None:
         return self._version
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None
-    ) -> list[Sample]:
-        raise NotImplementedError("DictEngine only takes refits")
 
     def load_weights(
         self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None

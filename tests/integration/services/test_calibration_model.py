@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl.engines import QKVCalibrator, TorchTrainer
+from fp8rl.engines import CalibrationModel, QKVCalibrator, TorchTrainer
 from fp8rl.fp8 import E4M3, dequantize_blockwise, fp8_linear_names, recipe_for_role
 from fp8rl.presets import load_policy
 from fp8rl.refit import assemble, build_shards
-from services.calibrator.server import CalibrationModel
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,12 @@ VARS = ("FP8RL_AUTH_TOKEN", "FP8RL_TOKEN_FILE", "FP8RL_TLS_CA", "FP8RL_INSECURE"
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch):
+    """Unset every variable ``apply_security_args`` reads or writes, and restore each afterwards: set-then-delete
+    makes monkeypatch record the original state, so what the code under test exports (it writes ``os.environ``
+    directly) never leaks into later tests or the services they start."""
     for var in VARS:
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
 
 
 def _args(*argv: str, host: str = "127.0.0.1") -> argparse.Namespace:

@@ -1,0 +1,141 @@
+"""A role, as the skeleton sees it: its :class:`ServiceSpec`, the :class:`Service` it builds, the
+:class:`Context` it gets, and the :class:`EndpointLease` that makes it findable in Redis.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fp8rl.config import JobConfig
+from fp8rl.refit import RefitStore
+from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, set_serving
+
+log = logging.getLogger("fp8rl.service")
+
+__all__ = ["Context", "EndpointLease", "Service", "ServiceSpec", "StartupError"]
+
+
+class StartupError(RuntimeError):
+    """The service cannot start with this configuration (exit status 2, message on stderr)."""
+
+
+class Context:
+    """What a service gets from the skeleton: its flags, job, Redis state, endpoint and health switch."""
+
+    def __init__(self, name: str, args: argparse.Namespace, job: JobConfig, store: RefitStore) -> None:
+        self.name, self.args, self.job, self.store = name, args, job, store
+        self.job_id: str = store.job
+        self.replica_id: str = args.replica_id
+        self.endpoint = ""  # "host:port" others reach this server at; set once the port is bound
+        self.port = 0
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self._health = None
+
+    @property
+    def role(self) -> str:
+        """The lease role: the service's name."""
+        return self.name
+
+    @property
+    def lease_ttl(self) -> float:
+        return self.args.lease_ttl
+
+    def set_serving(self, serving: bool) -> None:
+        """Flip gRPC health for the whole server (ignored once shutdown began)."""
+        if self._health is not None and not self.stopping.is_set():
+            set_serving(self._health, serving)
+
+    def fail(self, exc: BaseException) -> None:
+        """A background thread hit an unrecoverable error: stop the process with exit status 1."""
+        log.error("%s: fatal: %s", self.name, exc, exc_info=exc)
+        self.failure = exc
+        self.stopping.set()
+
+
+class Service(abc.ABC):
+    """One role's wiring: its servicers, what to do once the port is bound, and how to stop."""
+
+    @abc.abstractmethod
+    def servicers(self) -> list[ServicerAdder]:
+        """``(add_XServicer_to_server, servicer)`` pairs served on the role's port."""
+
+    @abc.abstractmethod
+    def start(self, ctx: Context) -> None:
+        """The server is listening at ``ctx.endpoint``: publish/register/start threads, then ``ctx.set_serving``."""
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Stop background threads (health is already NOT_SERVING)."""
+
+
+class EndpointLease:
+    """The lease of a role that does not follow refit (trainer, reward, controller): its endpoint in Redis.
+
+    Registered once the server listens, renewed every ``ttl/3``, re-registered when lost (expired while
+    Redis was away, or fenced) and released on a clean stop — so a service restarted on another port
+    is found by whoever resolves its role (:meth:`RefitStore.endpoint_of`). Redis being down only
+    delays the lease: the thread logs and retries, the service keeps serving.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._thread: threading.Thread | None = None
+
+    def _register(self) -> None:
+        self.ctx.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, None, self.ctx.args.lease_ttl,
+                                        role=self.ctx.name)
+
+    def start(self) -> None:
+        try:
+            self._register()
+        except Exception as exc:  # noqa: BLE001 - Redis away at start: the heartbeat thread keeps trying
+            log.warning("cannot register the %s lease yet: %s", self.ctx.name, exc)
+        self._thread = threading.Thread(target=self._loop, name=f"{self.ctx.name}-lease", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        period = max(0.05, self.ctx.args.lease_ttl / 3)
+        while not self.ctx.stopping.wait(period):
+            try:
+                if not self.ctx.store.heartbeat(self.ctx.replica_id, None):
+                    log.warning("the %s lease of %s was lost; re-registering", self.ctx.name, self.ctx.replica_id)
+                    self._register()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("lease heartbeat failed: %s", exc)
+
+    def release(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.ctx.store.release(self.ctx.replica_id)
+        except Exception as exc:  # noqa: BLE001 - it expires on its own
+            log.warning("could not release the %s lease: %s", self.ctx.name, exc)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A role: its name, default port, constructor, and extra flags.
+
+    Attributes:
+        name: ``trainer``, ``rollout``, ``calibrator``...
+        default_port: port used when neither ``--port`` nor ``$FP8RL_PORT`` is given.
+        build: makes the :class:`Service` from the :class:`Context` (loads models; may raise StartupError).
+        add_args: adds the role's own flags to the parser.
+        scopes: the token scopes its RPCs belong to (``fp8rl.rpc.server``): the controller's JobService is
+            :data:`~fp8rl.rpc.server.SCOPE_CLIENT`, every other role :data:`~fp8rl.rpc.server.SCOPE_SERVICE`.
+            Listening off loopback needs a token for each (or ``--insecure``).
+        follows_refit: the role's lease is its :class:`~fp8rl.refit.RefitFollower`'s (rollout, calibrator); every other
+            role gets an :class:`EndpointLease` from the skeleton.
+    """
+
+    name: str
+    default_port: int
+    build: Callable[[Context], Service]
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None
+    scopes: tuple[str, ...] = (SCOPE_SERVICE,)
+    follows_refit: bool = False
