@@ -24,7 +24,7 @@ Servicer methods wear :func:`rpc_method`: they raise :class:`Abort` (a status co
 people) and anything unexpected becomes INTERNAL with the traceback in the log.
 
 The nouns live beside this module — :mod:`.rpc` (Abort, require, rpc_method), :mod:`.service` (Context,
-Service, ServiceSpec, EndpointLease), :mod:`.security` (token scopes) — and are re-exported here, the
+Service, ServiceSpec), :mod:`.security` (token scopes) — and are re-exported here, the
 one import a service needs.
 """
 
@@ -43,17 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl.config import ConfigError, load_job_config
-from fp8rl.refit import RefitError, RefitStore, connect
+from fp8rl.refit import RefitError, RefitStore, RoleLease, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import SCOPE_SERVICE, build_server
 
 from . import security
 from .rpc import Abort, check_token_ids, require, rpc_method
-from .service import Context, EndpointLease, Service, ServiceSpec, StartupError
+from .service import Context, Service, ServiceSpec, StartupError
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "EndpointLease", "rpc_method",
+__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "rpc_method",
            "require", "check_token_ids", "serve", "main"]
 
 # flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
@@ -168,7 +168,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    lease: EndpointLease | None = None
+    lease: RoleLease | None = None
     server.start()
     try:
         service.start(ctx)
@@ -180,8 +180,8 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         ctx.stopping.set()
     else:
         if not spec.follows_refit:
-            lease = EndpointLease(ctx)
-            lease.start()
+            lease = RoleLease(ctx)  # no version: only the endpoint
+            lease.start(tolerate_redis_down=True)
         log.info("%s listening on %s (job %s)", spec.name, ctx.endpoint, ctx.job_id)
         if args.ready_file:
             _write_ready_file(args.ready_file, {"service": spec.name, "pid": os.getpid(), "port": port,

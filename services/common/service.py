@@ -1,5 +1,5 @@
 """A role, as the skeleton sees it: its :class:`ServiceSpec`, the :class:`Service` it builds, the
-:class:`Context` it gets, and the :class:`EndpointLease` that makes it findable in Redis.
+:class:`Context` it gets (a :class:`fp8rl.refit.LeaseHolder`: the skeleton keeps its role lease in Redis).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, set_serving
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["Context", "EndpointLease", "Service", "ServiceSpec", "StartupError"]
+__all__ = ["Context", "Service", "ServiceSpec", "StartupError"]
 
 
 class StartupError(RuntimeError):
@@ -73,50 +73,6 @@ class Service(abc.ABC):
         """Stop background threads (health is already NOT_SERVING)."""
 
 
-class EndpointLease:
-    """The lease of a role that does not follow refit (trainer, reward, controller): its endpoint in Redis.
-
-    Registered once the server listens, renewed every ``ttl/3``, re-registered when lost (expired while
-    Redis was away, or fenced) and released on a clean stop — so a service restarted on another port
-    is found by whoever resolves its role (:meth:`RefitStore.endpoint_of`). Redis being down only
-    delays the lease: the thread logs and retries, the service keeps serving.
-    """
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self._thread: threading.Thread | None = None
-
-    def _register(self) -> None:
-        self.ctx.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, None, self.ctx.args.lease_ttl,
-                                        role=self.ctx.name)
-
-    def start(self) -> None:
-        try:
-            self._register()
-        except Exception as exc:  # noqa: BLE001 - Redis away at start: the heartbeat thread keeps trying
-            log.warning("cannot register the %s lease yet: %s", self.ctx.name, exc)
-        self._thread = threading.Thread(target=self._loop, name=f"{self.ctx.name}-lease", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        period = max(0.05, self.ctx.args.lease_ttl / 3)
-        while not self.ctx.stopping.wait(period):
-            try:
-                if not self.ctx.store.heartbeat(self.ctx.replica_id, None):
-                    log.warning("the %s lease of %s was lost; re-registering", self.ctx.name, self.ctx.replica_id)
-                    self._register()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("lease heartbeat failed: %s", exc)
-
-    def release(self) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        try:
-            self.ctx.store.release(self.ctx.replica_id)
-        except Exception as exc:  # noqa: BLE001 - it expires on its own
-            log.warning("could not release the %s lease: %s", self.ctx.name, exc)
-
-
 @dataclass(frozen=True)
 class ServiceSpec:
     """A role: its name, default port, constructor, and extra flags.
@@ -130,7 +86,7 @@ class ServiceSpec:
             :data:`~fp8rl.rpc.server.SCOPE_CLIENT`, every other role :data:`~fp8rl.rpc.server.SCOPE_SERVICE`.
             Listening off loopback needs a token for each (or ``--insecure``).
         follows_refit: the role's lease is its :class:`~fp8rl.refit.RefitFollower`'s (rollout, calibrator); every other
-            role gets an :class:`EndpointLease` from the skeleton.
+            role gets a :class:`fp8rl.refit.RoleLease` from the skeleton.
     """
 
     name: str

@@ -22,7 +22,7 @@ from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
 
 log = logging.getLogger("fp8rl.controller")
 
-__all__ = ["Backends", "GrpcStep", "JobCancelled", "JobFailed", "RpcFailed", "Stopping", "TRANSIENT"]
+__all__ = ["Backends", "GrpcStep", "call", "JobCancelled", "JobFailed", "RpcFailed", "Stopping", "TRANSIENT"]
 
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _GRADED = {reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE}  # rewards that are verdicts
@@ -92,16 +92,7 @@ class GrpcStep:
         return {"refit/fenced": float(len(self.r._refit_wait(version)))}
 
     def rpc(self, phase: str, role: str, method: str, request, timeout: float | None):
-        """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address)."""
-        lease = self.r.refit.endpoint_of(role)
-        endpoint = lease.endpoint if lease is not None else self.r.b.fallback.get(role)
-        if not endpoint:
-            raise RpcFailed(phase, grpc.StatusCode.UNAVAILABLE, f"no live {role} lease in Redis (is the {role} "
-                                                                 f"service running?) and no --{role} address")
-        try:
-            return getattr(self.r.b.stub(role, endpoint), method)(request, timeout=timeout)
-        except grpc.RpcError as err:
-            raise RpcFailed(phase, err.code(), f"{role} at {endpoint}: {err.details()}") from None
+        return call(self.r, phase, role, method, request, timeout)
 
     def _sample(self, plan: JobPlan, prompts: list[list[int]], v: int, *, step: int, n: int,
                   temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
@@ -148,3 +139,17 @@ class GrpcStep:
         raise JobFailed(f"reward: {len(todo)} of {len(items)} responses could not be graded in "
                       f"{self.r.settings.score_attempts} tries (items[{todo[0]}]: {why[todo[0]]}); the step was not "
                       f"trained, so no placeholder reward was learned from")
+
+
+def call(runner, phase: str, role: str, method: str, request, timeout: float | None):
+    """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address); a gRPC error
+    becomes :class:`RpcFailed` naming the phase, the role and the endpoint."""
+    lease = runner.refit.endpoint_of(role)
+    endpoint = lease.endpoint if lease is not None else runner.b.fallback.get(role)
+    if not endpoint:
+        raise RpcFailed(phase, grpc.StatusCode.UNAVAILABLE, f"no live {role} lease in Redis (is the {role} "
+                                                             f"service running?) and no --{role} address")
+    try:
+        return getattr(runner.b.stub(role, endpoint), method)(request, timeout=timeout)
+    except grpc.RpcError as err:
+        raise RpcFailed(phase, err.code(), f"{role} at {endpoint}: {err.details()}") from None

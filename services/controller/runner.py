@@ -79,7 +79,7 @@ from fp8rl.refit import RefitStore
 from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
 
-from .backends import TRANSIENT, Backends, GrpcStep, JobCancelled, JobFailed, RpcFailed, Stopping
+from .backends import TRANSIENT, Backends, GrpcStep, JobCancelled, JobFailed, RpcFailed, Stopping, call
 
 log = logging.getLogger("fp8rl.controller")
 
@@ -313,7 +313,7 @@ class JobRunner:
             raise JobCancelled
 
     def _rpc(self, phase: str, role: str, method: str, request, timeout: float | None):
-        return GrpcStep(self, None).rpc(phase, role, method, request, timeout)
+        return call(self, phase, role, method, request, timeout)
 
     # -- one step ------------------------------------------------------------------------------
     def _first_half(self, plan: JobPlan, step: int, v: int) -> dict:

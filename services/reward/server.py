@@ -44,7 +44,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         default_grader: grader for items whose ``grader`` is ``""``; must be registered.
         timeout_s: per-item wall-clock bound in seconds; an item past it scores 0 with error
             ``"timeout: ..."``.
-        pool: grading pool; None uses the process-wide :func:`fp8rl.data.scoring.default_pool`.
+        pool: grading pool (the ``pool`` attribute; may be set later, before serving); None uses the
+            process-wide :func:`fp8rl.data.scoring.default_pool`.
         max_items: most items in one Score call.
         max_response_chars: most characters in one item's response (and in its answer).
 
@@ -61,7 +62,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_items < 1 or max_response_chars < 1:
             raise ValueError(f"max_items and max_response_chars must be >= 1, got {max_items}, {max_response_chars}")
-        self.default_grader, self.timeout_s, self._pool = default_grader, timeout_s, pool
+        self.default_grader, self.timeout_s, self.pool = default_grader, timeout_s, pool
         self.max_items, self.max_response_chars = max_items, max_response_chars
 
     def _check_size(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> None:
@@ -85,7 +86,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"items[{i}].grader: unknown grader {name[:80]!r}; known graders: {', '.join(sorted(GRADERS))}",
                 )
-        results = grade_many(items, self.timeout_s, pool=self._pool)
+        results = grade_many(items, self.timeout_s, pool=self.pool)
         return reward_pb2.ScoreResponse(
             rewards=[r.reward for r in results],
             num_unparsable=sum(r.status == "unparsable" for r in results),
@@ -115,7 +116,7 @@ class RewardService(Service):
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         self.pool = ProcessGradingPool(a.grading_workers, modules=modules, eager=True)
-        self.servicer._pool = self.pool
+        self.servicer.pool = self.pool  # made after the servicer validated the flags: no workers for a bad config
         self.grader, self.timeout_s = grader, timeout_s
 
     def servicers(self):

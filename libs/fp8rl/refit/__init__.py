@@ -9,8 +9,9 @@ Modules: :mod:`.keys` (every Redis key name), :mod:`.shards` (raw-byte shard for
 :mod:`.subscriber` (``RefitPublisher``, ``RefitSubscriber``, ``ShardSource``).
 """
 
-from .follower import AWAITING_SCALES, REFIT_FAILED, LeaseHolder, PendingRefit, RefitFollower
+from .follower import AWAITING_SCALES, REFIT_FAILED, PendingRefit, RefitFollower
 from .keys import JOBS_INDEX, Keys, validate_job_id, validate_replica_id, validate_version
+from .lease import LeaseHolder, RoleLease
 from .manifest import Manifest, assemble, build_shards
 from .publisher import RefitPublisher
 from .shards import DEFAULT_SHARD_BYTES, DTYPES, CorruptShardError, TensorEntry, pack_tensors, unpack_tensors
@@ -33,7 +34,7 @@ __all__ = [
     "JOBS_INDEX", "Keys", "validate_job_id", "validate_replica_id", "validate_version",
     "Manifest", "assemble", "build_shards",
     "DEFAULT_SHARD_BYTES", "DTYPES", "CorruptShardError", "TensorEntry", "pack_tensors", "unpack_tensors",
-    "RefitTarget", "make_shard_source", "RefitFollower", "PendingRefit", "LeaseHolder", "AWAITING_SCALES",
+    "RefitTarget", "make_shard_source", "RefitFollower", "PendingRefit", "LeaseHolder", "RoleLease", "AWAITING_SCALES",
     "REFIT_FAILED", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
     "InProcessShardSource", "MissingScalesError", "RefitFailedError", "RefitPublisher", "RefitSubscriber",

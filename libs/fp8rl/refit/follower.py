@@ -15,30 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from .store import LeaseExpiredError, RefitStore
+from .lease import LeaseHolder, RoleLease
+from .store import LeaseExpiredError
 from .subscriber import RefitSubscriber
 
-__all__ = ["AWAITING_SCALES", "REFIT_FAILED", "LeaseHolder", "PendingRefit", "RefitFollower"]
+__all__ = ["AWAITING_SCALES", "REFIT_FAILED", "PendingRefit", "RefitFollower"]
 
 log = logging.getLogger(__name__)
-
-
-class LeaseHolder(Protocol):
-    """Who holds a lease: a service's context (:class:`services.common.runtime.Context`) is one."""
-
-    store: RefitStore
-    replica_id: str
-    endpoint: str  # read when (re)registering: known once the server is bound
-    stopping: threading.Event
-
-    @property
-    def role(self) -> str: ...
-
-    @property
-    def lease_ttl(self) -> float: ...
-
 
 AWAITING_SCALES = "awaiting_scales"  # PendingRefit.reason: v is published, its QKV scales are not (yet)
 REFIT_FAILED = "refit_failed"  # PendingRefit.reason: applying v failed; retried with back-off
@@ -60,8 +44,9 @@ class PendingRefit:
 class RefitFollower:
     """Keeps a refit subscriber at ``weights:latest``: a replica lease plus two threads.
 
-    The heartbeat thread renews the lease every ``ttl/3`` and re-registers when it was lost
-    (expired or fenced). The follow thread watches the job's events stream and, whenever the newest
+    The lease (:class:`~.lease.RoleLease`, recording the target's version) is renewed every ``ttl/3`` and
+    re-registered when it was lost (expired or fenced). The follow thread watches the job's events
+    stream and, whenever the newest
     published version is newer than the one held and applicable — its QKV scales published too when
     the subscriber ``requires_scales`` — runs ``subscriber.sync_to`` (which applies weights and
     scales together, verified, and acks). A failed sync keeps the old version serving and is
@@ -86,34 +71,28 @@ class RefitFollower:
         self.ctx, self.subscriber, self.lock = holder, subscriber, lock
         self.on_change, self.poll_ms = on_change, poll_ms
         self.store = holder.store
+        self.lease = RoleLease(holder, lambda: subscriber.engine.weight_version)
         self._failed: int | None = None
         self._retry_at, self._backoff = 0.0, 0.5
         self._threads: list[threading.Thread] = []
         self.pending: PendingRefit | None = None  # written by the follow thread only; read anywhere
 
     def start(self) -> None:
-        self.register()
-        for target in (self._heartbeat_loop, self._follow_loop):
-            t = threading.Thread(target=target, name=f"{self.ctx.role}-{target.__name__.strip('_')}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        self.lease.start()  # a failed first registration fails the start
+        t = threading.Thread(target=self._follow_loop, name=f"{self.ctx.role}-follow", daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def stop(self) -> None:
         """Stop both threads and release the lease (a clean stop is not a fence)."""
         self.ctx.stopping.set()
         for t in self._threads:
             t.join(timeout=self.poll_ms / 1000 + 5)
-        if self._threads:
-            try:
-                self.store.release(self.ctx.replica_id)
-            except Exception as exc:  # noqa: BLE001 - it expires on its own
-                log.warning("could not release the lease of %s: %s", self.ctx.replica_id, exc)
+        self.lease.release()
 
     def register(self) -> None:
         """(Re)create this replica's lease, recording the version held."""
-        held = self.subscriber.engine.weight_version
-        self.store.register_replica(self.ctx.replica_id, self.ctx.endpoint, held, self.ctx.lease_ttl,
-                                    role=self.ctx.role)
+        self.lease.register()
 
     def sync_to(self, version: int) -> int:
         """``subscriber.sync_to(version)`` under the lock; a lease lost meanwhile is renewed and the ack redone."""
@@ -167,13 +146,3 @@ class RefitFollower:
             except Exception as exc:  # noqa: BLE001 - Redis down or restarting: keep serving, retry
                 log.warning("refit follower: %s; retrying in 1 s", exc)
                 self.ctx.stopping.wait(1.0)
-
-    def _heartbeat_loop(self) -> None:
-        period = max(0.05, self.ctx.lease_ttl / 3)
-        while not self.ctx.stopping.wait(period):
-            try:
-                if not self.store.heartbeat(self.ctx.replica_id, self.subscriber.engine.weight_version):
-                    log.warning("lease of %s expired or was fenced; re-registering", self.ctx.replica_id)
-                    self.register()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("heartbeat failed: %s", exc)
