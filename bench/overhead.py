@@ -5,9 +5,8 @@
 The job (default: the shipped tiny-arith job, recipe ``fp8_e2e`` + FP8 KV cache) is cut to
 ``--steps`` steps with ``job.checkpoint_every: 0`` (the loop has no checkpoints) and run twice:
 
-* in-process: ``fp8rl.loop.run`` with the equivalent :class:`LoopConfig` (every job key that
-  shapes a step is mapped; keys the loop cannot express are checked against the loop's fixed
-  values and any difference is printed);
+* in-process: ``fp8rl.loop.run`` on the same :class:`~fp8rl.config.JobConfig` (the loop reads the job
+  file itself, so no key can be left out);
 * the stack: ``python -m deploy.launcher run --job <tmp job> --run-dir <tmp> --plain`` (Redis,
   trainer, calibrator, reward, one rollout replica, controller as processes), per-step times
   read back from its ``report/metrics.jsonl``.
@@ -39,56 +38,20 @@ import torch
 import yaml
 
 from fp8rl.config import JobConfig, load_job_config
-from fp8rl.engines import QKVCalibrator, SamplingParams, TrainerConfig
-from fp8rl.fp8 import recipe_for_role
+from fp8rl.controller.plan import sampling_seed
+from fp8rl.engines import QKVCalibrator, SamplingParams
 from fp8rl.loop import PHASES as LOOP_PHASES
 from fp8rl.loop import GRPOLoop, LoopConfig, run
 from fp8rl.report import PHASES as STACK_PHASES
-from fp8rl.rl import LossConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def loop_config(job: JobConfig) -> LoopConfig:
-    """The :class:`LoopConfig` that runs the same steps as ``job`` on the stack."""
-    g = job.get
-    return LoopConfig(
-        model=g("policy.model"), recipe=job.recipe, kv_cache_dtype=job.kv_cache_dtype, steps=g("job.steps"),
-        prompts_per_step=g("grpo.num_prompts_per_step"), group_size=g("grpo.num_generations_per_prompt"),
-        max_tokens=g("policy.generation.max_new_tokens"), temperature=g("policy.generation.temperature"),
-        top_p=g("policy.generation.top_p"), lr=g("policy.training.lr"),
-        micro_batch_size=g("policy.training.micro_batch_size"), num_minibatches=g("policy.training.num_minibatches"),
-        is_mode=g("loss.importance_sampling.mode"), kl_coef=g("loss.kl_coef"),
-        num_first_layers_in_bf16=g("policy.generation.vllm_cfg.num_first_layers_in_bf16"),
-        num_last_layers_in_bf16=g("policy.generation.vllm_cfg.num_last_layers_in_bf16"),
-        calibration_max_sequences=g("calibration.max_sequences"),
-        eval_every=0,  # the stack's evaluations are outside its step times; the loop's start/end ones are too
-        eval_size=g("job.eval_size"), seed=g("job.seed"), arith=dict(g("data.arith")),
-    )
-
-
-def unmapped(job: JobConfig, cfg: LoopConfig) -> list[str]:
-    """Job settings the loop cannot express that differ from the values the loop hard-codes."""
-    g, out = job.get, []
-    loop_trainer = TrainerConfig(lr=cfg.lr, micro_batch_size=cfg.micro_batch_size,
-                                 num_minibatches=cfg.num_minibatches, temperature=cfg.temperature,
-                                 loss=LossConfig(is_mode=cfg.is_mode, kl_coef=cfg.kl_coef))
-    if job.trainer_config() != loop_trainer:
-        out.append(f"trainer/loss settings: job {job.trainer_config()} vs loop {loop_trainer}")
-    layers = dict(num_first_layers_in_bf16=cfg.num_first_layers_in_bf16,
-                  num_last_layers_in_bf16=cfg.num_last_layers_in_bf16)
-    for role, extra in (("rollout", {"kv_cache_dtype": cfg.kv_cache_dtype}), ("trainer", {})):
-        if job.fp8_recipe(role) != recipe_for_role(cfg.recipe, role, **extra, **layers):
-            out.append(f"{role} FP8 recipe (vllm_cfg fp8_attention / pow2 scaling)")
-    defaults = QKVCalibrator.__init__.__kwdefaults__
-    for key in ("margin", "percentile"):
-        if g(f"calibration.{key}") != defaults[key]:
-            out.append(f"calibration.{key}={g(f'calibration.{key}')} (loop uses {defaults[key]})")
-    if not g("grpo.leave_one_out"):
-        out.append("grpo.leave_one_out=false (loop uses true)")
-    if g("data.task") != "arith":
-        out.append(f"data.task={g('data.task')} (loop runs arith)")
-    return out
+    """The :class:`LoopConfig` that runs the same steps as ``job`` on the stack: the job itself (the loop reads
+    the same :class:`JobConfig`), with evaluation during the run off (the stack's evaluations are outside its
+    step times; the loop's start/end ones are too)."""
+    return LoopConfig(job.with_settings({"job.eval_every": 0}))
 
 
 def run_stack(job_file: Path, run_dir: Path, timeout: float) -> list[dict]:
@@ -112,17 +75,17 @@ def _mean(rows: list[dict], key: str) -> float:
 def scale_accuracy(job: JobConfig, cfg: LoopConfig) -> dict:
     """Scales of one step's sequences, all of them vs the job's subsample."""
     loop = GRPOLoop(cfg)
-    problems = loop.data.batch(0, cfg.prompts_per_step)
-    prompts = [loop.tok.encode(p.prompt) for p in problems]
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                            n=cfg.group_size, seed=cfg.seed * 1_000_003)  # the loop's step-0 seed
+    prompts = loop.plan.prompts(loop.plan.batch(0))
+    g = job.policy.generation
+    params = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens,
+                            n=job.grpo.num_generations_per_prompt, seed=sampling_seed(job.job.seed, 0, 0))
     samples = loop.rollout.generate(prompts, params, weight_version=loop.trainer.version)
     seqs = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
-    kw = dict(pad_token_id=loop.tok.pad_id, margin=job.get("calibration.margin"),
-              percentile=job.get("calibration.percentile"))
-    out: dict = {"sequences": len(seqs), "max_sequences": cfg.calibration_max_sequences}
+    kw = dict(pad_token_id=loop.tok.pad_id, margin=job.calibration.margin,
+              percentile=job.calibration.percentile)
+    out: dict = {"sequences": len(seqs), "max_sequences": job.calibration.max_sequences}
     got = {}
-    for name, limit in (("all", None), ("subsample", cfg.calibration_max_sequences)):
+    for name, limit in (("all", None), ("subsample", job.calibration.max_sequences)):
         cal = QKVCalibrator(loop.trainer.model, max_sequences=limit, **kw)
         cal.calibrate(loop.trainer.version, seqs)  # warm-up
         got[name] = cal.calibrate(loop.trainer.version, seqs)
@@ -153,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = loop_config(job)
         from fp8rl.presets import PRESETS, prepare_tiny_arith
 
-        if cfg.model in PRESETS:
+        if job.policy.model in PRESETS:
             prepare_tiny_arith()  # cached after the first call; neither timing includes it
         t = time.perf_counter()
         inproc = run(cfg, progress=False)["steps"][1:]
@@ -165,13 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     ip = {p: _mean(inproc, f"time/{p}") for p in LOOP_PHASES} | {"total": _mean(inproc, "time/step")}
     st = {p: _mean(stack, f"time/{p}") for p in STACK_PHASES} | {"total": _mean(stack, "time/total")}
-    res.update(inproc=ip, stack=st, ratio=st["total"] / ip["total"], mapping_gaps=unmapped(job, cfg))
-    print(f"service stack vs in-process loop: {job.get('job.name')}, recipe {job.recipe}, kv {job.kv_cache_dtype}, "
-          f"{cfg.prompts_per_step}x{cfg.group_size} samples/step, {cfg.num_minibatches} minibatches, "
+    res.update(inproc=ip, stack=st, ratio=st["total"] / ip["total"])
+    shape = f"{job.grpo.num_prompts_per_step}x{job.grpo.num_generations_per_prompt} samples/step"
+    print(f"service stack vs in-process loop: {job.job.name}, recipe {job.recipe}, kv {job.kv_cache_dtype}, "
+          f"{shape}, {job.policy.training.num_minibatches} minibatches, "
           f"{args.steps} steps (first left out), torch threads={torch.get_num_threads()}")
-    gaps = res["mapping_gaps"]
-    print("  job -> LoopConfig: every key that shapes a step is mapped" if not gaps else
-          "  job keys the loop does not follow: " + "; ".join(gaps))
     print(f"  {'phase':10s} {'in-process':>11s} {'stack':>9s}   (mean seconds per step)")
     for p in (*STACK_PHASES, "total"):
         a = f"{ip[p]:11.3f}" if p in ip else f"{'-':>11s}"

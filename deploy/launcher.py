@@ -235,7 +235,7 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def _prepare_model(job) -> None:
-    model = job.get("policy.model")
+    model = job.policy.model
     from fp8rl.presets import PRESETS, prepare_tiny_arith, preset_dir
 
     if model in PRESETS:
@@ -260,7 +260,7 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
     for sub in ("logs", "ready"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     stack = _Stack(run_dir)
-    namespace = re.sub(r"[^A-Za-z0-9_.\-]", "-", job.get("job.name")).strip("-_.")[:64] or "fp8rl"
+    namespace = re.sub(r"[^A-Za-z0-9_.\-]", "-", job.job.name).strip("-_.")[:64] or "fp8rl"
     stack.info.update(job=str(job_path), namespace=namespace)
     py = sys.executable
     tokens = write_tokens(run_dir)

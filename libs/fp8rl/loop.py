@@ -20,126 +20,124 @@ import json
 import logging
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
 
-from fp8rl.controller.plan import sampling_seed
+from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
+from fp8rl.controller.plan import JobPlan, eval_problems, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
-from fp8rl.data import ArithConfig, ArithDataset, get_grader
+from fp8rl.data import ArithDataset, get_grader
 from fp8rl.engines import (
     QKVCalibrator,
     SamplingParams,
     TorchRolloutEngine,
-    TorchTrainer,
-    TrainerConfig,
     build_train_batch,
+    make_trainer_backend,
     train_on_batch,
 )
-from fp8rl.fp8 import RECIPES, recipe_for_role
-from fp8rl.presets import TINY_ARITH_TASK, load_policy
-from fp8rl.rl import IS_MODES, LossConfig, mismatch_promise
+from fp8rl.fp8 import RECIPES
+from fp8rl.presets import load_policy
+from fp8rl.rl import mismatch_promise
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoopConfig", "GRPOLoop", "build_train_batch", "main"]
+__all__ = ["LOOP_FLAGS", "LoopConfig", "GRPOLoop", "build_train_batch", "main"]
 
+# Each loop flag sets one job key: the CLI, LoopConfig.from_flags and the flags' help all read this table,
+# so the loop and the YAML cannot drift (a flag is only a short name for a key of fp8rl.config).
+LOOP_FLAGS: dict[str, str] = {
+    "model": "policy.model",
+    "kv_cache_dtype": "policy.generation.vllm_cfg.kv_cache_dtype",
+    "steps": "job.steps",
+    "prompts_per_step": "grpo.num_prompts_per_step",
+    "group_size": "grpo.num_generations_per_prompt",
+    "max_tokens": "policy.generation.max_new_tokens",
+    "temperature": "policy.generation.temperature",
+    "top_p": "policy.generation.top_p",
+    "lr": "policy.training.lr",
+    "micro_batch_size": "policy.training.micro_batch_size",
+    "num_minibatches": "policy.training.num_minibatches",
+    "is_mode": "loss.importance_sampling.mode",
+    "kl_coef": "loss.kl_coef",
+    "num_first_layers_in_bf16": "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+    "num_last_layers_in_bf16": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
+    "calibration_max_sequences": "calibration.max_sequences",
+    "eval_every": "job.eval_every",
+    "eval_size": "job.eval_size",
+    "seed": "job.seed",
+}
 
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """One in-process GRPO run.
+    """One in-process GRPO run: a job (:class:`fp8rl.config.JobConfig`, the same file the services read)
+    and where its report goes.
 
     Attributes:
-        model: preset name (``tiny-arith``) or a local HF checkpoint directory.
-        recipe: ``bf16`` | ``fp8_gen_only`` | ``fp8_e2e``.
-        kv_cache_dtype: ``auto`` | ``fp8`` (rollout KV cache and attention in FP8).
-        steps: GRPO steps.
-        prompts_per_step: distinct prompts per step.
-        group_size: samples per prompt (G).
-        max_tokens: most generated tokens per sample.
-        temperature, top_p: sampling settings (the trainer uses the same temperature).
-        lr: trainer learning rate.
-        micro_batch_size: trainer micro-batch rows.
-        num_minibatches: optimizer updates per step (PPO-style split of the step's batch).
-        is_mode: importance-sampling correction (see ``fp8rl.rl.IS_MODES``).
-        kl_coef: k3 KL coefficient to the initial policy (0 disables the reference model).
-        num_first_layers_in_bf16, num_last_layers_in_bf16: layers kept in high precision (both engines).
-        calibration_max_sequences: sequences per calibration (evenly spaced subset; None = all).
-        eval_every: greedy validation accuracy every N steps (0: only at start and end).
-        eval_size: validation problems.
-        seed: seeds data, sampling and initialisation.
+        job: every setting of the run; the loop reads the keys that shape a step exactly as the
+            controller and the services do (``policy.generation.backend`` is always the embedded engine).
         out_dir: if set, a report (metrics.jsonl, summary.md, plots, TensorBoard) and summary.json go there.
-        arith: ``ArithConfig`` fields of the task (default: the task tiny-arith was warm-started on).
     """
 
-    model: str = "tiny-arith"
-    recipe: str = "fp8_e2e"
-    kv_cache_dtype: str = "fp8"
-    steps: int = 30
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 2e-4
-    micro_batch_size: int = 64
-    num_minibatches: int = 1
-    is_mode: str = "token"
-    kl_coef: float = 0.0
-    num_first_layers_in_bf16: int = 0
-    num_last_layers_in_bf16: int = 0
-    calibration_max_sequences: int | None = 16
-    eval_every: int = 0
-    eval_size: int = 128
-    seed: int = 0
+    job: JobConfig = field(default_factory=JobConfig)
     out_dir: str | None = None
-    arith: dict = field(default_factory=lambda: dict(TINY_ARITH_TASK))
 
-    def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.is_mode not in IS_MODES:
-            raise ValueError(f"is_mode must be one of {', '.join(IS_MODES)}, got {self.is_mode!r}")
-        for key in ("steps", "prompts_per_step", "max_tokens", "micro_batch_size", "eval_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
+    @classmethod
+    def from_flags(cls, *, job: JobConfig | None = None, recipe: str | None = None, arith: dict | None = None,
+                   out_dir: str | None = None, **flags) -> LoopConfig:
+        """``job`` (default: all defaults) with loop flags applied: ``recipe`` (the two keys of
+        :data:`fp8rl.config.RECIPE_SETTINGS`), ``arith`` (keys of ``data.arith``) and any of
+        :data:`LOOP_FLAGS`; a bad value is a :class:`~fp8rl.config.ConfigError` naming the job key."""
+        unknown = sorted(set(flags) - set(LOOP_FLAGS))
+        if unknown:
+            raise TypeError(f"unknown loop flag(s) {', '.join(unknown)} (known: {', '.join(LOOP_FLAGS)})")
+        changes = recipe_settings(recipe) if recipe is not None else {}
+        changes.update({LOOP_FLAGS[k]: v for k, v in flags.items()})
+        changes.update({f"data.arith.{k}": v for k, v in (arith or {}).items()})
+        return cls((job or JobConfig()).with_settings(changes), out_dir)
+
+    @property
+    def recipe(self) -> str:
+        return self.job.recipe
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.job.kv_cache_dtype
+
+    @property
+    def steps(self) -> int:
+        return self.job.job.steps
+
+    def as_dict(self) -> dict:
+        return {"job": self.job.to_dict(), "out_dir": self.out_dir}
 
 
 class GRPOLoop:
     """Holds the engines of one run; :meth:`step` runs one GRPO step and returns its metrics."""
 
     def __init__(self, cfg: LoopConfig) -> None:
-        self.cfg = cfg
-        torch.manual_seed(cfg.seed)
-        policy, self.tok, self.model_path = load_policy(cfg.model)
-        layers = dict(num_first_layers_in_bf16=cfg.num_first_layers_in_bf16,
-                      num_last_layers_in_bf16=cfg.num_last_layers_in_bf16)
-        self.rollout_recipe = recipe_for_role(cfg.recipe, "rollout", kv_cache_dtype=cfg.kv_cache_dtype, **layers)
-        self.trainer_recipe = recipe_for_role(cfg.recipe, "trainer", **layers)
-        loss = LossConfig(is_mode=cfg.is_mode, kl_coef=cfg.kl_coef)
-        self.trainer = TorchTrainer(
-            policy, self.trainer_recipe,
-            TrainerConfig(lr=cfg.lr, micro_batch_size=cfg.micro_batch_size, num_minibatches=cfg.num_minibatches,
-                          temperature=cfg.temperature, loss=loss),
-            ref_model=policy if cfg.kl_coef > 0 else None, seed=cfg.seed,
-        )
+        self.cfg, self.job = cfg, cfg.job
+        job = cfg.job
+        torch.manual_seed(job.job.seed)
+        policy, self.tok, self.model_path = load_policy(job.policy.model)
+        self.rollout_recipe = job.fp8_recipe("rollout")
+        self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=[self.tok.eos_id],
-                                          pad_token_id=self.tok.pad_id, seed=cfg.seed, max_batch_size=256)
+                                          pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256)
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
-        self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id,
-                                        max_sequences=cfg.calibration_max_sequences)
-        self.data = ArithDataset(ArithConfig(**cfg.arith), seed=cfg.seed)
-        self.eval_set = self.data.eval_set(cfg.eval_size)
-        self.grader = get_grader("exact_match")
-        self.plan, self.backends = _LoopPlan(self), _InProcess(self)
+        cal = job.calibration
+        self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id, percentile=cal.percentile,
+                                        margin=cal.margin, max_sequences=cal.max_sequences)
+        # the controller's plan of this job: batches, seeds, group size, validation set
+        self.plan = JobPlan("loop", job)
+        self.data = ArithDataset(job.arith_config(), seed=job.job.seed) if job.data.task == "arith" else None
+        self.eval_set = eval_problems(job)
+        self.grader = get_grader(job.reward.grader)
+        self.backends = _InProcess(self)
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
-            prompts = [self.tok.encode(p.prompt) for p in self.data.batch(0, cfg.prompts_per_step)]
+            prompts = self.plan.prompts(self.plan.batch(0))
             self.rollout.load_scales(self.calibrator.calibrate(self.trainer.version, prompts))
 
     def evaluate(self) -> float:
@@ -155,8 +153,8 @@ class GRPOLoop:
         gives the same rates.
         """
         prompts = [self.tok.encode(p.prompt) for p in problems]
-        params = SamplingParams(temperature=temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_tokens, n=n,
-                                seed=seed)
+        g = self.job.policy.generation
+        params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, n=n, seed=seed)
         right = [0] * len(problems)
         for s in self.rollout.generate(prompts, params, weight_version=self.rollout.weight_version):
             right[s.prompt_index] += self.grader(self.tok.decode(s.token_ids), problems[s.prompt_index].answer)
@@ -178,22 +176,6 @@ class GRPOLoop:
                 "calibrate_share": times["calibrate"] / total}
 
 
-class _LoopPlan:
-    """The loop's :class:`~fp8rl.controller.step.StepPlan`: its dataset, tokenizer and config."""
-
-    def __init__(self, loop: GRPOLoop) -> None:
-        cfg = loop.cfg
-        self.group, self.fp8_kv, self.leave_one_out = cfg.group_size, loop.rollout_recipe.fp8_kv, True
-        self.temperature = cfg.temperature
-        self._data, self._tok, self._n = loop.data, loop.tok, cfg.prompts_per_step
-
-    def batch(self, step: int):
-        return self._data.batch(step, self._n)
-
-    def prompts(self, problems):
-        return [self._tok.encode(p.prompt) for p in problems]
-
-
 class _InProcess:
     """The loop's :class:`~fp8rl.controller.step.StepBackends`: the engines, called directly."""
 
@@ -202,9 +184,10 @@ class _InProcess:
         self._scales = None
 
     def generate(self, prompts, version, *, step, n, temperature):
-        cfg = self.loop.cfg
-        params = SamplingParams(temperature=temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, n=n,
-                                seed=sampling_seed(cfg.seed, step, 0))
+        job = self.loop.job
+        params = SamplingParams(temperature=temperature, top_p=job.policy.generation.top_p,
+                                max_tokens=job.policy.generation.max_new_tokens, n=n,
+                                seed=sampling_seed(job.job.seed, step, 0))
         return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version)]
 
     def score(self, pairs):
@@ -214,7 +197,7 @@ class _InProcess:
         loop = self.loop
         if loop.trainer.version != version:
             raise RuntimeError(f"step {step} expects the trainer at version {version}, it holds {loop.trainer.version}")
-        batch = build_train_batch([s for _, s, _ in rows], None, loop.cfg.group_size, loop.tok.pad_id,
+        batch = build_train_batch([s for _, s, _ in rows], None, loop.plan.group, loop.tok.pad_id,
                                   advantages=torch.tensor([a for _, _, a in rows], dtype=torch.float64))
         out = train_on_batch(loop.trainer, batch)
         return Trained(loop.trainer.version, out.metrics, {"logprobs": out.logprobs_s, "train": out.train_s})
@@ -245,7 +228,7 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
                unit="step", file=sys.stderr)
     for step in bar:
         m = loop.step(step)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        if cfg.job.job.eval_every and (step + 1) % cfg.job.job.eval_every == 0 and step + 1 < cfg.steps:
             val[step + 1] = m["val_accuracy"] = loop.evaluate()
         history.append(m)
         bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}")
@@ -270,12 +253,12 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         log.warning("median token_mult_prob_error %.4f is above what %s with kv_cache_dtype=%s promises (%.2f): "
                     "the rollout and the trainer disagree more than this recipe should (DESIGN §4)",
                     summary["token_mult_prob_error_median"], cfg.recipe, cfg.kv_cache_dtype, promise)
-    result = {"config": asdict(cfg), "steps": history, "validation": val, "summary": summary}
+    result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
     if cfg.out_dir:
         from fp8rl.report import write_report  # matplotlib/tensorboard only when a report is asked for
 
         out = write_report(history, cfg.out_dir, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}")
-        (out / "summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary,
+        (out / "summary.json").write_text(json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                       "validation": val}, indent=2))
     return result
 
@@ -293,44 +276,43 @@ def format_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    d = LoopConfig()
-    ap = argparse.ArgumentParser(prog="python -m fp8rl.loop", description="In-process GRPO with FP8 numerics.")
-    ap.add_argument("--model", default=d.model)
-    ap.add_argument("--recipe", default=d.recipe, choices=RECIPES)
-    ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8"])
-    ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
-    ap.add_argument("--group-size", type=int, default=d.group_size)
-    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    ap.add_argument("--temperature", type=float, default=d.temperature)
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--num-minibatches", type=int, default=d.num_minibatches)
-    ap.add_argument("--is-mode", default=d.is_mode, choices=IS_MODES)
-    ap.add_argument("--kl-coef", type=float, default=d.kl_coef)
-    ap.add_argument("--num-first-layers-in-bf16", type=int, default=0)
-    ap.add_argument("--num-last-layers-in-bf16", type=int, default=0)
-    ap.add_argument("--eval-every", type=int, default=d.eval_every)
-    ap.add_argument("--eval-size", type=int, default=d.eval_size)
-    ap.add_argument("--seed", type=int, default=d.seed)
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fp8rl.loop", description="In-process GRPO with FP8 numerics. Runs a job file (--config, "
+        "the same YAML the services read) or the defaults; each flag below sets the job key it names.")
+    ap.add_argument("--config", metavar="JOB.yaml", help="job file to run (flags override its keys)")
+    ap.add_argument("--recipe", choices=RECIPES, help="precision recipe (sets policy.generation.vllm_cfg.precision "
+                    "and policy.training.megatron_cfg.fp8_cfg.enabled; default: the job's, fp8_e2e)")
+    docs = dict(walk(JobConfig))
+    for flag, key in LOOP_FLAGS.items():
+        f = docs[key]
+        kind, choices = f.metadata["kind"], f.metadata["choices"]
+        ap.add_argument(f"--{flag.replace('_', '-')}", type=None if kind is str else kind, choices=choices,
+                        default=None, help=f"{f.metadata['doc']} (job key {key}; default {f.default})")
     ap.add_argument("--out", default=None, help="report directory (metrics.jsonl, summary.json)")
     ap.add_argument("--compare", nargs="*", metavar="RECIPE",
                     help="run these recipes (default: all three) with the same seed and print a comparison table")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    base = LoopConfig(
-        model=args.model, recipe=args.recipe, kv_cache_dtype=args.kv_cache_dtype, steps=args.steps,
-        prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_tokens=args.max_tokens,
-        temperature=args.temperature, lr=args.lr, num_minibatches=args.num_minibatches,
-        is_mode=args.is_mode, kl_coef=args.kl_coef,
-        num_first_layers_in_bf16=args.num_first_layers_in_bf16, num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-        eval_every=args.eval_every, eval_size=args.eval_size, seed=args.seed, out_dir=args.out,
-    )
-    recipes = ([args.recipe] if args.compare is None else (args.compare or list(RECIPES)))
+    flags = {k: getattr(args, k) for k in LOOP_FLAGS if getattr(args, k) is not None}
+    try:
+        job = load_job_config(args.config) if args.config else JobConfig()
+        base = LoopConfig.from_flags(job=job, recipe=args.recipe, out_dir=args.out, **flags)
+        recipes = [base.recipe] if args.compare is None else (args.compare or list(RECIPES))
+        for r in recipes:
+            recipe_settings(r)
+    except ConfigError as e:
+        ap.error(str(e))
     summaries = []
     for r in recipes:
         out = f"{args.out}/{r}" if (args.out and len(recipes) > 1) else args.out
-        summaries.append(run(replace(base, recipe=r, out_dir=out))["summary"])
+        cfg = replace(base, job=base.job.with_settings(recipe_settings(r)), out_dir=out)
+        summaries.append(run(cfg)["summary"])
     print(format_table(summaries))
     return 0
 

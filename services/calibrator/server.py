@@ -10,8 +10,9 @@ Wiring only — the model is the trainer's model code converted with ``job.fp8_r
   ``rollout`` leases only, so the calibrator never holds up a version.
 * ``Calibrate(v, sequences)`` syncs to v if needed, calibrates on at most ``calibration.max_sequences``
   sequences (an evenly spaced, deterministic subset), publishes the set with ``RefitStore.put_scales``
-  and returns it. Scales are immutable per version: when v's are already published they are returned
-  as they are (a retried call is idempotent and cheap).
+  and returns it, encoded with :func:`fp8rl.refit.encode_scales` (the bytes Redis holds: one wire
+  format). Scales are immutable per version: when v's are already published they are returned as
+  they are (a retried call is idempotent and cheap).
 * The first set, for version 0, is the controller's to trigger: ``Calibrate(0, prompts)`` before the
   first step. FP8-KV rollout replicas do not serve v0 until it exists.
 * A call with more than ``--max-rows`` sequences (``fp8rl.limits.MAX_BATCH_ROWS``) is INVALID_ARGUMENT.
@@ -27,7 +28,6 @@ import grpc
 
 from fp8rl import limits
 from fp8rl.engines import CalibrationModel, QKVCalibrator
-from fp8rl.fp8 import QKVScales
 from fp8rl.presets import load_policy
 from fp8rl.refit import (
     RefitError,
@@ -36,9 +36,10 @@ from fp8rl.refit import (
     RefitSubscriber,
     StaleVersionError,
     UnknownVersionError,
+    encode_scales,
 )
 from fp8rl.refit.transport.grpc import GrpcShardSource
-from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc, common_pb2
+from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc
 from services.common.runtime import (
     Abort,
     Context,
@@ -58,12 +59,12 @@ class CalibratorService(Service):
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        policy, tok, _ = load_policy(ctx.job.get("policy.model"))
+        policy, tok, _ = load_policy(ctx.job.policy.model)
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"))
-        cal = ctx.job.raw["calibration"]
-        self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal["percentile"],
-                                        margin=cal["margin"], max_sequences=cal["max_sequences"])
+        cal = ctx.job.calibration
+        self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
+                                        margin=cal.margin, max_sequences=cal.max_sequences)
         self.source = GrpcShardSource()
         self.subscriber = RefitSubscriber(ctx.store, self.target, self.source, ctx.replica_id, requires_scales=False)
         self.lock = threading.Lock()  # one sync or calibration at a time: weights never change mid-pass
@@ -79,10 +80,6 @@ class CalibratorService(Service):
     def stop(self) -> None:
         self.follower.stop()
         self.source.close()
-
-
-def _scale_set(scales: QKVScales) -> common_pb2.QKVScaleSet:
-    return common_pb2.QKVScaleSet(version=scales.version, q=scales.q, k=scales.k, v=scales.v)
 
 
 class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
@@ -128,7 +125,8 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
                 stored = scales
             except RefitError:  # another call published v's scales first: those are the scales of v
                 stored = s.ctx.store.get_scales(v)
-        return calibrator_pb2.CalibrateResponse(scales=_scale_set(stored), seconds=time.perf_counter() - t0)
+        return calibrator_pb2.CalibrateResponse(version=v, scales=encode_scales(stored),
+                                                seconds=time.perf_counter() - t0)
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:

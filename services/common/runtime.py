@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl.config import ConfigError, load_job_config
-from fp8rl.refit import RefitError, RefitStore, RoleLease, connect
+from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, RoleLease, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import SCOPE_SERVICE, build_server
 
@@ -127,6 +127,17 @@ def _write_ready_file(path: str, payload: dict) -> None:
     os.replace(tmp, target)  # readers never see a half-written file
 
 
+def _redis(spec: ServiceSpec, url: str):
+    try:
+        return connect(url)
+    except RefitConnectionError as exc:
+        if spec.needs_redis:
+            raise
+        log.warning("%s; %s serves without its lease until Redis answers (callers reach it by address meanwhile)",
+                    exc, spec.name)
+        return connect(url, check=False)
+
+
 def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     """Run ``spec``'s service until SIGTERM/SIGINT; returns the process exit status."""
     args = parse_args(spec, argv)
@@ -138,7 +149,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     try:
         apply_security_args(args, spec.scopes)
         job = load_job_config(args.config)
-        store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
+        store = RefitStore(_redis(spec, args.redis_url), args.job_id or job.job.name)
         ctx = Context(spec.name, args, job, store)
         service = spec.build(ctx)
     except (ConfigError, StartupError, RefitError, FileNotFoundError, ValueError) as exc:

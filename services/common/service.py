@@ -87,6 +87,9 @@ class ServiceSpec:
             Listening off loopback needs a token for each (or ``--insecure``).
         follows_refit: the role's lease is its :class:`~fp8rl.refit.RefitFollower`'s (rollout, calibrator); every other
             role gets a :class:`fp8rl.refit.RoleLease` from the skeleton.
+        needs_redis: the role cannot work without Redis (refit state, job records), so an unreachable Redis at
+            startup is an error. When false (reward: grading needs no Redis) the service starts anyway and its
+            lease registers once Redis answers; until then callers reach it by address.
     """
 
     name: str
@@ -95,3 +98,4 @@ class ServiceSpec:
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
     scopes: tuple[str, ...] = (SCOPE_SERVICE,)
     follows_refit: bool = False
+    needs_redis: bool = True

@@ -96,11 +96,11 @@ class GrpcStep:
 
     def _sample(self, plan: JobPlan, prompts: list[list[int]], v: int, *, step: int, n: int,
                   temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
-        g, seed = plan.job.raw["policy"]["generation"], plan.job.get("job.seed")
+        g, seed = plan.job.policy.generation, plan.job.job.seed
         try:
             return self.r.pool.generate(
-                prompts, v, n=n, sampling={"temperature": temperature, "top_p": g["top_p"],
-                                           "max_tokens": g["max_new_tokens"]},
+                prompts, v, n=n, sampling={"temperature": temperature, "top_p": g.top_p,
+                                           "max_tokens": g.max_new_tokens},
                 seed_of=lambda a: sampling_seed(seed, step, a), request_id=f"{plan.job_id}-s{step}",
                 wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(plan.job_id, cancel=False))
         except RolloutError as exc:
@@ -111,7 +111,7 @@ class GrpcStep:
     def _grade(self, plan: JobPlan, pairs) -> list[float]:
         """One graded reward per pair: items the service could not grade are re-scored, up to
         ``score_attempts`` calls; one still ungraded fails the job (its 0 would be trained on as a verdict)."""
-        grader = plan.job.get("reward.grader")
+        grader = plan.job.reward.grader
         items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
                  for p, s in pairs]
         rewards: list[float | None] = [None] * len(items)

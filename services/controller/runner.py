@@ -15,24 +15,24 @@ replicas do not serve v without them), then wait for a rollout replica holding v
 ``job.checkpoint_every`` steps, and when the job ends, TrainerService.SaveCheckpoint.
 
 Restart. The controller keeps nothing that matters in memory (see :mod:`fp8rl.controller.jobstore`); a job
-found ``running`` is resumed. With ``base_version`` (the trainer's version at the job's step 0) and
-``n`` finished steps, the trainer should hold ``base + n``:
+found ``running`` is resumed. No version is computed: the record holds the version each step started
+from and ``next_version``; Redis holds each version's lineage (``trained_from``, ``restored_from``, written
+by the trainer before it publishes). :func:`fp8rl.controller.reconcile.reconcile` matches them with the
+version the trainer holds:
 
-* it does → the half-done step never reached TrainStep (or TrainStep failed): it is run again from
-  its rollout. Batches and sampling seeds are functions of the step index: the same prompts.
-* it holds ``base + n + 1`` → the half-done step's optimizer update applied. Its data was saved
-  (``inflight``) right after TrainStep, so it is finished from its calibration + refit and recorded
-  with its real metrics. (Without that record — a crash in the instant between TrainStep returning
-  and the save — it is calibrated on its prompts and recorded with NaN reward/accuracy and
+* it holds ``next_version`` → the half-done step never reached TrainStep (or TrainStep failed): it is run
+  again from its rollout. Batches and sampling seeds are functions of the step index: the same prompts.
+* it holds a version trained from ``next_version`` → the half-done step's optimizer update applied. Its
+  data was saved (``inflight``) right after TrainStep, so it is finished from its calibration + refit and
+  recorded with its real metrics. (Without that record — a crash in the instant between TrainStep
+  returning and the save — it is calibrated on its prompts and recorded with NaN reward/accuracy and
   ``recovered_without_rollout: 1``.)
-* it holds ``base + k``, ``k < n`` → the trainer was restarted from an older checkpoint: reports of
-  steps >= k are dropped and the job continues at step k.
-* it holds a version Redis marks ``restored_from = base + k`` → the trainer crashed and resumed from the
-  checkpoint of version ``base + k``, which it republished under the next free version (versions only
-  increase): reports of steps >= k are dropped, and step k continues from the republished version
-  (``base_version`` moves so that ``base + step`` names the version each later step starts from).
-  A checkpoint of ``base + n + 1`` (taken after step n trained, before its report) finishes step n first.
-* anything else fails the job, naming both versions.
+* it holds a version restored from the checkpoint of the version step k started from → the trainer
+  crashed and republished that checkpoint under the next free version (versions only increase): reports
+  of steps >= k are dropped and step k continues from the republished version. A checkpoint of step n's
+  update (taken after it trained, before its report) finishes step n first.
+* it holds the version step k < n started from → reports of steps >= k are dropped, the job continues at k.
+* anything else fails the job, naming the versions.
 
 Cancellation is read from Redis between phases: before TrainStep the half-done step is dropped;
 after it the step is finished (so replicas end on one consistent version) and recorded as the last.
@@ -72,7 +72,7 @@ from fp8rl.controller.plan import (
     reward_summary,
 )
 from fp8rl.controller.pool import RolloutPool
-from fp8rl.controller.reconcile import reconcile
+from fp8rl.controller.reconcile import Lineage, reconcile
 from fp8rl.controller.step import PHASES, finish, first_half
 from fp8rl.data import DataFileError, DataRoot
 from fp8rl.refit import RefitStore
@@ -141,8 +141,8 @@ class JobRunner:
             check_data(job, self.settings.data)
         except DataFileError as exc:
             raise ConfigError(str(exc)) from None
-        rec = self.jobs.create(new_job_id(job.get("job.name")) if job_id is None else job_id, job_yaml,
-                               job.get("job.steps"))
+        rec = self.jobs.create(new_job_id(job.job.name) if job_id is None else job_id, job_yaml,
+                               job.job.steps)
         log.info("job %s submitted (%d steps)", rec.job_id, rec.total_steps)
         self._notify()
         return rec
@@ -253,16 +253,16 @@ class JobRunner:
         rec = self.get(plan.job_id)
         if rec.terminal:
             return
-        v = rec.base_version + step
+        v = rec.next_version  # recorded, never computed (see the module docstring)
         if plan.fp8_kv and self.refit.get_scales(v) is None:  # e.g. v0 of a fresh deployment
             seqs = plan.prompts(plan.batch(step))
             self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
                 version=v, sequences=[common_pb2.TokenSequence(token_ids=s) for s in seqs]), DL.calibrate)
         self._refit_wait(v)
         while step < plan.total:
-            if self._finish(plan, self._first_half(plan, step, rec.base_version + step)) != "running":
+            if self._finish(plan, self._first_half(plan, step, v)) != "running":
                 return
-            step += 1
+            step, v = step + 1, self.get(plan.job_id).next_version
         self.jobs.transition(plan.job_id, "succeeded", ("running",))  # all steps were already recorded
 
     def _reconcile(self, plan: JobPlan) -> int:
@@ -273,23 +273,39 @@ class JobRunner:
             raise JobFailed(f"the trainer runs recipe {status.recipe}, but the controller was deployed for "
                           f"{self.deployed.recipe}: the services were started with different job files")
         held, n = status.version, rec.steps_done
-        origin = self.refit.restored_from(held) if rec.base_version is not None else None
-        r = reconcile(rec.base_version, n, held, origin)
+        started = [r["weight_version"] for r in self.jobs.reports(plan.job_id)]
+        lineage = self._lineage(held)
+        r = reconcile(started, rec.next_version, held, lineage)
         if r.case == "unknown":
             raise JobFailed(r.error)
         if r.case != "fresh" and r.case != "in_step":
-            log.warning("job %s: resuming (%s): the trainer holds weight version %d (restored from %s) after %d "
-                        "finished steps from version %s; %s step %d", plan.job_id, r.case, held, origin, n,
-                        rec.base_version, "finishing" if r.finish else "continuing at", r.step)
+            log.warning("job %s: resuming (%s): the trainer holds weight version %d (trained from %s, restored from "
+                        "%s) after %d finished steps, the next from version %s; %s step %d", plan.job_id, r.case,
+                        held, lineage.trained_from.get(held), lineage.restored_from.get(held), n, rec.next_version,
+                        "finishing" if r.finish else "continuing at", r.step)
         if r.truncate_to is not None:
             self.jobs.truncate_reports(plan.job_id, r.truncate_to)
         if r.drop_inflight:
             self.jobs.set_inflight(plan.job_id, None)
-        if r.base_version is not None:
-            self.jobs.update(plan.job_id, base_version=r.base_version)
-        if r.finish:  # the step started from the version the record expected, before any base move
-            return self._finish_trained(plan, n, rec.base_version + n, held)
+        if r.case == "fresh":
+            self.jobs.update(plan.job_id, start_version=r.next_version, next_version=r.next_version)
+        elif r.next_version is not None:
+            self.jobs.update(plan.job_id, next_version=r.next_version)
+        if r.finish:  # step n started from the recorded next_version; its update is what the trainer holds
+            return self._finish_trained(plan, n, rec.next_version, held)
         return r.step
+
+    def _lineage(self, held: int) -> Lineage:
+        """Redis's record of where ``held`` came from (and, for a republished checkpoint, where that came from)."""
+        trained, restored = {}, {}
+        for v in (held, self.refit.restored_from(held)):
+            if v is None:
+                continue
+            if (t := self.refit.trained_from(v)) is not None:
+                trained[v] = t
+            if (o := self.refit.restored_from(v)) is not None:
+                restored[v] = o
+        return Lineage(trained, restored)
 
     def _finish_trained(self, plan: JobPlan, n: int, started: int, held: int) -> int:
         """Step ``n`` (from version ``started``) was trained, the trainer holds its update as ``held``, but it was
@@ -337,7 +353,7 @@ class JobRunner:
             metrics["val_accuracy"] = self._evaluate(plan, v1)
         rec = self.get(plan.job_id)
         state = ("succeeded" if step + 1 >= plan.total else "cancelled" if rec.cancel_requested else "running")
-        every = plan.job.get("job.checkpoint_every")
+        every = plan.job.job.checkpoint_every
         if every and ((step + 1) % every == 0 or state != "running"):
             t = time.perf_counter()
             ck = self._rpc("checkpoint", "trainer", "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(),
@@ -351,7 +367,7 @@ class JobRunner:
         report = {"job_id": plan.job_id, "step": step, "weight_version": partial["weight_version"],
                   "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
                   "phase_times": {p: times.get(p, 0.0) for p in REPORT_TIMES}}
-        self.jobs.append_report(plan.job_id, report, state)
+        self.jobs.append_report(plan.job_id, report, state, next_version=v1)
         self._faults, self._events_after = {"retries": 0, "outage": 0.0}, after  # the next step's budget
         self._step_t0 = time.perf_counter()
         self._notify()

@@ -106,8 +106,8 @@ class RewardService(Service):
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - any import failure is a startup error naming the module
                 raise StartupError(f"--grader-module {name}: cannot import it: {type(exc).__name__}: {exc}") from None
-        grader = a.grader or job.get("reward.grader")
-        timeout_s = a.timeout_s if a.timeout_s is not None else job.get("reward.timeout_s")
+        grader = a.grader or job.reward.grader
+        timeout_s = a.timeout_s if a.timeout_s is not None else job.reward.timeout_s
         if a.grading_workers < 1:
             raise StartupError(f"--grading-workers must be >= 1, got {a.grading_workers}")
         try:
@@ -145,4 +145,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help=f"most characters in one item's response or answer (default {limits.MAX_RESPONSE_CHARS})")
 
 
-SPEC = ServiceSpec(name="reward", default_port=50053, build=RewardService, add_args=_add_args)
+# Grading needs no Redis: the service starts without it; its lease (how the controller finds it) registers once
+# Redis answers.
+SPEC = ServiceSpec(name="reward", default_port=50053, build=RewardService, add_args=_add_args, needs_redis=False)

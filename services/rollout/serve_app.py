@@ -86,7 +86,7 @@ class RolloutReplica:
         logging.basicConfig(level=args.log_level.upper())
         apply_security_args(args)  # the service token / --tls-ca become the credentials of outgoing channels too
         job = load_job_config(args.config)
-        store = RefitStore(connect(args.redis_url), args.job_id or job.get("job.name"))
+        store = RefitStore(connect(args.redis_url), args.job_id or job.job.name)
         self.ctx = Context(SPEC.name, args, job, store)
         self.service = RolloutService(self.ctx)
         self.server, health, port = build_server(self.service.servicers(), port=args.port, host=args.host,

@@ -56,8 +56,8 @@ __all__ = ["RolloutService", "RolloutServicer", "SPEC"]
 
 def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
     """``(engine, vocab_size, max_positions)`` for ``policy.generation.backend`` (:func:`make_rollout_engine`)."""
-    name = job.get("policy.model")
-    if job.get("policy.generation.backend") == "vllm":  # vLLM loads the checkpoint itself
+    name = job.policy.model
+    if job.policy.generation.backend == "vllm":  # vLLM loads the checkpoint itself
         from fp8rl.engines.vllm.launch import Fp8UnsupportedError, VllmUnavailableError
 
         path = prepare_tiny_arith() if name in PRESETS else Path(name)
@@ -83,7 +83,7 @@ class RolloutService(Service):
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.engine, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
-        self.backend = ctx.job.get("policy.generation.backend")
+        self.backend = ctx.job.policy.generation.backend
         self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
         self.source = GrpcShardSource()
         subscriber = RefitSubscriber(ctx.store, self.engine, self.source, ctx.replica_id, requires_scales=self.fp8_kv)
@@ -150,16 +150,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise Abort(grpc.StatusCode.UNAVAILABLE,
                         f"replica {s.ctx.replica_id} is not ready: it holds weight version {held} and QKV scales of "
                         f"version {s.engine.scales_version}; waiting for a published version (and its scales)")
-        if request.weight_version != held:
-            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"request pinned to weight version {request.weight_version}, but replica "
-                        f"{s.ctx.replica_id} holds version {held}")
         with self._count_lock:
             self._generating += 1
         try:
             samples = s.engine.generate(prompts, params, weight_version=request.weight_version,
                                         should_stop=lambda: not context.is_active())
-        except VersionMismatchError as exc:  # a refit landed between the check above and the batch
+        except VersionMismatchError as exc:  # pinned to another version (the engine checks the pin, once)
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {s.ctx.replica_id}: {exc}") from None
         except Cancelled as exc:  # the caller is gone; the status is for the log
             raise Abort(grpc.StatusCode.CANCELLED, f"request {request.request_id[:100]!r}: {exc}") from None

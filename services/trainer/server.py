@@ -62,15 +62,15 @@ class TrainerService(Service):
     def __init__(self, ctx: Context) -> None:
         job, args = ctx.job, ctx.args
         self.ctx = ctx
-        self.backend = job.get("policy.training.backend")
-        policy, tok, _ = load_policy(job.get("policy.model"))
+        self.backend = job.policy.training.backend
+        policy, tok, _ = load_policy(job.policy.model)
         self.pad_id = tok.pad_id
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         rollout = job.fp8_recipe("rollout")
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
         self.pow2 = rollout.pow2_weight_scaling_factors
         try:  # torch or megatron, per policy.training.backend; same TrainerConfig mapping either way
-            self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.get("loss.kl_coef") > 0 else None)
+            self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         try:
@@ -86,6 +86,7 @@ class TrainerService(Service):
         self.weight_store = WeightStoreServicer(self.publisher, chunk_bytes=args.chunk_bytes)
         self.lock = threading.Lock()  # one step / logprobs / checkpoint at a time
         self.published: int | None = None
+        self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
         self.ready = False
 
     def servicers(self):
@@ -120,6 +121,8 @@ class TrainerService(Service):
         if self.published == v:
             return 0.0
         t0 = time.perf_counter()
+        if v in self.trained_from:  # the lineage first: whoever sees v in weights:latest can read where it came from
+            self.ctx.store.mark_trained(v, self.trained_from[v])
         self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
                                fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2)
         self.published = v
@@ -204,6 +207,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                             f"step {request.step}: this batch gives {exc} (e.g. advantages too large)") from None
             except Cancelled as exc:  # the caller is gone; weights and version are unchanged
                 raise Abort(grpc.StatusCode.CANCELLED, f"step {request.step}: {exc}") from None
+            s.trained_from = {s.trainer.version: request.expected_version}
             t_publish = self._publish()
         phases = common_pb2.PhaseTimes(logprobs=out.logprobs_s, train=out.train_s, publish=t_publish,
                                        total=time.perf_counter() - t0)

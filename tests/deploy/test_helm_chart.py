@@ -217,7 +217,7 @@ def test_job_configmap_is_a_valid_job():
         docs, _ = render(_values(name))
         [cm] = by_kind(docs, "ConfigMap").values()
         job = parse_job_config(cm["data"]["job.yaml"])  # what every service loads at start
-        assert job.get("policy.generation.backend") == ("vllm" if name == "gpu" else "torch")
+        assert job.policy.generation.backend == ("vllm" if name == "gpu" else "torch")
 
 
 @pytest.mark.parametrize(("values", "message"), [

@@ -22,12 +22,12 @@ CPU kernels round differently, so nothing here depends on exact numbers):
   ``controls`` tier (``make test-controls``, run by ``.ci/run``) to keep ``make test`` short.
 """
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
+from fp8rl.config import ConfigError
 from fp8rl.loop import GRPOLoop, LoopConfig, main, run
 from fp8rl.presets import prepare_tiny_arith
 from fp8rl.rl.metrics import mismatch_promise
@@ -49,7 +49,7 @@ def preset():
 def _config(steps: int, **kw) -> LoopConfig:
     base = dict(recipe="fp8_e2e", kv_cache_dtype="fp8", steps=steps, prompts_per_step=16, group_size=8, lr=1e-4,
                 num_minibatches=4, eval_size=64, seed=0, arith=TASK)
-    return LoopConfig(**{**base, **kw})
+    return LoopConfig.from_flags(**{**base, **kw})
 
 
 def task_problems(loop: GRPOLoop) -> list:
@@ -68,7 +68,7 @@ _BEFORE: dict[tuple, list[float]] = {}  # the step-0 measurement, by everything 
 
 
 def _start_key(cfg: LoopConfig) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in dataclasses.asdict(cfg).items() if k not in ("steps", "out_dir")))
+    return tuple(sorted((k, repr(v)) for k, v in cfg.job.settings().items() if k != "job.steps"))
 
 
 def learning_run(cfg: LoopConfig, patch=None) -> tuple[float, float, dict]:
@@ -174,5 +174,23 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--recipe", "fp4"])
     assert "invalid choice" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="group_size"):
-        LoopConfig(group_size=1)
+    with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt: must be >= 2"):
+        LoopConfig.from_flags(group_size=1)
+    with pytest.raises(SystemExit):
+        main(["--group-size", "1"])
+    assert "grpo.num_generations_per_prompt" in capsys.readouterr().err
+
+
+def test_the_loop_runs_a_job_file_and_flags_set_its_keys(preset, tmp_path, capsys):
+    """--config is the services' job YAML: the run's recorded config is that job, with only the flagged key changed."""
+    from fp8rl.config import load_job_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text("job: {name: loop-file, steps: 5, eval_size: 4, seed: 3}\n"
+                   "grpo: {num_prompts_per_step: 2, num_generations_per_prompt: 2}\n"
+                   "policy: {generation: {max_new_tokens: 4}, training: {lr: 0.001}}\n"
+                   "loss: {importance_sampling: {mode: tis}}\n")
+    assert main(["--config", str(job), "--steps", "1", "--out", str(tmp_path / "out")]) == 0
+    recorded = json.loads((tmp_path / "out" / "summary.json").read_text())["config"]["job"]
+    assert recorded == load_job_config(job).with_settings({"job.steps": 1}).to_dict()
+    assert "fp8_e2e" in capsys.readouterr().out

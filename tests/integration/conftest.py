@@ -61,6 +61,12 @@ def find_redis_server() -> str:
     )
 
 
+@pytest.fixture(scope="session")
+def redis_server_binary() -> str:
+    """Path of the redis-server binary, for tests that start one themselves (e.g. after a service)."""
+    return find_redis_server()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

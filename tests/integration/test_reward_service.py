@@ -216,3 +216,47 @@ def test_sigterm_stops_gracefully(reward_service):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     assert not ready.exists()
+
+
+def test_grades_without_redis_and_registers_its_lease_once_redis_answers(tmp_path, redis_server_binary):
+    """Grading needs no Redis (the reward spec says so): the service starts with Redis down, scores, and its lease
+    appears once a redis-server listens at the URL."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on (yet)
+        sock.bind(("127.0.0.1", 0))
+        port_r = sock.getsockname()[1]
+    url = f"redis://127.0.0.1:{port_r}/0"
+    job = tmp_path / "job.yaml"
+    job.write_text("job:\n  name: reward-noredis\nreward:\n  grader: exact_match\n")
+    ready, log = tmp_path / "ready.json", tmp_path / "reward.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.reward", "--config", str(job), "--port", "0", "--ready-file", str(ready),
+             "--redis-url", url, "--replica-id", "reward-nr", "--service-token", TOKEN, "--lease-ttl", "3"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    redis_proc = None
+    try:
+        port = _wait_ready_file(proc, ready, log)["port"]
+        with make_channel(f"localhost:{port}", token=TOKEN, tls_ca="") as ch:
+            got = reward_pb2_grpc.RewardServiceStub(ch).Score(
+                reward_pb2.ScoreRequest(items=[_item("7", "7"), _item("8", "7")]), timeout=DEFAULT_DEADLINE_S.score)
+        assert list(got.rewards) == [1.0, 0.0]
+        assert "serves without its lease until Redis answers" in log.read_text()
+        redis_proc = subprocess.Popen([redis_server_binary, "--port", str(port_r), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT)
+        deadline, lease = time.monotonic() + 20, None
+        while lease is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                lease = RefitStore(connect(url, timeout_s=1), "reward-noredis").endpoint_of("reward")
+            except Exception:  # noqa: BLE001 - redis-server still starting
+                lease = None
+        assert lease is not None and lease.endpoint.endswith(f":{port}"), log.read_text()[-2000:]
+    finally:
+        for p in (proc, redis_proc):
+            if p is not None:
+                p.kill()
+                p.wait(timeout=10)

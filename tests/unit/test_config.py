@@ -84,9 +84,64 @@ def test_bad_values_are_quoted_short():
 
 def test_tiny_temperatures_are_greedy_and_valid_jobs_still_load():
     cfg = parse_job_config({"policy": {"generation": {"temperature": 1e-300}}})
-    assert cfg.get("policy.generation.temperature") == 0.0
+    assert cfg.policy.generation.temperature == 0.0
     warm = parse_job_config({"policy": {"generation": {"temperature": 0.7}}})
-    assert warm.get("policy.generation.temperature") == 0.7
+    assert warm.policy.generation.temperature == 0.7
     cfg = parse_job_config(yaml.safe_dump({"job": {"steps": limits.MAX_JOB_STEPS},
                                            "grpo": {"num_prompts_per_step": 32}}))
-    assert cfg.get("job.steps") == limits.MAX_JOB_STEPS
+    assert cfg.job.steps == limits.MAX_JOB_STEPS
+
+
+# -- the typed schema ---------------------------------------------------------------------------------
+def test_sections_are_frozen_and_validate_when_built_in_python():
+    from dataclasses import FrozenInstanceError
+
+    from fp8rl.config import GenerationConfig, GrpoConfig, JobConfig, MegatronCfg
+
+    with pytest.raises(ConfigError, match=r"^policy.generation.temperature: must be >= 0.0, got -1.0"):
+        GenerationConfig(temperature=-1)
+    with pytest.raises(ConfigError, match=r"^grpo.num_generations_per_prompt: must be >= 2"):
+        GrpoConfig(num_generations_per_prompt=1)
+    with pytest.raises(ConfigError, match=r"^policy.training.megatron_cfg.tensor_model_parallel_size: must be >= 1"):
+        MegatronCfg(tensor_model_parallel_size=0)
+    with pytest.raises(ConfigError, match=r"^policy.generation: expected a mapping"):
+        JobConfig().policy.__class__(generation={"temperature": 1.0})
+    g = GenerationConfig(temperature=1)
+    assert g.temperature == 1.0 and isinstance(g.temperature, float)  # ints are coerced for float keys
+    with pytest.raises(FrozenInstanceError):
+        g.temperature = 2.0
+
+
+def test_unknown_keys_and_bad_types_name_the_dotted_key():
+    refused({"policy": {"generation": {"vllm_cfg": {"precison": "fp8"}}}},
+            r"unknown key 'policy.generation.vllm_cfg.precison' \(known keys here: .*precision")
+    refused({"grpo": {"leave_one_out": "yes"}}, r"grpo.leave_one_out: expected bool, got 'yes'")
+    refused({"policy": {"generation": {"vllm_cfg": {"precision": "fp4"}}}},
+            r"policy.generation.vllm_cfg.precision: 'fp4' is not one of bf16, fp8")
+    refused({"policy": {"generation": {"vllm_cfg": {"precision": "bf16"}}}}, r"FP8 training with BF16 rollout")
+    refused({"data": {"task": "jsonl"}}, r"data.path: required when data.task is 'jsonl'")
+    refused({"policy": [1, 2]}, r"policy: expected a mapping, got list")
+
+
+def test_with_settings_validates_again_and_round_trips():
+    from fp8rl.config import JobConfig, recipe_settings
+
+    job = JobConfig().with_settings({"grpo.num_prompts_per_step": 4, **recipe_settings("fp8_gen_only")})
+    assert job.grpo.num_prompts_per_step == 4 and job.recipe == "fp8_gen_only"
+    assert parse_job_config(job.to_yaml()) == job  # YAML out and back in: the same job
+    assert job.settings()["grpo.num_prompts_per_step"] == 4
+    with pytest.raises(ConfigError, match="unknown key 'grpo.prompts'"):
+        job.with_settings({"grpo.prompts": 4})
+    with pytest.raises(ConfigError, match="grpo.num_prompts_per_step: must be > 0"):
+        job.with_settings({"grpo.num_prompts_per_step": 0})
+
+
+def test_every_key_is_documented_and_docs_config_md_is_current():
+    from pathlib import Path
+
+    from fp8rl.config import JobConfig, reference, walk
+
+    keys = list(walk(JobConfig))
+    assert len(keys) > 40 and all(len(f.metadata["doc"]) > 10 for _, f in keys)
+    doc = Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md"
+    assert doc.read_text() == reference(), "docs/CONFIG.md is stale: python -m fp8rl.config > docs/CONFIG.md"

@@ -7,14 +7,19 @@ Layout (``P = fp8rl:{job}:``; ``job:state``, ``job:step``, ``job:config`` and ``
     P job:step      int     last finished step (absent before the first)
     P job:config    bytes   the submitted job YAML, as given
     P job:info      hash    created_unix, updated_unix, total_steps, error, cancel_reason,
-                            base_version, checkpoint_path, checkpoint_version, inflight (JSON)
+                            start_version, next_version, checkpoint_path, checkpoint_version,
+                            inflight (JSON)
     P job:reports   list    one JSON step report per finished step; index == step
     fp8rl:jobs      set     every job id
 
 Invariants:
 
 * A step is finished exactly when its report is in ``job:reports``: the report, ``job:step``, the
-  state after it and ``updated_unix`` are written in one MULTI, so a crash never leaves half of it.
+  state after it, ``next_version`` and ``updated_unix`` are written in one MULTI, so a crash never
+  leaves half of it.
+* Versions are recorded, never computed: each report's ``weight_version`` is the version its step
+  started from, and ``next_version`` the one the next step starts from (the trainer's update of the last
+  recorded step, or the version a resume moved the job to; see :mod:`fp8rl.controller.reconcile`).
 * State changes that race (a pending job being cancelled while the runner picks it up) go through
   :meth:`JobStore.transition`, a compare-and-set: of two racers exactly one wins.
 * Terminal states (succeeded, failed, cancelled) never change again.
@@ -56,8 +61,9 @@ class JobRecord:
         error: why it failed ("" otherwise).
         created_unix, updated_unix: submission time and time of the last change.
         cancel_reason: set once cancellation was requested ("" otherwise).
-        base_version: step k starts from weight version ``base_version + k`` (None before the first step);
-            the trainer's version at step 0, moved forward when it resumes from a republished checkpoint.
+        start_version: the version step 0 started from (None before the first step).
+        next_version: the version the next step starts from (None before the first step): the new
+            version of the last recorded step, or where a resume moved the job.
         checkpoint_path, checkpoint_version: the newest checkpoint written for the job.
     """
 
@@ -69,7 +75,8 @@ class JobRecord:
     created_unix: float = 0.0
     updated_unix: float = 0.0
     cancel_reason: str = ""
-    base_version: int | None = None
+    start_version: int | None = None
+    next_version: int | None = None
     checkpoint_path: str = ""
     checkpoint_version: int | None = None
 
@@ -156,7 +163,8 @@ class JobStore:
             job_id=job_id, state=_s(state), steps_done=int(n), total_steps=int(f.get("total_steps") or 0),
             error=f.get("error", ""), created_unix=float(f.get("created_unix") or 0.0),
             updated_unix=float(f.get("updated_unix") or 0.0), cancel_reason=f.get("cancel_reason", ""),
-            base_version=_opt_int(f.get("base_version")), checkpoint_path=f.get("checkpoint_path", ""),
+            start_version=_opt_int(f.get("start_version")),
+            next_version=_opt_int(f.get("next_version")), checkpoint_path=f.get("checkpoint_path", ""),
             checkpoint_version=_opt_int(f.get("checkpoint_version")),
         )
 
@@ -201,8 +209,9 @@ class JobStore:
         self.update(job_id, cancel_reason=reason or "cancelled")
 
     # -- step reports -------------------------------------------------------------------------
-    def append_report(self, job_id: str, report: dict, state: str) -> None:
-        """Record a finished step and the job's state after it, atomically (see the invariants).
+    def append_report(self, job_id: str, report: dict, state: str, next_version: int) -> None:
+        """Record a finished step, the job's state after it and the version the next step starts from,
+        atomically (see the invariants).
 
         Raises:
             ValueError: ``report["step"]`` is not the next step (steps are recorded in order, once).
@@ -216,7 +225,7 @@ class JobStore:
         pipe.set(k.job_step(), report["step"])
         pipe.set(k.job_state(), state)
         pipe.hdel(k.job_info(), "inflight")
-        pipe.hset(k.job_info(), "updated_unix", time.time())
+        pipe.hset(k.job_info(), mapping={"next_version": next_version, "updated_unix": time.time()})
         pipe.execute()
 
     def reports(self, job_id: str, from_step: int = 0) -> list[dict]:

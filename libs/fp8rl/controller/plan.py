@@ -13,7 +13,6 @@ import statistics
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,17 +41,6 @@ DEPLOYMENT_KEYS = (
 )
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{key}."))
-        else:
-            out[key] = v
-    return out
-
-
 def _bound(key: str) -> bool:
     return any(key == p or key.startswith(f"{p}.") for p in DEPLOYMENT_KEYS)
 
@@ -68,7 +56,7 @@ def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
                 f"deployed services run {deployed.recipe} with kv_cache_dtype={deployed.kv_cache_dtype} (keys "
                 f"policy.generation.vllm_cfg.precision, policy.generation.vllm_cfg.kv_cache_dtype, "
                 f"policy.training.megatron_cfg.fp8_cfg.enabled)")
-    mine, theirs = _flatten(job.raw), _flatten(deployed.raw)
+    mine, theirs = job.settings(), deployed.settings()
     for key in sorted(theirs, key=lambda k: (k != "policy.model", k)):
         if _bound(key) and mine.get(key) != theirs[key]:
             return (f"{key}: the job sets {mine.get(key)!r} but the deployed services run {theirs[key]!r}; "
@@ -91,8 +79,8 @@ def check_deployment(job: JobConfig, deployed: JobConfig) -> None:
 def check_data(job: JobConfig, data: DataRoot) -> None:
     """Refuse (:class:`fp8rl.data.DataFileError`) a ``jsonl`` job whose ``data.path`` is outside ``data``'s
     root, not a regular file or over its byte limit — without reading it (rows are counted when the job runs)."""
-    if job.get("data.task") == "jsonl":
-        data.check(job.get("data.path"))
+    if job.data.task == "jsonl":
+        data.check(job.data.path)
 
 
 def problem_source(job: JobConfig, data: DataRoot | None = None) -> Callable[[int], list[Problem]]:
@@ -102,12 +90,12 @@ def problem_source(job: JobConfig, data: DataRoot | None = None) -> Callable[[in
     through the file in order — ``data.path`` under ``data``'s root (default: the working directory),
     within its byte and row limits.
     """
-    n = job.get("grpo.num_prompts_per_step")
-    if job.get("data.task") == "arith":
-        arith = ArithDataset(job.arith_config(), seed=job.get("job.seed"))
+    n = job.grpo.num_prompts_per_step
+    if job.data.task == "arith":
+        arith = ArithDataset(job.arith_config(), seed=job.job.seed)
         return lambda step: arith.batch(step, n)
     data = data or DataRoot()
-    problems = load_jsonl(data.resolve(job.get("data.path")), max_rows=data.max_rows, max_bytes=data.max_bytes)
+    problems = load_jsonl(data.resolve(job.data.path), max_rows=data.max_rows, max_bytes=data.max_bytes)
     if not problems:
         raise ValueError(f"data.path: {job.get('data.path')} holds no problems")
     return lambda step: [problems[(step * n + i) % len(problems)] for i in range(n)]
@@ -115,16 +103,16 @@ def problem_source(job: JobConfig, data: DataRoot | None = None) -> Callable[[in
 
 def eval_problems(job: JobConfig, data: DataRoot | None = None) -> list[Problem]:
     """``job.eval_size`` validation problems (arith: the eval seed stream; jsonl: the file's first rows)."""
-    size = job.get("job.eval_size")
-    if job.get("data.task") == "arith":
-        return ArithDataset(job.arith_config(), seed=job.get("job.seed")).eval_set(size)
+    size = job.job.eval_size
+    if job.data.task == "arith":
+        return ArithDataset(job.arith_config(), seed=job.job.seed).eval_set(size)
     data = data or DataRoot()
-    return load_jsonl(data.resolve(job.get("data.path")), limit=size, max_bytes=data.max_bytes)
+    return load_jsonl(data.resolve(job.data.path), limit=size, max_bytes=data.max_bytes)
 
 
 def load_job_tokenizer(job: JobConfig) -> Tokenizer:
     """The policy's tokenizer (a preset is prepared first if it is not cached yet)."""
-    model = job.get("policy.model")
+    model = job.policy.model
     return load_tokenizer(prepare_tiny_arith(progress=False) if model in PRESETS else Path(model))
 
 
@@ -186,14 +174,14 @@ class JobPlan:
 
     def __init__(self, job_id: str, job: JobConfig, data: DataRoot | None = None) -> None:
         self.job_id, self.job = job_id, job
-        self.total = job.get("job.steps")
-        self.group = job.get("grpo.num_generations_per_prompt")
-        self.leave_one_out = job.get("grpo.leave_one_out")
-        self.temperature = job.get("policy.generation.temperature")
+        self.total = job.job.steps
+        self.group = job.grpo.num_generations_per_prompt
+        self.leave_one_out = job.grpo.leave_one_out
+        self.temperature = job.policy.generation.temperature
         self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
         self.tok = load_job_tokenizer(job)
         self.batch = problem_source(job, data)
-        self.eval_every = job.get("job.eval_every")
+        self.eval_every = job.job.eval_every
         self.eval_set = eval_problems(job, data) if self.eval_every else []
 
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:

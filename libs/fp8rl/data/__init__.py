@@ -5,6 +5,9 @@
 * :mod:`.jsonl` — problems from JSON-lines files (own shape or OpenMathInstruct-2).
 * :mod:`.files` — :class:`DataRoot`: data files confined to a root, regular files only, read within limits.
 * :mod:`.grading` — graders ``(response, answer) -> reward in [0, 1]`` that never raise.
+
+Invariant: a data source is a pure function of its config and seed (the same problems in the same order on
+every machine), and nothing here imports torch or another fp8rl package but ``fp8rl.limits``.
 """
 
 from .arith import ArithConfig, ArithDataset, format_sft_example, generate_problems, make_prompt

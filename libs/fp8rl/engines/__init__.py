@@ -3,6 +3,9 @@
 Engines know tensors, never gRPC or Redis. ``engine: torch`` / ``backend: torch`` are the
 embedded defaults that run on any CPU; ``backend: megatron`` (subpackage ``megatron``, optional
 extra) is built by :func:`make_trainer_backend`.
+
+Invariant: an engine serves or trains at exactly the version it holds (a request pinned to another is
+:class:`VersionMismatchError`), and a refit applies weights and QKV scales of one version together or not at all.
 """
 
 from .base import (

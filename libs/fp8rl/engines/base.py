@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8rl.fp8 import QKVScales
+from fp8rl.fp8 import QKVScales, WeightLoadError  # the payload lifecycle's error (fp8rl.fp8.payload)
 from fp8rl.limits import GREEDY_TEMPERATURE, MAX_TEMPERATURE
 
 __all__ = [
@@ -68,13 +68,6 @@ def check_stop(should_stop: ShouldStop | None, what: str) -> None:
     """Raise :class:`Cancelled` (naming ``what`` was stopped) when ``should_stop`` is given and returns True."""
     if should_stop is not None and should_stop():
         raise Cancelled(f"{what} stopped: the caller cancelled or its deadline passed")
-
-
-class WeightLoadError(ValueError):
-    """A refit payload was refused (missing/unknown tensor, wrong shape/dtype, NaN, stale version).
-
-    The engine keeps serving the weights it held before the failed load.
-    """
 
 
 @dataclass(frozen=True)
@@ -227,7 +220,8 @@ class RolloutEngine(abc.ABC):
         high-precision ``X.weight`` (quantized here, the same way the trainer does) or
         ``X.weight`` in E4M3 plus ``X.weight_scale``. Validates everything before touching the
         live weights; on any problem raises :class:`WeightLoadError` and keeps serving the old
-        version. A version older than the held one is refused.
+        version. A version older than the held one is refused. Engines run the one payload
+        lifecycle of :mod:`fp8rl.fp8.payload` (create → process after loading → apply).
         """
 
 

@@ -1,7 +1,7 @@
 """The calibrator's copy of the policy, kept at a published version by refit (DESIGN §5).
 
-Invariant: a load applies every tensor or none (staged, then applied), so the model calibrated on is
-always exactly one published version.
+Invariant: a load applies every tensor or none (the payload lifecycle of :mod:`fp8rl.fp8.payload`:
+checked and processed, then applied), so the model calibrated on is always exactly one published version.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fp8rl.fp8 import E4M3, Fp8InferenceLinear, QKVScales, convert_model, dequantize_blockwise
-
-from .weights import apply_staged, stage_weights
+from fp8rl.fp8 import PayloadSpec, QKVScales, RefitPayload, convert_model
 
 __all__ = ["CalibrationModel"]
 
@@ -31,7 +29,7 @@ class CalibrationModel:
         self.model = convert_model(copy.deepcopy(policy), recipe, mode="inference").eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self._fp8 = {n for n, m in self.model.named_modules() if isinstance(m, Fp8InferenceLinear)}
+        self._spec = PayloadSpec.for_model(self.model, dequantize_fp8=True)
         self._version: int | None = None
 
     @property
@@ -39,11 +37,6 @@ class CalibrationModel:
         return self._version
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None):
-        tensors = dict(tensors)
-        for name in [n for n, t in tensors.items() if t.dtype == E4M3 and n.endswith(".weight")]:
-            prefix = name.removesuffix(".weight")
-            if prefix not in self._fp8 and f"{prefix}.weight_scale" in tensors:
-                tensors[name] = dequantize_blockwise(tensors[name], tensors.pop(f"{prefix}.weight_scale"))
-        staged = stage_weights(self.model, tensors)  # raises WeightLoadError; nothing applied then
-        apply_staged(self.model, staged)
+        # raises WeightLoadError before anything is applied; the calibrator computes scales, it holds none
+        RefitPayload.create(self._spec, version, tensors, qkv_scales).process().apply(self.model)
         self._version = version

@@ -24,8 +24,8 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
             backend cannot run (e.g. tensor/pipeline parallel sizes other than 1 for megatron);
             the message names the key.
     """
-    backend = job.get("policy.training.backend")
-    common = dict(ref_model=ref_model, seed=job.get("job.seed"))
+    backend = job.policy.training.backend
+    common = dict(ref_model=ref_model, seed=job.job.seed)
     if backend == "torch":
         return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common)
     if backend == "megatron":
@@ -34,10 +34,10 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
                              "pip install 'fp8rl[megatron]' (or `make test-megatron`, which installs it into .venv)")
         from .megatron.trainer import MegatronTrainer
 
-        mc = job.get("policy.training.megatron_cfg")
+        mc = job.policy.training.megatron_cfg
         return MegatronTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common,
-                               tensor_model_parallel_size=mc["tensor_model_parallel_size"],
-                               pipeline_model_parallel_size=mc["pipeline_model_parallel_size"])
+                               tensor_model_parallel_size=mc.tensor_model_parallel_size,
+                               pipeline_model_parallel_size=mc.pipeline_model_parallel_size)
     raise ValueError(f"policy.training.backend: {backend!r} is not one of {', '.join(TRAINER_BACKENDS)}")
 
 
@@ -54,13 +54,13 @@ def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: li
         ValueError: an unknown backend (the message names the key).
         fp8rl.engines.vllm.launch.VllmUnavailableError / Fp8UnsupportedError: vLLM missing, or no FP8 here.
     """
-    backend = job.get("policy.generation.backend")
+    backend = job.policy.generation.backend
     if backend == "torch":
         if policy is None:
             raise ValueError("policy.generation.backend: 'torch' runs on the loaded policy; none was given")
         return TorchRolloutEngine(policy, job.fp8_recipe("rollout"), eos_token_ids=eos_token_ids,
                                   pad_token_id=pad_token_id, initial_version=None, max_batch_size=max_batch_size,
-                                  seed=job.get("job.seed"))
+                                  seed=job.job.seed)
     if backend == "vllm":  # imported here: vLLM is an optional install
         from .vllm.rollout import VllmRolloutEngine
 

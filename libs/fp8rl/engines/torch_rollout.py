@@ -8,8 +8,9 @@ the softmax probabilities to E4M3.
 
 Invariants: :meth:`generate` serves only the version it holds (a pinned request for another gets
 :class:`VersionMismatchError`) and, with an FP8 KV cache, only with the QKV scales of that same
-version; :meth:`load_weights` validates everything before overwriting the live tensors in place,
-under the same lock ``generate`` holds, so a refit lands between batches. ``generate`` polls its
+version; :meth:`load_weights` runs the payload lifecycle of :mod:`fp8rl.fp8.payload` (validate and
+quantize everything, then overwrite the live tensors in place), the apply step under the same lock
+``generate`` holds, so a refit lands between batches. ``generate`` polls its
 ``should_stop`` check before every decode step, so an abandoned call releases that lock within one step.
 
 Logprobs: ``log_softmax(logits / temperature)`` of the sampled token — the temperature-scaled
@@ -27,11 +28,18 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
+from fp8rl.fp8 import (
+    Fp8Recipe,
+    PayloadSpec,
+    QKVScales,
+    RefitPayload,
+    check_qkv_scales,
+    convert_model,
+    load_qkv_scales,
+)
 from fp8rl.model import CausalLM, KVCache
 
 from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
-from .weights import apply_staged, stage_weights
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,7 @@ class TorchRolloutEngine(RolloutEngine):
         self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        self._spec = PayloadSpec.for_model(self.model)  # what every refit payload must hold
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
@@ -108,38 +117,18 @@ class TorchRolloutEngine(RolloutEngine):
     def load_weights(
         self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None
     ) -> None:
-        if self._version is not None and version < self._version:
-            raise WeightLoadError(f"refusing weight version {version}: this engine already holds {self._version}")
-        quantizers = self.model.kv_quantizers
-        if quantizers:
-            if qkv_scales is None:
-                raise WeightLoadError(f"kv_cache_dtype=fp8 needs the QKV scales of version {version}; none were given")
-            if qkv_scales.version != version:
-                raise WeightLoadError(
-                    f"QKV scales are for version {qkv_scales.version} but the weights are version {version}"
-                )
-            if qkv_scales.num_layers != len(quantizers):
-                raise WeightLoadError(f"QKV scales cover {qkv_scales.num_layers} layers, model has {len(quantizers)}")
-        staged = stage_weights(self.model, tensors)
+        payload = RefitPayload.create(self._spec, version, tensors, qkv_scales, held=self._version).process()
         with self._lock:
-            apply_staged(self.model, staged)
-            for i, qz in enumerate(quantizers):
-                qz.set_scales(qkv_scales.q[i], qkv_scales.k[i], qkv_scales.v[i], version)
+            payload.apply(self.model)  # weights and the same version's QKV scales together
             self._version = version
         log.info("rollout engine now serves weight version %d", version)
 
     def load_scales(self, qkv_scales: QKVScales) -> None:
         """Install QKV scales for the version already held (the first calibration, before any refit)."""
         with self._lock:
-            if qkv_scales.version != self._version:
-                raise WeightLoadError(
-                    f"QKV scales are for version {qkv_scales.version} but the engine holds version {self._version}"
-                )
-            quantizers = self.model.kv_quantizers
-            if qkv_scales.num_layers != len(quantizers):
-                raise WeightLoadError(f"QKV scales cover {qkv_scales.num_layers} layers, model has {len(quantizers)}")
-            for i, qz in enumerate(quantizers):
-                qz.set_scales(qkv_scales.q[i], qkv_scales.k[i], qkv_scales.v[i], qkv_scales.version)
+            if check_qkv_scales(qkv_scales, self._version, self._spec.num_kv_layers, holder="the engine holds") is None:
+                raise WeightLoadError("QKV scales given, but this engine's KV cache is not FP8")
+            load_qkv_scales(self.model, qkv_scales)
 
     # ------------------------------------------------------------------ generation
     def generate(

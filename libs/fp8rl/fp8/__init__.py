@@ -2,12 +2,28 @@
 
 Convention: ``x ≈ q.float() * scale``, ``scale = amax / 448`` in FP32 (E4M3), 1.0 for all-zero
 blocks, optionally rounded up to a power of two.
+
+:mod:`.payload` is the refit payload lifecycle every engine runs (create → process after loading → apply).
+
+Invariant: no other fp8rl package is imported here, and every FP8 rounding in the project happens in this
+package, so the rollout engines and the trainer round the same way.
 """
 
 from .backend import fp8_gemm_supported, select_backend
 from .convert import convert_model, fp8_linear_names, quantize_state_dict, transformer_layers
 from .kv import QKVQuantizer, QKVScales, calibrated_scale, scales_from_amax_history
 from .linear import Fp8InferenceLinear, Fp8Linear, fp8_gemm, fp8_linear
+from .payload import (
+    Fp8LinearSpec,
+    PayloadSpec,
+    ProcessedPayload,
+    RefitPayload,
+    TensorSpec,
+    WeightLoadError,
+    check_qkv_scales,
+    load_qkv_scales,
+    qkv_quantizers,
+)
 from .quant import (
     BLOCK,
     E4M3,
@@ -34,4 +50,6 @@ __all__ = [
     "convert_model", "fp8_linear_names", "quantize_state_dict", "transformer_layers",
     "QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history",
     "select_backend", "fp8_gemm_supported",
+    "WeightLoadError", "TensorSpec", "Fp8LinearSpec", "PayloadSpec", "RefitPayload", "ProcessedPayload",
+    "check_qkv_scales", "load_qkv_scales", "qkv_quantizers",
 ]

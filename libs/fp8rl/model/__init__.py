@@ -2,6 +2,9 @@
 
 Depends only on ``fp8rl.fp8`` (for the per-tensor FP8 KV quantizer). Tokenizers live in
 ``fp8rl.model.tokenizer`` and are imported from there, not re-exported here.
+
+Invariant: parameter names are the HF checkpoint's, so a state dict moves between the model, the
+trainer backends, refit and vLLM without a rename table.
 """
 
 from .config import ModelConfig

@@ -5,6 +5,7 @@ arrived intact, only together with v's own QKV scales when it runs an FP8 KV cac
 older than what it holds; and only a replica with a live lease can ack.
 
 Modules: :mod:`.keys` (every Redis key name), :mod:`.shards` (raw-byte shard format),
+:mod:`.scales` (the one wire format of a QKV scale set, in Redis and over gRPC),
 :mod:`.manifest` (manifest, ``build_shards``, ``assemble``), :mod:`.store` (Redis state),
 :mod:`.subscriber` (``RefitPublisher``, ``RefitSubscriber``, ``ShardSource``).
 """
@@ -14,6 +15,7 @@ from .keys import JOBS_INDEX, Keys, validate_job_id, validate_replica_id, valida
 from .lease import LeaseHolder, RoleLease
 from .manifest import Manifest, assemble, build_shards
 from .publisher import RefitPublisher
+from .scales import decode_scales, encode_scales
 from .shards import DEFAULT_SHARD_BYTES, DTYPES, CorruptShardError, TensorEntry, pack_tensors, unpack_tensors
 from .store import (
     Event,
@@ -34,6 +36,7 @@ __all__ = [
     "JOBS_INDEX", "Keys", "validate_job_id", "validate_replica_id", "validate_version",
     "Manifest", "assemble", "build_shards",
     "DEFAULT_SHARD_BYTES", "DTYPES", "CorruptShardError", "TensorEntry", "pack_tensors", "unpack_tensors",
+    "encode_scales", "decode_scales",
     "RefitTarget", "make_shard_source", "RefitFollower", "PendingRefit", "LeaseHolder", "RoleLease", "AWAITING_SCALES",
     "REFIT_FAILED", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",

@@ -13,6 +13,8 @@ key                     type         meaning
 ``P weights:latest``    int          newest published version (only increases)
 ``P weights:{v}:manifest``  bytes    manifest JSON of version v
 ``P weights:{v}:acks``  set          replica ids that applied v (weights and scales)
+``P weights:{v}:trained_from``  int  the version whose optimizer step produced v
+``P weights:{v}:restored_from``  int the checkpoint version v republishes (a trainer restart)
 ``P scales:{v}``        bytes        FP32 Q/K/V scales calibrated on version v
 ``P events``            stream       ``weights_published``, ``scales_published``, ``replica_fenced``
 ``P replicas:{id}``     hash + TTL   a replica's lease: endpoint, version, ttl
@@ -97,6 +99,10 @@ class Keys:
     def restored_from(self, version: int) -> str:
         """``weights:{v}:restored_from`` — set when v republishes an older checkpoint's weights (its version)."""
         return f"{self.prefix}weights:{validate_version(version)}:restored_from"
+
+    def trained_from(self, version: int) -> str:
+        """``weights:{v}:trained_from`` — set when an optimizer step from version u produced v (its value: u)."""
+        return f"{self.prefix}weights:{validate_version(version)}:trained_from"
 
     def scales(self, version: int) -> str:
         """``scales:{v}`` — the Q/K/V scales calibrated on version v."""

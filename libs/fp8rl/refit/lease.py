@@ -60,14 +60,20 @@ class RoleLease:
         self._thread.start()
 
     def _renew(self) -> None:
-        h = self.holder
+        h, failing = self.holder, 0
         while not h.stopping.wait(max(0.05, h.lease_ttl / 3)):
             try:
                 if not h.store.heartbeat(h.replica_id, self.version()):
                     log.warning("the %s lease of %s expired or was fenced; re-registering", h.role, h.replica_id)
                     self.register()
+                if failing:
+                    log.info("the %s lease of %s is renewed again after %d failed heartbeats", h.role,
+                             h.replica_id, failing)
+                failing = 0
             except Exception as exc:  # noqa: BLE001 - Redis away: keep serving, renew when it is back
-                log.warning("lease heartbeat failed: %s", exc)
+                failing += 1
+                if failing & (failing - 1) == 0:  # the 1st, 2nd, 4th, 8th ... failure: a long outage, a short log
+                    log.warning("lease heartbeat failed (%d in a row): %s", failing, exc)
 
     def release(self) -> None:
         """After ``holder.stopping`` is set: join the thread and drop the lease (a clean stop is not a fence)."""

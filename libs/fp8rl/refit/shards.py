@@ -14,16 +14,13 @@ the entries tile the stream exactly (no gap, no overlap, nothing left over), eve
 of :data:`DTYPES`, every byte length equals ``numel × itemsize`` and every tensor's checksum
 matches; otherwise it raises :class:`CorruptShardError` naming the tensor and the shard.
 
-The other refit payload, a QKV scale set, has its own tiny format here too
-(:func:`encode_scales`): a header with the weight version it was calibrated on, then the
-``(num_layers, 3)`` FP32 scales; decoding refuses a set whose version is not the one asked for.
+The other refit payload, a QKV scale set, has its own format in :mod:`.scales` (re-exported here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fp8rl.fp8 import QKVScales
+from .scales import decode_scales, encode_scales
 
 __all__ = [
     "DTYPES",
@@ -319,26 +316,3 @@ def unpack_tensors(
         raise CorruptShardError(f"{total - end} trailing bytes after the last tensor belong to no tensor")
     return out
 
-
-# -- QKV scale sets: the other payload of a refit -------------------------------------------------
-_SCALES_MAGIC = b"fp8rlqkv"
-_SCALES_HEADER = struct.Struct("<8sqI")  # magic, version (int64), num_layers (uint32); then (L, 3) FP32 LE
-
-
-def encode_scales(scales: QKVScales) -> bytes:
-    """Wire form of a scale set: a small header, then ``(num_layers, 3)`` FP32 little-endian (q, k, v)."""
-    body = scales.to_tensor().numpy().astype("<f4").tobytes()
-    return _SCALES_HEADER.pack(_SCALES_MAGIC, scales.version, scales.num_layers) + body
-
-
-def decode_scales(data: bytes, version: int) -> QKVScales:
-    """Inverse of :func:`encode_scales`; refuses a payload of another version or a malformed one."""
-    if len(data) < _SCALES_HEADER.size:
-        raise ValueError(f"QKV scales of version {version} are truncated ({len(data)} bytes)")
-    magic, held, layers = _SCALES_HEADER.unpack_from(data)
-    if magic != _SCALES_MAGIC or len(data) != _SCALES_HEADER.size + 12 * layers:
-        raise ValueError(f"QKV scales of version {version} are malformed ({len(data)} bytes, {layers} layers)")
-    if held != version:
-        raise ValueError(f"QKV scales stored for version {version} were calibrated on version {held}")
-    arr = np.frombuffer(data, dtype="<f4", offset=_SCALES_HEADER.size).reshape(layers, 3)
-    return QKVScales.from_tensor(version, torch.from_numpy(arr.copy()))

@@ -32,7 +32,7 @@ from fp8rl.fp8 import QKVScales
 
 from .keys import Keys, validate_replica_id, validate_version
 from .manifest import Manifest
-from .shards import decode_scales, encode_scales
+from .scales import decode_scales, encode_scales
 
 __all__ = [
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
@@ -82,8 +82,9 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def connect(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
-    """A Redis client for ``url`` (``redis://[:password@]host:port/db``), checked with a PING.
+def connect(url: str, *, timeout_s: float = 10.0, check: bool = True) -> redis.Redis:
+    """A Redis client for ``url`` (``redis://[:password@]host:port/db``), checked with a PING (unless ``check``
+    is false: then only the URL is parsed and the first command connects).
 
     Args:
         url: Redis URL; passwords (``redis://:pw@host:6379/0``) and ACL users are supported.
@@ -96,7 +97,8 @@ def connect(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
         client = redis.Redis.from_url(
             url, decode_responses=False, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
         )
-        client.ping()
+        if check:
+            client.ping()
     except redis.AuthenticationError as exc:
         raise RefitConnectionError(
             f"Redis at {redact_url(url)} refused authentication ({exc}); check the password in the URL"
@@ -276,6 +278,19 @@ class RefitStore:
     def restored_from(self, version: int) -> int | None:
         """The checkpoint version that ``version`` republished, or None for an ordinary train step."""
         return _opt_int(self.client.get(self.keys.restored_from(version)))
+
+    def mark_trained(self, version: int, from_version: int) -> None:
+        """Record that ``version`` (about to be published) is the optimizer step taken from ``from_version``.
+
+        With :meth:`mark_restored` this is each version's lineage in Redis: the controller reads it to
+        learn where a job stands after a restart instead of inferring versions by arithmetic.
+        """
+        validate_version(from_version)
+        self.client.set(self.keys.trained_from(version), from_version)
+
+    def trained_from(self, version: int) -> int | None:
+        """The version whose optimizer step produced ``version``, or None (initial weights, a republish)."""
+        return _opt_int(self.client.get(self.keys.trained_from(version)))
 
     # -- QKV scales ---------------------------------------------------------------------------
     def put_scales(self, scales: QKVScales) -> str | None:

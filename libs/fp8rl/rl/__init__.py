@@ -8,6 +8,8 @@ Pure PyTorch, no other fp8rl imports: engines and the loop call in, never the re
   aggregation over the global batch).
 - :mod:`fp8rl.rl.metrics` — :func:`token_mult_prob_error` and :func:`mismatch_metrics` comparing
   trainer and rollout logprobs of the generated tokens.
+
+Invariant: every function is a pure function of its tensors (no engine state, no randomness).
 """
 
 from fp8rl.rl.advantages import grpo_advantages

@@ -8,4 +8,7 @@ one ``<name>_pb2`` / ``<name>_pb2_grpc`` pair per proto file: common, rollout, t
 weights, reward, calibrator, controller. Plumbing every service and client shares:
 :mod:`fp8rl.rpc.server` (``build_server``, ``set_serving``) and :mod:`fp8rl.rpc.channel`
 (``make_channel``, ``wait_ready``, ``DEFAULT_DEADLINE_S``). Nothing is imported eagerly here.
+
+Invariant: the wire carries no pickles; every message is a proto whose fields are bounded by the server
+(:mod:`fp8rl.rpc.guard`) before a handler sees it.
 """

@@ -16,9 +16,11 @@ class CalibrateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class CalibrateResponse(_message.Message):
-    __slots__ = ("scales", "seconds")
-    SCALES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("seconds", "version", "scales")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
-    scales: _common_pb2.QKVScaleSet
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
     seconds: float
-    def __init__(self, scales: _Optional[_Union[_common_pb2.QKVScaleSet, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    version: int
+    scales: bytes
+    def __init__(self, seconds: _Optional[float] = ..., version: _Optional[int] = ..., scales: _Optional[bytes] = ...) -> None: ...

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66p8rl/v1/common.proto\x12\x08\x66p8rl.v1\"\x84\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\nblock_size\x18\x04 \x03(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\x12\x12\n\nscale_name\x18\x07 \x01(\t\"?\n\x0bQKVScaleSet\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\t\n\x01q\x18\x02 \x03(\x02\x12\t\n\x01k\x18\x03 \x03(\x02\x12\t\n\x01v\x18\x04 \x03(\x02\"\xa0\x01\n\nPhaseTimes\x12\x0f\n\x07rollout\x18\x01 \x01(\x01\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x10\n\x08logprobs\x18\x03 \x01(\x01\x12\r\n\x05train\x18\x04 \x01(\x01\x12\x0f\n\x07publish\x18\x05 \x01(\x01\x12\x11\n\tcalibrate\x18\x06 \x01(\x01\x12\r\n\x05refit\x18\x07 \x01(\x01\x12\r\n\x05total\x18\x08 \x01(\x01\x12\x0e\n\x06outage\x18\t \x01(\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66p8rl/v1/common.proto\x12\x08\x66p8rl.v1\"\x84\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\nblock_size\x18\x04 \x03(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\x12\x12\n\nscale_name\x18\x07 \x01(\t\"\xa0\x01\n\nPhaseTimes\x12\x0f\n\x07rollout\x18\x01 \x01(\x01\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x10\n\x08logprobs\x18\x03 \x01(\x01\x12\r\n\x05train\x18\x04 \x01(\x01\x12\x0f\n\x07publish\x18\x05 \x01(\x01\x12\x11\n\tcalibrate\x18\x06 \x01(\x01\x12\r\n\x05refit\x18\x07 \x01(\x01\x12\r\n\x05total\x18\x08 \x01(\x01\x12\x0e\n\x06outage\x18\t \x01(\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORHEADER']._serialized_start=36
   _globals['_TENSORHEADER']._serialized_end=168
-  _globals['_QKVSCALESET']._serialized_start=170
-  _globals['_QKVSCALESET']._serialized_end=233
-  _globals['_PHASETIMES']._serialized_start=236
-  _globals['_PHASETIMES']._serialized_end=396
-  _globals['_TOKENSEQUENCE']._serialized_start=398
-  _globals['_TOKENSEQUENCE']._serialized_end=432
+  _globals['_PHASETIMES']._serialized_start=171
+  _globals['_PHASETIMES']._serialized_end=331
+  _globals['_TOKENSEQUENCE']._serialized_start=333
+  _globals['_TOKENSEQUENCE']._serialized_end=367
 # @@protoc_insertion_point(module_scope)

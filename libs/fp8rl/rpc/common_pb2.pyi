@@ -24,18 +24,6 @@ class TensorHeader(_message.Message):
     scale_name: str
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., scale_name: _Optional[str] = ...) -> None: ...
 
-class QKVScaleSet(_message.Message):
-    __slots__ = ("version", "q", "k", "v")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    Q_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    V_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    q: _containers.RepeatedScalarFieldContainer[float]
-    k: _containers.RepeatedScalarFieldContainer[float]
-    v: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, version: _Optional[int] = ..., q: _Optional[_Iterable[float]] = ..., k: _Optional[_Iterable[float]] = ..., v: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class PhaseTimes(_message.Message):
     __slots__ = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit", "total", "outage")
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]

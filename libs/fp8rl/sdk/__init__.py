@@ -13,6 +13,9 @@
 * :mod:`.types` — frozen dataclasses (:class:`JobInfo`, :class:`StepReport`, :class:`PhaseTimes`)
   and the exceptions (:class:`Fp8rlError` and its subclasses).
 * :mod:`.cli` — the ``fp8rl`` command (``fp8rl.sdk.cli:main``).
+
+Invariant: the SDK speaks only the controller's JobService with the client token; it imports no engine, and
+it validates a job file locally with the same schema the controller uses.
 """
 
 from fp8rl.config import ConfigError

@@ -68,7 +68,7 @@ def test_two_step_job_end_to_end_matches_the_in_process_loop(pristine_stack):
                                                                                 "trainer-v000002.pt"]
 
     # The controller runs exactly the in-process loop's phases, data and seeds: same numbers.
-    loop = run(LoopConfig(model=str(stack.model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=2,
+    loop = run(LoopConfig.from_flags(model=str(stack.model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=2,
                           prompts_per_step=4, group_size=2, max_tokens=4, lr=0.01, micro_batch_size=8,
                           calibration_max_sequences=4, eval_size=2, seed=0), progress=False)["steps"]
     for r, h in zip(reports, loop, strict=True):
@@ -244,7 +244,7 @@ def test_trainer_killed_mid_job_resumes_from_its_checkpoint_and_the_job_rewinds_
         _wait_steps(stack, job_id, 3)
         os.kill(stack.process("trainer")["pid"], signal.SIGKILL)  # mid-step 3: its checkpoint is after step 1
         rec = _jobs(stack).get(job_id)
-        ckpt_version, base, latest = rec.checkpoint_version, rec.base_version, _refit(stack).latest()
+        ckpt_version, base, latest = rec.checkpoint_version, rec.start_version, _refit(stack).latest()
         assert ckpt_version is not None and base <= ckpt_version < latest
         _respawn(stack, "trainer", "--resume", str(stack.run_dir / "checkpoints"))
         live = list(c.watch(job_id, timeout_s=WATCH_S * 3))  # steps since the checkpoint are run again

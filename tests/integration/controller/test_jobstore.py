@@ -22,7 +22,7 @@ def jobs(redis_url) -> JobStore:
 
 def test_create_get_list_and_duplicate(jobs, job_id):
     rec = jobs.create(job_id, "job: {steps: 3}\n", 3)
-    assert (rec.state, rec.steps_done, rec.total_steps, rec.base_version) == ("pending", 0, 3, None)
+    assert (rec.state, rec.steps_done, rec.total_steps, rec.next_version) == ("pending", 0, 3, None)
     assert jobs.config_text(job_id) == "job: {steps: 3}\n"
     with pytest.raises(JobExistsError, match=job_id):
         jobs.create(job_id, "", 1)
@@ -58,13 +58,15 @@ def test_reports_are_appended_in_order_with_the_state(jobs, job_id):
     jobs.create(job_id, "", 3)
     jobs.set_inflight(job_id, {"step": 0, "sequences": [[1, 2]]})
     assert jobs.inflight(job_id)["sequences"] == [[1, 2]]
-    jobs.append_report(job_id, {"step": 0, "reward_mean": 0.5}, "running")
+    jobs.append_report(job_id, {"step": 0, "reward_mean": 0.5}, "running", next_version=8)
     assert jobs.inflight(job_id) is None  # a recorded step is no longer in flight
+    assert jobs.get(job_id).next_version == 8  # written with the report
     with pytest.raises(ValueError, match="step 2 cannot be recorded after 1"):
-        jobs.append_report(job_id, {"step": 2}, "running")
-    jobs.append_report(job_id, {"step": 1, "reward_mean": float("nan")}, "succeeded")
+        jobs.append_report(job_id, {"step": 2}, "running", next_version=9)
+    assert jobs.get(job_id).next_version == 8  # a refused report moves nothing
+    jobs.append_report(job_id, {"step": 1, "reward_mean": float("nan")}, "succeeded", next_version=9)
     rec = jobs.get(job_id)
-    assert (rec.state, rec.steps_done, rec.terminal) == ("succeeded", 2, True)
+    assert (rec.state, rec.steps_done, rec.terminal, rec.next_version) == ("succeeded", 2, True, 9)
     assert [r["state"] for r in jobs.reports(job_id)] == ["running", "succeeded"]
     assert [r["step"] for r in jobs.reports(job_id, from_step=1)] == [1]
     jobs.truncate_reports(job_id, 1)
@@ -75,9 +77,10 @@ def test_cancel_request_and_bookkeeping(jobs, job_id):
     jobs.create(job_id, "", 3)
     assert not jobs.get(job_id).cancel_requested
     jobs.request_cancel(job_id, "because")
-    jobs.update(job_id, base_version=4, checkpoint_path="/x", checkpoint_version=6)
+    jobs.update(job_id, start_version=4, checkpoint_path="/x", checkpoint_version=6)
     rec = jobs.get(job_id)
-    assert (rec.cancel_reason, rec.base_version, rec.checkpoint_path, rec.checkpoint_version) == ("because", 4, "/x", 6)
+    got = (rec.cancel_reason, rec.start_version, rec.checkpoint_path, rec.checkpoint_version)
+    assert got == ("because", 4, "/x", 6)
 
 
 def test_split_seed_and_ids():

@@ -19,7 +19,7 @@ from fp8rl.refit import (
     pack_tensors,
     unpack_tensors,
 )
-from fp8rl.refit.shards import decode_scales, encode_scales
+from fp8rl.refit.scales import decode_scales, encode_scales
 
 pytestmark = pytest.mark.integration
 
@@ -188,3 +188,31 @@ def test_scales_payload_is_tied_to_its_version():
         decode_scales(data, 5)
     with pytest.raises(ValueError, match="malformed"):
         decode_scales(data[:-1], 4)
+
+
+def test_scales_wire_layout_and_every_refusal():
+    import struct
+
+    from fp8rl import refit
+    from fp8rl.fp8 import QKVScales
+    from fp8rl.refit import shards
+
+    assert refit.encode_scales is shards.encode_scales is encode_scales  # one format, old imports still work
+    assert refit.decode_scales is shards.decode_scales is decode_scales
+    s = QKVScales(7, [0.5, 0.25], [0.125, 1.0], [2.0, 0.75])
+    data = encode_scales(s)
+    # magic, int64 version, uint32 layers, then (layers, 3) float32 rows (q, k, v), all little-endian
+    assert data == struct.pack("<8sqI6f", b"fp8rlqkv", 7, 2, 0.5, 0.125, 2.0, 0.25, 1.0, 0.75)
+    assert decode_scales(bytearray(data), 7) == s == decode_scales(memoryview(data), 7, num_layers=2)
+    refusals = {
+        "must be bytes": ("not bytes", {}),
+        "truncated": (data[:10], {}),
+        "not a scale set": (b"pickle\x80\x04" + data[8:], {}),
+        "malformed": (data + b"\0", {}),
+        "cover 2 layers, the model has 3": (data, {"num_layers": 3}),
+        "q_scale of layer 1 must be finite": (data[:20 + 12] + struct.pack("<f", float("nan")) + data[20 + 16:], {}),
+        "k_scale of layer 0 must be finite": (data[:24] + struct.pack("<f", -1.0) + data[28:], {}),
+    }
+    for match, (bad, kw) in refusals.items():
+        with pytest.raises(ValueError, match=match):
+            decode_scales(bad, 7, **kw)

@@ -25,7 +25,7 @@ from fp8rl.refit import (
     UnknownVersionError,
     connect,
 )
-from fp8rl.refit.shards import encode_scales
+from fp8rl.refit.scales import encode_scales
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fp8rl.config import load_job_config
 from fp8rl.engines import SamplingParams, TorchRolloutEngine
 from fp8rl.presets import load_policy
-from fp8rl.refit import RefitStore, assemble, connect
+from fp8rl.refit import RefitStore, assemble, connect, decode_scales
 from fp8rl.refit.transport.grpc import GrpcShardSource
 from fp8rl.rl.metrics import mismatch_promise
 from fp8rl.rpc import (
@@ -125,8 +125,10 @@ def test_rollout_serves_v0_only_after_calibrate(stack: Stack):
 
     seqs = [common_pb2.TokenSequence(token_ids=p) for p in PROMPTS]
     resp = st.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=0, sequences=seqs), timeout=T)
-    assert resp.scales.version == 0 and len(resp.scales.k) == 2 and min(resp.scales.q) > 0
-    assert st.store.get_scales(0).k == pytest.approx(list(resp.scales.k), rel=0)
+    got = decode_scales(resp.scales, 0)  # the one wire format: the bytes Redis holds
+    assert resp.version == 0 and got.num_layers == 2 and min(got.q) > 0
+    assert st.store.get_scales(0) == got
+    assert resp.scales == st.store.client.get(st.store.keys.scales(0))
 
     wait_until(lambda: st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5).ready, "rollout ready at v0",
                proc=st.rollout)
@@ -140,7 +142,7 @@ def test_rollout_serves_v0_only_after_calibrate(stack: Stack):
     assert all(s.weight_version == 0 and len(s.token_ids) == len(s.logprobs) > 0 for s in samples)
 
     again = st.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=0, sequences=seqs[:1]), timeout=T)
-    assert list(again.scales.q) == list(resp.scales.q)  # scales are immutable: a retry returns the stored set
+    assert again.scales == resp.scales  # scales are immutable: a retry returns the stored set
 
 
 def test_train_step_publishes_and_the_replica_refits_to_v1(stack: Stack, tiny_checkpoint):
@@ -172,7 +174,8 @@ def test_train_step_publishes_and_the_replica_refits_to_v1(stack: Stack, tiny_ch
     assert (rs.pending_version, rs.pending_reason) == (1, "awaiting_scales") and st.store.get_scales(1) is None
 
     seqs = [common_pb2.TokenSequence(token_ids=list(r.prompt_ids) + list(r.response_ids)) for r in rows]
-    assert st.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=1, sequences=seqs), timeout=T).scales.version == 1
+    cal = st.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=1, sequences=seqs), timeout=T)
+    assert cal.version == 1 and decode_scales(cal.scales, 1).version == 1
     rs = wait_until(lambda: (s := st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5)).weight_version == 1
                     and s, "rollout at v1", proc=st.rollout)
     assert rs.scales_version == 1 and rs.ready

@@ -39,8 +39,20 @@ def test_cross_file_types_resolve():
 
     resp = trainer_pb2.TrainStepResponse(new_version=4, phase_times=common_pb2.PhaseTimes(train=1.5))
     assert trainer_pb2.TrainStepResponse.FromString(resp.SerializeToString()).phase_times.train == 1.5
-    scales = calibrator_pb2.CalibrateResponse(scales=common_pb2.QKVScaleSet(version=4, q=[0.5], k=[1.0], v=[2.0]))
-    assert list(scales.scales.v) == [2.0]
+    req = calibrator_pb2.CalibrateRequest(version=4, sequences=[common_pb2.TokenSequence(token_ids=[1, 2])])
+    assert list(calibrator_pb2.CalibrateRequest.FromString(req.SerializeToString()).sequences[0].token_ids) == [1, 2]
+
+
+def test_calibrate_response_carries_the_one_scale_wire_format():
+    from fp8rl.fp8 import QKVScales
+    from fp8rl.refit import decode_scales, encode_scales
+    from fp8rl.rpc import calibrator_pb2, common_pb2
+
+    assert not hasattr(common_pb2, "QKVScaleSet")  # no second encoding of a scale set
+    s = QKVScales(4, [0.5], [1.0], [2.0])
+    resp = calibrator_pb2.CalibrateResponse(version=4, scales=encode_scales(s), seconds=0.25)
+    back = calibrator_pb2.CalibrateResponse.FromString(resp.SerializeToString())
+    assert back.scales == encode_scales(s) and decode_scales(back.scales, back.version) == s
 
 
 def test_committed_stubs_are_fresh_cli():

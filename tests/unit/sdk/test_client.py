@@ -77,7 +77,7 @@ class FakeController(controller_pb2_grpc.JobServiceServicer):
             if job_id in self.jobs:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"job {job_id!r} already exists")
             now = time.time()
-            self.jobs[job_id] = controller_pb2.JobInfo(job_id=job_id, state="pending", total_steps=cfg.get("job.steps"),
+            self.jobs[job_id] = controller_pb2.JobInfo(job_id=job_id, state="pending", total_steps=cfg.job.steps,
                                                        created_unix=now, updated_unix=now)
         if self.fail_next["SubmitJob"] > 0:
             self.fail_next["SubmitJob"] -= 1

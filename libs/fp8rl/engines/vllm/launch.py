@@ -13,6 +13,8 @@ The recipe maps onto vLLM's supported configuration surface, with no patching of
 * ``kv_cache_dtype: fp8`` → ``LLM(kv_cache_dtype="fp8")``; the Q/K/V scales are written by the
   worker extension from our calibrator (vLLM 0.32 has no runtime scale calculation; its default
   would be the 1.0 placeholders, which the engine never serves).
+* every refit → :func:`payload_spec`: the :class:`~fp8rl.fp8.PayloadSpec` a payload is checked and
+  processed against (:mod:`fp8rl.fp8.payload`), whose processed form is exactly this checkpoint's.
 * ``pow2_weight_scaling_factors`` → honoured (our quantizer rounds the block scales).
   ``pow2_activation_scaling_factors`` → refused: vLLM computes activation scales inside its kernels
   and 0.32 exposes no per-model switch for power-of-two (UE8M0) activation scales.
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp8rl.fp8 import BLOCK, Fp8Recipe, fp8_linear_names, quantize_state_dict
+from fp8rl.fp8 import BLOCK, Fp8LinearSpec, Fp8Recipe, PayloadSpec, TensorSpec, fp8_linear_names, quantize_state_dict
 from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.model.hf_io import load_hf_checkpoint
 
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "VLLM_TARGET_VERSION", "Fp8UnsupportedError", "VllmUnavailableError", "require_vllm", "fp8_support_problem",
-    "check_recipe", "export_fp8_checkpoint", "fp8_prefixes", "reference_model",
+    "check_recipe", "export_fp8_checkpoint", "fp8_prefixes", "reference_model", "payload_spec",
 ]
 
 VLLM_TARGET_VERSION = "0.32.0"
@@ -124,6 +126,23 @@ def reference_model(config: ModelConfig) -> CausalLM:
 def fp8_prefixes(config: ModelConfig, recipe: Fp8Recipe) -> list[str]:
     """HF prefixes of the linears ``recipe`` runs in FP8 (the same list the trainer uses)."""
     return fp8_linear_names(reference_model(config), recipe)
+
+
+def payload_spec(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype) -> PayloadSpec:
+    """What every refit payload of a vLLM engine must hold: the model's HF tensors (a tied ``lm_head``
+    excluded), the recipe's FP8 linears (pow2 block scales when it asks), everything else kept in
+    ``dtype``, and one QKV scale set per layer with an FP8 KV cache."""
+    shapes = {k: tuple(v.shape) for k, v in reference_model(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    prefixes = fp8_prefixes(config, recipe)
+    fp8_weights = {f"{p}.weight" for p in prefixes}
+    return PayloadSpec(
+        tensors={n: TensorSpec(shape, dtype) for n, shape in shapes.items() if n not in fp8_weights},
+        fp8_linears={p: Fp8LinearSpec(*shapes[f"{p}.weight"], pow2_scale=recipe.pow2_weight_scaling_factors)
+                     for p in prefixes},
+        num_kv_layers=config.num_hidden_layers if recipe.fp8_kv else None,
+    )
 
 
 def export_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, recipe: Fp8Recipe) -> Path:

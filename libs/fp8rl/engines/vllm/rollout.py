@@ -10,10 +10,11 @@ Invariants (the same as :class:`~fp8rl.engines.TorchRolloutEngine`'s):
 
 * :meth:`generate` serves only the version it holds, and with an FP8 KV cache only with the QKV
   scales of that same version; every :class:`Sample` carries that version.
-* :meth:`load_weights` validates the whole payload (names, shapes, dtypes, NaN/Inf, FP8 scales)
-  before vLLM sees a byte; FP8 linears accept master weights (quantized here with
-  :func:`fp8rl.fp8.quantize_blockwise`, exactly as the trainer rounds them) or E4M3 + ``weight_scale``
-  shards copied as they arrived. Weights and scales land in one RPC, under the lock ``generate``
+* :meth:`load_weights` runs the payload lifecycle of :mod:`fp8rl.fp8.payload`: the whole payload is
+  validated (names, shapes, dtypes, NaN/Inf, FP8 scales) and processed before vLLM sees a byte; FP8
+  linears accept master weights (quantized there with :func:`fp8rl.fp8.quantize_blockwise`, exactly as
+  the trainer rounds them) or E4M3 + ``weight_scale`` shards copied as they arrived. The apply step is
+  vLLM's: weights and scales land in one RPC, under the lock ``generate``
   holds, so a refit falls between batches; the prefix cache is reset after it (cached KV blocks were
   computed with the old weights). Should the RPC itself fail half-way, the engine stops serving
   (version None) rather than serve a mix of two versions.
@@ -45,17 +46,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp8rl.fp8 import BLOCK, E4M3, Fp8Recipe, QKVScales, check_finite, quantize_blockwise
+from fp8rl.fp8 import Fp8Recipe, QKVScales, RefitPayload, check_qkv_scales
 from fp8rl.model import ModelConfig
 
 from ..base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
-from ..weights import check_payload_names
 from .launch import (
     check_recipe,
     cpu_defaults,
     export_fp8_checkpoint,
-    fp8_prefixes,
-    reference_model,
+    payload_spec,
     require_vllm,
 )
 
@@ -116,11 +115,8 @@ class VllmRolloutEngine(RolloutEngine):
             dtype = "bfloat16"
         dtype = dtype or ("float32" if on_cpu else "bfloat16")
         self._dtype = getattr(torch, dtype)
-        shapes = {k: tuple(v.shape) for k, v in reference_model(self.config).state_dict().items()}
-        if self.config.tie_word_embeddings:
-            shapes.pop("lm_head.weight")
-        self._shapes = shapes
-        self._fp8 = set(fp8_prefixes(self.config, recipe))
+        self._spec = payload_spec(self.config, recipe, self._dtype)  # what every refit payload must hold
+        self._fp8 = set(self._spec.fp8_linears)
         self._tmp: tempfile.TemporaryDirectory | None = None
         start_dir = self.model_dir
         if recipe.fp8_linears:
@@ -164,8 +160,8 @@ class VllmRolloutEngine(RolloutEngine):
         check_recipe(recipe)  # refuse before loading anything
         tok = load_tokenizer(path)
         return cls(path, recipe, eos_token_ids=[tok.eos_id], max_batch_size=max_batch_size,
-                   seed=job.get("job.seed"),
-                   gpu_memory_utilization=job.get("policy.generation.vllm_cfg.gpu_memory_utilization"))
+                   seed=job.job.seed,
+                   gpu_memory_utilization=job.policy.generation.vllm_cfg.gpu_memory_utilization)
 
     # ------------------------------------------------------------------ plumbing
     def _rpc(self, method: str, *args):
@@ -193,68 +189,17 @@ class VllmRolloutEngine(RolloutEngine):
     def scales_version(self) -> int | None:
         return self._scales_version
 
-    def _check_scales(self, version: int, qkv_scales: QKVScales | None) -> list[list[float]] | None:
-        if not self.recipe.fp8_kv:
-            return None
-        if qkv_scales is None:
-            raise WeightLoadError(f"kv_cache_dtype=fp8 needs the QKV scales of version {version}; none were given")
-        if qkv_scales.version != version:
-            raise WeightLoadError(
-                f"QKV scales are for version {qkv_scales.version} but the weights are version {version}")
-        if qkv_scales.num_layers != self.config.num_hidden_layers:
-            raise WeightLoadError(f"QKV scales cover {qkv_scales.num_layers} layers, model has "
-                                  f"{self.config.num_hidden_layers}")
+    @staticmethod
+    def _rows(qkv_scales: QKVScales) -> list[list[float]]:
+        """``[[q, k, v], ...]`` per layer: the worker extension's argument (msgpack, no tensors)."""
         return [[q, k, v] for q, k, v in zip(qkv_scales.q, qkv_scales.k, qkv_scales.v, strict=True)]
-
-    def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Validate ``tensors`` (HF names) into vLLM checkpoint format; raise WeightLoadError on any problem."""
-        check_payload_names(tensors, set(self._shapes), {f"{p}.weight_scale" for p in self._fp8})
-        out: dict[str, torch.Tensor] = {}
-        try:
-            for name, shape in self._shapes.items():
-                t = tensors[name]
-                if tuple(t.shape) != shape:
-                    raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != expected {shape}")
-                prefix = name.removesuffix(".weight")
-                if prefix in self._fp8 and name.endswith(".weight"):
-                    out[name], out[f"{name}_scale_inv"] = self._fp8_weight(prefix, t, tensors)
-                    continue
-                if not t.is_floating_point() or t.dtype == E4M3:
-                    raise WeightLoadError(f"{name}: dtype {t.dtype} is not a high-precision float")
-                check_finite(t, name)
-                out[name] = t.to(self._dtype).contiguous()
-        except ValueError as e:  # check_finite / quantize_blockwise name the tensor
-            if isinstance(e, WeightLoadError):
-                raise
-            raise WeightLoadError(str(e)) from e
-        return out
-
-    def _fp8_weight(self, prefix: str, w: torch.Tensor, tensors: Mapping[str, torch.Tensor]):
-        """``(E4M3 weight, FP32 block scale)`` of one FP8 linear, from master weights or FP8 shards."""
-        m, n = w.shape
-        grid = (-(-m // BLOCK), -(-n // BLOCK))
-        if w.dtype != E4M3:
-            if not w.is_floating_point():
-                raise WeightLoadError(f"{prefix}.weight: dtype {w.dtype} is not a float")
-            q, s = quantize_blockwise(w, pow2_scale=self.recipe.pow2_weight_scaling_factors, name=f"{prefix}.weight")
-            return q.contiguous(), s.contiguous()
-        s = tensors.get(f"{prefix}.weight_scale")
-        if s is None:
-            raise WeightLoadError(f"{prefix}.weight is E4M3 but {prefix}.weight_scale is missing")
-        if tuple(s.shape) != grid:
-            raise WeightLoadError(f"{prefix}.weight_scale: shape {tuple(s.shape)} != expected {grid}")
-        check_finite(s, f"{prefix}.weight_scale")
-        if not bool((s > 0).all()):
-            raise WeightLoadError(f"{prefix}.weight_scale: scales must be > 0")
-        return w.contiguous(), s.float().contiguous()
 
     def load_weights(
         self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None
     ) -> None:
-        if self._version is not None and version < self._version:
-            raise WeightLoadError(f"refusing weight version {version}: this engine already holds {self._version}")
-        scales = self._check_scales(version, qkv_scales)
-        payload = self._stage(tensors)
+        processed = RefitPayload.create(self._spec, version, tensors, qkv_scales, held=self._version).process()
+        payload = processed.checkpoint(scale_suffix="weight_scale_inv")  # the FP8 checkpoint's names
+        scales = None if processed.qkv_scales is None else self._rows(processed.qkv_scales)
         with self._lock:
             self._version = None  # a failure inside vLLM below leaves nothing served, never a mix
             self._scales_version = None
@@ -273,13 +218,9 @@ class VllmRolloutEngine(RolloutEngine):
     def load_scales(self, qkv_scales: QKVScales) -> None:
         """Install QKV scales for the version already held (the first calibration, before any refit)."""
         with self._lock:
-            if qkv_scales.version != self._version:
-                raise WeightLoadError(
-                    f"QKV scales are for version {qkv_scales.version} but the engine holds version {self._version}")
-            rows = self._check_scales(qkv_scales.version, qkv_scales)
-            if rows is None:
+            if check_qkv_scales(qkv_scales, self._version, self._spec.num_kv_layers, holder="the engine holds") is None:
                 raise WeightLoadError("QKV scales given, but this engine's KV cache is not FP8")
-            self._rpc("fp8rl_set_qkv_scales", rows)
+            self._rpc("fp8rl_set_qkv_scales", self._rows(qkv_scales))
             self._llm.reset_prefix_cache()
             self._scales_version = qkv_scales.version
 

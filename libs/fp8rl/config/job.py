@@ -1,0 +1,155 @@
+"""The whole job: :class:`JobConfig`, its derived views (precision recipe, loss, trainer settings) and
+the cross-section checks (one step's batch within the services' bounds, a precision combination that
+is a recipe). The precision recipe is *derived* from two keys, as in NeMo RL::
+
+    policy.generation.vllm_cfg.precision   policy.training.megatron_cfg.fp8_cfg.enabled   recipe
+    bf16                                   false                                          bf16
+    fp8                                    false                                          fp8_gen_only
+    fp8                                    true                                           fp8_e2e
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from fp8rl import limits
+
+from .fields import ConfigError, Section, from_mapping, section, to_dict, walk
+from .schema import (
+    CalibrationConfig,
+    DataConfig,
+    GrpoConfig,
+    JobSection,
+    LossSection,
+    PolicyConfig,
+    RewardConfig,
+)
+from .views import arith_config, loss_config
+
+__all__ = ["JobConfig", "RECIPE_SETTINGS", "recipe_settings"]
+
+# The two keys each precision recipe sets (the table above, read the other way).
+RECIPE_SETTINGS: dict[str, dict[str, Any]] = {
+    "bf16": {"policy.generation.vllm_cfg.precision": "bf16", "policy.training.megatron_cfg.fp8_cfg.enabled": False},
+    "fp8_gen_only": {"policy.generation.vllm_cfg.precision": "fp8",
+                     "policy.training.megatron_cfg.fp8_cfg.enabled": False},
+    "fp8_e2e": {"policy.generation.vllm_cfg.precision": "fp8", "policy.training.megatron_cfg.fp8_cfg.enabled": True},
+}
+
+
+def recipe_settings(recipe: str) -> dict[str, Any]:
+    """The dotted settings that select precision ``recipe`` (``bf16`` | ``fp8_gen_only`` | ``fp8_e2e``)."""
+    if recipe not in RECIPE_SETTINGS:
+        raise ConfigError(f"recipe: {recipe!r} is not one of {', '.join(RECIPE_SETTINGS)}")
+    return dict(RECIPE_SETTINGS[recipe])
+
+
+@dataclass(frozen=True)
+class JobConfig(Section):
+    """A validated job. Read it by attribute (``job.policy.generation.temperature``); sections are frozen."""
+
+    job: JobSection = section(JobSection, "The run: name, steps, seed, checkpoint and evaluation cadence.")
+    policy: PolicyConfig = section(PolicyConfig, "The model, its rollout engine and its trainer.")
+    loss: LossSection = section(LossSection, "The clipped policy loss and its importance-sampling correction.")
+    grpo: GrpoConfig = section(GrpoConfig, "Batch shape and advantages.")
+    data: DataConfig = section(DataConfig, "Where prompts come from.")
+    reward: RewardConfig = section(RewardConfig, "How responses are graded.")
+    calibration: CalibrationConfig = section(CalibrationConfig, "The per-step Q/K/V scale calibration.")
+
+    def check(self) -> None:
+        self._check_batch_shape()
+        _ = self.recipe  # the precision combination must be a recipe
+
+    def _check_batch_shape(self) -> None:
+        """One step's batch must fit one call of each service at its default bounds (see :mod:`fp8rl.limits`)."""
+        prompts, group = self.grpo.num_prompts_per_step, self.grpo.num_generations_per_prompt
+        rows, max_new = prompts * group, self.policy.generation.max_new_tokens
+        if rows > limits.MAX_BATCH_ROWS:
+            raise ConfigError(f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt: {prompts} x {group} = "
+                              f"{rows} rows per step; the limit is {limits.MAX_BATCH_ROWS} (rows of one TrainStep)")
+        if rows * max_new > limits.MAX_GENERATED_TOKENS:
+            raise ConfigError(f"policy.generation.max_new_tokens: {rows} rows x {max_new} tokens = {rows * max_new} "
+                              f"generated tokens per step; the limit is {limits.MAX_GENERATED_TOKENS} (one Generate)")
+
+    # -- derived views ------------------------------------------------------------------------------
+    @property
+    def recipe(self) -> str:
+        """``bf16`` | ``fp8_gen_only`` | ``fp8_e2e`` (the module table)."""
+        gen_fp8 = self.policy.generation.vllm_cfg.precision == "fp8"
+        train_fp8 = self.policy.training.megatron_cfg.fp8_cfg.enabled
+        if train_fp8 and not gen_fp8:
+            raise ConfigError("policy.training.megatron_cfg.fp8_cfg.enabled=true needs "
+                              "policy.generation.vllm_cfg.precision=fp8 (FP8 training with BF16 rollout "
+                              "is not a recipe)")
+        return "fp8_e2e" if train_fp8 else ("fp8_gen_only" if gen_fp8 else "bf16")
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.policy.generation.vllm_cfg.kv_cache_dtype
+
+    def fp8_recipe(self, role: str):
+        """The :class:`fp8rl.fp8.Fp8Recipe` of ``role`` (``rollout`` / ``trainer`` / ``calibrator``)."""
+        from fp8rl.fp8 import recipe_for_role
+
+        v = self.policy.generation.vllm_cfg
+        return recipe_for_role(
+            self.recipe, role, kv_cache_dtype=v.kv_cache_dtype, fp8_attention=v.fp8_attention,
+            num_first_layers_in_bf16=v.num_first_layers_in_bf16, num_last_layers_in_bf16=v.num_last_layers_in_bf16,
+            pow2_weight_scaling_factors=v.pow2_weight_scaling_factors,
+            pow2_activation_scaling_factors=v.pow2_activation_scaling_factors,
+        )
+
+    def loss_config(self):
+        """The :class:`fp8rl.rl.LossConfig` of this job."""
+        return loss_config(self.loss)
+
+    def trainer_config(self):
+        """The :class:`fp8rl.engines.TrainerConfig` of this job."""
+        from fp8rl.engines import TrainerConfig
+
+        t = self.policy.training
+        return TrainerConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                             micro_batch_size=t.micro_batch_size, num_minibatches=t.num_minibatches,
+                             temperature=self.policy.generation.temperature, loss=self.loss_config())
+
+    def arith_config(self):
+        """The :class:`fp8rl.data.ArithConfig` of the arithmetic task."""
+        return arith_config(self.data.arith)
+
+    # -- as data ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Every setting as plain data (the full, defaulted YAML mapping)."""
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def settings(self) -> dict[str, Any]:
+        """``{dotted key: value}`` of every setting."""
+        flat = {}
+        for key, _ in walk(type(self)):
+            obj = self
+            for part in key.split("."):
+                obj = getattr(obj, part)
+            flat[key] = list(obj) if isinstance(obj, tuple) else obj
+        return flat
+
+    def with_settings(self, changes: Mapping[str, Any]) -> JobConfig:
+        """A copy with dotted ``changes`` applied (``{"grpo.num_prompts_per_step": 4}``), validated again;
+        an unknown key is a :class:`ConfigError` naming it."""
+        data = copy.deepcopy(self.to_dict())
+        for dotted, val in changes.items():
+            node, parts = data, dotted.split(".")
+            for part in parts[:-1]:
+                if not isinstance(node.get(part), dict):
+                    raise ConfigError(f"unknown key {dotted!r}")
+                node = node[part]
+            if parts[-1] not in node or isinstance(node[parts[-1]], dict):
+                raise ConfigError(f"unknown key {dotted!r}")
+            node[parts[-1]] = val
+        return from_mapping(JobConfig, data)

@@ -1,0 +1,192 @@
+"""The job schema: one frozen dataclass per YAML section, a docstring per setting (``doc`` of
+:func:`~fp8rl.config.fields.setting`), validated on construction (:class:`~fp8rl.config.fields.Section`).
+
+Keys follow NeMo RL's where it has them. ``python -m fp8rl.config`` prints every key with its default
+and docstring (the text of ``docs/CONFIG.md``).
+"""
+
+from dataclasses import dataclass
+
+from fp8rl import limits
+
+from .fields import ConfigError, Section, section, setting
+
+__all__ = [
+    "ArithSection", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
+    "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RewardConfig",
+    "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
+]
+
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
+
+@dataclass(frozen=True)
+class JobSection(Section):
+    KEY = "job"
+    name: str = setting("grpo", "Job name; job ids and the Redis namespace derive from it.")
+    steps: int = setting(30, "GRPO steps to run.", gt=0, le=limits.MAX_JOB_STEPS)
+    seed: int = setting(0, "Seeds data order, sampling and initialisation.", ge=0, le=limits.MAX_JOB_SEED)
+    checkpoint_every: int = setting(10, "Save a trainer checkpoint every N steps and at the end (0: never).",
+                                    ge=0, le=limits.MAX_JOB_STEPS)
+    eval_every: int = setting(0, "Greedy validation accuracy every N steps (0: none during the job).",
+                              ge=0, le=limits.MAX_JOB_STEPS)
+    eval_size: int = setting(128, "Validation problems per evaluation.", gt=0, le=limits.MAX_GENERATE_PROMPTS)
+
+
+@dataclass(frozen=True)
+class VllmCfg(Section):
+    KEY = "policy.generation.vllm_cfg"
+    precision: str = setting("fp8", "Rollout linears: fp8 (block-scaled E4M3) or bf16.", choices=("bf16", "fp8"))
+    kv_cache_dtype: str = setting("fp8", "Rollout KV cache: fp8 (per-tensor Q/K/V scales, recalibrated every "
+                                  "step) or auto (the model dtype).", choices=("auto", "fp8"))
+    fp8_attention: bool = setting(True, "With an FP8 KV cache, also run attention on FP8 Q/K/V.")
+    num_first_layers_in_bf16: int = setting(0, "First decoder layers kept in BF16 (both engines).", ge=0)
+    num_last_layers_in_bf16: int = setting(0, "Last decoder layers kept in BF16 (both engines).", ge=0)
+    pow2_weight_scaling_factors: bool = setting(False, "Round FP8 weight block scales up to powers of two.")
+    pow2_activation_scaling_factors: bool = setting(False, "Round FP8 activation scales up to powers of two.")
+    gpu_memory_utilization: float = setting(0.6, "vLLM: share of GPU memory for weights and KV cache.",
+                                            gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class GenerationConfig(Section):
+    KEY = "policy.generation"
+    backend: str = setting("torch", "Rollout engine: torch (embedded, exact FP8 numerics) or vllm.",
+                           choices=("torch", "vllm"))
+    temperature: float = setting(1.0, f"Sampling temperature, also the trainer's; below "
+                                 f"{limits.GREEDY_TEMPERATURE} it is greedy (stored as 0).",
+                                 ge=0.0, le=limits.MAX_TEMPERATURE)
+    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1].", gt=0.0, le=1.0)
+    max_new_tokens: int = setting(8, "Most generated tokens per sample.", gt=0, le=limits.MAX_NEW_TOKENS)
+    vllm_cfg: VllmCfg = section(VllmCfg, "Rollout precision (NeMo RL's vllm_cfg; used by every rollout engine).")
+
+    def check(self) -> None:
+        if 0 < self.temperature < limits.GREEDY_TEMPERATURE:  # logits / T would overflow: greedy, as engines do
+            object.__setattr__(self, "temperature", 0.0)
+
+
+@dataclass(frozen=True)
+class Fp8Cfg(Section):
+    KEY = "policy.training.megatron_cfg.fp8_cfg"
+    enabled: bool = setting(True, "FP8 training linears (with precision fp8: the fp8_e2e recipe).")
+    fp8: str = setting("e4m3", "FP8 format of weights, activations and gradients.", choices=("e4m3",))
+    fp8_recipe: str = setting("blockwise", "Scaling: blockwise (weights 128x128, activations and gradients "
+                              "1x128, FP32 scales).", choices=("blockwise",))
+
+
+@dataclass(frozen=True)
+class MegatronCfg(Section):
+    KEY = "policy.training.megatron_cfg"
+    tensor_model_parallel_size: int = setting(1, "Megatron tensor-parallel size.", ge=1)
+    pipeline_model_parallel_size: int = setting(1, "Megatron pipeline-parallel size.", ge=1)
+    fp8_cfg: Fp8Cfg = section(Fp8Cfg, "Trainer FP8 settings (read by both trainer backends).")
+
+
+@dataclass(frozen=True)
+class TrainingConfig(Section):
+    KEY = "policy.training"
+    backend: str = setting("torch", "Trainer backend: torch or megatron (Megatron-Core).",
+                           choices=("torch", "megatron"))
+    lr: float = setting(2e-4, "AdamW learning rate.", gt=0.0)
+    weight_decay: float = setting(0.0, "AdamW weight decay.", ge=0.0)
+    grad_clip: float = setting(1.0, "Global gradient-norm clip (0: none).", ge=0.0)
+    micro_batch_size: int = setting(64, "Rows per forward/backward micro-batch.", gt=0)
+    num_minibatches: int = setting(1, "Optimizer updates per step (the step's batch split PPO-style).", gt=0)
+    megatron_cfg: MegatronCfg = section(MegatronCfg, "Parallelism and FP8 (NeMo RL's megatron_cfg).")
+
+
+@dataclass(frozen=True)
+class PolicyConfig(Section):
+    KEY = "policy"
+    model: str = setting("tiny-arith", "A preset name (tiny-arith) or a local HF checkpoint directory.")
+    generation: GenerationConfig = section(GenerationConfig, "The rollout engine.")
+    training: TrainingConfig = section(TrainingConfig, "The trainer.")
+
+
+@dataclass(frozen=True)
+class ImportanceSamplingConfig(Section):
+    KEY = "loss.importance_sampling"
+    mode: str = setting("token", "Correction of the rollout/trainer mismatch: none, token (per-token ratio), "
+                        "tis (truncated), icepop (masked outside [icepop_lo, icepop_hi]), seq_mask_tis.",
+                        choices=("none", "token", "tis", "icepop", "seq_mask_tis"))
+    tis_cap: float = setting(2.0, "tis: upper truncation of the ratio.")
+    tis_min: float = setting(0.0, "tis: lower truncation of the ratio.")
+    icepop_lo: float = setting(0.5, "icepop: tokens with a ratio below this are masked.")
+    icepop_hi: float = setting(5.0, "icepop: tokens with a ratio above this are masked.")
+    seq_mask_lo: float = setting(0.999, "seq_mask_tis: sequences whose geometric-mean ratio is below this are "
+                                 "masked.")
+    seq_mask_hi: float = setting(1.002, "seq_mask_tis: sequences whose geometric-mean ratio is above this are "
+                                 "masked.")
+
+
+@dataclass(frozen=True)
+class LossSection(Section):
+    KEY, VIEW = "loss", "loss_config"  # fp8rl.rl.LossConfig checks the combination
+    clip_eps_low: float = setting(0.2, "PPO clip, below 1.")
+    clip_eps_high: float = setting(0.2, "PPO clip, above 1 (clip-higher when larger than clip_eps_low).")
+    dual_clip_c: float | None = setting(None, "Dual-clip bound for negative advantages (null: off).", kind=float,
+                                        optional=True)
+    kl_coef: float = setting(0.0, "k3 KL coefficient to the initial policy (0: no reference model).", ge=0.0)
+    importance_sampling: ImportanceSamplingConfig = section(ImportanceSamplingConfig, "Off-policy correction.")
+
+
+@dataclass(frozen=True)
+class GrpoConfig(Section):
+    KEY = "grpo"
+    num_prompts_per_step: int = setting(16, "Distinct prompts per step.", gt=0, le=limits.MAX_GENERATE_PROMPTS)
+    num_generations_per_prompt: int = setting(8, "Samples per prompt (the group size G), at least 2.",
+                                              le=limits.MAX_SAMPLES_PER_PROMPT)
+    leave_one_out: bool = setting(True, "Baseline of a sample: the mean of the other G-1 (else of all G).")
+
+    def check(self) -> None:
+        if self.num_generations_per_prompt < 2:
+            raise ConfigError(f"{self.key('num_generations_per_prompt')}: must be >= 2 (GRPO compares samples of "
+                              f"one prompt)")
+
+
+@dataclass(frozen=True)
+class ArithSection(Section):
+    KEY, VIEW = "data.arith", "arith_config"  # fp8rl.data.ArithConfig checks the ranges
+    max_operand: int = setting(20, "Largest operand drawn.")
+    num_terms: int = setting(2, "Operands per problem (2-4).")
+    ops: tuple = setting(("+", "-"), "Operations drawn from (a subset of +, -, *).")
+    word_problems: bool = setting(False, "Templated sentences instead of bare 12+7=.")
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    KEY = "data"
+    task: str = setting("arith", "arith (generated problems) or jsonl (a file of prompt/answer rows).",
+                        choices=("arith", "jsonl"))
+    path: str | None = setting(None, "jsonl: the data file, under the services' data root.", kind=str,
+                               optional=True)
+    arith: ArithSection = section(ArithSection, "The arithmetic task's difficulty.")
+
+    def __post_init__(self) -> None:
+        p = self.path  # checked first: a clearer message than the generic "expected str"
+        if p is not None and not (isinstance(p, str) and 0 < len(p) <= MAX_PATH_CHARS and "\0" not in p):
+            from .fields import short
+
+            raise ConfigError(f"data.path: expected a file path of 1-{MAX_PATH_CHARS} characters, got {short(p)}")
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.task == "jsonl" and not self.path:
+            raise ConfigError("data.path: required when data.task is 'jsonl'")
+
+
+@dataclass(frozen=True)
+class RewardConfig(Section):
+    KEY = "reward"
+    grader: str = setting("exact_match", "Grader name (fp8rl.data graders, or one registered by "
+                          "--grader-module).")
+    timeout_s: float = setting(5.0, "Seconds one item may take to grade; past it the item is TIMEOUT.", gt=0.0)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig(Section):
+    KEY = "calibration"
+    margin: float = setting(1.05, "Headroom multiplied into each Q/K/V amax before it becomes a scale.", gt=0.0)
+    percentile: float = setting(99.9, "Percentile of |Q|, |K|, |V| taken as the amax.")
+    max_sequences: int = setting(16, "Sequences per calibration (an evenly spaced subset of the step's).", gt=0,
+                                 le=limits.MAX_BATCH_ROWS)

@@ -1,0 +1,26 @@
+"""What the libraries take, built from config sections: the RL loss, the arithmetic task, the FP8
+recipe of a role, the trainer's settings. Imported lazily (they pull in torch)."""
+
+from __future__ import annotations
+
+__all__ = ["arith_config", "loss_config"]
+
+
+def loss_config(loss):
+    """The :class:`fp8rl.rl.LossConfig` of a :class:`~fp8rl.config.schema.LossSection`."""
+    from fp8rl.rl import LossConfig
+
+    isc = loss.importance_sampling
+    return LossConfig(
+        clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high, dual_clip_c=loss.dual_clip_c,
+        kl_coef=loss.kl_coef, is_mode=isc.mode, tis_cap=isc.tis_cap, tis_min=isc.tis_min,
+        icepop_lo=isc.icepop_lo, icepop_hi=isc.icepop_hi, seq_mask_lo=isc.seq_mask_lo, seq_mask_hi=isc.seq_mask_hi,
+    )
+
+
+def arith_config(arith):
+    """The :class:`fp8rl.data.ArithConfig` of a :class:`~fp8rl.config.schema.ArithSection`."""
+    from fp8rl.data import ArithConfig
+
+    return ArithConfig(max_operand=arith.max_operand, num_terms=arith.num_terms, ops=arith.ops,
+                       word_problems=arith.word_problems)
