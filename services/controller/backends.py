@@ -75,9 +75,10 @@ class GrpcStep:
     def score(self, pairs):
         return self._grade(self.plan, pairs)
 
-    def train(self, version, step, rows):
-        req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, rows=[
-            trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a)
+    def train(self, version, step, rows, *, max_weight_lag=0):
+        req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag, rows=[
+            trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a,
+                                 weight_version=s.weight_version)
             for p, s, a in rows])
         resp = self.rpc("train", "trainer", "TrainStep", req, DL.train_step)
         pt = resp.phase_times
@@ -102,6 +103,7 @@ class GrpcStep:
                 prompts, v, n=n, sampling={"temperature": temperature, "top_p": g.top_p,
                                            "max_tokens": g.max_new_tokens},
                 seed_of=lambda a: sampling_seed(seed, step, a), request_id=f"{plan.job_id}-s{step}",
+                at_least=plan.async_grpo,  # async: the newest version a live replica holds, never older than v
                 wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(plan.job_id, cancel=False))
         except RolloutError as exc:
             if exc.code is not None:

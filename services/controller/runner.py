@@ -64,6 +64,7 @@ import redis
 
 from fp8rl.config import ConfigError, JobConfig, parse_job_config
 from fp8rl.controller.jobstore import JobRecord, JobStore
+from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import (
     JobPlan,
     check_data,
@@ -213,7 +214,7 @@ class JobRunner:
                 self._stop.wait(1.0)
 
     def _run(self, job_id: str) -> None:
-        self._faults = {"retries": 0, "outage": 0.0}
+        self._faults, self._step_t0 = {"retries": 0, "outage": 0.0}, time.perf_counter()
         self._events_after = self.refit.last_event_id()
         try:
             plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)), self.settings.data)
@@ -259,6 +260,14 @@ class JobRunner:
             self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
                 version=v, sequences=[common_pb2.TokenSequence(token_ids=s) for s in seqs]), DL.calibrate)
         self._refit_wait(v)
+        if plan.async_grpo and step < plan.total:
+            pipe = Pipeline(plan, GrpcStep(self, plan), first_step=step, total=plan.total, version=v,
+                            calibrate_inline=False, check=lambda: self._check(plan.job_id))
+            # the record is saved right after TrainStep, as in a synchronous step; calibrate and refit of the new
+            # version run on the pipeline's refit thread, overlapping the next step's training
+            pipe.run(lambda partial, times, metrics: self._record(plan, partial, times, metrics) == "running",
+                     on_trained=lambda partial: self.jobs.set_inflight(plan.job_id, partial))
+            return
         while step < plan.total:
             if self._finish(plan, self._first_half(plan, step, v)) != "running":
                 return
@@ -342,13 +351,22 @@ class JobRunner:
     def _finish(self, plan: JobPlan, partial: dict) -> str:
         """calibrate → refit (:func:`fp8rl.controller.step.finish`) → (eval, checkpoint) → record the report;
         returns the job's state after it."""
-        step, v1 = partial["step"], partial["new_version"]
         times, refit_metrics = finish(plan, GrpcStep(self, plan), partial,
                                       check=lambda: self._check(plan.job_id, cancel=False))
-        wall = time.time() - partial["started_unix"] if "started_unix" in partial and not partial.get("resumed") else 0
+        return self._record(plan, partial, times, refit_metrics)
+
+    def _record(self, plan: JobPlan, partial: dict, times: dict, extra: dict) -> str:
+        """(eval, checkpoint) → record the report of a trained step whose calibrate/refit finished (synchronous)
+        or were handed to the pipeline's refit thread (asynchronous); returns the job's state after it."""
+        step, v1 = partial["step"], partial["new_version"]
+        if plan.async_grpo:  # the rollout overlapped the step before: the wall time is the time since that one
+            wall = time.perf_counter() - self._step_t0
+        else:
+            wall = time.time() - partial["started_unix"] if "started_unix" in partial and not partial.get("resumed") \
+                else 0
         times["outage"] = self._faults["outage"]
         times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES) + times["outage"])
-        metrics = {**partial["metrics"], **refit_metrics, "retries": float(self._faults["retries"])}
+        metrics = {**partial["metrics"], **extra, "retries": float(self._faults["retries"])}
         if plan.eval_every and (step + 1) % plan.eval_every == 0:
             metrics["val_accuracy"] = self._evaluate(plan, v1)
         rec = self.get(plan.job_id)

@@ -30,7 +30,15 @@ import grpc
 import torch
 
 from fp8rl import limits
-from fp8rl.engines import Cancelled, Sample, TrainBatch, build_train_batch, make_trainer_backend, train_on_batch
+from fp8rl.engines import (
+    Cancelled,
+    Sample,
+    StaleSampleError,
+    TrainBatch,
+    build_train_batch,
+    make_trainer_backend,
+    train_on_batch,
+)
 from fp8rl.fp8 import fp8_linear_names
 from fp8rl.presets import load_policy
 from fp8rl.refit import RefitPublisher, StaleVersionError
@@ -156,8 +164,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                                      f"logprobs must be finite")
             else:
                 gen = [0.0] * len(response)
+            version = r.weight_version if r.HasField("weight_version") else s.trainer.version
             out.append(Sample(prompt_index=i, prompt_ids=tuple(prompt), token_ids=tuple(response),
-                              logprobs=tuple(gen), finish_reason="", weight_version=s.trainer.version))
+                              logprobs=tuple(gen), finish_reason="", weight_version=version))
         return out, has_gen
 
     def _batch(self, samples: list[Sample], advantages: list[float]) -> TrainBatch:
@@ -200,8 +209,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             bad = next((i for i, a in enumerate(advantages) if not math.isfinite(a)), None)
             require(bad is None, f"row {bad}: advantage must be finite")
             batch = self._batch(samples, advantages)
+            require(0 <= request.max_weight_lag <= 16, f"max_weight_lag must be in 0..16, got {request.max_weight_lag}")
             try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
-                out = train_on_batch(s.trainer, batch, should_stop=stop)
+                out = train_on_batch(s.trainer, batch, should_stop=stop, max_weight_lag=request.max_weight_lag)
+            except StaleSampleError as exc:  # refused before any work: weights and version unchanged
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step}: {exc}") from None
             except FloatingPointError as exc:  # step skipped, version unchanged: the batch's values overflowed
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"step {request.step}: this batch gives {exc} (e.g. advantages too large)") from None

@@ -194,3 +194,36 @@ def test_the_loop_runs_a_job_file_and_flags_set_its_keys(preset, tmp_path, capsy
     recorded = json.loads((tmp_path / "out" / "summary.json").read_text())["config"]["job"]
     assert recorded == load_job_config(job).with_settings({"job.steps": 1}).to_dict()
     assert "fp8_e2e" in capsys.readouterr().out
+
+
+def _small(**kw) -> LoopConfig:
+    return _config(3, prompts_per_step=4, group_size=4, num_minibatches=1, eval_size=8, **kw)
+
+
+def test_async_with_lag_zero_is_the_synchronous_run_number_for_number(preset):
+    sync, k0 = run(_small(), progress=False), run(_small(max_weight_lag=0), progress=False)
+    keys = ("reward_mean", "token_mult_prob_error", "gen_kl_k3", "train/loss", "response_len", "weight_version")
+    for a, b in zip(sync["steps"], k0["steps"], strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert sync["summary"]["val_accuracy_end"] == k0["summary"]["val_accuracy_end"]
+
+
+def test_async_lag_one_overlaps_and_every_sample_has_its_versions_scales(preset):
+    """k = 1 in process: each step's samples come from at most one version back (the property over the run), some
+    do come from an older one (the overlap happened), and every generate call ran with the QKV scales of the
+    version it served (FP8 KV: weights and scales of one version together)."""
+    loop = GRPOLoop(_small(max_weight_lag=1))
+    seen, gen = [], loop.rollout.generate
+
+    def spy(prompts, params, *, weight_version=None, should_stop=None):
+        with loop.rollout._lock:  # the engine's own (re-entrant) lock: no refit between the call and the reading
+            out = gen(prompts, params, weight_version=weight_version, should_stop=should_stop)
+            seen.append((loop.rollout.weight_version, loop.rollout.scales_version, {s.weight_version for s in out}))
+        return out
+
+    loop.rollout.generate = spy
+    res = run(loop.cfg, progress=False, loop=loop)
+    lags = [h["weight_lag_max"] for h in res["steps"]]
+    assert max(lags) <= 1 and lags[1:] == [1.0] * (len(lags) - 1)
+    assert all(w == s and versions <= {w} for w, s, versions in seen)
+    assert "stale/token_mult_prob_error" in res["steps"][-1] and res["summary"]["weight_lag_max"] == 1.0

@@ -22,6 +22,7 @@ from .job import RECIPE_SETTINGS, JobConfig, recipe_settings
 from .loading import load_job_config, parse_job_config
 from .schema import (
     ArithSection,
+    AsyncGrpoConfig,
     CalibrationConfig,
     DataConfig,
     Fp8Cfg,
@@ -39,7 +40,8 @@ from .schema import (
 
 __all__ = [
     "ConfigError", "JobConfig", "load_job_config", "parse_job_config", "recipe_settings", "RECIPE_SETTINGS",
-    "reference", "ArithSection", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
+    "reference",
+    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
     "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RewardConfig",
     "TrainingConfig", "VllmCfg",
 ]

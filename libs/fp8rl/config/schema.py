@@ -12,7 +12,7 @@ from fp8rl import limits
 from .fields import ConfigError, Section, section, setting
 
 __all__ = [
-    "ArithSection", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
+    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
     "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RewardConfig",
     "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
 ]
@@ -131,12 +131,23 @@ class LossSection(Section):
 
 
 @dataclass(frozen=True)
+class AsyncGrpoConfig(Section):
+    KEY = "grpo.async_grpo"
+    enabled: bool = setting(False, "Overlap generation with training: rollouts of steps s+1 ... s+k are generated "
+                            "while step s trains (fp8rl.controller.pipeline).")
+    max_weight_lag: int = setting(1, "k: a trained sample may come from a version at most this many versions older "
+                                  "than the trainer's (NeMo RL: max_trajectory_age_steps). 0 is the synchronous "
+                                  "order exactly.", ge=0, le=16)
+
+
+@dataclass(frozen=True)
 class GrpoConfig(Section):
     KEY = "grpo"
     num_prompts_per_step: int = setting(16, "Distinct prompts per step.", gt=0, le=limits.MAX_GENERATE_PROMPTS)
     num_generations_per_prompt: int = setting(8, "Samples per prompt (the group size G), at least 2.",
                                               le=limits.MAX_SAMPLES_PER_PROMPT)
     leave_one_out: bool = setting(True, "Baseline of a sample: the mean of the other G-1 (else of all G).")
+    async_grpo: AsyncGrpoConfig = section(AsyncGrpoConfig, "Asynchronous GRPO with bounded staleness.")
 
     def check(self) -> None:
         if self.num_generations_per_prompt < 2:

@@ -164,6 +164,8 @@ class JobPlan:
         total: ``job.steps``.
         group: ``grpo.num_generations_per_prompt`` (G).
         leave_one_out, temperature: ``grpo.leave_one_out`` and ``policy.generation.temperature``.
+        async_grpo, max_weight_lag: whether steps run pipelined (:mod:`fp8rl.controller.pipeline`) and
+            ``grpo.async_grpo.max_weight_lag`` (0 when synchronous).
         fp8_kv: whether the rollout runs an FP8 KV cache (then every version needs calibrated scales).
         tok: the policy's tokenizer.
         batch: ``batch(step)`` → the step's problems (see :func:`problem_source`).
@@ -178,6 +180,9 @@ class JobPlan:
         self.group = job.grpo.num_generations_per_prompt
         self.leave_one_out = job.grpo.leave_one_out
         self.temperature = job.policy.generation.temperature
+        a = job.grpo.async_grpo
+        self.async_grpo = a.enabled
+        self.max_weight_lag = a.max_weight_lag if a.enabled else 0
         self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
         self.tok = load_job_tokenizer(job)
         self.batch = problem_source(job, data)

@@ -1,9 +1,11 @@
 """Client side of the rollout replicas of one job: find them through their Redis leases, and sample a batch
 across all of them, every request pinned to one weight version.
 
-Invariant: every sample returned was produced at the pinned version (a replica holding another version
-refuses with FAILED_PRECONDITION, and a sample claiming another version fails the batch), and every
-prompt gets exactly ``n`` samples, in prompt-major order — whatever the split between replicas.
+Invariant: every sample returned was produced at the version its request was pinned to (a replica holding
+another version refuses with FAILED_PRECONDITION, and a sample claiming another version fails the batch),
+and every prompt gets exactly ``n`` samples, in prompt-major order — whatever the split between replicas.
+A request is pinned to the batch's version, or (``at_least``, asynchronous GRPO) to the version the chosen
+replica holds when that is not older: every sample carries the version that produced it.
 """
 
 from __future__ import annotations
@@ -77,16 +79,18 @@ class RolloutPool:
                 until = None
             return until is None
 
-    def live(self, version: int) -> list[ReplicaLease]:
-        """The live, non-suspect rollout leases holding ``version``, by replica id."""
+    def live(self, version: int, at_least: bool = False) -> list[ReplicaLease]:
+        """The live, non-suspect rollout leases holding ``version`` (or, ``at_least``, a newer one), by replica id."""
         return [ls for _, ls in sorted(self.refit.live_replicas("rollout").items())
-                if ls.version == version and self._usable(ls)]
+                if (ls.version == version or at_least and ls.version is not None and ls.version > version)
+                and self._usable(ls)]
 
-    def wait_live(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None) -> list[ReplicaLease]:
+    def wait_live(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None,
+                  at_least: bool = False) -> list[ReplicaLease]:
         """:meth:`live`, waiting up to ``wait_s`` for one; ``tick`` runs between polls (it may raise to stop)."""
         deadline = time.monotonic() + wait_s
         while True:
-            found = self.live(version)
+            found = self.live(version, at_least)
             if found:
                 return found
             if time.monotonic() > deadline:
@@ -102,8 +106,10 @@ class RolloutPool:
 
     def generate(self, prompts: list[list[int]], version: int, *, n: int, sampling: dict,
                  seed_of: Callable[[int], int], request_id: str, wait_s: float,
-                 tick: Callable[[], None] = lambda: None) -> list[tuple[int, rollout_pb2.Sample]]:
-        """``n`` samples of every prompt at ``version``, prompt-major, as ``(prompt index, sample)``.
+                 tick: Callable[[], None] = lambda: None, at_least: bool = False
+                 ) -> list[tuple[int, rollout_pb2.Sample]]:
+        """``n`` samples of every prompt at ``version`` (``at_least``: at it or at the newer version the replica
+        serving the chunk holds), prompt-major, as ``(prompt index, sample)``.
 
         The prompts are cut into one contiguous chunk per replica; chunk ``[a, b)`` is sampled with
         ``seed_of(a)`` so a chunk draws the same samples whichever replica serves it.
@@ -115,18 +121,19 @@ class RolloutPool:
             RolloutError: no replica holds ``version``, a chunk failed on every try, or replicas
                 returned a wrong version or too few samples.
         """
-        replicas = self.wait_live(version, wait_s, tick)
+        replicas = self.wait_live(version, wait_s, tick, at_least)
         chunks = split_evenly(len(prompts), len(replicas))
 
-        def run(i: int, a: int, b: int) -> list[rollout_pb2.Sample]:
-            req = rollout_pb2.GenerateRequest(
-                request_id=f"{request_id}-p{a}", weight_version=version,
-                prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts[a:b]],
-                sampling=rollout_pb2.SamplingParams(n=n, seed=seed_of(a), **sampling))
+        def run(i: int, a: int, b: int) -> tuple[int, list[rollout_pb2.Sample]]:
             lease = replicas[i]
             for attempt in range(self.attempts):
+                pinned = lease.version if at_least else version
+                req = rollout_pb2.GenerateRequest(
+                    request_id=f"{request_id}-p{a}", weight_version=pinned,
+                    prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts[a:b]],
+                    sampling=rollout_pb2.SamplingParams(n=n, seed=seed_of(a), **sampling))
                 try:
-                    return [r.sample for r in self.stub(lease.endpoint).Generate(
+                    return pinned, [r.sample for r in self.stub(lease.endpoint).Generate(
                         req, timeout=DEFAULT_DEADLINE_S.generate)]
                 except grpc.RpcError as err:
                     if err.code() not in _RETRY or attempt + 1 == self.attempts:
@@ -137,17 +144,18 @@ class RolloutPool:
                     log.warning("Generate on %s (%s) failed (%s); re-issuing the chunk to another replica%s",
                                 lease.replica_id, lease.endpoint, err.code().name,
                                 " (this one is suspect)" if err.code() == grpc.StatusCode.UNAVAILABLE else "")
-                    others = [ls for ls in self.live(version) if self._key(ls) != self._key(lease)]
-                    lease = others[(i + attempt) % len(others)] if others else self.wait_live(version, wait_s, tick)[0]
+                    others = [ls for ls in self.live(version, at_least) if self._key(ls) != self._key(lease)]
+                    lease = others[(i + attempt) % len(others)] if others else \
+                        self.wait_live(version, wait_s, tick, at_least)[0]
             raise AssertionError("unreachable")
         with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="generate") as ex:
             results = list(ex.map(lambda c: run(c[0], *c[1]), enumerate(chunks)))
         groups: list[list] = [[None] * n for _ in prompts]
-        for (a, _), samples in zip(chunks, results, strict=True):
+        for (a, _), (pinned, samples) in zip(chunks, results, strict=True):
             for s in samples:
-                if s.weight_version != version or not 0 <= s.sample_index < n:
+                if s.weight_version != pinned or not 0 <= s.sample_index < n:
                     raise RolloutError(f"a replica returned a sample of version {s.weight_version} (index "
-                                       f"{s.sample_index}) for a request pinned to {version} with n={n}")
+                                       f"{s.sample_index}) for a request pinned to {pinned} with n={n}")
                 groups[a + s.prompt_index][s.sample_index] = s
         if any(s is None for grp in groups for s in grp):
             raise RolloutError(f"replicas returned fewer than {n} samples for some prompt")

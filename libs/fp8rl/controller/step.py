@@ -12,6 +12,9 @@ The phases (DESIGN §2), in order, over a :class:`StepBackends`:
 :func:`first_half` runs rollout → reward → train and returns the step's record so far, which the
 controller saves before anything else (so a restart finishes an already trained step instead of
 training it twice); :func:`finish` runs calibrate → refit on such a record. :func:`run_step` is both.
+:func:`first_half` is :func:`rollout_phase` (generate + score, at the version the samples are pinned to)
+then :func:`train_phase` (at the version the trainer holds): asynchronous GRPO
+(:mod:`fp8rl.controller.pipeline`) runs the same two on different threads, with the two versions apart.
 
 Batches, seeds and advantages come from the :class:`StepPlan` — pure functions of the job and the step
 index — so a step run again (after a restart, by the loop or by the controller) draws the same samples.
@@ -29,7 +32,8 @@ from fp8rl.data import Problem
 
 from .plan import group_advantages, reward_summary
 
-__all__ = ["PHASES", "StepBackends", "StepPlan", "Trained", "finish", "first_half", "run_step"]
+__all__ = ["PHASES", "StepBackends", "StepPlan", "Trained", "finish", "first_half", "rollout_phase", "run_step",
+           "train_phase"]
 
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 
@@ -41,6 +45,7 @@ class StepPlan(Protocol):
     fp8_kv: bool  # whether every version needs calibrated QKV scales
     leave_one_out: bool  # GRPO baseline without the sample itself
     temperature: float  # sampling temperature of the step's rollouts
+    max_weight_lag: int  # how many versions a trained sample may be older than the trainer's (0: synchronous)
 
     def batch(self, step: int) -> list[Problem]: ...
 
@@ -67,8 +72,10 @@ class StepBackends(Protocol):
     def score(self, pairs: list[tuple[Problem, Any]]) -> list[float]:
         """One graded reward per ``(problem, sample)``."""
 
-    def train(self, version: int, step: int, rows: list[tuple[list[int], Any, float]]) -> Trained:
-        """Train on ``(prompt ids, sample, advantage)`` rows, expecting the trainer at ``version``."""
+    def train(self, version: int, step: int, rows: list[tuple[list[int], Any, float]], *,
+              max_weight_lag: int = 0) -> Trained:
+        """Train on ``(prompt ids, sample, advantage)`` rows, expecting the trainer at ``version``; a sample's
+        ``weight_version`` may be at most ``max_weight_lag`` older (else the trainer refuses the batch)."""
 
     def calibrate(self, version: int, sequences: list[list[int]]) -> None:
         """Calibrate and publish the QKV scales of ``version`` on ``sequences`` (prompt + response)."""
@@ -77,10 +84,10 @@ class StepBackends(Protocol):
         """Until the rollout side holds ``version``; returns metrics of the refit (e.g. replicas fenced)."""
 
 
-def first_half(plan: StepPlan, b: StepBackends, step: int, version: int,
-               check: Callable[[], None] = lambda: None) -> dict:
-    """rollout → reward → train of step ``step`` from ``version``; ``check`` runs between phases (it may raise
-    to stop). Returns the record so far: JSON-able, with the step's ``sequences`` for calibration."""
+def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
+                  check: Callable[[], None] = lambda: None) -> dict:
+    """rollout → reward of step ``step``, every sample pinned to ``version``: ``{"step", "problems", "prompts",
+    "samples", "rewards", "phase_times", "started_unix"}`` (held in memory, not saved)."""
     t0, times = time.time(), {}
     check()
     problems = plan.batch(step)
@@ -92,16 +99,33 @@ def first_half(plan: StepPlan, b: StepBackends, step: int, version: int,
     t = time.perf_counter()
     rewards = b.score([(problems[i], s) for i, s in samples])
     times["reward"] = time.perf_counter() - t
+    return {"step": step, "problems": problems, "prompts": prompts, "samples": samples, "rewards": rewards,
+            "phase_times": times, "started_unix": t0}
+
+
+def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
+                check: Callable[[], None] = lambda: None) -> dict:
+    """train on a :func:`rollout_phase` record with the trainer at ``version``. Returns the step's record so
+    far: JSON-able, with the step's ``sequences`` for calibration."""
     check()
+    step, prompts, samples, rewards = rollout["step"], rollout["prompts"], rollout["samples"], rollout["rewards"]
     adv = group_advantages(rewards, plan.group, plan.leave_one_out)
-    trained = b.train(version, step, [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True)])
-    times.update(trained.times)
+    trained = b.train(version, step, [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True)],
+                      max_weight_lag=plan.max_weight_lag)
+    times = {**rollout["phase_times"], **trained.times}
     served = {s.weight_version for _, s in samples}
     return {"step": step, "weight_version": version, "new_version": trained.new_version, **reward_summary(rewards),
             "metrics": {**trained.metrics, "response_len": statistics.fmean(len(s.token_ids) for _, s in samples)},
-            "served_version": served.pop() if len(served) == 1 else -1,
-            "phase_times": times, "started_unix": t0,
+            "served_version": min(served) if len(served) == 1 else -1, "rollout_version": min(served, default=-1),
+            "phase_times": times, "started_unix": rollout["started_unix"],
             "sequences": [prompts[i] + list(s.token_ids) for i, s in samples]}
+
+
+def first_half(plan: StepPlan, b: StepBackends, step: int, version: int,
+               check: Callable[[], None] = lambda: None) -> dict:
+    """rollout → reward → train of step ``step`` from ``version`` (:func:`rollout_phase` then
+    :func:`train_phase`); ``check`` runs between phases (it may raise to stop)."""
+    return train_phase(plan, b, rollout_phase(plan, b, step, version, check), version, check)
 
 
 def finish(plan: StepPlan, b: StepBackends, partial: dict, check: Callable[[], None] = lambda: None

@@ -19,7 +19,7 @@ from .base import (
     VersionMismatchError,
     WeightLoadError,
 )
-from .batch import TrainOutcome, build_train_batch, train_on_batch
+from .batch import StaleSampleError, TrainOutcome, build_train_batch, train_on_batch
 from .calibration_model import CalibrationModel
 from .calibrator import QKVCalibrator
 from .factory import make_rollout_engine, make_trainer_backend
@@ -31,4 +31,5 @@ __all__ = [
     "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
     "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "CalibrationModel", "sequence_logprobs",
     "make_trainer_backend", "make_rollout_engine", "TrainOutcome", "build_train_batch", "train_on_batch",
+    "StaleSampleError",
 ]

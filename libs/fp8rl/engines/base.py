@@ -135,9 +135,12 @@ class TrainBatch:
         loss_mask: ``(B, T)`` 1 on generated tokens (the ones the loss and metrics see).
         advantages: ``(B,)`` per-sequence GRPO advantages.
         gen_logprobs: ``(B, T)`` rollout-engine logprobs aligned as in the module docstring.
-        prev_logprobs: ``(B, T)`` trainer logprobs at the weights that generated the batch
-            (filled by the trainer's ``compute_logprobs`` when None).
+        prev_logprobs: ``(B, T)`` trainer logprobs at the weights it holds when the batch arrives — the
+            proximal policy of decoupled PPO; in a synchronous step also the weights that generated the
+            batch (filled by the trainer's ``compute_logprobs`` when None).
         ref_logprobs: ``(B, T)`` reference-policy logprobs for the KL term, or None.
+        versions: ``(B,)`` int64 weight version that generated each row (the behaviour policy), or None
+            (every row from the version the trainer holds).
     """
 
     input_ids: torch.Tensor
@@ -147,6 +150,7 @@ class TrainBatch:
     gen_logprobs: torch.Tensor
     prev_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
@@ -154,8 +158,10 @@ class TrainBatch:
             val = getattr(self, name)
             if val is not None and tuple(val.shape) != (b, t):
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(val.shape)}, expected {(b, t)}")
-        if tuple(self.advantages.shape) != (b,):
-            raise ValueError(f"TrainBatch.advantages has shape {tuple(self.advantages.shape)}, expected {(b,)}")
+        for name in ("advantages", "versions"):
+            val = getattr(self, name)
+            if val is not None and tuple(val.shape) != (b,):
+                raise ValueError(f"TrainBatch.{name} has shape {tuple(val.shape)}, expected {(b,)}")
 
     @property
     def num_tokens(self) -> int:
@@ -170,7 +176,7 @@ class TrainBatch:
         return TrainBatch(
             self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
             self.advantages[start:stop], self.gen_logprobs[start:stop], cut(self.prev_logprobs),
-            cut(self.ref_logprobs),
+            cut(self.ref_logprobs), cut(self.versions),
         )
 
 

@@ -8,26 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sequence(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "gen_logprobs", "advantage")
+    __slots__ = ("prompt_ids", "response_ids", "gen_logprobs", "advantage", "weight_version")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     GEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     gen_logprobs: _containers.RepeatedScalarFieldContainer[float]
     advantage: float
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("expected_version", "rows", "step")
+    __slots__ = ("expected_version", "rows", "step", "max_weight_lag")
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_LAG_FIELD_NUMBER: _ClassVar[int]
     expected_version: int
     rows: _containers.RepeatedCompositeFieldContainer[Sequence]
     step: int
-    def __init__(self, expected_version: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    max_weight_lag: int
+    def __init__(self, expected_version: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., step: _Optional[int] = ..., max_weight_lag: _Optional[int] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("new_version", "metrics", "phase_times")

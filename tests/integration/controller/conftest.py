@@ -46,14 +46,18 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
-def tiny_job(model_dir: Path, **job) -> dict:
-    """A 2-step fp8_e2e job with an FP8 KV cache on ``model_dir``; ``job`` overrides ``job.*`` keys."""
+def tiny_job(model_dir: Path, max_weight_lag: int | None = None, **job) -> dict:
+    """A 2-step fp8_e2e job with an FP8 KV cache on ``model_dir``; ``job`` overrides ``job.*`` keys;
+    ``max_weight_lag`` (when given) makes it asynchronous GRPO with that bound."""
+    grpo = {"num_prompts_per_step": 4, "num_generations_per_prompt": 2}
+    if max_weight_lag is not None:
+        grpo["async_grpo"] = {"enabled": True, "max_weight_lag": max_weight_lag}
     return {
         "job": {"name": "ctl-test", "steps": 2, "seed": 0, "checkpoint_every": 1, **job},
         "policy": {"model": str(model_dir),
                    "generation": {"max_new_tokens": 4, "vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
                    "training": {"lr": 0.01, "micro_batch_size": 8, "megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2},
+        "grpo": grpo,
         "calibration": {"max_sequences": 4},
     }
 
@@ -103,8 +107,8 @@ class Stack:
         """The internal RPCs' token the launcher generated for this stack (what the services send each other)."""
         return Path(self.info["secrets"]["service_token_file"]).read_text().strip()
 
-    def job_yaml(self, **job) -> str:
-        return yaml.safe_dump(tiny_job(self.model_dir, **job))
+    def job_yaml(self, max_weight_lag: int | None = None, **job) -> str:
+        return yaml.safe_dump(tiny_job(self.model_dir, max_weight_lag, **job))
 
     def jobs(self) -> JobStore:
         return JobStore(redis.Redis.from_url(self.info["redis_url"]))

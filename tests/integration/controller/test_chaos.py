@@ -122,9 +122,9 @@ def _finish(stack, job_id: str) -> list:
     return reports
 
 
-def _submit(stack, job_id: str, **job) -> str:
+def _submit(stack, job_id: str, max_weight_lag: int | None = None, **job) -> str:
     with _client(stack) as c:
-        return c.submit_job(stack.job_yaml(steps=STEPS, checkpoint_every=0, **job), job_id=job_id)
+        return c.submit_job(stack.job_yaml(max_weight_lag, steps=STEPS, checkpoint_every=0, **job), job_id=job_id)
 
 
 @pytest.mark.parametrize("role", ["reward", "calibrator"])
@@ -143,9 +143,12 @@ def test_a_stateless_role_killed_mid_job_is_found_on_its_new_port_and_the_step_i
     assert max(r.metrics["retries"] for r in reports) < 5  # the budget is per step: none ran out
 
 
-def test_a_rollout_replica_killed_mid_generate_is_suspect_its_work_goes_to_its_successor_and_its_lease_fences(stack):
-    job_id = _submit(stack, "chaos-rollout")
+@pytest.mark.parametrize("max_weight_lag", [None, 1], ids=["sync", "async-k1"])
+def test_a_rollout_replica_killed_mid_generate_is_suspect_its_work_goes_to_its_successor_and_its_lease_fences(
+        stack, max_weight_lag):
+    job_id = _submit(stack, f"chaos-rollout-{max_weight_lag}", max_weight_lag)
     _wait_steps(stack, job_id, 2)
+    (old_id,) = stack.refit().live_replicas("rollout")
     target = f"127.0.0.1:{stack.process('rollout-0')['port']}"
     with make_channel(target, token=stack.service_token, tls_ca="") as ch:
         status = rollout_pb2_grpc.RolloutServiceStub(ch).Status
@@ -157,12 +160,15 @@ def test_a_rollout_replica_killed_mid_generate_is_suspect_its_work_goes_to_its_s
     old_port = _kill(stack, "rollout-0")
     _wait_log(stack, "controller", offset, "(this one is suspect)")
     # a new replica id: the dead one's lease is not replaced, it runs out (and is fenced) on its own
-    assert _restart_on_new_port(stack, "rollout-0", replica_id="rollout-0-restarted") != old_port
+    new_id = f"rollout-restarted-{max_weight_lag}"
+    assert _restart_on_new_port(stack, "rollout-0", replica_id=new_id) != old_port
     reports = _finish(stack, job_id)
     assert sum(r.metrics["replica_fenced"] for r in reports) >= 1  # the dead lease expired during the job
-    fenced = [e for e in stack.refit().events() if e.type == "replica_fenced" and e.replica == "rollout-0"]
+    fenced = [e for e in stack.refit().events() if e.type == "replica_fenced" and e.replica == old_id]
     assert [e.reason for e in fenced] == ["lease_expired"]
-    assert set(stack.refit().live_replicas("rollout")) == {"rollout-0-restarted"}
+    assert set(stack.refit().live_replicas("rollout")) == {new_id}
+    if max_weight_lag is not None:  # the bound held through the fault
+        assert max(r.metrics["weight_lag_max"] for r in reports) <= max_weight_lag
 
 
 def test_the_controller_killed_mid_job_comes_back_on_a_new_port_and_resumes(stack):
