@@ -139,12 +139,18 @@ class GRPOLoop:
         # the controller's plan of this job: batches, seeds, group size, validation set
         self.plan = JobPlan("loop", job)
         self.data = ArithDataset(job.arith_config(), seed=job.job.seed) if job.data.task == "arith" else None
-        self.eval_set = eval_problems(job)
+        self.eval_set = self.plan.eval_set or eval_problems(job)  # the plan holds it when job.eval_every > 0
         self.grader = get_grader(job.reward.grader)
         self.backends = _InProcess(self)
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
             prompts = self.plan.prompts(self.plan.batch(0))
             self.rollout.load_scales(self.calibrator.calibrate(self.trainer.version, prompts))
+
+    def eval_due(self, step: int, steps: int) -> bool:
+        """Whether a validation runs after ``step`` (every ``job.eval_every`` steps; the last is measured by
+        :func:`run` itself)."""
+        every = self.job.job.eval_every
+        return bool(every) and (step + 1) % every == 0 and step + 1 < steps
 
     def evaluate(self) -> float:
         """Greedy accuracy of the rollout engine (deployed numerics) on the validation set."""
@@ -189,14 +195,13 @@ class GRPOLoop:
         ``row["val_accuracy"]`` is filled (after waiting for that version's refit) on evaluation steps."""
         pipe = Pipeline(self.plan, self.backends, first_step=0, total=steps, version=self.trainer.version,
                         calibrate_inline=True)  # the calibrator reads the trainer's live weights
-        every, t_prev = self.job.job.eval_every, [time.perf_counter()]
+        t_prev = [time.perf_counter()]
 
         def record(partial: dict, times: dict, metrics: dict) -> bool:
             now = time.perf_counter()
             row = self._row(partial, times, {"time/wall": now - t_prev[0], **metrics})
             t_prev[0] = now
-            step = partial["step"]
-            if every and (step + 1) % every == 0 and step + 1 < steps:
+            if self.eval_due(partial["step"], steps):
                 pipe.wait_held(partial["new_version"])
                 row["val_accuracy"] = self.evaluate()
             on_step(row)
@@ -272,10 +277,9 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
     if loop.plan.async_grpo:
         loop.run_async(cfg.steps, done)
     else:
-        every = cfg.job.job.eval_every
         for step in range(cfg.steps):
             m = loop.step(step)
-            if every and (step + 1) % every == 0 and step + 1 < cfg.steps:
+            if loop.eval_due(step, cfg.steps):
                 m["val_accuracy"] = loop.evaluate()
             done(m)
     wall = time.perf_counter() - t_run

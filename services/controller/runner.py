@@ -307,13 +307,13 @@ class JobRunner:
     def _lineage(self, held: int) -> Lineage:
         """Redis's record of where ``held`` came from (and, for a republished checkpoint, where that came from)."""
         trained, restored = {}, {}
-        for v in (held, self.refit.restored_from(held)):
-            if v is None:
-                continue
+        v: int | None = held
+        for _ in range(2):  # held, then the checkpoint it republished (if any)
             if (t := self.refit.trained_from(v)) is not None:
                 trained[v] = t
-            if (o := self.refit.restored_from(v)) is not None:
-                restored[v] = o
+            if (o := self.refit.restored_from(v)) is None:
+                break
+            restored[v], v = o, o
         return Lineage(trained, restored)
 
     def _finish_trained(self, plan: JobPlan, n: int, started: int, held: int) -> int:

@@ -60,7 +60,7 @@ class Pipeline:
         self._start_of = {first_step: version}  # step -> the version the trainer trains it from
         self._held = version  # the newest version the rollout side holds (a finished refit)
         self._rollouts: dict[int, dict] = {}
-        self._refit_stats: list[tuple[int, float, float, dict]] = []  # (version, calibrate_s, refit_s, metrics)
+        self._refit_stats: list[tuple[float, float, dict]] = []  # (calibrate_s, refit_s, metrics) per finished refit
         self._error: BaseException | None = None
         self._stop = False
         self._refits: queue.Queue = queue.Queue()
@@ -134,9 +134,9 @@ class Pipeline:
         out = {"async/max_weight_lag": float(self.k), "busy/trainer_s": busy, "busy/rollout_s": rollout_busy,
                "trainer_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0}
         if done:  # refits finished since the last record (off the trainer's path)
-            out["busy/refit_s"] = sum(c + r for _, c, r, _ in done)
-            out["calibrate_offpath_s"] = sum(c for _, c, _, _ in done)
-            for _, _, _, m in done:
+            out["busy/refit_s"] = sum(c + r for c, r, _ in done)
+            out["calibrate_offpath_s"] = sum(c for c, _, _ in done)
+            for _, _, m in done:
                 for key, val in m.items():
                     out[key] = out.get(key, 0.0) + val
         return out
@@ -188,7 +188,7 @@ class Pipeline:
                 metrics = self.b.await_refit(version)
                 with self._cv:
                     self._held = version
-                    self._refit_stats.append((version, calibrate_s, time.perf_counter() - t, metrics))
+                    self._refit_stats.append((calibrate_s, time.perf_counter() - t, metrics))
                     self._cv.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
             self._fail(exc)

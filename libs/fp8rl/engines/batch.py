@@ -76,17 +76,21 @@ def check_lag(versions: torch.Tensor | None, held: int, max_weight_lag: int) -> 
                                f"(max_weight_lag={max_weight_lag}); nothing was trained")
 
 
-def lag_metrics(batch: TrainBatch, held: int) -> dict[str, float]:
+def lag_metrics(batch: TrainBatch, held: int, overall: dict[str, float]) -> dict[str, float]:
     """``weight_lag_mean`` / ``weight_lag_max`` over the rows, and the mismatch split into *numeric* (rows from the
-    held version: same weights, different engine) and *stale* (rows from older versions) parts."""
+    held version: same weights, different engine) and *stale* (rows from older versions) parts; ``overall`` is
+    :func:`mismatch_metrics` of the whole batch, reused for a part that is the whole batch."""
     if batch.versions is None:
         return {"weight_lag_mean": 0.0, "weight_lag_max": 0.0}
     lag = (held - batch.versions).double()
     out = {"weight_lag_mean": float(lag.mean()), "weight_lag_max": float(lag.max()),
            "stale_fraction": float((lag > 0).double().mean())}
     for name, rows in (("numeric", lag == 0), ("stale", lag > 0)):
-        mask = batch.loss_mask * rows[:, None].to(batch.loss_mask.dtype)
-        m = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, mask)
+        if bool(rows.all()):
+            m = overall
+        else:
+            m = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs,
+                                 batch.loss_mask * rows[:, None].to(batch.loss_mask.dtype))
         out[f"{name}/token_mult_prob_error"], out[f"{name}/gen_kl_k3"] = m["token_mult_prob_error"], m["gen_kl_k3"]
     return out
 
@@ -104,8 +108,8 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     check_lag(batch.versions, trainer.version, max_weight_lag)
     t = time.perf_counter()
     batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
-    mismatch = {**mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask),
-                **lag_metrics(batch, trainer.version)}
+    mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
+    mismatch.update(lag_metrics(batch, trainer.version, mismatch))
     t_logprobs, t = time.perf_counter() - t, time.perf_counter()
     train = trainer.train_step(batch, should_stop=should_stop)
     return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, t_logprobs,

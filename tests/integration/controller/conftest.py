@@ -46,7 +46,7 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
-def tiny_job(model_dir: Path, max_weight_lag: int | None = None, **job) -> dict:
+def tiny_job(model_dir: Path, max_weight_lag: int | None = None, max_new_tokens: int = 4, **job) -> dict:
     """A 2-step fp8_e2e job with an FP8 KV cache on ``model_dir``; ``job`` overrides ``job.*`` keys;
     ``max_weight_lag`` (when given) makes it asynchronous GRPO with that bound."""
     grpo = {"num_prompts_per_step": 4, "num_generations_per_prompt": 2}
@@ -55,7 +55,8 @@ def tiny_job(model_dir: Path, max_weight_lag: int | None = None, **job) -> dict:
     return {
         "job": {"name": "ctl-test", "steps": 2, "seed": 0, "checkpoint_every": 1, **job},
         "policy": {"model": str(model_dir),
-                   "generation": {"max_new_tokens": 4, "vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
+                   "generation": {"max_new_tokens": max_new_tokens,
+                                  "vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
                    "training": {"lr": 0.01, "micro_batch_size": 8, "megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
         "grpo": grpo,
         "calibration": {"max_sequences": 4},

@@ -127,6 +127,12 @@ def _submit(stack, job_id: str, max_weight_lag: int | None = None, **job) -> str
         return c.submit_job(stack.job_yaml(max_weight_lag, steps=STEPS, checkpoint_every=0, **job), job_id=job_id)
 
 
+# The rollout test kills the replica while it reports a Generate in flight; a 4-token Generate can end between
+# that report and the SIGKILL (then the controller never meets the fault), so its job generates 40 tokens,
+# widening the window tenfold (prompts of <= 16 tokens + 40 fit the test model's 64 positions).
+LONG_GENERATE_TOKENS = 40
+
+
 @pytest.mark.parametrize("role", ["reward", "calibrator"])
 def test_a_stateless_role_killed_mid_job_is_found_on_its_new_port_and_the_step_is_retried(stack, role):
     job_id = _submit(stack, f"chaos-{role}")
@@ -146,7 +152,7 @@ def test_a_stateless_role_killed_mid_job_is_found_on_its_new_port_and_the_step_i
 @pytest.mark.parametrize("max_weight_lag", [None, 1], ids=["sync", "async-k1"])
 def test_a_rollout_replica_killed_mid_generate_is_suspect_its_work_goes_to_its_successor_and_its_lease_fences(
         stack, max_weight_lag):
-    job_id = _submit(stack, f"chaos-rollout-{max_weight_lag}", max_weight_lag)
+    job_id = _submit(stack, f"chaos-rollout-{max_weight_lag}", max_weight_lag, max_new_tokens=LONG_GENERATE_TOKENS)
     _wait_steps(stack, job_id, 2)
     (old_id,) = stack.refit().live_replicas("rollout")
     target = f"127.0.0.1:{stack.process('rollout-0')['port']}"
