@@ -33,13 +33,12 @@ from fp8rl.refit import (
     RefitError,
     RefitFailedError,
     RefitFollower,
-    RefitSubscriber,
     StaleVersionError,
     UnknownVersionError,
     encode_scales,
 )
-from fp8rl.refit.transport.grpc import GrpcShardSource
 from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc
+from services.common.refit import build_subscriber
 from services.common.runtime import (
     Abort,
     Context,
@@ -65,8 +64,8 @@ class CalibratorService(Service):
         cal = ctx.job.calibration
         self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
                                         margin=cal.margin, max_sequences=cal.max_sequences)
-        self.source = GrpcShardSource()
-        self.subscriber = RefitSubscriber(ctx.store, self.target, self.source, ctx.replica_id, requires_scales=False)
+        self.subscriber, self.source = build_subscriber(ctx.store, self.target, ctx.replica_id, ctx.job.refit,
+                                                        requires_scales=False)
         self.lock = threading.Lock()  # one sync or calibration at a time: weights never change mid-pass
         self.follower = RefitFollower(ctx, self.subscriber, lock=self.lock)
 

@@ -34,9 +34,9 @@ from fp8rl.config import JobConfig
 from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, VersionMismatchError, make_rollout_engine
 from fp8rl.model.tokenizer import load_tokenizer
 from fp8rl.presets import PRESETS, load_policy, prepare_tiny_arith
-from fp8rl.refit import RefitFollower, RefitSubscriber
-from fp8rl.refit.transport.grpc import GrpcShardSource
+from fp8rl.refit import RefitFollower
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from services.common.refit import build_subscriber
 from services.common.runtime import (
     Abort,
     Context,
@@ -85,8 +85,8 @@ class RolloutService(Service):
         self.engine, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
         self.backend = ctx.job.policy.generation.backend
         self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
-        self.source = GrpcShardSource()
-        subscriber = RefitSubscriber(ctx.store, self.engine, self.source, ctx.replica_id, requires_scales=self.fp8_kv)
+        subscriber, self.source = build_subscriber(ctx.store, self.engine, ctx.replica_id, ctx.job.refit,
+                                                   requires_scales=self.fp8_kv)
         self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health)
 
     def servicers(self):

@@ -41,10 +41,12 @@ from fp8rl.engines import (
 )
 from fp8rl.fp8 import fp8_linear_names
 from fp8rl.presets import load_policy
-from fp8rl.refit import RefitPublisher, StaleVersionError
+from fp8rl.refit import StaleVersionError
 from fp8rl.refit.transport.grpc import DEFAULT_CHUNK_BYTES, WeightStoreServicer
+from fp8rl.refit.transport.shm import ShmUnavailableError
 from fp8rl.rl import mismatch_metrics
 from fp8rl.rpc import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2_grpc
+from services.common.refit import build_publisher, start_broadcaster
 from services.common.runtime import (
     Abort,
     Context,
@@ -90,12 +92,18 @@ class TrainerService(Service):
         if path is not None:
             self.trainer.load_checkpoint(str(path))
             log.info("resumed from %s at weight version %d", path, self.trainer.version)
-        self.publisher = RefitPublisher(ctx.store, shard_bytes=args.shard_bytes)
+        try:
+            self.publisher = build_publisher(ctx.store, ctx.job.refit, shard_bytes=args.shard_bytes)
+        except ShmUnavailableError as exc:
+            raise StartupError(f"refit.transport shm: {exc}") from None
         self.weight_store = WeightStoreServicer(self.publisher, chunk_bytes=args.chunk_bytes)
         self.lock = threading.Lock()  # one step / logprobs / checkpoint at a time
         self.published: int | None = None
         self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
         self.ready = False
+
+    def stop(self) -> None:
+        self.publisher.close()  # shared-memory files go; held shards stay servable until the server stops
 
     def servicers(self):
         return [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(self)),
@@ -103,6 +111,7 @@ class TrainerService(Service):
 
     def start(self, ctx: Context) -> None:
         self.publisher.endpoint = ctx.endpoint  # the port is known only now; manifests name it
+        start_broadcaster(self.publisher, ctx.job.refit, ctx.endpoint)
         v, latest = self.trainer.version, ctx.store.latest()
         if latest is not None and latest >= v:
             if not ctx.args.resume:

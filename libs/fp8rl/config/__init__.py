@@ -33,6 +33,7 @@ from .schema import (
     LossSection,
     MegatronCfg,
     PolicyConfig,
+    RefitConfig,
     RewardConfig,
     TrainingConfig,
     VllmCfg,
@@ -42,8 +43,8 @@ __all__ = [
     "ConfigError", "JobConfig", "load_job_config", "parse_job_config", "recipe_settings", "RECIPE_SETTINGS",
     "reference",
     "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
-    "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RewardConfig",
-    "TrainingConfig", "VllmCfg",
+    "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RefitConfig",
+    "RewardConfig", "TrainingConfig", "VllmCfg",
 ]
 
 

@@ -27,6 +27,7 @@ from .schema import (
     JobSection,
     LossSection,
     PolicyConfig,
+    RefitConfig,
     RewardConfig,
 )
 from .views import arith_config, loss_config
@@ -60,6 +61,7 @@ class JobConfig(Section):
     data: DataConfig = section(DataConfig, "Where prompts come from.")
     reward: RewardConfig = section(RewardConfig, "How responses are graded.")
     calibration: CalibrationConfig = section(CalibrationConfig, "The per-step Q/K/V scale calibration.")
+    refit: RefitConfig = section(RefitConfig, "How each new version's weights reach the replicas.")
 
     def check(self) -> None:
         self._check_batch_shape()

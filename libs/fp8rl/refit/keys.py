@@ -12,6 +12,7 @@ key                     type         meaning
 ======================  ===========  ======================================================
 ``P weights:latest``    int          newest published version (only increases)
 ``P weights:{v}:manifest``  bytes    manifest JSON of version v
+``P weights:{v}:delta``  bytes       delta manifest JSON of v against an older base (optional)
 ``P weights:{v}:acks``  set          replica ids that applied v (weights and scales)
 ``P weights:{v}:trained_from``  int  the version whose optimizer step produced v
 ``P weights:{v}:restored_from``  int the checkpoint version v republishes (a trainer restart)
@@ -19,6 +20,9 @@ key                     type         meaning
 ``P events``            stream       ``weights_published``, ``scales_published``, ``replica_fenced``
 ``P replicas:{id}``     hash + TTL   a replica's lease: endpoint, version, ttl
 ``P replicas``          set          index of replica ids that registered (lease may be gone)
+``P collective:members``  set        ids of replicas asking for the collective refit transport
+``P collective:members:{id}``  bytes + TTL  a collective member's heartbeat (JSON; gone = left)
+``P collective:epoch``  bytes        the current collective group (strict JSON: epoch, store, members)
 ``P job:state``         string       controller's job state (e.g. ``running``)
 ``P job:step``          int          last finished GRPO step
 ``P job:config``        bytes        the job's validated config (YAML/JSON bytes)
@@ -92,6 +96,10 @@ class Keys:
         """``weights:{v}:manifest`` — version v's manifest JSON."""
         return f"{self.prefix}weights:{validate_version(version)}:manifest"
 
+    def delta(self, version: int) -> str:
+        """``weights:{v}:delta`` — version v's delta manifest JSON (its ``base`` names the version it patches)."""
+        return f"{self.prefix}weights:{validate_version(version)}:delta"
+
     def acks(self, version: int) -> str:
         """``weights:{v}:acks`` — set of replica ids that applied v."""
         return f"{self.prefix}weights:{validate_version(version)}:acks"
@@ -120,6 +128,19 @@ class Keys:
     def replica_index(self) -> str:
         """``replicas`` — set of replica ids that registered (their leases may have expired)."""
         return f"{self.prefix}replicas"
+
+    # -- collective refit transport (transport/collective.py) ------------------------------------
+    def collective_members(self) -> str:
+        """``collective:members`` — set of replica ids that registered for collective refits."""
+        return f"{self.prefix}collective:members"
+
+    def collective_member(self, replica_id: str) -> str:
+        """``collective:members:{id}`` — one member's heartbeat (expires unless renewed: then it left)."""
+        return f"{self.prefix}collective:members:{validate_replica_id(replica_id)}"
+
+    def collective_epoch(self) -> str:
+        """``collective:epoch`` — the trainer's current collective group: epoch, store endpoint, ranks."""
+        return f"{self.prefix}collective:epoch"
 
     # -- job state (controller) ----------------------------------------------------------------
     def job_state(self) -> str:

@@ -23,24 +23,35 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fp8rl.fp8 import BLOCK, E4M3, quantize_state_dict
+from fp8rl.fp8 import BLOCK
+from fp8rl.fp8.quant import all_finite, quantize_blockwise
 
 from .keys import validate_job_id, validate_version
-from .shards import DEFAULT_SHARD_BYTES, TensorEntry, checksum, pack_tensors, unpack_tensors, verify_shard
+from .shards import (
+    DEFAULT_SHARD_BYTES,
+    DTYPE_NAMES,
+    CorruptShardError,
+    ShardWriter,
+    TensorEntry,
+    checksum,
+    plan_layout,
+    unpack_tensors,
+    verify_shard,
+)
 
 __all__ = ["MANIFEST_FORMAT", "Manifest", "build_shards", "assemble"]
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: 64-byte aligned shard layout, XXH3-128 checksums, shm / collective / base fields
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _FIELDS = {
     "format", "version", "job", "recipe", "tensors", "shard_sizes", "shard_checksums", "endpoint", "created",
-    "total_bytes",
+    "total_bytes", "shm", "collective", "base",
 }
 
 
@@ -68,10 +79,16 @@ class Manifest:
         recipe: the job's recipe name (``bf16``, ``fp8_gen_only``, ``fp8_e2e``, ...).
         tensors: one :class:`TensorEntry` per tensor, in stream order (lists are stored as tuples).
         shard_sizes: byte length of each shard.
-        shard_checksums: blake2b-128 hex of each shard.
-        endpoint: ``host:port`` of the WeightStore serving the shards ("" for an in-process source).
+        shard_checksums: XXH3-128 hex of each shard.
+        endpoint: ``host:port`` of the WeightStore serving the shards over gRPC ("" for an in-process source).
         created: publish time, seconds since the epoch.
         total_bytes: ``sum(shard_sizes)``.
+        shm: where the same shards lie in shared memory on the trainer's host, ``{"dir": path,
+            "host": boot id}``, or None (:mod:`fp8rl.refit.transport.shm`).
+        collective: ``host:port`` of the store of the trainer's broadcast group, or "" when the
+            trainer broadcasts nothing (:mod:`fp8rl.refit.transport.collective`).
+        base: None for a full version; for a delta manifest (``weights:{v}:delta``), the version
+            its entries patch (:mod:`fp8rl.refit.delta`).
     """
 
     version: int
@@ -83,6 +100,9 @@ class Manifest:
     endpoint: str
     created: float
     total_bytes: int
+    shm: dict[str, str] | None = None
+    collective: str = ""
+    base: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("tensors", "shard_sizes", "shard_checksums"):
@@ -95,6 +115,18 @@ class Manifest:
         if not isinstance(self.recipe, str) or not self.recipe:
             raise ValueError(f"manifest recipe must be a non-empty string, got {self.recipe!r}")
         _check_endpoint(self.endpoint)
+        if self.collective:
+            _check_endpoint(self.collective)
+        if self.shm is not None and not (
+            isinstance(self.shm, dict) and set(self.shm) == {"dir", "host"}
+            and all(isinstance(v, str) and v for v in self.shm.values()) and self.shm["dir"].startswith("/")
+        ):
+            raise ValueError(f"manifest shm must be null or {{'dir': absolute path, 'host': id}}, got {self.shm!r}")
+        if self.base is not None:
+            validate_version(self.base)
+            if self.base >= self.version:
+                raise ValueError(f"a delta manifest of version {self.version} must patch an older version, "
+                                 f"got base {self.base}")
         if not (_is_int(self.created) or isinstance(self.created, float)) or not math.isfinite(self.created):
             raise ValueError(f"manifest created must be a finite number of seconds, got {self.created!r}")
         if not self.shard_sizes:
@@ -137,7 +169,7 @@ class Manifest:
             "format": MANIFEST_FORMAT, "version": self.version, "job": self.job, "recipe": self.recipe,
             "tensors": [e.to_dict() for e in self.tensors], "shard_sizes": list(self.shard_sizes),
             "shard_checksums": list(self.shard_checksums), "endpoint": self.endpoint, "created": self.created,
-            "total_bytes": self.total_bytes,
+            "total_bytes": self.total_bytes, "shm": self.shm, "collective": self.collective, "base": self.base,
         }
         return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -162,7 +194,8 @@ class Manifest:
             version=d["version"], job=d["job"], recipe=d["recipe"],
             tensors=tuple(TensorEntry.from_dict(e) for e in d["tensors"]),
             shard_sizes=d["shard_sizes"], shard_checksums=d["shard_checksums"], endpoint=d["endpoint"],
-            created=d["created"], total_bytes=d["total_bytes"],
+            created=d["created"], total_bytes=d["total_bytes"], shm=d["shm"], collective=d["collective"],
+            base=d["base"],
         )
 
 
@@ -170,17 +203,13 @@ def _check_finite_all(state_dict: Mapping[str, torch.Tensor], version: int, skip
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
-        if name in skip or not t.is_floating_point():  # FP8 weights are checked by the quantizer itself
+        if name in skip or all_finite(t):  # FP8 weights are checked by the quantizer itself
             continue
-        x = t.detach().float() if t.dtype == E4M3 else t.detach()
-        # A finite sum proves a clean tensor in one read; only a non-finite one pays for the exact count.
-        if x.numel() and not bool(torch.isfinite(x.sum(dtype=torch.float32))):
-            bad = int((~torch.isfinite(x)).sum())
-            if bad:
-                raise ValueError(
-                    f"refusing to publish weight version {version}: tensor {name!r} holds {bad} NaN/Inf value(s) "
-                    f"out of {t.numel()}, shape {tuple(t.shape)}"
-                )
+        bad = int((~torch.isfinite(t.detach().float())).sum())
+        raise ValueError(
+            f"refusing to publish weight version {version}: tensor {name!r} holds {bad} NaN/Inf value(s) "
+            f"out of {t.numel()}, shape {tuple(t.shape)}"
+        )
 
 
 def build_shards(
@@ -193,7 +222,8 @@ def build_shards(
     fp8_prefixes: Iterable[str] = (),
     pow2_scale: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-) -> tuple[Manifest, list[bytes]]:
+    alloc: Callable[[int, int, Sequence[TensorEntry]], Any] | None = None,
+) -> tuple[Manifest, list[Any]]:
     """Quantize and serialise one policy version into shards plus its manifest.
 
     Args:
@@ -207,6 +237,7 @@ def build_shards(
             ``{p}.weight_scale`` (FP32, one per 128×128 block), placed right after it.
         pow2_scale: round block scales up to powers of two.
         shard_bytes: most bytes per shard.
+        alloc: where shard buffers come from (see :func:`~fp8rl.refit.shards.pack_tensors`).
 
     Returns:
         ``(manifest, shards)``.
@@ -225,19 +256,37 @@ def build_shards(
             raise ValueError(f"FP8 prefix {p!r} needs a 2-D tensor {p}.weight in the state dict ({got})")
     fp8_weights = {f"{p}.weight" for p in prefixes}
     _check_finite_all(state_dict, version, fp8_weights)
-    try:
-        quantized = quantize_state_dict(dict(state_dict), prefixes, pow2_scale=pow2_scale)
-    except ValueError as exc:  # NaN/Inf in an FP8 weight, named by the quantizer
-        raise ValueError(f"refusing to publish weight version {version}: {exc}") from exc
-    block_sizes: dict[str, tuple[int, int]] = {}
-    ordered: dict[str, torch.Tensor] = {}
-    for name in state_dict:
-        ordered[name] = quantized[name]
+    # Plan the layout from shapes alone, then quantize each FP8 weight once, straight into its place in
+    # the shards (no E4M3 temporary, no second copy); every other tensor is copied in once.
+    specs, order = [], []
+    for name, t in state_dict.items():
         if name in fp8_weights:  # keep each scale beside its weight (same shard in the common case)
-            scale_name = name.removesuffix(".weight") + ".weight_scale"
-            ordered[scale_name] = quantized[scale_name]
-            block_sizes[name] = block_sizes[scale_name] = (BLOCK, BLOCK)
-    entries, shards = pack_tensors(ordered, shard_bytes=shard_bytes, block_sizes=block_sizes)
+            grid = (math.ceil(t.shape[0] / BLOCK), math.ceil(t.shape[1] / BLOCK))
+            specs += [(name, "float8_e4m3fn", tuple(t.shape), (BLOCK, BLOCK)),
+                      (name.removesuffix(".weight") + ".weight_scale", "float32", grid, (BLOCK, BLOCK))]
+            order += [name, None]
+        else:
+            specs.append((name, DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape), None))
+            order.append(name)
+    entries, sizes = plan_layout(specs, shard_bytes)
+    writer = ShardWriter(entries, sizes, alloc)
+    for i, name in enumerate(order):
+        if name is None:  # a scale, written with its weight
+            continue
+        t = state_dict[name]
+        if name not in fp8_weights:
+            writer.write(i, t)
+            continue
+        qv, sv = writer.view(i), writer.view(i + 1)
+        try:
+            q, s = quantize_blockwise(t, pow2_scale=pow2_scale, name=name,
+                                      out=None if qv is None or sv is None else (qv, sv))
+        except ValueError as exc:  # NaN/Inf in an FP8 weight, named by the quantizer
+            raise ValueError(f"refusing to publish weight version {version}: {exc}") from exc
+        if qv is None or sv is None:  # spans shards: quantized aside, then copied in
+            writer.write(i, q)
+            writer.write(i + 1, s)
+    entries, shards = writer.finish()
     manifest = Manifest(
         version=version, job=job, recipe=recipe, tensors=tuple(entries), shard_sizes=tuple(len(s) for s in shards),
         shard_checksums=tuple(checksum(s) for s in shards), endpoint=endpoint, created=time.time(),
@@ -246,16 +295,26 @@ def build_shards(
     return manifest, shards
 
 
-def assemble(manifest: Manifest, shards: Sequence[Any]) -> dict[str, torch.Tensor]:
+def assemble(manifest: Manifest, shards: Sequence[Any], *, shards_verified: bool = False) -> dict[str, torch.Tensor]:
     """Rebuild version ``manifest.version``'s tensors, verifying every tensor and shard checksum.
+
+    The tensors are views of the shard buffers where they can be (see
+    :func:`~fp8rl.refit.shards.unpack_tensors`): keep the buffers alive while using them, copy them
+    into the engine's own parameters.
+
+    Args:
+        shards_verified: the caller already checked every shard's checksum (the subscriber does, per
+            shard, to re-fetch only a bad one); the tensor checksums are checked regardless.
 
     Raises:
         CorruptShardError: a wrong shard count or size, or any checksum mismatch (naming the
             tensor and shard).
     """
-    out = unpack_tensors(manifest.tensors, shards, manifest.shard_sizes)
-    # Tensor checksums cover every byte already (the entries tile the shards); the shard checksums
-    # catch a manifest whose two checksum lists disagree.
-    for i, (data, size, c) in enumerate(zip(shards, manifest.shard_sizes, manifest.shard_checksums, strict=True)):
-        verify_shard(i, data, size, c)
-    return out
+    if len(shards) != manifest.num_shards:
+        raise CorruptShardError(f"got {len(shards)} shards, the manifest of version {manifest.version} lists "
+                                f"{manifest.num_shards}")
+    if not shards_verified:  # the shard checksums also catch a manifest whose two checksum lists disagree
+        for i, (data, size, c) in enumerate(zip(shards, manifest.shard_sizes, manifest.shard_checksums,
+                                                strict=True)):
+            verify_shard(i, data, size, c)
+    return unpack_tensors(manifest.tensors, shards, manifest.shard_sizes)

@@ -1,25 +1,48 @@
 """Trainer side of a refit: build a version's shards, hold the newest few to serve, publish the manifest.
 
-Invariant: the shards of a version are held before its manifest appears in Redis, so every published
-version is servable the moment a replica learns about it.
+Around the gRPC WeightStore (which serves :meth:`RefitPublisher.shards`), two optional data planes:
+a :class:`~fp8rl.refit.transport.shm.ShmShardWriter` allocates the shards inside shared-memory files
+(same-host replicas map them), and a broadcaster (:mod:`fp8rl.refit.transport.collective`) is offered
+each published version to push to its group of replicas.
+
+Invariant: the shards of a version are held (and its shared-memory files complete) before its
+manifest appears in Redis, so every published version is servable the moment a replica learns about
+it; a version whose build or publish fails leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
+from .delta import build_delta, delta_stats
 from .manifest import Manifest, build_shards
-from .shards import DEFAULT_SHARD_BYTES
+from .shards import DEFAULT_SHARD_BYTES, unpack_tensors
 from .store import RefitStore, StaleVersionError
 from .transport import InProcessShardSource
+from .transport.shm import ShmShardWriter, ShmUnavailableError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RefitPublisher"]
+__all__ = ["RefitPublisher", "Broadcaster", "REFIT_ROLES"]
+
+REFIT_ROLES = ("rollout", "calibrator")  # the lease roles that pull weight versions
+
+
+class Broadcaster(Protocol):
+    """Pushes published versions to a group of replicas (the ``collective`` transport's trainer side)."""
+
+    endpoint: str
+
+    def offer(self, manifest: Manifest, shards: Sequence[Any]) -> None:
+        """Hand over a published version; must not block on the replicas."""
+
+    def close(self) -> None: ...
 
 
 class RefitPublisher:
@@ -34,15 +57,26 @@ class RefitPublisher:
         shard_bytes: most bytes per shard.
         keep: how many of the newest versions stay servable (older ones are evicted).
         endpoint: ``host:port`` of the WeightStore serving these shards ("" when in-process).
+        shm: allocate the shards in shared memory (same-host replicas map them), or None.
+        broadcaster: offered every published version (the collective transport), or None.
+        delta: also publish each version as a delta against the previous one (:mod:`.delta`), served
+            next to the full version; skipped (logged) when the layouts differ.
     """
 
     def __init__(
-        self, store: RefitStore, shard_bytes: int = DEFAULT_SHARD_BYTES, *, keep: int = 2, endpoint: str = ""
+        self, store: RefitStore, shard_bytes: int = DEFAULT_SHARD_BYTES, *, keep: int = 2, endpoint: str = "",
+        shm: ShmShardWriter | None = None, broadcaster: Broadcaster | None = None, delta: bool = False,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.store, self.shard_bytes, self.keep, self.endpoint = store, shard_bytes, keep, endpoint
-        self._shards: dict[int, list[bytes]] = {}
+        self.shm, self.broadcaster, self.delta = shm, broadcaster, delta
+        self._shards: dict[int, list[Any]] = {}
+        self._delta_shards: dict[int, list[Any]] = {}
+        self._manifests: dict[int, Manifest] = {}
+        self._spare_buffers: list[bytearray] = []  # an evicted version's shard buffers, for the next one
+        self._shm_full_logged = False
+        self.last_delta: dict[str, float] | None = None  # delta_stats of the newest version, when one was built
         self._lock = threading.Lock()
 
     def publish(
@@ -63,34 +97,122 @@ class RefitPublisher:
         latest = self.store.latest()
         if latest is not None and version <= latest:  # cheap early refusal; publish() re-checks atomically
             raise StaleVersionError(version, latest)
-        manifest, shards = build_shards(
-            state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
-            fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
-        )
-        with self._lock:
-            self._shards[version] = shards
+        # Make room first, so the version leaving can lend its buffers to this one (keep >= 2 still serves the
+        # newest version meanwhile, and it is the delta's base).
+        self._evict(max(1, self.keep - 1))
         try:
+            try:
+                manifest, shards = build_shards(
+                    state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
+                    fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
+                    alloc=self.shm.begin(version) if self.shm else self._alloc,
+                )
+                extra: dict[str, Any] = self.shm.commit(version) if self.shm else {}
+                self._spare_buffers.clear()  # what this version could not reuse (another size)
+            except ShmUnavailableError as exc:  # shared memory full: this version goes by the other transports
+                (log.warning if not self._shm_full_logged else log.debug)(
+                    "weight version %d is not in shared memory (%s); replicas pull it over gRPC (said once)", version,
+                    exc)
+                self._shm_full_logged = True
+                self.shm.abort(version)
+                manifest, shards = build_shards(
+                    state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
+                    fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
+                )
+                extra = {}
+            if self.broadcaster is not None:
+                extra["collective"] = self.broadcaster.endpoint
+            if extra:
+                manifest = dataclasses.replace(manifest, **extra)
+            delta = self._build_delta(manifest, shards) if self.delta else None
+            with self._lock:
+                self._shards[version], self._manifests[version] = shards, manifest
+                if delta is not None:
+                    self._delta_shards[version] = delta[1]
+            if delta is not None:
+                self.store.put_delta(delta[0])  # before the full manifest: whoever sees v can find its delta
             self.store.publish(manifest)
         except Exception:
             with self._lock:
                 self._shards.pop(version, None)
+                self._delta_shards.pop(version, None)
+                self._manifests.pop(version, None)
+            if self.shm:
+                self.shm.abort(version)
             raise
-        with self._lock:
-            for v in sorted(self._shards)[:-self.keep]:
-                del self._shards[v]
+        self._evict(self.keep)
+        if self.broadcaster is not None:
+            self.broadcaster.offer(manifest, shards)
         return manifest
+
+    def _evict(self, keep: int) -> None:
+        """Drop all but the newest ``keep`` versions. Their buffers are recycled for the next version (no fresh
+        pages: allocating and faulting them in is most of what building costs here) only when no refit lease
+        can still be reading them: every live rollout / calibrator lease holds that version or a newer one
+        (a replica never re-reads the version it holds, and one behind it may be reading it right now)."""
+        with self._lock:
+            evicted = {v: self._shards.pop(v) for v in sorted(self._shards)[:-keep]}
+            for v in evicted:
+                self._delta_shards.pop(v, None)
+                self._manifests.pop(v, None)
+        if not evicted:
+            return
+        leases = self.store.live_replicas()
+        held = [x.version for x in leases.values() if x.role in REFIT_ROLES]
+        for v, bufs in evicted.items():
+            recycle = all(h is not None and h >= v for h in held)
+            if self.shm:
+                self.shm.evict(v, recycle=recycle)
+            elif recycle:
+                self._spare_buffers += [b for b in bufs if isinstance(b, bytearray)]
+
+    def _alloc(self, index: int, size: int, entries) -> bytearray:
+        """A shard buffer: a recycled one of the same size, else a new one."""
+        for i, b in enumerate(self._spare_buffers):
+            if len(b) == size:
+                return self._spare_buffers.pop(i)
+        return bytearray(size)
+
+    def _build_delta(self, manifest: Manifest, shards: Sequence[Any]):
+        """The delta of ``manifest`` against the newest held version, or None (none held, layout changed)."""
+        with self._lock:
+            held = sorted(v for v in self._shards if v < manifest.version)
+            if not held:
+                return None
+            base_v = held[-1]
+            base, base_shards = self._manifests[base_v], self._shards[base_v]
+        out = build_delta(base, unpack_tensors(base.tensors, base_shards), manifest,
+                          unpack_tensors(manifest.tensors, shards), shard_bytes=self.shard_bytes)
+        if out is None:
+            log.info("weight version %d: no delta against %d (the tensor layout changed)", manifest.version, base_v)
+            self.last_delta = None
+            return None
+        st = self.last_delta = delta_stats(manifest, out[0])
+        log.info("weight version %d: delta against %d is %.2f%% of the full %.1f MiB (%d tensors sparse, %d whole, "
+                 "%d unchanged)", manifest.version, base_v, 100 * st["ratio"], manifest.total_bytes / 2**20,
+                 st["tensors_sparse"], st["tensors_whole"], st["tensors_unchanged"])
+        return out
+
+    def close(self) -> None:
+        """Stop the broadcaster and remove the shared-memory files; held shards stay servable over gRPC."""
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+        if self.shm is not None:
+            self.shm.close()
 
     def versions(self) -> list[int]:
         """Versions whose shards are held, oldest first."""
         with self._lock:
             return sorted(self._shards)
 
-    def shards(self, version: int) -> list[bytes]:
-        """The shard bytes of ``version``; ``LookupError`` if it was evicted or never published here."""
+    def shards(self, version: int, *, delta: bool = False) -> list[Any]:
+        """The shard bytes of ``version`` (its delta's with ``delta``); ``LookupError`` if not held here."""
         with self._lock:
-            if version not in self._shards:
-                raise LookupError(f"shards of weight version {version} are not held (held: {sorted(self._shards)})")
-            return list(self._shards[version])
+            held = self._delta_shards if delta else self._shards
+            if version not in held:
+                what = "delta shards" if delta else "shards"
+                raise LookupError(f"{what} of weight version {version} are not held (held: {sorted(held)})")
+            return list(held[version])
 
     def source(self) -> InProcessShardSource:
         """A :class:`ShardSource` serving this publisher's held shards directly (in-process refits)."""
@@ -103,11 +225,12 @@ class _LockedView(Mapping[int, Sequence[bytes]]):
     def __init__(self, publisher: RefitPublisher) -> None:
         self._p = publisher
 
-    def __getitem__(self, version: int) -> Sequence[bytes]:
+    def __getitem__(self, key: int | tuple[int, str]) -> Sequence[bytes]:
+        version, delta = (key[0], True) if isinstance(key, tuple) else (key, False)
         try:
-            return self._p.shards(version)
+            return self._p.shards(version, delta=delta)
         except LookupError:
-            raise KeyError(version) from None
+            raise KeyError(key) from None
 
     def __iter__(self):
         return iter(self._p.versions())

@@ -265,6 +265,23 @@ class RefitStore:
             raise RefitError(f"manifest stored for {self.job} v{version} describes {m.job} v{m.version}")
         return m
 
+    def put_delta(self, manifest: Manifest) -> None:
+        """Store a delta manifest (``manifest.base`` set) of a version about to be published (before it is)."""
+        if manifest.base is None or manifest.job != self.job:
+            raise ValueError(f"not a delta manifest of job {self.job!r}: base {manifest.base}, job {manifest.job!r}")
+        self.client.set(self.keys.delta(manifest.version), manifest.to_json_bytes())
+
+    def get_delta(self, version: int) -> Manifest | None:
+        """Version ``version``'s delta manifest, or None when it was published whole only."""
+        data = self.client.get(self.keys.delta(version))
+        if data is None:
+            return None
+        m = Manifest.from_json_bytes(data)
+        if m.version != version or m.job != self.job or m.base is None:
+            raise RefitError(f"delta manifest stored for {self.job} v{version} describes {m.job} v{m.version} "
+                             f"(base {m.base})")
+        return m
+
     def mark_restored(self, version: int, from_version: int) -> None:
         """Record that ``version`` (about to be published) carries the weights of checkpoint ``from_version``.
 

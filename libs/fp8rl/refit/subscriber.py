@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
 from fp8rl.fp8 import QKVScales
 
+from .delta import apply_delta, owned
 from .manifest import Manifest, assemble
 from .shards import CorruptShardError, verify_shard
 from .store import RefitError, RefitStore, StaleVersionError, UnknownVersionError
@@ -68,6 +70,12 @@ class RefitSubscriber:
         retries: re-fetches allowed after the first attempt (corrupt shards or fetch errors).
         scales_timeout_s: how long to wait for the version's scales to be published.
         poll_s: polling period while waiting for scales; also the base of the retry back-off.
+        parallel_fetches: shards fetched (and verified) at once, each on its own thread (a gRPC stream
+            each; checksums release the GIL).
+        delta: pull a version's delta manifest when it patches the version held (unless the full
+            version is in this host's shared memory), keeping a copy of the applied tensors in their
+            wire form as the next base (host memory: one payload); any failure of the delta path
+            pulls the full version instead.
     """
 
     def __init__(
@@ -81,9 +89,14 @@ class RefitSubscriber:
         retries: int = 3,
         scales_timeout_s: float = 30.0,
         poll_s: float = 0.05,
+        parallel_fetches: int = 4,
+        delta: bool = False,
     ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+        if retries < 0 or parallel_fetches < 1:
+            raise ValueError(f"need retries >= 0 and parallel_fetches >= 1, got {retries}, {parallel_fetches}")
+        self.parallel_fetches, self.delta = parallel_fetches, delta
+        self._base: tuple[Manifest, dict[str, torch.Tensor]] | None = None  # delta base: the applied version
+        self.last_refit: dict | None = None  # version, how ("full" / "delta"), bytes pulled, seconds
         self.store, self.engine, self.source = store, engine, source
         self.replica_id = replica_id
         self.requires_scales = requires_scales
@@ -120,13 +133,46 @@ class RefitSubscriber:
         if manifest is None:
             raise UnknownVersionError(f"no manifest for weight version {version} (latest: {self.store.latest()})")
         t0 = time.perf_counter()
-        tensors = self._fetch_verified(manifest)
+        tensors, pulled = None, manifest
+        if self.delta and self._base is not None and self._base[0].version == held and not self._same_host(manifest):
+            tensors, pulled = self._try_delta(manifest)
+        if tensors is None:
+            tensors, pulled = self._fetch_verified(manifest), manifest
         scales = self._wait_for_scales(version) if self.requires_scales else None
         self.engine.load_weights(version, tensors, scales)  # atomic: raises WeightLoadError, old weights stay
+        if self.delta:  # the next delta's base; a full refit's tensors view transport buffers, so they are copied
+            self._base = (manifest, tensors if pulled is not manifest else owned(tensors))
         self.store.ack(self.replica_id, version)
-        log.info("replica %s applied weight version %d (%d tensors, %.1f MiB) in %.3f s", self.replica_id,
-                 version, len(tensors), manifest.total_bytes / 2**20, time.perf_counter() - t0)
+        how = "delta" if pulled is not manifest else "full"
+        self.last_refit = {"version": version, "how": how, "bytes": pulled.total_bytes,
+                           "seconds": time.perf_counter() - t0}
+        log.info("replica %s applied weight version %d (%d tensors, %s: %.1f MiB) in %.3f s", self.replica_id,
+                 version, len(tensors), how, pulled.total_bytes / 2**20, time.perf_counter() - t0)
         return version
+
+    def _same_host(self, manifest: Manifest) -> bool:
+        """The full version is mapped from this host's shared memory: no bytes to save, so no delta."""
+        choose = getattr(self.source, "choose", None)
+        return choose is not None and choose(manifest)[0] == "shm"
+
+    def _try_delta(self, manifest: Manifest) -> tuple[dict[str, torch.Tensor] | None, Manifest]:
+        """Version ``manifest.version`` rebuilt from its delta and the held base, or ``(None, manifest)``."""
+        base, base_tensors = self._base
+        try:
+            dm = self.store.get_delta(manifest.version)
+        except (RefitError, ValueError) as exc:
+            log.warning("replica %s: unreadable delta manifest of version %d (%s); pulling it whole",
+                        self.replica_id, manifest.version, exc)
+            return None, manifest
+        if dm is None or dm.base != base.version:
+            return None, manifest
+        try:
+            parts = self._fetch_verified(dm)
+            return apply_delta(manifest, dm, base, base_tensors, parts), dm
+        except (RefitFailedError, CorruptShardError) as exc:
+            log.warning("replica %s: delta %d -> %d failed (%s); pulling the full version", self.replica_id,
+                        dm.base, manifest.version, exc)
+            return None, manifest
 
     def _fetch_verified(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """All shards fetched and checked; only failed shards are re-fetched, within ``retries``."""
@@ -137,19 +183,21 @@ class RefitSubscriber:
                 log.warning("replica %s: refit of version %d, retry %d/%d after: %s", self.replica_id,
                             manifest.version, attempt, self.retries, last_error)
                 time.sleep(self.poll_s * attempt)
-            for i, data in enumerate(shards):
-                if data is not None:
-                    continue
-                try:
-                    data = self.source.fetch(manifest, i)
-                    verify_shard(i, data, manifest.shard_sizes[i], manifest.shard_checksums[i])
-                except Exception as exc:  # any transport failure is retried the same way
-                    last_error = exc
-                    continue
-                shards[i] = data
+            todo = [i for i, data in enumerate(shards) if data is None]
+            workers = min(self.parallel_fetches, len(todo))
+            if workers > 1:
+                with ThreadPoolExecutor(workers, thread_name_prefix=f"refit-{self.replica_id}") as pool:
+                    results = list(pool.map(lambda i: self._fetch_one(manifest, i), todo))
+            else:
+                results = [self._fetch_one(manifest, i) for i in todo]
+            for i, got in zip(todo, results, strict=True):
+                if isinstance(got, Exception):
+                    last_error = got
+                else:
+                    shards[i] = got
             if all(s is not None for s in shards):
                 try:
-                    return assemble(manifest, shards)
+                    return assemble(manifest, shards, shards_verified=True)
                 except CorruptShardError as exc:  # the manifest and bytes disagree: re-fetch everything
                     last_error = exc
                     shards = [None] * manifest.num_shards
@@ -158,6 +206,16 @@ class RefitSubscriber:
             f"{self.retries + 1} attempt(s); still serving version {self.engine.weight_version}. "
             f"Last error: {last_error}"
         ) from last_error
+
+    def _fetch_one(self, manifest: Manifest, i: int):
+        """Shard ``i`` fetched and verified, or the exception that stopped it (retried by the caller)."""
+        try:
+            data = self.source.fetch(manifest, i)
+            if not getattr(self.source, "verifies_shards", False):  # a source that checks them itself
+                verify_shard(i, data, manifest.shard_sizes[i], manifest.shard_checksums[i])
+            return data
+        except Exception as exc:  # any transport failure is retried the same way
+            return exc
 
     def _wait_for_scales(self, version: int):
         deadline = time.monotonic() + self.scales_timeout_s

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/weights.proto\x12\x08\x66p8rl.v1\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"8\n\x13GetManifestResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\"K\n\x13StreamShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"^\n\nShardChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x32\xa0\x01\n\x0bWeightStore\x12J\n\x0bGetManifest\x12\x1c.fp8rl.v1.GetManifestRequest\x1a\x1d.fp8rl.v1.GetManifestResponse\x12\x45\n\x0cStreamShards\x12\x1d.fp8rl.v1.StreamShardsRequest\x1a\x14.fp8rl.v1.ShardChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/weights.proto\x12\x08\x66p8rl.v1\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"8\n\x13GetManifestResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\"Z\n\x13StreamShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x08\"^\n\nShardChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x32\xa0\x01\n\x0bWeightStore\x12J\n\x0bGetManifest\x12\x1c.fp8rl.v1.GetManifestRequest\x1a\x1d.fp8rl.v1.GetManifestResponse\x12\x45\n\x0cStreamShards\x12\x1d.fp8rl.v1.StreamShardsRequest\x1a\x14.fp8rl.v1.ShardChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMANIFESTRESPONSE']._serialized_start=75
   _globals['_GETMANIFESTRESPONSE']._serialized_end=131
   _globals['_STREAMSHARDSREQUEST']._serialized_start=133
-  _globals['_STREAMSHARDSREQUEST']._serialized_end=208
-  _globals['_SHARDCHUNK']._serialized_start=210
-  _globals['_SHARDCHUNK']._serialized_end=304
-  _globals['_WEIGHTSTORE']._serialized_start=307
-  _globals['_WEIGHTSTORE']._serialized_end=467
+  _globals['_STREAMSHARDSREQUEST']._serialized_end=223
+  _globals['_SHARDCHUNK']._serialized_start=225
+  _globals['_SHARDCHUNK']._serialized_end=319
+  _globals['_WEIGHTSTORE']._serialized_start=322
+  _globals['_WEIGHTSTORE']._serialized_end=482
 # @@protoc_insertion_point(module_scope)

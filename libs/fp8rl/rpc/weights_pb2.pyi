@@ -19,14 +19,16 @@ class GetManifestResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., manifest: _Optional[bytes] = ...) -> None: ...
 
 class StreamShardsRequest(_message.Message):
-    __slots__ = ("version", "shard_index", "offset")
+    __slots__ = ("version", "shard_index", "offset", "delta")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     offset: int
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    delta: bool
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., offset: _Optional[int] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("version", "shard_index", "offset", "data", "last")

@@ -97,8 +97,8 @@ def test_scalar_empty_and_all_dtypes_round_trip():
 
 
 def test_unsupported_dtype_and_nan_are_refused_before_anything_is_built():
-    with pytest.raises(ValueError, match="'x'.*int32"):
-        pack_tensors({"x": torch.zeros(2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="'x'.*int16"):
+        pack_tensors({"x": torch.zeros(2, dtype=torch.int16)})
     sd, prefixes = tiny_model_state()
     sd["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
     with pytest.raises(ValueError, match=r"version 5.*'model\.layers\.1\.mlp\.up_proj\.weight'.*NaN"):
@@ -145,7 +145,11 @@ def test_manifest_json_is_strict():
         {**d, "shard_sizes": [str(s) for s in d["shard_sizes"]]},
         {**d, "total_bytes": d["total_bytes"] + 1},
         {**d, "endpoint": "no-port"},
-        {**d, "format": 2},
+        {**d, "format": 1},
+        {**d, "shm": {"dir": "relative/path", "host": "h"}},
+        {**d, "shm": {"dir": "/dev/shm/x", "host": "h", "extra": "1"}},
+        {**d, "collective": "no-port"},
+        {**d, "base": d["version"]},
         {**d, "tensors": [{**d["tensors"][0], "extra": 0}] + d["tensors"][1:]},
         {**d, "tensors": [{**d["tensors"][0], "shape": "256x256"}] + d["tensors"][1:]},
         {**d, "job": "bad job"},

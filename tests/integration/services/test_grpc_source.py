@@ -33,8 +33,8 @@ class TamperingPublisher(RefitPublisher):
     corrupt = 0.0
     calls = 0
 
-    def shards(self, version: int) -> list[bytes]:
-        out = super().shards(version)
+    def shards(self, version: int, *, delta: bool = False) -> list[bytes]:
+        out = super().shards(version, delta=delta)
         self.calls += 1
         if self.corrupt > 0:
             self.corrupt -= 1

@@ -183,6 +183,11 @@ def test_train_step_publishes_and_the_replica_refits_to_v1(stack: Stack, tiny_ch
         "pending_version") and s, "rollout to drop the pending v1", proc=st.rollout)
     assert rs.pending_reason == ""
     assert {"rollout-0", "calibrator-0"} <= st.store.acks(1)
+    # refit.transport auto, one host: the trainer wrote v1 into shared memory and both replicas mapped it
+    assert manifest.shm is not None and Path(manifest.shm["dir"]).is_dir()
+    for p in (st.rollout, st.calibrator):
+        assert "refit transport for weight version 0: shm" in p.log_path.read_text(), p.role
+        assert "via shm failed" not in p.log_path.read_text(), p.role
 
     # An in-process engine fed the same v1 bytes (pulled over the same WeightStore) and scales agrees.
     src = GrpcShardSource()

@@ -15,8 +15,14 @@ __all__ = ["ShardSource"]
 
 @runtime_checkable
 class ShardSource(Protocol):
-    """Fetches the bytes of one shard of a published version (from wherever they are served)."""
+    """Fetches the bytes of one shard of a published version (from wherever they are served).
+
+    A source whose ``verifies_shards`` attribute is True promises that every shard it returns already
+    passed its checksum (:class:`~fp8rl.refit.transport.AutoShardSource`); the subscriber then does not
+    hash it a second time.
+    """
 
     def fetch(self, manifest: Manifest, shard_index: int) -> bytes:
-        """The bytes of shard ``shard_index`` of ``manifest.version``; may raise on transport errors."""
+        """The bytes of shard ``shard_index`` of ``manifest.version`` (any bytes-like object, writable for
+        zero-copy assembly: ``bytearray``, a writable ``memoryview``); may raise on transport errors."""
         ...

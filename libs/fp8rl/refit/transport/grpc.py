@@ -73,9 +73,9 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         self.publisher = publisher
         self.chunk_bytes = chunk_bytes
 
-    def _shards(self, version: int, context: grpc.ServicerContext) -> list[bytes]:
+    def _shards(self, version: int, context: grpc.ServicerContext, delta: bool = False) -> list[bytes]:
         try:
-            return self.publisher.shards(version)
+            return self.publisher.shards(version, delta=delta)
         except LookupError as exc:  # evicted, or never published by this trainer
             context.abort(grpc.StatusCode.NOT_FOUND, f"WeightStore: {exc}")
 
@@ -87,7 +87,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         return weights_pb2.GetManifestResponse(version=request.version, manifest=manifest.to_json_bytes())
 
     def StreamShards(self, request, context):
-        shards = self._shards(request.version, context)
+        shards = self._shards(request.version, context, delta=request.delta)
         v, i, offset = request.version, request.shard_index, request.offset
         if not 0 <= i < len(shards):
             context.abort(grpc.StatusCode.NOT_FOUND,
@@ -108,21 +108,25 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
 
 
 class _Chunks:
-    """The chunks of one shard received so far: kept as they came and joined once (one copy in all)."""
+    """The bytes of one shard received so far, written into one buffer allocated at the shard's size
+    (one copy in all, and writable, so the tensors are views of it)."""
 
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
         self.size = 0
 
     def append(self, data: bytes) -> None:
-        self.parts.append(data)
-        self.size += len(data)
+        end = self.size + len(data)
+        if end > len(self.buf):
+            raise OverflowError(end)
+        self.buf[self.size:end] = data
+        self.size = end
 
     def __len__(self) -> int:
         return self.size
 
-    def join(self) -> bytes:
-        return b"".join(self.parts)
+    def join(self) -> bytearray:
+        return self.buf
 
 
 class GrpcShardSource:
@@ -159,7 +163,7 @@ class GrpcShardSource:
                 ch.close()
             self._channels.clear()
 
-    def fetch(self, manifest: Manifest, shard_index: int) -> bytes:
+    def fetch(self, manifest: Manifest, shard_index: int) -> bytearray:
         """The ``manifest.shard_sizes[shard_index]`` bytes of that shard (checksum not verified here).
 
         Raises:
@@ -173,7 +177,7 @@ class GrpcShardSource:
             raise ShardTransferError(f"weight version {v} has {manifest.num_shards} shard(s), asked for {shard_index}")
         size = manifest.shard_sizes[shard_index]
         stub = self._stub(endpoint)
-        buf = _Chunks()
+        buf = _Chunks(size)
         why = ""
         for attempt in range(self.max_resumes + 1):
             if attempt:
@@ -181,7 +185,7 @@ class GrpcShardSource:
                          shard_index, v, endpoint, len(buf), size, attempt, self.max_resumes, why)
                 time.sleep(self.backoff_s * attempt)
             try:
-                if self._stream_into(stub, v, shard_index, size, buf):
+                if self._stream_into(stub, v, shard_index, size, buf, manifest.base is not None):
                     return buf.join()
                 why = "the stream ended before its last chunk"
             except grpc.RpcError as exc:
@@ -194,9 +198,10 @@ class GrpcShardSource:
             f"shard {shard_index} of weight version {v} from {endpoint} was cut short {self.max_resumes + 1} "
             f"time(s); got {len(buf)}/{size} bytes. Last: {why}")
 
-    def _stream_into(self, stub, version: int, shard_index: int, size: int, buf: _Chunks) -> bool:
+    def _stream_into(self, stub, version: int, shard_index: int, size: int, buf: _Chunks, delta: bool) -> bool:
         """Append one stream's chunks to ``buf``; True when the shard's last chunk arrived."""
-        request = weights_pb2.StreamShardsRequest(version=version, shard_index=shard_index, offset=len(buf))
+        request = weights_pb2.StreamShardsRequest(version=version, shard_index=shard_index, offset=len(buf),
+                                                  delta=delta)
         call = stub.StreamShards(request, timeout=self.deadline_s)
         try:
             for chunk in call:
@@ -204,10 +209,12 @@ class GrpcShardSource:
                     raise CorruptShardError(
                         f"WeightStore sent version {chunk.version} shard {chunk.shard_index} offset {chunk.offset}, "
                         f"expected version {version} shard {shard_index} offset {len(buf)}", shard=shard_index)
-                buf.append(chunk.data)
-                if len(buf) > size:
-                    raise CorruptShardError(f"shard {shard_index} of version {version}: received {len(buf)} bytes, "
-                                            f"the manifest says {size}", shard=shard_index)
+                try:
+                    buf.append(chunk.data)
+                except OverflowError:
+                    raise CorruptShardError(f"shard {shard_index} of version {version}: received "
+                                            f"{len(buf) + len(chunk.data)} bytes, the manifest says {size}",
+                                            shard=shard_index) from None
                 if chunk.last:
                     if len(buf) != size:
                         raise CorruptShardError(f"shard {shard_index} of version {version} ended at {len(buf)} "

@@ -13,17 +13,20 @@ class InProcessShardSource:
     """A :class:`ShardSource` over an in-memory ``{version: [shard bytes, ...]}`` mapping (a live view).
 
     Args:
-        shards: version → list of shard bytes; read at every fetch, so later additions are seen.
+        shards: version → list of shard bytes, and ``(version, "delta")`` → a delta manifest's shards; read
+            at every fetch, so later additions are seen.
     """
 
     def __init__(self, shards: Mapping[int, Sequence[bytes]]) -> None:
         self._shards = shards
 
     def fetch(self, manifest: Manifest, shard_index: int) -> bytes:
+        key = manifest.version if manifest.base is None else (manifest.version, "delta")
         try:
-            shards = self._shards[manifest.version]
+            shards = self._shards[key]
         except KeyError:
-            raise LookupError(f"no shards held for weight version {manifest.version}") from None
+            what = "shards" if manifest.base is None else "delta shards"
+            raise LookupError(f"no {what} held for weight version {manifest.version}") from None
         if not 0 <= shard_index < len(shards):
             raise LookupError(f"weight version {manifest.version} has {len(shards)} shards, asked for {shard_index}")
         return shards[shard_index]
