@@ -84,9 +84,10 @@ fmt: $(STAMP)  ## ruff format + autofix
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP)  ## CPU benchmarks (print ratios measured in one run)
+bench: $(STAMP) redis  ## CPU benchmarks (print ratios measured in one run)
 	$(BIN)/python bench/fp8_quant.py
 	$(BIN)/python bench/rollout_engine.py
+	$(BIN)/python bench/refit.py --skip-8b
 
 loop: $(STAMP)  ## in-process GRPO loop, FP8 end to end with FP8 KV cache
 	$(BIN)/python -m fp8rl.loop --recipe fp8_e2e --kv-cache-dtype fp8 --steps 30
