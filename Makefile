@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-chaos test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-chaos test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -30,6 +30,9 @@ test-slow: $(STAMP)  ## slow tier: longer loop runs and recipe comparisons
 
 test-controls: $(STAMP)  ## the e2e learning judge's negative controls (lr 0, refit cut, negated rewards) must fail it
 	$(BIN)/python -m pytest -m controls $(PYTEST_ARGS)
+
+test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups across real processes, joins and leaves (about a minute)
+	$(BIN)/python -m pytest -m "collective and not chaos" $(PYTEST_ARGS)
 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
@@ -66,7 +69,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
 	nice -n 10 $(VLLM_VENV)/bin/pip install --quiet "redis==8.1.0" "grpcio-health-checking==1.85.1" \
-	  "grpcio-reflection==1.85.1" "math-verify==0.9.0" "pytest==9.2.0"
+	  "grpcio-reflection==1.85.1" "math-verify==0.9.0" "xxhash==4.1.0" "pytest==9.2.0"
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 

@@ -29,7 +29,7 @@ from fp8rl.refit.transport.collective import (
     EpochSpec,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.collective]  # make test-collective; SIGKILLs: chaos
 
 SHARD_BYTES = 64_000
 BUCKET_BYTES = 50_000  # smaller than most shards (a shard spans buckets), not a divisor (a bucket spans shards)

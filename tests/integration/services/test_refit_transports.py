@@ -53,6 +53,7 @@ def _train_to_v1(st: Stack, ready=lambda: True) -> list[str]:
     return [ln for ln in st.rollout.log_path.read_text().splitlines() if "weight version 1" in ln]
 
 
+@pytest.mark.collective  # make test-collective
 def test_the_trainer_broadcasts_v1_to_the_replica_over_a_gloo_group(spawner, tiny_checkpoint, module_job_id,
                                                                      redis_url, write_job, tmp_path):
     st = _stack(spawner, tiny_checkpoint, module_job_id + "-c", redis_url, write_job, tmp_path,
