@@ -36,18 +36,20 @@ def _stack(spawner, tiny_checkpoint, job_id, redis_url, write_job, tmp, refit: d
     return Stack(cfg, trainer, None, rollout, RefitStore(connect(redis_url), job_id), tmp / "ckpt")
 
 
-def _status(st: Stack):
-    return st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5)
+def _held(st: Stack) -> int | None:
+    """The version the replica holds (None before its first refit: ``weight_version`` is an optional field)."""
+    rs = st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5)
+    return rs.weight_version if rs.HasField("weight_version") else None
 
 
 def _train_to_v1(st: Stack, ready=lambda: True) -> list[str]:
     """v0 served, ``ready()``, one TrainStep, the replica at v1; returns the replica's log lines about v1."""
-    wait_until(lambda: _status(st).weight_version == 0, "rollout at v0", timeout=60, proc=st.rollout)
+    wait_until(lambda: _held(st) == 0, "rollout at v0", timeout=60, proc=st.rollout)
     wait_until(ready, "the transport to be ready", timeout=60, proc=st.rollout)
     rows = rows_from(generate(st, PROMPTS, 0, n=2, seed=5, max_tokens=6), [1.0, -1.0, 0.5, -0.5])
     resp = st.train().TrainStep(trainer_pb2.TrainStepRequest(expected_version=0, rows=rows, step=0), timeout=T)
     assert resp.new_version == 1
-    wait_until(lambda: _status(st).weight_version == 1, "rollout at v1", timeout=60, proc=st.rollout)
+    wait_until(lambda: _held(st) == 1, "rollout at v1", timeout=60, proc=st.rollout)
     assert st.rollout.replica_id in st.store.acks(1)
     assert all(s.weight_version == 1 for s in generate(st, PROMPTS, 1, n=1, seed=1, max_tokens=4))
     return [ln for ln in st.rollout.log_path.read_text().splitlines() if "weight version 1" in ln]

@@ -23,8 +23,12 @@ tensors in place and the engine copies them into its parameters, which is the on
 same-node refit.
 
 Invariant: a mapped shard is returned only when the file belongs to this job, version and shard and
-is exactly header + ``shard_sizes[i]`` bytes; the subscriber still verifies every checksum. A file
-the trainer has published is never written again, so what was verified is what is copied.
+is exactly header + ``shard_sizes[i]`` bytes; the subscriber still verifies every checksum. A published
+file is written again only after the publisher recycles it for a later version, which it does only when
+every live refit lease holds that version or a newer one (nobody can still be reading it), so what was
+verified is what is copied. The files are the trainer's own pages (a shared mapping): whoever can write
+them — the job directory is mode 0700, so only the trainer's user — changes what the trainer serves on
+every transport, and the checksums catch it.
 """
 
 from __future__ import annotations
