@@ -100,26 +100,24 @@ class RefitPublisher:
         # Make room first, so the version leaving can lend its buffers to this one (keep >= 2 still serves the
         # newest version meanwhile, and it is the delta's base).
         self._evict(max(1, self.keep - 1))
+        def build(alloc):
+            return build_shards(state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
+                                fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
+                                alloc=alloc)
+
         try:
             try:
-                manifest, shards = build_shards(
-                    state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
-                    fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
-                    alloc=self.shm.begin(version) if self.shm else self._alloc,
-                )
+                manifest, shards = build(self.shm.begin(version) if self.shm else self._alloc)
                 extra: dict[str, Any] = self.shm.commit(version) if self.shm else {}
-                self._spare_buffers.clear()  # what this version could not reuse (another size)
             except ShmUnavailableError as exc:  # shared memory full: this version goes by the other transports
                 (log.warning if not self._shm_full_logged else log.debug)(
                     "weight version %d is not in shared memory (%s); replicas pull it over gRPC (said once)", version,
                     exc)
                 self._shm_full_logged = True
                 self.shm.abort(version)
-                manifest, shards = build_shards(
-                    state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
-                    fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
-                )
+                manifest, shards = build(self._alloc)
                 extra = {}
+            self._spare_buffers.clear()  # what this version could not reuse (another size)
             if self.broadcaster is not None:
                 extra["collective"] = self.broadcaster.endpoint
             if extra:
