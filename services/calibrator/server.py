@@ -38,6 +38,7 @@ from fp8rl.refit import (
     encode_scales,
 )
 from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc
+from services.common.compute import OnComputeThread
 from services.common.refit import build_subscriber
 from services.common.runtime import (
     Abort,
@@ -64,7 +65,8 @@ class CalibratorService(Service):
         cal = ctx.job.calibration
         self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
                                         margin=cal.margin, max_sequences=cal.max_sequences)
-        self.subscriber, self.source = build_subscriber(ctx.store, self.target, ctx.replica_id, ctx.job.refit,
+        self.subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.target, ctx.compute),
+                                                        ctx.replica_id, ctx.job.refit,
                                                         requires_scales=False)
         self.lock = threading.Lock()  # one sync or calibration at a time: weights never change mid-pass
         self.follower = RefitFollower(ctx, self.subscriber, lock=self.lock)
@@ -118,7 +120,7 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
                 if s.target.weight_version != v:  # the follower moved on between the sync and here
                     raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the calibrator moved on to weight version "
                                 f"{s.target.weight_version} before calibrating version {v}")
-                scales = s.calibrator.calibrate(v, seqs)
+                scales = s.ctx.compute(s.calibrator.calibrate, v, seqs)
             try:
                 s.ctx.store.put_scales(scales)
                 stored = scales
@@ -134,4 +136,4 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 SPEC = ServiceSpec(name="calibrator", default_port=50054, build=CalibratorService, add_args=_add_args,
-                   follows_refit=True)
+                   follows_refit=True, compute_thread=True)

@@ -11,7 +11,8 @@ Lifecycle:
    ``torch.set_num_threads($FP8RL_TORCH_THREADS, default 1)`` — several services often share one box; the
    token scopes are resolved and an open non-loopback listener refused (:mod:`services.common.security`);
 2. the job YAML is validated and a :class:`~fp8rl.refit.RefitStore` for the job is opened;
-3. the role's :class:`Service` is built (model loading: the slow part), then its gRPC server (health
+3. the role's :class:`Service` is built (model loading: the slow part) — for a torch-heavy role on its
+   compute thread (:mod:`.compute`: one thread runs all of a process's torch work), then its gRPC server (health
    NOT_SERVING) is started and :meth:`Service.start` runs — the role flips health to SERVING through
    :meth:`Context.set_serving` once it can serve;
 4. the ``--ready-file`` (JSON: ``service``, ``pid``, ``port``, ``endpoint``, ``replica_id``) is written
@@ -48,6 +49,7 @@ from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import SCOPE_SERVICE, build_server
 
 from . import security
+from .compute import ComputeThread
 from .rpc import Abort, check_token_ids, require, rpc_method
 from .service import Context, Service, ServiceSpec, StartupError
 
@@ -146,12 +148,16 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     import torch  # every role computes with torch; one thread each unless told otherwise
 
     torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))
+    compute: ComputeThread | None = None
     try:
         apply_security_args(args, spec.scopes)
         job = load_job_config(args.config)
         store = RefitStore(_redis(spec, args.redis_url), args.job_id or job.job.name)
         ctx = Context(spec.name, args, job, store)
-        service = spec.build(ctx)
+        if spec.uses_compute_thread(job):  # one OpenMP team per process: services.common.compute says why
+            compute = ComputeThread(f"{spec.name}-torch")
+            ctx.compute = compute.call
+        service = ctx.compute(spec.build, ctx)
     except (ConfigError, StartupError, RefitError, FileNotFoundError, ValueError) as exc:
         log.error("cannot start %s: %s", spec.name, exc)
         print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
@@ -204,6 +210,8 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         lease.release()
     service.stop()
     server.stop(args.grace).wait()
+    if compute is not None:
+        compute.close()
     if args.ready_file and Path(args.ready_file).exists():
         Path(args.ready_file).unlink()
     log.info("%s stopped", spec.name)

@@ -9,11 +9,14 @@ import argparse
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from fp8rl.config import JobConfig
 from fp8rl.refit import RefitStore
 from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, set_serving
+
+from .compute import inline
 
 log = logging.getLogger("fp8rl.service")
 
@@ -36,6 +39,9 @@ class Context:
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
         self._health = None
+        # runs a role's torch work: the process's compute thread (services.common.compute) when the role has
+        # one, else the call made inline
+        self.compute: Callable[..., Any] = inline
 
     @property
     def role(self) -> str:
@@ -90,6 +96,9 @@ class ServiceSpec:
         needs_redis: the role cannot work without Redis (refit state, job records), so an unreachable Redis at
             startup is an error. When false (reward: grading needs no Redis) the service starts anyway and its
             lease registers once Redis answers; until then callers reach it by address.
+        compute_thread: whether the role builds its model and runs its torch work on one
+            :class:`~services.common.compute.ComputeThread` (``ctx.compute``); a callable decides from the job
+            (the rollout: only for the embedded torch engine — vLLM computes in its own processes).
     """
 
     name: str
@@ -99,3 +108,7 @@ class ServiceSpec:
     scopes: tuple[str, ...] = (SCOPE_SERVICE,)
     follows_refit: bool = False
     needs_redis: bool = True
+    compute_thread: bool | Callable[[JobConfig], bool] = False
+
+    def uses_compute_thread(self, job: JobConfig) -> bool:
+        return self.compute_thread(job) if callable(self.compute_thread) else bool(self.compute_thread)

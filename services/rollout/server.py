@@ -36,6 +36,7 @@ from fp8rl.model.tokenizer import load_tokenizer
 from fp8rl.presets import PRESETS, load_policy, prepare_tiny_arith
 from fp8rl.refit import RefitFollower
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from services.common.compute import OnComputeThread
 from services.common.refit import build_subscriber
 from services.common.runtime import (
     Abort,
@@ -85,7 +86,9 @@ class RolloutService(Service):
         self.engine, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
         self.backend = ctx.job.policy.generation.backend
         self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
-        subscriber, self.source = build_subscriber(ctx.store, self.engine, ctx.replica_id, ctx.job.refit,
+        # the refit apply (validate, quantize, copy into the parameters) runs on the compute thread too
+        subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.engine, ctx.compute), ctx.replica_id,
+                                                   ctx.job.refit,
                                                    requires_scales=self.fp8_kv)
         self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health)
 
@@ -153,8 +156,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         with self._count_lock:
             self._generating += 1
         try:
-            samples = s.engine.generate(prompts, params, weight_version=request.weight_version,
-                                        should_stop=lambda: not context.is_active())
+            samples = s.ctx.compute(s.engine.generate, prompts, params, weight_version=request.weight_version,
+                                    should_stop=lambda: not context.is_active())
         except VersionMismatchError as exc:  # pinned to another version (the engine checks the pin, once)
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {s.ctx.replica_id}: {exc}") from None
         except Cancelled as exc:  # the caller is gone; the status is for the log
@@ -204,4 +207,4 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args,
-                   follows_refit=True)
+                   follows_refit=True, compute_thread=lambda job: job.policy.generation.backend == "torch")

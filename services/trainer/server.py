@@ -133,7 +133,10 @@ class TrainerService(Service):
         ctx.set_serving(True)
 
     def publish(self) -> float:
-        """Publish the held version unless already done; returns the seconds it took."""
+        """Publish the held version unless already done (on the compute thread); returns the seconds it took."""
+        return self.ctx.compute(self._publish_held)
+
+    def _publish_held(self) -> float:
         v = self.trainer.version
         if self.published == v:
             return 0.0
@@ -220,7 +223,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             batch = self._batch(samples, advantages)
             require(0 <= request.max_weight_lag <= 16, f"max_weight_lag must be in 0..16, got {request.max_weight_lag}")
             try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
-                out = train_on_batch(s.trainer, batch, should_stop=stop, max_weight_lag=request.max_weight_lag)
+                out = s.ctx.compute(train_on_batch, s.trainer, batch, should_stop=stop,
+                                    max_weight_lag=request.max_weight_lag)
             except StaleSampleError as exc:  # refused before any work: weights and version unchanged
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step}: {exc}") from None
             except FloatingPointError as exc:  # step skipped, version unchanged: the batch's values overflowed
@@ -247,7 +251,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             samples, has_gen = self._samples(request.rows, need_gen=False)
             batch = self._batch(samples, [0.0] * len(samples))
             try:
-                prev = s.trainer.compute_logprobs(batch, should_stop=lambda: not context.is_active())  # (B, T)
+                prev = s.ctx.compute(s.trainer.compute_logprobs, batch,  # (B, T)
+                                     should_stop=lambda: not context.is_active())
             except Cancelled as exc:
                 raise Abort(grpc.StatusCode.CANCELLED, str(exc)) from None
             version = s.trainer.version
@@ -265,7 +270,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         with s.lock:
             version = s.trainer.version
             try:
-                file = s.checkpoints.save(s.trainer, request.name)
+                file = s.ctx.compute(s.checkpoints.save, s.trainer, request.name)
             except CheckpointNameError as exc:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {exc}") from None
             except CheckpointLimitError as exc:
@@ -299,4 +304,4 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="WeightStore stream chunk size, 1-4 MiB")
 
 
-SPEC = ServiceSpec(name="trainer", default_port=50051, build=TrainerService, add_args=_add_args)
+SPEC = ServiceSpec(name="trainer", default_port=50051, build=TrainerService, add_args=_add_args, compute_thread=True)
