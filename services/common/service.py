@@ -9,8 +9,8 @@ import argparse
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from fp8rl.config import JobConfig
 from fp8rl.refit import RefitStore
