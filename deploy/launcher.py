@@ -25,7 +25,7 @@ or ``fp8rl --token-file ...``), and ``stack.json`` records both paths under ``se
 exported for other stacks (``$FP8RL_AUTH_TOKEN``, ``$FP8RL_SERVICE_TOKEN`` ...) are not passed on.
 
 The services run in their own sessions, so after ``up`` they outlive the launcher. ``run`` owns them:
-Ctrl-C cancels the job, writes the report of the finished steps and brings everything down.
+Ctrl-C — or SIGTERM — cancels the job, writes the report of the finished steps and brings everything down.
 Each service gets ``FP8RL_TORCH_THREADS`` (default: the CPU count, at most 4) — the GRPO phases run
 one after another, so the service in its phase has the machine to itself.
 """
@@ -330,6 +330,10 @@ def _report_dict(r) -> dict:
                                                          "calibrate", "refit", "outage", "total")}}
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
         plain: bool = False, ready_timeout: float = 300.0) -> int:
     """up → submit → watch (progress bar) → report → down. Returns the exit status."""
@@ -339,6 +343,8 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     from fp8rl.sdk import Fp8rlClient
 
     stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout)
+    # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
+    signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
     job_id, status = None, EXIT_FAILED
     client = Fp8rlClient(stack.info["controller"], token_file=stack.info["secrets"]["client_token_file"])

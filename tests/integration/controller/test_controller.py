@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import grpc
@@ -30,7 +31,7 @@ from fp8rl.rpc import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_
 from fp8rl.rpc.channel import make_channel
 from fp8rl.sdk import Fp8rlClient
 
-from .conftest import REPO, alive, launcher
+from .conftest import REPO, alive, launcher, tiny_job, tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -299,3 +300,30 @@ def test_down_stops_every_process(stack):
     for pid in pids:
         assert not alive(pid), f"pid {pid} still running after down"
 
+
+
+def test_sigterm_to_launcher_run_brings_its_stack_down(tmp_path):
+    """`deploy.launcher run` killed with SIGTERM (a supervisor, `timeout`) stops every process it started."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(tiny_job(tiny_model(tmp_path / "model"), steps=50, checkpoint_every=0)))
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_") or k == "FP8RL_REDIS_SERVER"}
+    p = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "run", "--job", str(job), "--run-dir",
+                          str(run_dir), "--plain"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in p.stdout:  # the first finished step: the stack is up and a job is running
+            if line.startswith("step 1/"):
+                break
+        else:
+            raise AssertionError(f"the launcher exited with {p.wait()} before a step finished")
+        pids = [e["pid"] for e in json.loads((run_dir / "stack.json").read_text())["processes"]]
+        p.send_signal(signal.SIGTERM)
+        rest = p.communicate(timeout=90)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, rest  # EXIT_INTERRUPTED
+    assert "interrupted: cancelling the job" in rest
+    for pid in pids:
+        assert not alive(pid), f"pid {pid} still running after the launcher got SIGTERM"
