@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-chaos test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups 
 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
+
+test-containers: $(STAMP)  ## podman: the Debian base image, the reward image built here and run (health, non-root, SIGTERM); skips where podman cannot run
+	$(BIN)/python -m pytest -m containers tests/containers $(PYTEST_ARGS)
 
 test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ray cluster (installs the ray extra)
 	@$(BIN)/python -c "import ray.serve" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,ray]"

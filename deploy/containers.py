@@ -1,0 +1,216 @@
+"""Build fp8rl's CPU images with podman on a machine that reaches no registry.
+
+    python -m deploy.containers conf      # print the containers.conf path (write it if missing)
+    python -m deploy.containers base      # the base image from Debian packages (cached)
+    python -m deploy.containers build     # base + every role's CPU image; prints their sizes
+    python -m deploy.containers check     # can podman run containers here? (one line; exit 3 when not)
+
+Why each piece:
+
+* **containers.conf** (``deploy/podman/containers.conf``, used unless ``$CONTAINERS_CONF`` names another):
+  runc as the runtime (crun refuses a host with mixed cgroup setups), cgroupfs, and ulimits the host
+  allows (nofile 20000, nproc 4096).
+* **The base image** ``localhost/fp8rl-base:bookworm``: ``mmdebstrap --variant=apt`` of Debian bookworm
+  with python3 (3.11), venv, pip, ca-certificates and passwd, from this machine's apt sources, piped
+  into ``podman import``. The host's locally added CA certificates (``/usr/local/share/ca-certificates``,
+  what ``update-ca-certificates`` installs) are baked in, so pip inside a build trusts what the host
+  trusts. It is built once and reused while the image exists (``--rebuild`` forces it).
+* **Torch**: the Dockerfiles install the CPU build (``torch==X+cpu``) from ``TORCH_INDEX_URL``. When
+  this machine holds that wheel locally (pip's ``find-links``, e.g. ``/opt/wheels``), the build gets the
+  directory as its ``wheels`` context and PyPI as the index, so nothing but PyPI is needed.
+* **Host networking only** (``--network host``): builds reach the package index the way the host does,
+  and containers talk over 127.0.0.1.
+
+Images are tagged ``localhost/fp8rl/<role>:cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "deploy" / "podman" / "containers.conf"
+BASE_IMAGE = "localhost/fp8rl-base:bookworm"
+ROLES = ("trainer", "rollout", "reward", "calibrator", "controller")
+BASE_PACKAGES = ("python3", "python3-venv", "python3-pip", "ca-certificates", "passwd")
+LOCAL_CA_DIR = Path("/usr/local/share/ca-certificates")
+EXIT_OK, EXIT_FAILED, EXIT_NO_PODMAN = 0, 1, 3
+
+__all__ = ["BASE_IMAGE", "ROLES", "PodmanUnavailable", "build_base", "build_images", "env", "image_tag", "podman"]
+
+
+class PodmanUnavailable(RuntimeError):
+    """podman (or what the base image needs) is missing or cannot run containers here."""
+
+
+def env() -> dict[str, str]:
+    """The environment podman runs in: ``CONTAINERS_CONF`` set (ours unless the caller chose one)."""
+    e = dict(os.environ)
+    e.setdefault("CONTAINERS_CONF", str(CONF))
+    return e
+
+
+def podman(*args: str, check: bool = True, capture: bool = True, timeout: float | None = None,
+           **kw) -> subprocess.CompletedProcess:
+    """``podman ARGS`` under :func:`env`; a failure raises with podman's own message."""
+    exe = shutil.which("podman")
+    if exe is None:
+        raise PodmanUnavailable("podman is not installed (apt-get install podman runc)")
+    p = subprocess.run([exe, *args], env=env(), capture_output=capture, text=True, timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        msg = (p.stderr or p.stdout or "").strip().splitlines()[-5:] if capture else []
+        raise RuntimeError(f"podman {' '.join(args[:3])} ... exited with {p.returncode}: " + " | ".join(msg))
+    return p
+
+
+def check() -> str:
+    """One line on what this machine's podman is; raises :class:`PodmanUnavailable` when it cannot run containers."""
+    try:
+        info = json.loads(podman("info", "--format", "json", timeout=60).stdout)
+    except (RuntimeError, json.JSONDecodeError, subprocess.TimeoutExpired) as exc:
+        raise PodmanUnavailable(f"podman cannot run here: {exc}") from None
+    runtime = info.get("host", {}).get("ociRuntime", {}).get("name", "?")
+    return f"podman {info.get('version', {}).get('Version', '?')}, runtime {runtime}, conf {env()['CONTAINERS_CONF']}"
+
+
+def image_exists(tag: str) -> bool:
+    return podman("image", "exists", tag, check=False).returncode == 0
+
+
+def image_tag(role: str) -> str:
+    return f"localhost/fp8rl/{role}:cpu"
+
+
+def _apt_sources() -> list[str]:
+    """This machine's apt source files (deb822 ``*.sources`` and one-line ``*.list``) that mmdebstrap reads."""
+    files = sorted(glob.glob("/etc/apt/sources.list.d/*.sources")) + sorted(glob.glob("/etc/apt/sources.list.d/*.list"))
+    if os.path.exists("/etc/apt/sources.list") and os.path.getsize("/etc/apt/sources.list"):
+        files.insert(0, "/etc/apt/sources.list")
+    return files
+
+
+def build_base(*, rebuild: bool = False, log=print) -> str:
+    """The base image (cached): Debian bookworm + python3 from packages, with the host's local CA certificates."""
+    if not rebuild and image_exists(BASE_IMAGE):
+        log(f"base image {BASE_IMAGE}: cached")
+        return BASE_IMAGE
+    if shutil.which("mmdebstrap") is None:
+        raise PodmanUnavailable("mmdebstrap is not installed (apt-get install mmdebstrap)")
+    sources = _apt_sources()
+    if not sources:
+        raise PodmanUnavailable("no apt sources under /etc/apt: mmdebstrap has no mirror to install from")
+    certs = sorted(str(p) for p in LOCAL_CA_DIR.glob("**/*.crt")) if LOCAL_CA_DIR.is_dir() else []
+    hooks = ['mkdir -p "$1/usr/local/share/ca-certificates"']
+    if certs:
+        hooks.append("copy-in " + " ".join(certs) + " /usr/local/share/ca-certificates/")
+    hooks += ['chroot "$1" update-ca-certificates', 'rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*']
+    cmd = ["mmdebstrap", "--variant=apt", "--include=" + ",".join(BASE_PACKAGES)]
+    cmd += [f"--customize-hook={h}" for h in hooks]
+    cmd += ["bookworm", "-", *sources]
+    log(f"base image {BASE_IMAGE}: mmdebstrap bookworm ({', '.join(BASE_PACKAGES)}) + {len(certs)} local CA "
+        f"certificate(s); about a minute")
+    t0 = time.monotonic()
+    mm = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    imp = subprocess.run([shutil.which("podman") or "podman", "import", "--change", 'CMD ["python3"]', "-", BASE_IMAGE],
+                         stdin=mm.stdout, env=env(), capture_output=True, text=True)
+    mm.stdout.close()
+    mm_err = mm.stderr.read().decode(errors="replace")
+    if mm.wait() != 0 or imp.returncode != 0:
+        tail = "\n".join((mm_err + imp.stderr).strip().splitlines()[-10:])
+        raise RuntimeError(f"building {BASE_IMAGE} failed (mmdebstrap {mm.returncode}, podman import "
+                           f"{imp.returncode}):\n{tail}")
+    log(f"base image {BASE_IMAGE}: built in {time.monotonic() - t0:.0f} s")
+    return BASE_IMAGE
+
+
+def local_torch_wheels() -> Path | None:
+    """A directory holding the CPU torch wheel the images pin (pip's find-links here), or None."""
+    version = _torch_version()
+    dirs = []
+    for line in subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                               text=True).stdout.splitlines():
+        if "find-links" in line:
+            dirs += [d.strip("'\" ") for d in line.split("=", 1)[1].split()]
+    for d in dirs:
+        if glob.glob(os.path.join(d, f"torch-{version}+cpu-*.whl")):
+            return Path(d)
+    return None
+
+
+def _torch_version() -> str:
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
+    return pin.split("==", 1)[1].strip()
+
+
+def build_images(roles=ROLES, *, base: str = BASE_IMAGE, log=print) -> dict[str, int]:
+    """Build every role's CPU image on ``base``; returns each image's size in bytes."""
+    wheels = local_torch_wheels()
+    # docker format: OCI images have no HEALTHCHECK, and the images' health checks are the gRPC probe
+    args = ["--format", "docker", "--network", "host", "--target", "cpu", "--build-arg", f"BASE_IMAGE={base}",
+            "--build-arg", f"TORCH_VERSION={_torch_version()}"]
+    if wheels is not None:  # the CPU wheel is on this disk: no download.pytorch.org needed
+        args += ["--build-context", f"wheels={wheels}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
+    sizes = {}
+    for role in roles:
+        t0 = time.monotonic()
+        log(f"image {image_tag(role)}: building" + (f" (torch from {wheels})" if wheels else ""))
+        p = podman("build", *args, "-f", f"services/{role}/Dockerfile", "-t", image_tag(role), ".", check=False,
+                   cwd=REPO)
+        if p.returncode != 0:
+            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:])
+            raise RuntimeError(f"building {image_tag(role)} failed:\n{tail}")
+        sizes[role] = image_size(image_tag(role))
+        log(f"image {image_tag(role)}: {sizes[role] / 1e6:.0f} MB, built in {time.monotonic() - t0:.0f} s")
+    return sizes
+
+
+def image_size(tag: str) -> int:
+    return int(podman("image", "inspect", tag, "--format", "{{.Size}}").stdout.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deploy.containers", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("conf", help="print the containers.conf in use")
+    sub.add_parser("check", help="can podman run containers here?")
+    b = sub.add_parser("base", help="build the base image (cached)")
+    b.add_argument("--rebuild", action="store_true")
+    i = sub.add_parser("build", help="base + the role images")
+    i.add_argument("--rebuild-base", action="store_true")
+    i.add_argument("roles", nargs="*", default=list(ROLES), choices=ROLES, help="roles to build (default: all)")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "conf":
+            print(env()["CONTAINERS_CONF"])
+        elif args.command == "check":
+            print(check())
+        elif args.command == "base":
+            check()
+            build_base(rebuild=args.rebuild)
+        else:
+            check()
+            build_base(rebuild=args.rebuild_base)
+            sizes = build_images(args.roles or ROLES)
+            print(json.dumps({image_tag(r): s for r, s in sizes.items()}))
+        return EXIT_OK
+    except PodmanUnavailable as exc:
+        print(f"containers: {exc}", file=sys.stderr)
+        return EXIT_NO_PODMAN
+    except RuntimeError as exc:
+        print(f"containers: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
