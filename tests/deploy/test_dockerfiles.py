@@ -41,7 +41,10 @@ def test_runtime_stages(repo, default_ports, role):
     text = (repo / "services" / role / "Dockerfile").read_text()
     stages = _stages(text)
     runtime = ["cpu", "gpu"] if role in GPU_ROLES else ["cpu"]
-    assert sorted(s for s in stages if not s.endswith("-build") and s != "uv") == runtime
+    # "wheels" is the empty stage a local torch wheel directory replaces (--build-context wheels=DIR)
+    assert sorted(s for s in stages if not s.endswith("-build") and s not in ("uv", "wheels")) == runtime
+    assert "FROM scratch AS wheels" in text and "from=wheels" in stages["cpu-build"]
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS cpu$", text, re.M), "the CPU image takes ARG BASE_IMAGE"
     assert list(stages)[-1] == "cpu", "the default target (last stage) is the CPU image"
     port = default_ports[role]
     for name in runtime:
