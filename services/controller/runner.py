@@ -265,8 +265,15 @@ class JobRunner:
                             calibrate_inline=False, check=lambda: self._check(plan.job_id))
             # the record is saved right after TrainStep, as in a synchronous step; calibrate and refit of the new
             # version run on the pipeline's refit thread, overlapping the next step's training
-            pipe.run(lambda partial, times, metrics: self._record(plan, partial, times, metrics) == "running",
+            # the last step's report leaves the job running: it succeeds only once pipe.run returns, i.e. once
+            # the last version is calibrated and every replica holds it (as a synchronous step's record waits)
+            pipe.run(lambda partial, times, metrics: self._record(plan, partial, times, metrics,
+                                                                  final=False) == "running",
                      on_trained=lambda partial: self.jobs.set_inflight(plan.job_id, partial))
+            rec = self.get(plan.job_id)
+            if rec.state == "running" and rec.steps_done >= plan.total:
+                self.jobs.transition(plan.job_id, "succeeded", ("running",))
+                self._notify()
             return
         while step < plan.total:
             if self._finish(plan, self._first_half(plan, step, v)) != "running":
@@ -355,9 +362,12 @@ class JobRunner:
                                       check=lambda: self._check(plan.job_id, cancel=False))
         return self._record(plan, partial, times, refit_metrics)
 
-    def _record(self, plan: JobPlan, partial: dict, times: dict, extra: dict) -> str:
+    def _record(self, plan: JobPlan, partial: dict, times: dict, extra: dict, *, final: bool = True) -> str:
         """(eval, checkpoint) → record the report of a trained step whose calibrate/refit finished (synchronous)
-        or were handed to the pipeline's refit thread (asynchronous); returns the job's state after it."""
+        or were handed to the pipeline's refit thread (asynchronous); returns the job's state after it.
+
+        ``final=False`` (asynchronous): the last step's report leaves the job ``running``; the caller marks it
+        succeeded once the last version's calibrate and refit are done."""
         step, v1 = partial["step"], partial["new_version"]
         if plan.async_grpo:  # the rollout overlapped the step before: the wall time is the time since that one
             wall = time.perf_counter() - self._step_t0
@@ -370,7 +380,8 @@ class JobRunner:
         if plan.eval_every and (step + 1) % plan.eval_every == 0:
             metrics["val_accuracy"] = self._evaluate(plan, v1)
         rec = self.get(plan.job_id)
-        state = ("succeeded" if step + 1 >= plan.total else "cancelled" if rec.cancel_requested else "running")
+        state = ("succeeded" if step + 1 >= plan.total and final else "cancelled" if rec.cancel_requested
+                 else "running")
         every = plan.job.job.checkpoint_every
         if every and ((step + 1) % every == 0 or state != "running"):
             t = time.perf_counter()
