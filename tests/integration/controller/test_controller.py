@@ -302,6 +302,7 @@ def test_down_stops_every_process(stack):
 
 
 
+@pytest.mark.chaos  # a whole stack started and signalled (~25 s): kept out of make test's budget
 def test_sigterm_to_launcher_run_brings_its_stack_down(tmp_path):
     """`deploy.launcher run` killed with SIGTERM (a supervisor, `timeout`) stops every process it started."""
     job = tmp_path / "job.yaml"
