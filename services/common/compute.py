@@ -26,14 +26,11 @@ Invariants:
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ComputeThread", "OnComputeThread", "inline"]
 
@@ -67,8 +64,6 @@ class ComputeThread:
         fut: Future = Future()
         self._queue.put((fut, fn, args, kwargs))
         return fut.result()
-
-    __call__ = call
 
     def close(self, timeout: float = 5.0) -> None:
         """Run what is queued, then end the thread (its OpenMP team goes with it)."""

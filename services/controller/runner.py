@@ -270,16 +270,13 @@ class JobRunner:
             pipe.run(lambda partial, times, metrics: self._record(plan, partial, times, metrics,
                                                                   final=False) == "running",
                      on_trained=lambda partial: self.jobs.set_inflight(plan.job_id, partial))
-            rec = self.get(plan.job_id)
-            if rec.state == "running" and rec.steps_done >= plan.total:
-                self.jobs.transition(plan.job_id, "succeeded", ("running",))
-                self._notify()
-            return
-        while step < plan.total:
-            if self._finish(plan, self._first_half(plan, step, v)) != "running":
-                return
-            step, v = step + 1, self.get(plan.job_id).next_version
-        self.jobs.transition(plan.job_id, "succeeded", ("running",))  # all steps were already recorded
+        else:
+            while step < plan.total:
+                if self._finish(plan, self._first_half(plan, step, v)) != "running":
+                    return
+                step, v = step + 1, self.get(plan.job_id).next_version
+        # every step is recorded and its version held; a job cancelled meanwhile stays cancelled
+        self.jobs.transition(plan.job_id, "succeeded", ("running",))
 
     def _reconcile(self, plan: JobPlan) -> int:
         """The next step to run, after matching the job's record with the version the trainer holds."""

@@ -56,7 +56,7 @@ def test_base_image_trusts_the_hosts_local_cas_and_has_python311(podman_ok):
                           "ls /usr/local/share/ca-certificates | wc -l", timeout=120)
     version, certs = p.stdout.split("\n")[:2]
     assert version == "(3, 11)"
-    local = [c for c in containers.LOCAL_CA_DIR.glob("**/*.crt")] if containers.LOCAL_CA_DIR.is_dir() else []
+    local = list(containers.LOCAL_CA_DIR.glob("**/*.crt")) if containers.LOCAL_CA_DIR.is_dir() else []
     assert int(certs) == len(local)
 
 
