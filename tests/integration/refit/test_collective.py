@@ -336,8 +336,8 @@ def test_a_malformed_epoch_is_ignored_and_a_later_valid_one_works(store, publish
     bc = None
     try:
         for bad in (b"{not json", b'{"epoch": NaN}', json.dumps({"epoch": 1, "store": "x:1"}).encode()):
+            n = source.stats()["malformed_epochs"]  # read before the write: the poller may see it at once
             store.client.set(epoch_key, bad)
-            n = source.stats()["malformed_epochs"]
             wait_for(lambda n=n: source.stats()["malformed_epochs"] == n + 1, 5.0, f"malformed epoch {bad!r} seen")
         bc = CollectiveBroadcaster(store, bucket_bytes=BUCKET_BYTES, poll_s=0.2, **TIMEOUTS)
         want = publish(publisher, bc, 1)
