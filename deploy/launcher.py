@@ -146,7 +146,8 @@ class _Stack:
             for e in list(pending):
                 rf = Path(e["ready_file"])
                 if rf.exists():
-                    e["port"] = json.loads(rf.read_text())["port"]
+                    ready = json.loads(rf.read_text())
+                    e["port"], e["metrics_port"] = ready["port"], ready.get("metrics_port")
                     pending.remove(e)
                 elif (rc := self.popen[e["name"]].poll()) is not None:
                     raise LaunchError(f"{e['name']} exited with status {rc} before it was ready; the end of "
@@ -249,8 +250,11 @@ def _prepare_model(job) -> None:
 
 
 def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
-       ready_timeout: float = 300.0) -> _Stack:
-    """Start the stack for ``job_path`` into ``run_dir``; returns it once every service is ready."""
+       ready_timeout: float = 300.0, metrics: bool = False) -> _Stack:
+    """Start the stack for ``job_path`` into ``run_dir``; returns it once every service is ready.
+
+    ``metrics``: every service serves Prometheus metrics on a free loopback port (``metrics_port`` of
+    each process in ``stack.json``)."""
     from fp8rl.config import load_job_config
 
     job_path = Path(job_path).resolve()
@@ -266,6 +270,8 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
     tokens = write_tokens(run_dir)
     stack.info["secrets"] = tokens
     auth = ["--service-token-file", tokens["service_token_file"], "--client-token-file", tokens["client_token_file"]]
+    if metrics:
+        auth += ["--metrics-port", "0"]
     try:
         url = stack.start_redis()
         stack.info["redis_url"] = url
@@ -335,14 +341,14 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
-        plain: bool = False, ready_timeout: float = 300.0) -> int:
+        plain: bool = False, ready_timeout: float = 300.0, metrics: bool = False) -> int:
     """up → submit → watch (progress bar) → report → down. Returns the exit status."""
     from tqdm import tqdm
 
     from fp8rl.report import write_report
     from fp8rl.sdk import Fp8rlClient
 
-    stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout)
+    stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics)
     # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
     signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
@@ -396,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--run-dir", default=None, help="where logs, stack.json and the report go (default runs/<ts>)")
         p.add_argument("--replicas", type=int, default=1, help="rollout replicas (default 1)")
         p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each service may take to start")
+        p.add_argument("--metrics", action="store_true",
+                       help="every service serves Prometheus /metrics on a free loopback port (see stack.json)")
         if name == "run":
             p.add_argument("--plain", action="store_true", help="one line per step instead of a progress bar")
     d = sub.add_parser("down", help="stop a stack")
@@ -407,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "up":
-            stack = up(args.job, args.run_dir, replicas=args.replicas, ready_timeout=args.ready_timeout)
+            stack = up(args.job, args.run_dir, replicas=args.replicas, ready_timeout=args.ready_timeout,
+                       metrics=args.metrics)
             client_file = stack.info["secrets"]["client_token_file"]
             print(json.dumps({"controller": stack.info["controller"], "run_dir": str(stack.run_dir),
                               "client_token_file": client_file}))
@@ -419,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             down(args.run_dir, grace=args.grace)
             return EXIT_OK
         return run(args.job, args.run_dir, replicas=args.replicas, plain=args.plain,
-                   ready_timeout=args.ready_timeout)
+                   ready_timeout=args.ready_timeout, metrics=args.metrics)
     except (LaunchError, ConfigError, Fp8rlError) as exc:
         print(f"launcher: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -67,7 +67,7 @@ class CalibratorService(Service):
                                         margin=cal.margin, max_sequences=cal.max_sequences)
         self.subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.target, ctx.compute),
                                                         ctx.replica_id, ctx.job.refit,
-                                                        requires_scales=False)
+                                                        requires_scales=False, metrics=ctx.metrics)
         self.lock = threading.Lock()  # one sync or calibration at a time: weights never change mid-pass
         self.follower = RefitFollower(ctx, self.subscriber, lock=self.lock)
 
@@ -121,6 +121,7 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
                     raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the calibrator moved on to weight version "
                                 f"{s.target.weight_version} before calibrating version {v}")
                 scales = s.ctx.compute(s.calibrator.calibrate, v, seqs)
+                s.ctx.metrics.calibrations.inc()
             try:
                 s.ctx.store.put_scales(scales)
                 stored = scales

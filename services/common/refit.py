@@ -48,8 +48,10 @@ def start_broadcaster(publisher: RefitPublisher, refit, endpoint: str) -> None:
 
 
 def build_subscriber(store: RefitStore, target: RefitTarget, replica_id: str, refit, *,
-                     requires_scales: bool) -> tuple[RefitSubscriber, ShardSource]:
-    """A replica's subscriber and its shard source for the job's ``refit`` config section."""
+                     requires_scales: bool, metrics=None) -> tuple[RefitSubscriber, ShardSource]:
+    """A replica's subscriber and its shard source for the job's ``refit`` config section.
+
+    ``metrics`` (:class:`fp8rl.metrics.ServiceMetrics`): every applied version is counted there."""
     collective = None
     if refit.collective and refit.transport in ("auto", "collective"):
         from fp8rl.refit.transport.collective import CollectiveShardSource
@@ -60,4 +62,6 @@ def build_subscriber(store: RefitStore, target: RefitTarget, replica_id: str, re
     source = make_shard_source(refit.transport, collective=collective)
     sub = RefitSubscriber(store, target, source, replica_id, requires_scales=requires_scales,
                           parallel_fetches=refit.parallel_streams, delta=refit.delta)
+    if metrics is not None:
+        sub.on_applied = lambda r: metrics.observe_refit("apply", r["version"], r["bytes"], r["seconds"])
     return sub, source

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl.config import ConfigError, load_job_config
+from fp8rl.metrics import RpcMetricsInterceptor, serve_metrics
 from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, RoleLease, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import SCOPE_SERVICE, build_server
@@ -64,7 +65,8 @@ ENV = {
     "redis_url": "FP8RL_REDIS_URL", "job_id": "FP8RL_JOB_ID", "replica_id": "FP8RL_REPLICA_ID",
     "ready_file": "FP8RL_READY_FILE", "log_level": "FP8RL_LOG_LEVEL", "max_message_bytes": "FP8RL_MAX_MESSAGE_BYTES",
     "lease_ttl": "FP8RL_LEASE_TTL_S", "grace": "FP8RL_SHUTDOWN_GRACE_S", "workers": "FP8RL_GRPC_WORKERS",
-    "token": "FP8RL_AUTH_TOKEN", **security.SECURITY_ENV,  # token: the client token's old variable
+    "token": "FP8RL_AUTH_TOKEN", "metrics_port": "FP8RL_METRICS_PORT", "metrics_host": "FP8RL_METRICS_HOST",
+    **security.SECURITY_ENV,  # token: the client token's old variable
 }
 ENV_TORCH_THREADS = "FP8RL_TORCH_THREADS"
 _WILDCARD_HOSTS = {"", "[::]", "::", "0.0.0.0"}
@@ -77,6 +79,20 @@ def env_default(flag: str, default: Any = None) -> Any:
 
 def _default_replica_id(role: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "-", f"{role}-{socket.gethostname()}")[:64]
+
+
+def _metrics_port(value: str | int | None) -> int | None:
+    """``--metrics-port``: None / "" = off, else a port in [0, 65535] (0 = a free one)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--metrics-port (or ${ENV['metrics_port']}) must be a port number, "
+                                         f"got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--metrics-port must be in [0, 65535], got {port}")
+    return port
 
 
 def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -96,6 +112,9 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
     a("--lease-ttl", type=float, default=env_default("lease_ttl", 10.0), help="replica lease TTL, seconds")
     a("--grace", type=float, default=env_default("grace", 5.0), help="seconds in-flight RPCs get on shutdown")
     a("--workers", type=int, default=env_default("workers", 8), help="concurrent RPCs")
+    a("--metrics-port", type=_metrics_port, default=_metrics_port(env_default("metrics_port", "")),
+      help="serve Prometheus metrics on http://HOST:PORT/metrics (0 picks a free port; default: off)")
+    a("--metrics-host", default=env_default("metrics_host"), help="address the metrics bind (default: --host)")
     add_security_args(p)
     if spec.add_args is not None:
         spec.add_args(p)
@@ -169,11 +188,16 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     try:
         server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
                                             max_message_bytes=args.max_message_bytes, max_workers=args.workers,
-                                            scoped_tokens=args.tokens, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                                            scoped_tokens=args.tokens, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                            interceptors=[RpcMetricsInterceptor(ctx.metrics)])
+        exporter = None if args.metrics_port is None else \
+            serve_metrics(ctx.metrics, args.metrics_port, args.metrics_host or args.host)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad TLS files, port in use
         log.error("cannot start %s: %s", spec.name, exc)
         print(f"fp8rl {spec.name}: error: {exc}", file=sys.stderr)
         service.stop()
+        if compute is not None:
+            compute.close()
         return 2
     ctx._health, ctx.port = health, port
     advertise = args.advertise_host or (socket.gethostname() if args.host in _WILDCARD_HOSTS else args.host)
@@ -199,10 +223,12 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         if not spec.follows_refit:
             lease = RoleLease(ctx)  # no version: only the endpoint
             lease.start(tolerate_redis_down=True)
-        log.info("%s listening on %s (job %s)", spec.name, ctx.endpoint, ctx.job_id)
+        log.info("%s listening on %s (job %s)%s", spec.name, ctx.endpoint, ctx.job_id,
+                 f"; metrics on port {exporter.port}" if exporter is not None else "")
         if args.ready_file:
             _write_ready_file(args.ready_file, {"service": spec.name, "pid": os.getpid(), "port": port,
-                                                "endpoint": ctx.endpoint, "replica_id": ctx.replica_id})
+                                                "endpoint": ctx.endpoint, "replica_id": ctx.replica_id,
+                                                "metrics_port": exporter.port if exporter is not None else None})
     while not ctx.stopping.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
     health.enter_graceful_shutdown()  # NOT_SERVING first: probes stop routing before anything closes
@@ -210,6 +236,8 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         lease.release()
     service.stop()
     server.stop(args.grace).wait()
+    if exporter is not None:
+        exporter.close()
     if compute is not None:
         compute.close()
     if args.ready_file and Path(args.ready_file).exists():

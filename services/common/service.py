@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8rl.config import JobConfig
+from fp8rl.metrics import ServiceMetrics
 from fp8rl.refit import RefitStore
 from fp8rl.rpc.server import SCOPE_SERVICE, ServicerAdder, set_serving
 
@@ -42,6 +43,8 @@ class Context:
         # runs a role's torch work: the process's compute thread (services.common.compute) when the role has
         # one, else the call made inline
         self.compute: Callable[..., Any] = inline
+        # the process's Prometheus metrics (fp8rl.metrics); served when --metrics-port is given
+        self.metrics = ServiceMetrics(name)
 
     @property
     def role(self) -> str:

@@ -128,6 +128,7 @@ class JobRunner:
         self._faults = {"retries": 0, "outage": 0.0}  # of the step in flight; reset when a step is recorded
         self._events_after = "0-0"  # events stream position at the start of the step in flight
         self._step_t0 = 0.0  # perf_counter when the step in flight began (the last report, or the job's start)
+        self.on_report: Callable[[dict], None] | None = None  # e.g. the Prometheus metrics (fp8rl.metrics)
 
     # -- the servicer's API --------------------------------------------------------------------
     def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
@@ -394,6 +395,11 @@ class JobRunner:
                   "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
                   "phase_times": {p: times.get(p, 0.0) for p in REPORT_TIMES}}
         self.jobs.append_report(plan.job_id, report, state, next_version=v1)
+        if self.on_report is not None:
+            try:
+                self.on_report(report)
+            except Exception:  # noqa: BLE001 - metrics never fail a step
+                log.exception("job %s step %d: recording the report's metrics failed", plan.job_id, step)
         self._faults, self._events_after = {"retries": 0, "outage": 0.0}, after  # the next step's budget
         self._step_t0 = time.perf_counter()
         self._notify()

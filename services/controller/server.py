@@ -175,6 +175,7 @@ class ControllerService(Service):
         settings = RunnerSettings(refit_timeout_s=a.refit_timeout, replica_wait_s=a.replica_wait, data=data,
                                   step_attempts=a.step_attempts)
         self.runner = JobRunner(JobStore(ctx.store.client), ctx.store, backends, ctx.job, settings)
+        self.runner.on_report = ctx.metrics.observe_report
         self.cancel_wait_s, self.max_watch_streams = a.cancel_wait, a.max_watch_streams
         if self.max_watch_streams < 1:
             raise StartupError(f"--max-watch-streams must be >= 1, got {self.max_watch_streams}")

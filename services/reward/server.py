@@ -56,6 +56,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, default_grader: str = "math_verify", timeout_s: float = DEFAULT_TIMEOUT_S,
                  pool: GradingPool | ProcessGradingPool | None = None, *, max_items: int = limits.MAX_SCORE_ITEMS,
                  max_response_chars: int = limits.MAX_RESPONSE_CHARS):
+        self.metrics = None  # fp8rl.metrics.ServiceMetrics, set by the service
         if default_grader not in GRADERS:
             raise ValueError(f"unknown default grader {default_grader!r}; known graders: {', '.join(sorted(GRADERS))}")
         if not timeout_s > 0:
@@ -87,6 +88,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     f"items[{i}].grader: unknown grader {name[:80]!r}; known graders: {', '.join(sorted(GRADERS))}",
                 )
         results = grade_many(items, self.timeout_s, pool=self.pool)
+        if self.metrics is not None:
+            self.metrics.graded.inc(len(results))
         return reward_pb2.ScoreResponse(
             rewards=[r.reward for r in results],
             num_unparsable=sum(r.status == "unparsable" for r in results),
@@ -117,6 +120,7 @@ class RewardService(Service):
             raise StartupError(str(exc)) from None
         self.pool = ProcessGradingPool(a.grading_workers, modules=modules, eager=True)
         self.servicer.pool = self.pool  # made after the servicer validated the flags: no workers for a bad config
+        self.servicer.metrics = ctx.metrics
         self.grader, self.timeout_s = grader, timeout_s
 
     def servicers(self):

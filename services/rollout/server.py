@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -89,7 +90,7 @@ class RolloutService(Service):
         # the refit apply (validate, quantize, copy into the parameters) runs on the compute thread too
         subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.engine, ctx.compute), ctx.replica_id,
                                                    ctx.job.refit,
-                                                   requires_scales=self.fp8_kv)
+                                                   requires_scales=self.fp8_kv, metrics=ctx.metrics)
         self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health)
 
     def servicers(self):
@@ -155,6 +156,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         f"version {s.engine.scales_version}; waiting for a published version (and its scales)")
         with self._count_lock:
             self._generating += 1
+        t0 = time.perf_counter()
         try:
             samples = s.ctx.compute(s.engine.generate, prompts, params, weight_version=request.weight_version,
                                     should_stop=lambda: not context.is_active())
@@ -167,6 +169,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             with self._count_lock:
                 self._generating -= 1
+        s.ctx.metrics.observe_generation(sum(len(smp.token_ids) for smp in samples), time.perf_counter() - t0)
         seen: dict[int, int] = defaultdict(int)
         for smp in samples:
             index = seen[smp.prompt_index]

@@ -143,11 +143,13 @@ class TrainerService(Service):
         t0 = time.perf_counter()
         if v in self.trained_from:  # the lineage first: whoever sees v in weights:latest can read where it came from
             self.ctx.store.mark_trained(v, self.trained_from[v])
-        self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
-                               fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2)
+        manifest = self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
+                                          fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2)
         self.published = v
-        log.info("published weight version %d in %.3f s", v, time.perf_counter() - t0)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        log.info("published weight version %d in %.3f s", v, took)
+        self.ctx.metrics.observe_refit("publish", v, manifest.total_bytes, took)
+        return took
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -233,6 +235,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             except Cancelled as exc:  # the caller is gone; weights and version are unchanged
                 raise Abort(grpc.StatusCode.CANCELLED, f"step {request.step}: {exc}") from None
             s.trained_from = {s.trainer.version: request.expected_version}
+            s.ctx.metrics.train_steps.inc()
             t_publish = self._publish()
         phases = common_pb2.PhaseTimes(logprobs=out.logprobs_s, train=out.train_s, publish=t_publish,
                                        total=time.perf_counter() - t0)

@@ -10,8 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy import containers
 
@@ -60,12 +62,13 @@ def test_base_image_trusts_the_hosts_local_cas_and_has_python311(podman_ok):
     assert int(certs) == len(local)
 
 
-def test_reward_container_serves_health_runs_non_root_and_stops_on_sigterm(reward_image):
-    port = _free_port()
+def test_reward_container_serves_health_and_metrics_runs_non_root_and_stops_on_sigterm(reward_image):
+    port, metrics_port = _free_port(), _free_port()
     name = f"fp8rl-test-reward-{port}"
     job = containers.REPO / "deploy" / "smoke-job.yaml"
     containers.podman("run", "-d", "--name", name, "--network", "host", "-v", f"{job}:/etc/fp8rl/job.yaml:ro",
-                      "-e", "FP8RL_CONFIG=/etc/fp8rl/job.yaml", "-e", f"FP8RL_PORT={port}", reward_image,
+                      "-e", "FP8RL_CONFIG=/etc/fp8rl/job.yaml", "-e", f"FP8RL_PORT={port}",
+                      "-e", f"FP8RL_METRICS_PORT={metrics_port}", reward_image,
                       "--port", str(port), "--host", "127.0.0.1", timeout=120)
     try:
         deadline = time.monotonic() + 120
@@ -78,6 +81,12 @@ def test_reward_container_serves_health_runs_non_root_and_stops_on_sigterm(rewar
         assert containers.podman("healthcheck", "run", name, check=False, timeout=60).returncode == 0
         uid = containers.podman("exec", name, "id", "-u").stdout.strip()
         assert uid == "10001"
+        # /metrics from inside the image (prometheus-client installed): the health probes above were RPCs too
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        probes = [smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                  if smp.name == "fp8rl_rpc_requests_total" and smp.labels == {"method": "Health/Check", "code": "OK"}]
+        assert probes and probes[0] >= 2, text[-2000:]
         t0 = time.monotonic()
         containers.podman("stop", "--time", str(STOP_TIMEOUT_S), name, timeout=60)
         took = time.monotonic() - t0

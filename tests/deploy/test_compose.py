@@ -144,3 +144,63 @@ def test_smoke_refuses_in_one_line_without_a_daemon(tmp_path):
 ])
 def test_container_readiness_rules(service, state, one_shot, expected):
     assert smoke.container_problem(service, state, one_shot) == expected
+
+
+def _host_config(repo, ports: dict[str, str] | None = None) -> dict:
+    out = subprocess.run([*smoke.compose_binary(), "-f", str(repo / "deploy" / "compose.yaml"), "-f",
+                          str(smoke.HOST_NETWORK_FILE), "--profile", "cpu", "config", "--format", "json"],
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith(("FP8RL_", "DOCKER_"))},
+                              **ENV, **(ports or {})}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_host_network_override_gives_every_service_loopback_and_its_own_ports(repo):
+    ports = {var: str(20000 + i) for i, var in enumerate(smoke.HOST_PORT_VARS)}
+    services = _host_config(repo, ports)["services"]
+    assert all(s["network_mode"] == "host" for s in services.values())
+    assert not any(s.get("ports") for s in services.values())  # nothing to publish on the host's own network
+    seen = set()
+    for role in smoke.ROLES:
+        env = services[role]["environment"]
+        assert (env["FP8RL_HOST"], env["FP8RL_ADVERTISE_HOST"]) == ("127.0.0.1", "127.0.0.1"), role
+        assert env["FP8RL_PORT"] == ports[f"FP8RL_{role.upper()}_PORT"], role
+        assert env["FP8RL_METRICS_PORT"] == ports[f"FP8RL_{role.upper()}_METRICS_PORT"], role
+        assert env["FP8RL_REDIS_URL"].endswith(f"@127.0.0.1:{ports['FP8RL_REDIS_PORT']}/0"), role
+        seen |= {env["FP8RL_PORT"], env["FP8RL_METRICS_PORT"]}
+        # the job file is bind-mounted (podman-compose has no `configs:`), not both
+        assert not services[role].get("configs"), role
+        assert {(m["type"], m["target"], m.get("read_only")) for m in services[role]["volumes"]} >= \
+            {("bind", "/etc/fp8rl/job.yaml", True)}, role
+    assert len(seen) == 2 * len(smoke.ROLES)
+    ctl = services["controller"]["environment"]
+    for role in ("trainer", "reward", "calibrator"):
+        assert ctl[f"FP8RL_{role.upper()}_ADDR"] == f"127.0.0.1:{ports[f'FP8RL_{role.upper()}_PORT']}"
+    assert services["redis"]["environment"]["REDIS_PORT"] == ports["FP8RL_REDIS_PORT"]
+    assert services["redis"]["image"] == "localhost/fp8rl/redis:cpu"
+    # exec form running sh: podman-compose passes CMD-SHELL as a one-element exec array, i.e. no shell
+    assert services["redis"]["healthcheck"]["test"][:3] == ["CMD", "sh", "-c"]
+
+
+def test_model_init_and_controller_share_the_warm_started_model_cache(profile_config):
+    """The controller reads the job's tokenizer from the model: it must see model-init's cache, not warm-start
+    its own on a read-only root file system (which failed the first real compose run)."""
+    profile, cfg = profile_config
+    services = cfg["services"]
+    mounts = {m["source"] for m in services["controller"].get("volumes", []) if m["type"] == "volume"}
+    assert "model-cache" in mounts
+    if profile == "cpu":
+        assert services["controller"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+        code = services["model-init"]["entrypoint"][-1]
+        for module, name in re.findall(r"from ([\w.]+) import (\w+)", code):  # what it imports exists
+            assert hasattr(__import__(module, fromlist=[name]), name), (module, name)
+
+
+def test_the_smoke_engine_follows_an_explicit_docker_host(monkeypatch, tmp_path):
+    """DOCKER_HOST named means Docker only: a dead socket there is the answer, podman is not tried."""
+    path = tmp_path / "d.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+        with pytest.raises(smoke.NoDockerError, match="no Docker daemon reachable"):
+            smoke.choose_engine("auto", None)

@@ -16,6 +16,8 @@ VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBE_VERSION = "1.30.0"
 FP8RL_ROLES = {"controller": 50050, "trainer": 50051, "rollout": 50052, "reward": 50053, "calibrator": 50054}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+CRD_KINDS = {"ServiceMonitor"}  # prometheus-operator's: not in the Kubernetes schemas, checked by test_metrics_*
+METRICS_PORT = 9400
 
 
 def _values(name: str) -> dict:
@@ -62,6 +64,8 @@ def test_every_manifest_is_valid_kubernetes(rendered):
     _, _, docs, _ = rendered
     assert len(docs) >= 12
     for d in docs:
+        if d["kind"] in CRD_KINDS:
+            continue
         try:
             kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -85,8 +89,10 @@ def test_workloads_services_and_replicas(rendered):
                           "reward": "Deployment", "calibrator": "Deployment",
                           **({"redis": "StatefulSet"} if bundled else {})}
     services = {s["metadata"]["labels"]["app.kubernetes.io/component"]: s for s in by_kind(docs, "Service").values()}
+    metrics = values.get("metrics", {}).get("enabled", True)
     for role, port in FP8RL_ROLES.items():
-        assert container(docs, role)["ports"] == [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+        assert container(docs, role)["ports"] == [{"name": "grpc", "containerPort": port, "protocol": "TCP"}] + \
+            ([{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}] if metrics else [])
         assert services[role]["spec"]["ports"][0]["targetPort"] == "grpc"
     assert workload(docs, "rollout")["spec"]["replicas"] == values.get("rollout", {}).get("replicas", 2)
     assert services["rollout"]["spec"]["clusterIP"] == "None"  # replicas are reached per pod, by lease
@@ -204,7 +210,7 @@ def test_network_policies_admit_only_release_pods():
                 for p in by_kind(docs, "NetworkPolicy").values()}
     assert set(policies) == {"redis", "trainer", "rollout"}
     for component, port in (("redis", 6379), ("trainer", 50051), ("rollout", 50052)):
-        [rule] = policies[component]["spec"]["ingress"]
+        rule = policies[component]["spec"]["ingress"][0]  # (the metrics port's rule: test_metrics_*)
         assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fp8rl",
                                                                  "app.kubernetes.io/instance": "rl"}}}]
         assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
@@ -237,6 +243,82 @@ def test_job_configmap_is_a_valid_job():
     ({"auth": {"token": "one-for-all"}}, "additional properties 'token' not allowed"),
 ])
 def test_bad_values_fail_the_render_with_a_clear_message(values, message):
+    with pytest.raises(helm.HelmError) as err:
+        render(values)
+    assert message in str(err.value)
+
+
+def _env(c: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in c["env"]}
+
+
+def test_metrics_ports_env_annotations_and_network_policy_by_default():
+    docs, _ = render()
+    services = {s["metadata"]["labels"]["app.kubernetes.io/component"]: s for s in by_kind(docs, "Service").values()}
+    for role in FP8RL_ROLES:
+        w = workload(docs, role)
+        env = _env(container(docs, role))
+        assert (env["FP8RL_METRICS_PORT"], env["FP8RL_METRICS_HOST"]) == (str(METRICS_PORT), "0.0.0.0"), role
+        ann = w["spec"]["template"]["metadata"]["annotations"]
+        assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == \
+            ("true", str(METRICS_PORT), "/metrics")
+        assert {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP",
+                "appProtocol": "http"} in services[role]["spec"]["ports"]
+    for name, policy in by_kind(docs, "NetworkPolicy").items():  # scrapers reach the metrics port of guarded pods
+        metric_rules = [r for r in policy["spec"]["ingress"]
+                        if r["ports"] == [{"port": METRICS_PORT, "protocol": "TCP"}]]
+        assert len(metric_rules) == (0 if name.endswith("-redis") else 1), name
+        assert all("from" not in r for r in metric_rules)
+    assert not by_kind(docs, "ServiceMonitor") and "rl-fp8rl-dashboard" not in by_kind(docs, "ConfigMap")
+
+
+def test_metrics_can_be_turned_off():
+    docs, _ = render({"metrics": {"enabled": False, "port": 9400}})
+    for role in FP8RL_ROLES:
+        c = container(docs, role)
+        assert "FP8RL_METRICS_PORT" not in _env(c) and [p["name"] for p in c["ports"]] == ["grpc"]
+        assert "prometheus.io/scrape" not in workload(docs, role)["spec"]["template"]["metadata"]["annotations"]
+    assert all(len(p["spec"]["ingress"]) == 1 for p in by_kind(docs, "NetworkPolicy").values())
+
+
+def test_metrics_service_monitor_and_grafana_dashboard():
+    import json
+
+    docs, _ = render(_values("monitoring"))
+    [sm] = by_kind(docs, "ServiceMonitor").values()
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics" and sm["spec"]["endpoints"][0]["interval"] == "30s"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["fp8rl"]}
+    selected = sm["spec"]["selector"]  # it selects exactly the role Services, by their labels
+    roles = set(selected["matchExpressions"][0]["values"])
+    for svc in by_kind(docs, "Service").values():
+        labels = svc["metadata"]["labels"]
+        chosen = all(labels.get(k) == v for k, v in selected["matchLabels"].items()) and \
+            labels["app.kubernetes.io/component"] in roles
+        assert chosen == (labels["app.kubernetes.io/component"] in FP8RL_ROLES), svc["metadata"]["name"]
+    cm = by_kind(docs, "ConfigMap")["rl-fp8rl-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["fp8rl.json"])
+    assert dash == json.loads((CHART / "dashboards" / "fp8rl.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+
+    from fp8rl.metrics import ServiceMetrics  # every series the dashboard plots is one the services export
+
+    families = {(f.name, f.type) for f in ServiceMetrics("x").registry.collect()}
+    exported = {n + {"counter": "_total", "histogram": "_bucket"}.get(t, "") for n, t in families}
+    import re
+
+    used = set(re.findall(r"fp8rl_[a-z_]+", exprs))
+    assert used and used <= exported, used - exported
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"metrics": {"enabled": True, "port": 50051}}, "/metrics/port"),
+    ({"metrics": {"enabled": True, "port": 9400, "serviceMonitor": {"interval": "often"}}},
+     "/metrics/serviceMonitor/interval"),
+])
+def test_bad_metrics_values_are_refused(values, message):
     with pytest.raises(helm.HelmError) as err:
         render(values)
     assert message in str(err.value)

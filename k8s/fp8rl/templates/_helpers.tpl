@@ -116,6 +116,12 @@ inlined: the Redis URL is composed by Kubernetes from $(FP8RL_REDIS_PASSWORD) at
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
+{{- if .Values.metrics.enabled }}
+- name: FP8RL_METRICS_PORT
+  value: {{ .Values.metrics.port | quote }}
+- name: FP8RL_METRICS_HOST
+  value: "0.0.0.0"
+{{- end }}
 {{- if .Values.redis.bundled }}
 - name: FP8RL_REDIS_PASSWORD
   valueFrom:

@@ -11,6 +11,11 @@ metadata:
     {{- include "fp8rl.labels" (dict "root" $root "component" .component) | nindent 4 }}
   annotations:
     checksum/job: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum | trunc 16 }}
+    {{- if and $root.Values.metrics.enabled $root.Values.metrics.podAnnotations }}
+    prometheus.io/scrape: "true"
+    prometheus.io/port: {{ $root.Values.metrics.port | quote }}
+    prometheus.io/path: /metrics
+    {{- end }}
 spec:
   automountServiceAccountToken: false
   enableServiceLinks: false
@@ -52,6 +57,11 @@ spec:
         - name: grpc
           containerPort: {{ .port }}
           protocol: TCP
+        {{- if $root.Values.metrics.enabled }}
+        - name: metrics
+          containerPort: {{ $root.Values.metrics.port }}
+          protocol: TCP
+        {{- end }}
       {{- include "fp8rl.probes" (dict "root" $root "port" .port "startupSeconds" (int $cfg.startupSeconds) "liveness" .liveness) | nindent 6 }}
       securityContext:
         {{- include "fp8rl.containerSecurityContext" $root | nindent 8 }}
@@ -90,4 +100,11 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
+    {{- if .root.Values.metrics.enabled }}
+    - name: metrics
+      port: {{ .root.Values.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+    {{- end }}
 {{- end -}}

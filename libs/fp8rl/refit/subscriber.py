@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -97,6 +97,7 @@ class RefitSubscriber:
         self.parallel_fetches, self.delta = parallel_fetches, delta
         self._base: tuple[Manifest, dict[str, torch.Tensor]] | None = None  # delta base: the applied version
         self.last_refit: dict | None = None  # version, how ("full" / "delta"), bytes pulled, seconds
+        self.on_applied: Callable[[dict], None] | None = None  # called with last_refit after each apply
         self.store, self.engine, self.source = store, engine, source
         self.replica_id = replica_id
         self.requires_scales = requires_scales
@@ -148,6 +149,11 @@ class RefitSubscriber:
                            "seconds": time.perf_counter() - t0}
         log.info("replica %s applied weight version %d (%d tensors, %s: %.1f MiB) in %.3f s", self.replica_id,
                  version, len(tensors), how, pulled.total_bytes / 2**20, time.perf_counter() - t0)
+        if self.on_applied is not None:
+            try:
+                self.on_applied(self.last_refit)
+            except Exception:  # noqa: BLE001 - an observer never fails an applied refit
+                log.exception("replica %s: the refit observer failed", self.replica_id)
         return version
 
     def _same_host(self, manifest: Manifest) -> bool:

@@ -35,7 +35,7 @@ Environment fallbacks (used when the matching argument is None; an empty string 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -237,6 +237,7 @@ def build_server(
     host: str = "[::]",
     scoped_tokens: ScopedTokens | None = None,
     reserved_workers: int = RESERVED_WORKERS,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, HealthServicer, int]:
     """Builds (but does not start) a gRPC server hosting the given servicers.
 
@@ -269,6 +270,8 @@ def build_server(
             INVALID_ARGUMENT).
         host: address to bind; the default listens on every interface (IPv4 and IPv6).
         scoped_tokens: one token per scope (service, client); a scope without one is open.
+        interceptors: run first, outside the token check and the request guard (e.g. the RPC metrics of
+            :mod:`fp8rl.metrics`, which then count refused calls with the code they got).
 
     Returns:
         ``(server, health, bound_port)``: the unstarted server, its health servicer (every
@@ -302,7 +305,7 @@ def build_server(
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fp8rl-grpc"),
-        interceptors=[*([_BearerTokenInterceptor(tokens)] if tokens.service or tokens.client else []),
+        interceptors=[*interceptors, *([_BearerTokenInterceptor(tokens)] if tokens.service or tokens.client else []),
                       RequestGuard(max(1, max_workers - reserved_workers))],
         options=options,
     )

@@ -155,7 +155,7 @@ class Stacks:
         job_file = tmp / "job.yaml"
         job_file.write_text(yaml.safe_dump(tiny_job(model_dir)))
         run_dir = tmp / "run"
-        up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+        up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180", "--metrics")
         if up.returncode != 0:
             pytest.fail(f"launcher up failed ({up.returncode}):\n{up.stderr[-4000:]}", pytrace=False)
         return Stack(run_dir, job_file, model_dir)

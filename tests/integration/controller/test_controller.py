@@ -78,6 +78,63 @@ def test_two_step_job_end_to_end_matches_the_in_process_loop(pristine_stack):
         assert r.token_mult_prob_error == pytest.approx(h["token_mult_prob_error"], rel=1e-4)
 
 
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """One GET of http://127.0.0.1:port/metrics, parsed by prometheus_client: {(sample name, labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_every_service_serves_prometheus_metrics_and_the_series_move_during_a_job(stack):
+    """Scrape each process's /metrics (the launcher gave each --metrics-port 0) before and after a 1-step job
+    and one refused submission: the counters each role owns moved by what the job did, nothing went down."""
+    ports = {p["role"]: p["metrics_port"] for p in stack.info["processes"] if p["role"] != "redis"}
+    assert set(ports) == {"trainer", "calibrator", "rollout", "reward", "controller"} and all(ports.values()), ports
+    before = {role: _scrape(port) for role, port in ports.items()}
+    with _client(stack) as c:
+        job_id = c.submit_job(stack.job_yaml(steps=1))
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        assert c.get_job(job_id).state == "succeeded"
+    assert _submit_raw(stack, stack.job_yaml(bogus_key=1))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    after = {role: _scrape(port) for role, port in ports.items()}
+
+    def moved(role: str, name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[role].get(key, 0.0) - before[role].get(key, 0.0)
+
+    ctl = after["controller"]
+    assert moved("controller", "fp8rl_steps_total") == 1 and ctl[("fp8rl_step", ())] == 0
+    r = reports[0]
+    assert ctl[("fp8rl_reward_mean", ())] == pytest.approx(r.reward_mean)
+    assert ctl[("fp8rl_token_mult_prob_error", ())] == pytest.approx(r.token_mult_prob_error)
+    assert ctl[("fp8rl_last_step_phase_seconds", (("phase", "rollout"),))] == pytest.approx(r.phase_times.rollout)
+    assert moved("controller", "fp8rl_step_phase_seconds_total", phase="train") == pytest.approx(r.phase_times.train)
+    assert ctl[("fp8rl_tokens_per_second", ())] > 0
+    assert moved("controller", "fp8rl_rpc_requests_total", method="JobService/SubmitJob", code="OK") == 1
+    assert moved("controller", "fp8rl_rpc_requests_total", method="JobService/SubmitJob", code="INVALID_ARGUMENT") == 1
+    assert moved("trainer", "fp8rl_train_steps_total") == 1
+    assert moved("trainer", "fp8rl_refits_total", direction="publish") == 1
+    assert moved("trainer", "fp8rl_refit_bytes_total", direction="publish") > 0
+    assert moved("trainer", "fp8rl_rpc_requests_total", method="TrainerService/TrainStep", code="OK") == 1
+    new_version = after["trainer"][("fp8rl_weight_version", ())]
+    assert new_version == before["trainer"][("fp8rl_weight_version", ())] + 1
+    assert moved("rollout", "fp8rl_generated_tokens_total") > 0 and moved("rollout", "fp8rl_generate_seconds_total") > 0
+    assert moved("rollout", "fp8rl_refits_total", direction="apply") == 1
+    assert after["rollout"][("fp8rl_weight_version", ())] == new_version
+    assert moved("reward", "fp8rl_graded_total") > 0
+    assert moved("calibrator", "fp8rl_calibrations_total") >= 1
+    assert moved("controller", "fp8rl_rpc_seconds_count", method="JobService/SubmitJob") == 2  # both are timed
+    for role in ports:  # and every role answered RPCs during the job
+        assert sum(v for (n, _), v in after[role].items() if n == "fp8rl_rpc_seconds_count") > \
+            sum(v for (n, _), v in before[role].items() if n == "fp8rl_rpc_seconds_count"), role
+
+
 def test_unknown_key_is_invalid_argument_naming_it(stack):
     job = yaml.safe_load(stack.job_yaml())
     job["grpo"]["bogus_key"] = 3
