@@ -165,24 +165,28 @@ CONTEXT_PATHS = ("pyproject.toml", "README.md", "deploy/docker/requirements.py",
 _SKIP_PARTS = ("__pycache__", ".egg-info")
 
 
-def inputs_digest(image: str, build_args: list[str], base: str) -> str:
-    """SHA-256 over what decides an image: its Dockerfile, the files it copies, the build arguments and
-    the base image's id. An image labelled with it needs no rebuild (podman re-hashes a 1.3 GB venv on
-    every ``COPY --from`` even when all its layers are cached: about 30 s per image)."""
+def context_digest() -> str:
+    """SHA-256 over the build-context files the role images copy (paths and contents)."""
     h = hashlib.sha256()
-    base_id = podman("image", "inspect", base, "--format", "{{.Id}}").stdout.strip()
-    for part in (dockerfile(image), base_id, *build_args):
+    for rel in CONTEXT_PATHS:
+        top = REPO / rel
+        for p in sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top]:
+            name = p.relative_to(REPO).as_posix()
+            if any(s in name for s in _SKIP_PARTS) or name.endswith(".pyc"):
+                continue
+            h.update(name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def inputs_digest(image: str, build_args: list[str], base_id: str, context: str) -> str:
+    """SHA-256 over what decides an image: its Dockerfile, the files it copies (``context``, from
+    :func:`context_digest`; redis's image copies none), the build arguments and the base image's id. An
+    image labelled with it needs no rebuild (podman re-hashes a 1.3 GB venv on every ``COPY --from`` even
+    when all its layers are cached: about 30 s per image)."""
+    h = hashlib.sha256()
+    for part in (dockerfile(image), hashlib.sha256((REPO / dockerfile(image)).read_bytes()).hexdigest(), base_id,
+                 "" if image == "redis" else context, *build_args):
         h.update(part.encode() + b"\0")
-    paths = [REPO / dockerfile(image)]
-    if image != "redis":
-        for rel in CONTEXT_PATHS:
-            top = REPO / rel
-            paths += sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top]
-    for p in paths:
-        rel = p.relative_to(REPO).as_posix()
-        if any(s in rel for s in _SKIP_PARTS) or rel.endswith(".pyc"):
-            continue
-        h.update(rel.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
     return h.hexdigest()
 
 
@@ -204,9 +208,11 @@ def build_images(roles=ROLES, *, base: str = BASE_IMAGE, log=print, rebuild: boo
     if wheels is not None:  # the CPU wheel is on this disk: no download.pytorch.org needed
         args += ["--build-context", f"wheels={wheels}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
     sizes = {}
+    base_id = podman("image", "inspect", base, "--format", "{{.Id}}").stdout.strip()
+    context = context_digest()
     for role in roles:
         t0 = time.monotonic()
-        digest = inputs_digest(role, args, base)
+        digest = inputs_digest(role, args, base_id, context)
         if not rebuild and image_inputs(image_tag(role)) == digest:
             sizes[role] = image_size(image_tag(role))
             log(f"image {image_tag(role)}: {sizes[role] / 1e6:.0f} MB, up to date (inputs {digest[:12]})")

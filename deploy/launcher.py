@@ -269,9 +269,8 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
     py = sys.executable
     tokens = write_tokens(run_dir)
     stack.info["secrets"] = tokens
-    auth = ["--service-token-file", tokens["service_token_file"], "--client-token-file", tokens["client_token_file"]]
-    if metrics:
-        auth += ["--metrics-port", "0"]
+    common = ["--service-token-file", tokens["service_token_file"], "--client-token-file",
+              tokens["client_token_file"], *(["--metrics-port", "0"] if metrics else [])]
     try:
         url = stack.start_redis()
         stack.info["redis_url"] = url
@@ -281,7 +280,7 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
             ready.unlink(missing_ok=True)
             return stack.spawn(name, role, [py, "-m", f"services.{role}", "--config", str(job_path), "--port", "0",
                                             "--host", "127.0.0.1", "--redis-url", url, "--job-id", namespace,
-                                            "--replica-id", name, "--ready-file", str(ready), *auth, *extra],
+                                            "--replica-id", name, "--ready-file", str(ready), *common, *extra],
                                ready)
 
         first = [service("trainer", "trainer", "--checkpoint-dir", str(run_dir / "checkpoints")),

@@ -190,6 +190,11 @@ def container_problem(service: str, state: dict, one_shot: bool) -> tuple[bool, 
     return health == "healthy", None
 
 
+def one_shot_services(config: dict) -> list[str]:
+    """The services that run once and exit (``restart: "no"``, e.g. model-init), in compose order."""
+    return [n for n, s in config["services"].items() if s.get("restart") in ("no", None)]
+
+
 def wait_healthy(client, project: str, config: dict, timeout: float, log=print,
                  run_check: Callable[[str], None] | None = None) -> None:
     """Polls the project's containers until all are ready (see :func:`container_problem`) or one fails.
@@ -198,7 +203,7 @@ def wait_healthy(client, project: str, config: dict, timeout: float, log=print,
     systemd timers runs none by itself); it is called for every running container still ``starting``.
     """
     expected = set(config["services"])
-    one_shot = {n for n, s in config["services"].items() if s.get("restart") in ("no", None)}
+    one_shot = set(one_shot_services(config))
     deadline, waiting = time.monotonic() + timeout, expected
     while time.monotonic() < deadline:
         seen, waiting = set(), set()
@@ -266,12 +271,6 @@ def run_job(target: str, token: str, job: Path, timeout: float, log=print,
     return final.step
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free loopback ports (held open together while chosen, so none repeats)."""
     socks = [socket.socket() for _ in range(n)]
@@ -322,23 +321,13 @@ def kill_and_await_restart(client, project: str, service: str, timeout: float, l
                        f"(status {c.attrs['State'].get('Status')}, restart count {c.attrs.get('RestartCount')})")
 
 
-def scrape(port: int, timeout: float = 10.0) -> dict[tuple[str, tuple], float]:
-    """One GET of ``http://127.0.0.1:port/metrics``, parsed: ``{(sample name, sorted labels): value}``."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 def summarize_metrics(ports: dict[str, int], steps: int, log=print) -> None:
     """Scrapes every role's /metrics after the job, prints what they say, and checks the job shows in them."""
+    from fp8rl.metrics import scrape
+
     try:
         got = {role: scrape(port) for role, port in ports.items()}
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise SmokeFailure(f"a service's /metrics did not answer: {exc}") from None
 
     def total(role: str, name: str, **labels) -> float:
@@ -398,7 +387,7 @@ class Engine:
             self.compose(["up", "--detach", "--no-build"], env, project, profile)
             return
         services = config["services"]
-        one_shot = [n for n, s in services.items() if s.get("restart") in ("no", None)]
+        one_shot = one_shot_services(config)
         first = sorted({*one_shot, *(d for n in one_shot for d in (services[n].get("depends_on") or {}))})
         if first:
             self.compose(["up", "--detach", "--no-build", *first], env, project, profile)
@@ -525,7 +514,7 @@ def smoke(profile: str = "cpu", job: Path = SMOKE_JOB, *, keep: bool = False, re
     if eng.name == "podman":
         env.update(zip(HOST_PORT_VARS, map(str, _free_ports(len(HOST_PORT_VARS))), strict=True))
     else:
-        env["FP8RL_CONTROLLER_PORT"] = str(_free_port())
+        env["FP8RL_CONTROLLER_PORT"] = str(_free_ports(1)[0])
     if docker_host:
         env["DOCKER_HOST"] = docker_host
     port = env["FP8RL_CONTROLLER_PORT"]

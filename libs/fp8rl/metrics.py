@@ -46,7 +46,7 @@ from contextlib import contextmanager
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
-__all__ = ["ServiceMetrics", "RpcMetricsInterceptor", "serve_metrics"]
+__all__ = ["ServiceMetrics", "RpcMetricsInterceptor", "serve_metrics", "scrape", "parse_metrics"]
 
 disable_created_metrics()  # no `*_created` twin of every counter: Prometheus does not need them
 RPC_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0, 300.0)
@@ -216,3 +216,30 @@ def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -
         except OSError as exc4:
             raise RuntimeError(f"could not serve metrics on {host}:{port}: {exc}; nor on 0.0.0.0: {exc4}") from None
     return MetricsServer(httpd, thread)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> Samples:
+    """Exposition text, parsed by prometheus_client's own parser: ``{(sample name, sorted labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> Samples:
+    """One GET of ``http://host:port/metrics``, parsed (:func:`parse_metrics`).
+
+    Raises:
+        OSError: nothing answered (``urllib.error.URLError`` included).
+        ValueError: the answer was not the text exposition format.
+    """
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
+        kind = r.headers.get("Content-Type", "")
+        if r.status != 200 or not kind.startswith("text/plain"):
+            raise ValueError(f"http://{host}:{port}/metrics answered {r.status} {kind!r}, not Prometheus text")
+        return parse_metrics(r.read().decode())

@@ -10,12 +10,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from deploy import containers
+from fp8rl.metrics import scrape
 
 pytestmark = pytest.mark.containers
 
@@ -82,11 +81,9 @@ def test_reward_container_serves_health_and_metrics_runs_non_root_and_stops_on_s
         uid = containers.podman("exec", name, "id", "-u").stdout.strip()
         assert uid == "10001"
         # /metrics from inside the image (prometheus-client installed): the health probes above were RPCs too
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        probes = [smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-                  if smp.name == "fp8rl_rpc_requests_total" and smp.labels == {"method": "Health/Check", "code": "OK"}]
-        assert probes and probes[0] >= 2, text[-2000:]
+        got = scrape(metrics_port)
+        probes = got.get(("fp8rl_rpc_requests_total", (("code", "OK"), ("method", "Health/Check"))), 0)
+        assert probes >= 2, got
         t0 = time.monotonic()
         containers.podman("stop", "--time", str(STOP_TIMEOUT_S), name, timeout=60)
         took = time.monotonic() - t0

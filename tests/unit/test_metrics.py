@@ -8,9 +8,9 @@ import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import generate_latest
 
-from fp8rl.metrics import RpcMetricsInterceptor, ServiceMetrics, serve_metrics
+from fp8rl.metrics import RpcMetricsInterceptor, ServiceMetrics, parse_metrics, scrape, serve_metrics
 from fp8rl.rpc import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.rpc.server import ScopedTokens, build_server
@@ -36,10 +36,7 @@ class Rollout(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 def _samples(m: ServiceMetrics) -> dict:
-    from prometheus_client import generate_latest
-
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in fam.samples}
+    return parse_metrics(generate_latest(m.registry).decode())
 
 
 @pytest.fixture
@@ -133,6 +130,7 @@ def test_the_exporter_serves_metrics_over_http_and_refuses_a_taken_port():
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=T) as r:
             text = r.read().decode()
         assert "fp8rl_graded_total 7.0" in text.splitlines()
+        assert scrape(srv.port)[("fp8rl_graded_total", ())] == 7
         with pytest.raises(RuntimeError, match=f"could not serve metrics on 127.0.0.1:{srv.port}"):
             serve_metrics(ServiceMetrics("other"), srv.port, "127.0.0.1")
     finally:
