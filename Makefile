@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ test-controls: $(STAMP)  ## the e2e learning run must pass the judge; its negati
 
 test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups across real processes, joins and leaves (about a minute)
 	$(BIN)/python -m pytest -m "collective and not chaos" $(PYTEST_ARGS)
+
+test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks vs 1, sharded checkpoints resharded 2->1->2, refit from ranks, a 2-rank trainer in the service stack with a rank SIGKILLed
+	$(BIN)/python -m pytest -m distributed $(PYTEST_ARGS)
 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)

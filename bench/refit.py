@@ -27,7 +27,9 @@ the ceiling), ``raw_socket`` (loopback TCP, server in a child process, client ``
 buffer), ``grpc`` (WeightStore in a child process, ``parallel_streams`` streams), ``shm`` (copy out of
 the trainer's file through the replica's kept mapping — the steady state of recycled files; and
 ``shm_fresh_map``, through a new mapping per piece — a version whose files are new),
-``collective`` (``torch.distributed`` gloo broadcast to a replica process).
+``collective`` (``torch.distributed`` gloo broadcast to a replica process, in the steady state where
+each version lands in the buffer of an evicted one; ``collective_fresh``, the first version, into new
+pages).
 Prints GB/s, the seconds an 8B refit would take, and ``ratio shm/memcpy``, ``ratio grpc/raw_socket``,
 ``ratio collective/raw_socket``.
 
@@ -383,8 +385,9 @@ def bench_throughput(args, redis_port: int, name: str, payload: _Payload) -> dic
     dst = torch.empty_like(src)
     dst.fill_(0)  # the replica's parameters exist before a refit
 
-    def per_piece(fn) -> float:
-        fn(0)  # warm-up piece
+    def per_piece(fn, warmup: int = 1) -> float:
+        for _ in range(warmup):  # warm-up pieces
+            fn(0)
         t0 = time.perf_counter()
         for k in range(payload.pieces):
             fn(k)
@@ -466,7 +469,7 @@ def bench_throughput(args, redis_port: int, name: str, payload: _Payload) -> dic
 
     if args.skip_collective:
         return res
-    from fp8rl.refit.transport.collective import CollectiveBroadcaster
+    from fp8rl.refit.transport.collective import KEEP_VERSIONS, SPARE_BUFFERS, CollectiveBroadcaster
 
     bc = CollectiveBroadcaster(store, join_timeout_s=60, op_timeout_s=600, poll_s=0.05)
     parent, child = ctx.Pipe()
@@ -487,7 +490,11 @@ def bench_throughput(args, redis_port: int, name: str, payload: _Payload) -> dic
             assert parent.recv() == m.total_bytes
 
         coll_piece.n = 0
-        res["collective"] = per_piece(coll_piece)
+        t0 = time.perf_counter()
+        coll_piece(0)  # into a fresh buffer: the replica's first versions
+        res["collective_fresh"] = sum(payload.sizes(0)) / (time.perf_counter() - t0) / 1e9
+        # the steady state: once KEEP_VERSIONS are held, each broadcast lands in an evicted version's buffer
+        res["collective"] = per_piece(coll_piece, warmup=KEEP_VERSIONS + SPARE_BUFFERS)
     finally:
         parent.send(None)
         proc.join(timeout=60)

@@ -7,13 +7,22 @@ divided by the *global* number of generated tokens, so gradient accumulation sum
 full-batch gradient. Checkpoints hold weights, optimizer state, RNG state and the version, and
 resume bit-identically. A ``should_stop`` check runs before every micro-batch; a step it stops leaves
 weights, optimizer and version as they were.
+
+With a :class:`~fp8rl.engines.parallel.DataParallel` group (``policy.training.dp_size`` > 1, under torchrun)
+the same trainer runs on every rank over FSDP2: the rows, the numbers and the agreement rules are in
+:mod:`fp8rl.engines.parallel`. Its checkpoints are ``torch.distributed.checkpoint`` directories
+(``*.dcp``: each rank writes its own shards, and loading reshards to any world size, one rank included);
+a single-rank trainer still writes one ``.pt`` file, and both kinds load at any world size.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +31,8 @@ from fp8rl.fp8 import Fp8Recipe, convert_model
 from fp8rl.model import CausalLM
 from fp8rl.rl import LossConfig, policy_loss
 
-from .base import ShouldStop, TrainBatch, TrainerBackend, check_stop
+from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
+from .parallel import DataParallel, full_tensor
 
 __all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs"]
 
@@ -90,9 +100,11 @@ class TorchTrainer(TrainerBackend):
         ref_model: frozen reference policy for the KL term (kept in high precision), or None.
         initial_version: version of ``model``'s weights.
         seed: seeds the trainer's RNG (dropout-free models only use it for bookkeeping).
+        parallel: the data-parallel group to shard over (every rank builds the same trainer), or None.
     """
 
     CHECKPOINT_FORMAT = "fp8rl-torch-trainer/1"
+    DCP_META = "fp8rl.json"  # beside a .dcp checkpoint's shards: format, version, recipe, world size
 
     def __init__(
         self,
@@ -103,15 +115,21 @@ class TorchTrainer(TrainerBackend):
         ref_model: CausalLM | None = None,
         initial_version: int = 0,
         seed: int = 0,
+        parallel: DataParallel | None = None,
     ) -> None:
         self.recipe = recipe
         self.config = config
+        self.parallel = parallel
         self.model = self._build_policy(model, recipe).train()
+        if parallel is not None:
+            self.model = parallel.shard(self.model)
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self._build_reference(ref_model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+            if parallel is not None:
+                self.ref_model = parallel.shard(self.ref_model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -130,11 +148,31 @@ class TorchTrainer(TrainerBackend):
     def version(self) -> int:
         return self._version
 
-    def _micro_batches(self, batch: TrainBatch, should_stop: ShouldStop | None = None):
+    @property
+    def checkpoint_suffix(self) -> str:
+        """What :meth:`save_checkpoint` writes: one ``.pt`` file, or a ``.dcp`` directory of per-rank shards."""
+        return ".pt" if self.parallel is None else ".dcp"
+
+    def _spans(self, rows: int) -> list[tuple[int, int]]:
+        """The micro-batches of ``rows`` rows, as on one rank: ``[start, stop)`` of ``micro_batch_size``."""
         mb = self.config.micro_batch_size
-        for start in range(0, batch.input_ids.shape[0], mb):
-            check_stop(should_stop, "training step")
-            yield batch.slice(start, start + mb)
+        return [(a, min(a + mb, rows)) for a in range(0, rows, mb)]
+
+    def _micro_batches(self, batch: TrainBatch, should_stop: ShouldStop | None = None):
+        """``(round, j, micro-batch)`` this rank runs: every one on a single rank; with a group, micro-batch
+        ``j`` on rank ``j % N`` (``j`` None: a zero-token filler), the stop decision agreed before each."""
+        spans = self._spans(batch.input_ids.shape[0])
+        p = self.parallel
+        if p is None:
+            for j, (a, b) in enumerate(spans):
+                check_stop(should_stop, "training step")
+                yield j, j, batch.slice(a, b)
+            return
+        for i in range(p.rounds(len(spans))):
+            if p.any(should_stop is not None and should_stop()):  # rank 0 decides; all raise together
+                raise Cancelled("training step stopped: the caller cancelled or its deadline passed")
+            j = i * p.world + p.rank
+            yield (i, j, batch.slice(*spans[j])) if j < len(spans) else (i, None, _filler(batch))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
@@ -142,10 +180,20 @@ class TorchTrainer(TrainerBackend):
 
     @torch.no_grad()
     def _logprobs_of(self, model: CausalLM, batch: TrainBatch, should_stop: ShouldStop | None = None) -> torch.Tensor:
-        outs = [
-            sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.config.temperature)
-            for mb in self._micro_batches(batch, should_stop)
-        ]
+        p, t = self.parallel, self.config.temperature
+        if p is None:
+            return torch.cat([sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
+                              for _, _, mb in self._micro_batches(batch, should_stop)], dim=0)
+        spans, mb_rows = self._spans(batch.input_ids.shape[0]), self.config.micro_batch_size
+        outs: list[torch.Tensor | None] = [None] * len(spans)
+        for i, _, mb in self._micro_batches(batch, should_stop):
+            lp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)  # (rows, T)
+            padded = lp.new_zeros(mb_rows, lp.shape[1])
+            padded[:lp.shape[0]] = lp
+            for r, got in enumerate(p.gather_rows(padded)):  # every rank gets every row
+                j = i * p.world + r
+                if j < len(spans):
+                    outs[j] = got[:spans[j][1] - spans[j][0]]
         return torch.cat(outs, dim=0)
 
     def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
@@ -185,9 +233,10 @@ class TorchTrainer(TrainerBackend):
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
-        for mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
+        grouped = self.parallel is not None
+        for _, _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             n_mb = mb.num_tokens
-            if n_mb == 0:
+            if n_mb == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue
             curr = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.config.temperature)
             loss, m = policy_loss(
@@ -199,12 +248,21 @@ class TorchTrainer(TrainerBackend):
             for k, v in m.items():  # sums for globally-normalised values, token-weighted means otherwise
                 if k in ("pg_loss", "kl", "num_tokens"):
                     totals[k] = totals.get(k, 0.0) + float(v)
-                else:
-                    totals[k] = totals.get(k, 0.0) + float(v) * n_mb
+                else:  # a zero-token micro-batch adds nothing (and its key exists on every rank)
+                    totals[k] = totals.get(k, 0.0) + (float(v) * n_mb if n_mb else 0.0)
                     weights[k] = weights.get(k, 0.0) + n_mb
+        if grouped:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
+            keys, wkeys = sorted(totals), sorted(weights)
+            summed = self.parallel.sum(torch.tensor([totals[k] for k in keys] + [weights[k] for k in wkeys],
+                                                    dtype=torch.float64)).tolist()
+            totals = dict(zip(keys, summed[:len(keys)], strict=True))
+            weights = dict(zip(wkeys, summed[len(keys):], strict=True))
         for k, w in weights.items():
             totals[k] /= max(w, 1.0)
-        if self.config.grad_clip > 0:
+        if grouped:  # the global norm of the sharded gradients (DTensor reduction); inf clips nothing
+            gn = full_tensor(torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.grad_clip if self.config.grad_clip > 0 else float("inf")))
+        elif self.config.grad_clip > 0:
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         else:
             gn = torch.linalg.vector_norm(
@@ -218,16 +276,30 @@ class TorchTrainer(TrainerBackend):
         return totals
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        """Full master weights under HF names; with a group, each gathered from its shards (every rank must
+        call this, in the same order: rank 0 publishes, the others drop theirs)."""
+        sd = {k: full_tensor(v.detach()) for k, v in self.model.state_dict().items()}
         if self.model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         return sd
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite the master weights in place (e.g. to start from a published version)."""
+        """Overwrite the master weights in place (e.g. to start from a published version); with a group, every
+        rank passes the same full tensors and keeps its shard."""
+        if self.parallel is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, tensors, options=StateDictOptions(
+                full_state_dict=True, strict=not self.model.config.tie_word_embeddings))
+            return
         self.model.load_state_dict(tensors, strict=not self.model.config.tie_word_embeddings)
 
     def save_checkpoint(self, path: str) -> None:
+        """One ``.pt`` file on a single rank; a ``.dcp`` directory (every rank its shards) with a group, or
+        when ``path`` ends in ``.dcp``. Either appears whole or not at all."""
+        if self.parallel is not None or path.endswith(".dcp"):
+            self._save_dcp(path)
+            return
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
         state = {
             "format": self.CHECKPOINT_FORMAT,
@@ -247,14 +319,98 @@ class TorchTrainer(TrainerBackend):
         self._version = version
 
     def load_checkpoint(self, path: str) -> None:
+        """A ``.pt`` file or a ``.dcp`` directory, written at any world size (resharded to this one)."""
+        if os.path.isdir(path):
+            self._load_dcp(path)
+            return
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("format") != self.CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint (format={state.get('format')!r})")
-        if state["recipe_linear"] != self.recipe.linear:
-            raise ValueError(
-                f"{path} was trained with {state['recipe_linear']} linears, this trainer uses {self.recipe.linear}"
+        self._check_recipe(path, state["recipe_linear"])
+        if self.parallel is None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # a single rank's file, every rank reading it: keep this rank's shards of weights and AdamW state
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, state["model"], options=full)
+            set_optimizer_state_dict(self.model, self.optimizer, _by_name(self.model, state["optimizer"]),
+                                     options=full)
         torch.set_rng_state(state["rng"])
         self._version = int(state["version"])
+
+    def _check_recipe(self, path: str, linear: str) -> None:
+        if linear != self.recipe.linear:
+            raise ValueError(f"{path} was trained with {linear} linears, this trainer uses {self.recipe.linear}")
+
+    def _leads(self) -> bool:
+        return self.parallel is None or self.parallel.leader
+
+    def _barrier(self) -> None:
+        if self.parallel is not None:
+            self.parallel.barrier()
+
+    def _save_dcp(self, path: str) -> None:
+        """Every rank writes its shards into ``path.tmp``; rank 0 adds the metadata and renames it to ``path``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        target = Path(path).absolute()
+        tmp = target.with_name(target.name + ".tmp")
+        if self._leads():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
+        self._barrier()
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": msd, "optim": osd, "rng": torch.get_rng_state()}, checkpoint_id=str(tmp))
+        if self._leads():
+            meta = {"format": self.CHECKPOINT_FORMAT, "version": self._version, "recipe_linear": self.recipe.linear,
+                    "world_size": 1 if self.parallel is None else self.parallel.world}
+            (tmp / self.DCP_META).write_text(json.dumps(meta))
+            old = target.with_name(target.name + ".old")
+            if target.exists():  # a named checkpoint saved again
+                target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+
+    def _load_dcp(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        meta_file = Path(path) / self.DCP_META
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint: {meta_file}: {exc}") from None
+        if not isinstance(meta, dict) or meta.get("format") != self.CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint ({self.DCP_META}: {meta!r:.200})")
+        self._check_recipe(path, meta.get("recipe_linear"))
+        msd, osd = get_state_dict(self.model, self.optimizer)  # this world's layout; DCP reshards into it
+        state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        torch.set_rng_state(state["rng"])
+        self._version = int(meta["version"])
+
+
+def _filler(batch: TrainBatch) -> TrainBatch:
+    """A one-row, zero-token micro-batch: its loss and gradient are exactly 0 (a rank with no rows left in a
+    round runs it, since FSDP's forward and backward are collectives)."""
+    f = batch.slice(0, 1)
+    f.loss_mask = torch.zeros_like(f.loss_mask)
+    f.advantages = torch.zeros_like(f.advantages)
+    return f
+
+
+def _by_name(model: torch.nn.Module, osd: dict) -> dict:
+    """``torch.optim`` state (keyed by parameter position) keyed by parameter name instead, as
+    ``set_optimizer_state_dict`` takes it; positions follow ``model.parameters()``, which built the optimizer."""
+    names = [n for n, _ in model.named_parameters()]
+    return {"state": {names[i]: st for i, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}

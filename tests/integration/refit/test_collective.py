@@ -94,6 +94,7 @@ def _replica_main(redis_url: str, job: str, replica_id: str, conn) -> None:
     source = CollectiveShardSource(store, replica_id, fetch_timeout_s=3.0, heartbeat_s=0.3, member_ttl_s=1.5,
                                    poll_s=0.05)
     conn.send(("ready", replica_id))
+    held: list[memoryview] = []  # views kept by "hold", as an engine keeps a payload it has not applied yet
     while conn.poll(120):  # the parent went away: stop
         cmd, *args = conn.recv()
         try:
@@ -105,6 +106,12 @@ def _replica_main(redis_url: str, job: str, replica_id: str, conn) -> None:
                 RefitSubscriber(store, target, source, replica_id, requires_scales=False, retries=5,
                                 poll_s=0.2).sync_to(args[0])
                 conn.send(("ok", tensor_digest(target.tensors)))
+            elif cmd == "hold":  # fetch a version and keep its views
+                manifest = store.get_manifest(args[0])
+                held = [source.fetch(manifest, i) for i in range(manifest.num_shards)]
+                conn.send(("ok", [sha(h) for h in held]))
+            elif cmd == "held":  # the digests of the kept views now
+                conn.send(("ok", [sha(h) for h in held]))
             elif cmd == "stats":
                 conn.send(("ok", json.dumps(source.stats())))
             elif cmd == "close":
@@ -232,6 +239,21 @@ def test_two_replicas_get_every_version_byte_for_byte(store, publisher, broadcas
     s = broadcaster.stats()
     assert s["versions"] >= 2 and s["failures"] == 0 and s["members"] == ["r-a", "r-b"]
     assert s["bytes"] >= store.get_manifest(1).total_bytes + store.get_manifest(2).total_bytes
+
+
+def test_received_buffers_are_reused_only_when_no_view_of_them_is_left(store, publisher, broadcaster, replicas):
+    """A replica keeps the views of v1 while v2..v5 arrive: v1 is evicted at v3 and its buffer must not be
+    written while those views live; v2's buffer (its views dropped) is reused, so reuse does happen."""
+    a = replicas("r-a")
+    want1 = publish(publisher, broadcaster, 1)
+    assert a.ask("hold", 1) == want1
+    for v in range(2, 6):
+        want = publish(publisher, broadcaster, v)
+        assert a.ask("fetch", v, 20.0) == want, f"version {v}"
+    assert a.ask("held") == want1, "a view of an evicted version changed: its buffer was reused while held"
+    s = json.loads(a.ask("stats"))
+    assert s["versions"] >= 5 and s["failures"] == 0
+    assert s["reused_buffers"] >= 1, s
 
 
 def test_a_late_replica_joins_and_gets_the_next_version(store, publisher, broadcaster, replicas):

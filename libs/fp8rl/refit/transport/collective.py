@@ -30,7 +30,11 @@ bucket_bytes]``, then the concatenated shard bytes in consecutive buckets of ``b
 last one shorter): small shards share a bucket, a large one spans several. A replica needs only the
 header to lay out its buffer — one contiguous ``uint8`` tensor per version; each bucket is received
 straight into its slice of it (no copy on gloo) and ``fetch`` returns a writable ``memoryview`` of
-shard i. Buffers are never reused, so a returned view stays valid after its version leaves the cache.
+shard i. A returned view stays valid after its version leaves the cache: an evicted version's buffer is
+reused for a later broadcast only once nothing refers to it any more (every view ``fetch`` handed out,
+and every tensor made from one, is gone — seen through a weak reference to the array all views are cut
+from). Receiving into pages already touched runs at about 2.5× the speed of a fresh buffer here, whose
+page faults cost more than gloo's loopback copy.
 
 Membership changes: before each version, and every ``poll_s`` when idle, the trainer compares the live
 members with its epoch's; a difference, or a broken epoch, starts a new epoch (ending the old one) and
@@ -53,6 +57,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -461,8 +466,35 @@ class _Received:
     version: int
     num_shards: int
     total_bytes: int
-    buffer: torch.Tensor  # (total_bytes,) uint8, never reused
-    view: memoryview
+    buffer: torch.Tensor  # (total_bytes,) uint8; reused only after every view of it is gone
+    view: memoryview  # of ``buffer.numpy()``: every view fetch returns is cut from it
+
+
+SPARE_BUFFERS = 1  # evicted receive buffers a replica keeps for reuse (each is a whole version)
+
+
+class _BufferPool:
+    """Evicted receive buffers, each handed out again only when nothing refers to its array any more."""
+
+    def __init__(self, keep: int = SPARE_BUFFERS) -> None:
+        self.keep, self.reused = keep, 0  # reused: buffers handed out again
+        self._spare: list[tuple[torch.Tensor, weakref.ref]] = []  # newest last
+
+    def retire(self, buffer: torch.Tensor, view: memoryview | None) -> None:
+        """Offer ``buffer`` for reuse; ``view`` is the memoryview every handed-out view was cut from (None:
+        no view was ever handed out)."""
+        ref = weakref.ref(view.obj) if view is not None else (lambda: None)
+        self._spare.append((buffer, ref))
+        del self._spare[:-self.keep]
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A (nbytes,) uint8 buffer: a spare of that size nothing refers to, else a fresh one."""
+        for i, (buf, ref) in enumerate(self._spare):
+            if buf.numel() == nbytes and ref() is None:
+                del self._spare[i]
+                self.reused += 1
+                return buf
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class CollectiveShardSource:
@@ -497,6 +529,7 @@ class CollectiveShardSource:
         self._stopping = threading.Event()
         self._closed = False
         self._cache: dict[int, _Received] = {}
+        self._pool = _BufferPool()  # touched only by the receiver thread
         self._failed: dict[int, str] = {}  # version -> why its broadcast failed here
         self._epoch: int | None = None  # the epoch joined now, and its store's endpoint
         self._epoch_store: str | None = None
@@ -569,9 +602,10 @@ class CollectiveShardSource:
             return sorted(self._cache)
 
     def stats(self) -> dict[str, Any]:
-        """Counters: versions received, bytes, seconds, epochs joined, failures, malformed_epochs; epoch."""
+        """Counters: versions received, bytes, seconds, epochs joined, failures, malformed_epochs,
+        reused_buffers (broadcasts received into an evicted version's buffer); epoch."""
         with self._cv:
-            return {**self._stats, "epoch": self._epoch}
+            return {**self._stats, "reused_buffers": self._pool.reused, "epoch": self._epoch}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leave membership (the trainer re-forms without us), stop the threads (waiting at most
@@ -713,6 +747,7 @@ class CollectiveShardSource:
                         spec.epoch, version)
             return False
         t0 = time.perf_counter()
+        buffer = None
         try:
             header = torch.zeros(5, dtype=torch.int64)
             group.recv_into(header)
@@ -720,10 +755,12 @@ class CollectiveShardSource:
             if magic != MAGIC or v != version or num_shards < 1 or total < 0 or bucket < 1:
                 raise CollectiveTransferError(f"bad broadcast header {header.tolist()} for announced version "
                                               f"{version}")
-            buffer = torch.empty(total, dtype=torch.uint8)  # (total,) the shards back to back
+            buffer = self._pool.take(total)  # (total,) the shards back to back
             for off, size in _buckets(total, bucket):
                 group.recv_into(buffer[off:off + size])  # straight into place: no copy on gloo
         except Exception as exc:  # noqa: BLE001 - a dead peer, a timeout, a bad header
+            if buffer is not None:
+                self._pool.retire(buffer, None)  # half-written, never handed out
             with self._cv:
                 self._failed[version] = f"epoch {spec.epoch}: {exc}"
                 for old in sorted(self._failed)[:-8]:
@@ -737,13 +774,16 @@ class CollectiveShardSource:
         rec = _Received(v, num_shards, total, buffer, memoryview(buffer.numpy()).cast("B"))
         with self._cv:
             self._cache[v] = rec
-            for old in sorted(self._cache)[:-KEEP_VERSIONS]:
-                del self._cache[old]
+            evicted = [self._cache.pop(old) for old in sorted(self._cache)[:-KEEP_VERSIONS]]
             self._failed.pop(v, None)
             s = self._stats
             s["versions"] += 1
             s["bytes"] += total
             s["seconds"] += dt
             self._cv.notify_all()
+        while evicted:  # this frame keeps no reference to an evicted version once it is retired
+            gone = evicted.pop()
+            self._pool.retire(gone.buffer, gone.view)
+            del gone
         log.info("replica %s received weight version %d (%.1f MiB) in %.3f s", self.replica_id, v, total / MiB, dt)
         return True

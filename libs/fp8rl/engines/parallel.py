@@ -1,0 +1,118 @@
+"""Data parallelism for the embedded trainer: FSDP2 over the ``torch.distributed`` default group.
+
+:class:`DataParallel` is what :class:`~fp8rl.engines.TorchTrainer` needs to run one GRPO step over N ranks
+(gloo on CPU, NCCL on GPU), each rank holding the whole batch (the leader broadcasts it, see
+``services/trainer/ranks.py``) and computing a slice of it:
+
+* **Sharding.** Every decoder layer and the root are ``fully_shard``-ed (FSDP2): parameters, gradients and
+  AdamW's ``exp_avg`` / ``exp_avg_sq`` live as 1/N DTensor shards; a layer's full weight exists only
+  while its forward or backward runs.
+* **Which rows.** A mini-batch is cut into micro-batches of ``micro_batch_size`` rows exactly as on one
+  rank; micro-batch ``j`` runs on rank ``j % N`` in round ``j // N``. A rank with no micro-batch left in a
+  round runs a one-row, zero-token one (its loss is exactly 0, so its gradient adds exactly 0), because
+  every FSDP forward and backward is a collective all ranks must join.
+* **The same numbers as one rank.** Because the micro-batches are the very ones one rank would run, FP8's
+  1×128 quantization blocks (which run along tokens in the weight gradient) see the same tokens: logprobs
+  are bitwise those of one rank, and the gradient differs only by FP32 summation order (the micro-batch
+  gradients are added in another order, and across ranks by a reduce-scatter). Losses are normalised by
+  the *global* token count of the mini-batch, which every rank reads off the whole batch, so the
+  reduce-scatter must *sum* (``set_gradient_divide_factor(1)`` with forced SUM: gloo has no PREMUL_SUM).
+* **Agreement.** Whether to stop (a cancelled call) is decided by rank 0 and all-reduced before every
+  micro-batch, so all ranks raise :class:`~fp8rl.engines.Cancelled` together; gradient-norm clipping uses
+  the global norm (a DTensor reduction); metrics are summed across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["DataParallel", "full_tensor", "init_from_env", "WORLD_ENV", "DEFAULT_TIMEOUT_S"]
+
+WORLD_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for each worker
+DEFAULT_TIMEOUT_S = 600.0  # most seconds one collective waits for a peer (a dead one fails sooner: its socket closes)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a DTensor gathered from its shards (a collective every rank must join), else ``t``."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel | None:
+    """The default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), as a :class:`DataParallel` — or None for a single process (no ``WORLD_SIZE``, or 1).
+
+    ``backend`` defaults to NCCL when CUDA is available, else gloo.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return DataParallel.current()
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The data-parallel group a trainer runs in (the default process group).
+
+    Attributes:
+        rank: this process's rank (0 serves; see the module docstring).
+        world: number of ranks.
+    """
+
+    rank: int
+    world: int
+
+    @classmethod
+    def current(cls) -> DataParallel:
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallel needs torch.distributed's default process group (init_from_env)")
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with each decoder layer and the root fully sharded (FSDP2), gradients summed across ranks."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # losses are already divided by the global token count
+                m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def rounds(self, num_micro_batches: int) -> int:
+        """Rounds of micro-batches every rank runs (the last ones on some ranks are zero-token fillers)."""
+        return -(-num_micro_batches // self.world)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (an all-reduce: every rank must call it)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks of a float64 vector (in place; returned)."""
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def gather_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``rows`` (same shape on all ranks), in rank order."""
+        out = [torch.empty_like(rows) for _ in range(self.world)]
+        dist.all_gather(out, rows.contiguous())
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,129 @@
+"""One rank of a distributed-trainer test, run by ``torchrun`` (or as a single plain process).
+
+    torchrun --nproc-per-node N tests/distributed/rank_worker.py SCENARIO OUT_DIR JSON_ARGS
+
+Scenarios (rank 0 writes its results into OUT_DIR as ``torch.save`` files the test loads with
+``weights_only=True``):
+
+* ``step``: the same seeded model and batch at any world size; logprobs, one train step's metrics and
+  the full (gathered) gradients, with the optimizer's update skipped so the gradients stay inspectable.
+* ``save``: train ``steps`` steps, save a checkpoint to ``path``; writes the full weights and AdamW state.
+* ``load``: load ``path``, write the full weights and AdamW state as loaded, then optionally save again
+  to ``save_to`` after one more step (``then_step``).
+* ``publish``: load ``path`` and build the refit shards of the weights (``build_shards``, FP8 linears);
+  writes the manifest's checksums and sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from fp8rl.engines import TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.engines.parallel import DataParallel, full_tensor, init_from_env
+from fp8rl.fp8 import recipe_for_role
+from fp8rl.model import CausalLM, ModelConfig
+
+CONFIG = dict(architecture="llama", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def policy() -> CausalLM:
+    torch.manual_seed(1234)
+    m = CausalLM(ModelConfig(**CONFIG))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(3.0)
+    return m
+
+
+def batch(rows: int, seed: int = 0) -> TrainBatch:
+    """Right-padded rows of uneven prompt and response lengths, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    t = 24
+    ids = torch.zeros(rows, t, dtype=torch.long)
+    attn, loss = torch.zeros(rows, t, dtype=torch.long), torch.zeros(rows, t, dtype=torch.long)
+    for b in range(rows):
+        p = int(torch.randint(3, 9, (1,), generator=g))
+        r = int(torch.randint(2, t - p + 1, (1,), generator=g))
+        ids[b, :p + r] = torch.randint(3, 128, (p + r,), generator=g)
+        attn[b, :p + r] = 1
+        loss[b, p:p + r] = 1
+    adv = torch.randn(rows, generator=g)
+    gen = -torch.rand(rows, t, generator=g) * 3 * loss
+    return TrainBatch(ids, attn, loss, adv, gen)
+
+
+def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
+    cfg = TrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=args["micro_batch_size"],
+                        grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1))
+    return TorchTrainer(policy(), recipe_for_role(args["recipe"], "trainer"), cfg, parallel=parallel)
+
+
+def full_state(tr: TorchTrainer) -> dict[str, torch.Tensor]:
+    """Weights and AdamW state, whole, under parameter names (gathered on every rank)."""
+    out = {f"w/{k}": v.clone() for k, v in tr.state_dict().items()}
+    names = {id(p): n for n, p in tr.model.named_parameters()}
+    for p, st in tr.optimizer.state.items():
+        for k, v in st.items():
+            out[f"opt/{names[id(p)]}/{k}"] = full_tensor(v).clone() if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def main(scenario: str, out: Path, args: dict) -> None:
+    torch.set_num_threads(1)
+    par = init_from_env()
+    lead = par is None or par.leader
+    tr = trainer(args, par)
+    res: dict = {}
+    if scenario == "step":
+        b = batch(args["rows"])
+        b.prev_logprobs = tr.compute_logprobs(b)
+        res["logprobs"] = b.prev_logprobs.clone()
+        tr.optimizer.step = lambda: None  # keep the gradients for inspection
+        metrics = tr.train_step(b)
+        res["metrics"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
+        res["grads"] = {n: full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()}
+    elif scenario == "save":
+        for s in range(args.get("steps", 1)):
+            tr.train_step(batch(args["rows"], seed=10 + s))
+        tr.save_checkpoint(args["path"])
+        res["state"] = full_state(tr)
+        res["version"] = torch.tensor(tr.version)
+    elif scenario == "load":
+        tr.load_checkpoint(args["path"])
+        res["state"] = full_state(tr)
+        res["version"] = torch.tensor(tr.version)
+        if args.get("then_step"):
+            tr.train_step(batch(args["rows"], seed=99))
+            res["after"] = full_state(tr)
+        if args.get("save_to"):
+            tr.save_checkpoint(args["save_to"])
+    elif scenario == "publish":
+        from fp8rl.fp8 import fp8_linear_names
+        from fp8rl.refit import build_shards
+
+        tr.load_checkpoint(args["path"])
+        sd = tr.state_dict()  # every rank gathers; rank 0 builds
+        if lead:
+            rollout = recipe_for_role(args["recipe"], "rollout")
+            manifest, shards = build_shards(sd, tr.version, job="dist", recipe=args["recipe"], endpoint="",
+                                            shard_bytes=1 << 20, fp8_prefixes=fp8_linear_names(policy(), rollout))
+            res["manifest"] = manifest.to_json_bytes().decode()
+            res["shards"] = [torch.frombuffer(bytearray(memoryview(s).cast("B")), dtype=torch.uint8) for s in shards]
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    if lead:
+        torch.save(res, out / "rank0.pt")
+    if par is not None:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]))
+    sys.stdout.flush()
+    os._exit(0)  # gloo's teardown can outlive the test's patience
