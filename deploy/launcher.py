@@ -249,6 +249,19 @@ def _prepare_model(job) -> None:
                           f"directory (relative paths are relative to {REPO})")
 
 
+TRAINER_MAX_RESTARTS = 3  # torchrun restarts a rank group this often before the trainer counts as failed
+
+
+def trainer_ranks(dp_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(launch, extra)``: how ``python -m`` starts the trainer for ``policy.training.dp_size`` ranks — under
+    torchrun (one node, a free rendezvous port, the group restarted on a rank's death) resuming from its newest
+    checkpoint after a restart — and nothing extra for one rank."""
+    if dp_size <= 1:
+        return (), ()
+    return (("torch.distributed.run", "--standalone", "--nproc-per-node", str(dp_size), "--max-restarts",
+             str(TRAINER_MAX_RESTARTS), "-m"), ("--resume", "auto"))
+
+
 def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
        ready_timeout: float = 300.0, metrics: bool = False) -> _Stack:
     """Start the stack for ``job_path`` into ``run_dir``; returns it once every service is ready.
@@ -275,15 +288,17 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
         url = stack.start_redis()
         stack.info["redis_url"] = url
 
-        def service(name: str, role: str, *extra: str) -> dict:
+        def service(name: str, role: str, *extra: str, launch: tuple[str, ...] = ()) -> dict:
             ready = run_dir / "ready" / f"{name}.json"
             ready.unlink(missing_ok=True)
-            return stack.spawn(name, role, [py, "-m", f"services.{role}", "--config", str(job_path), "--port", "0",
-                                            "--host", "127.0.0.1", "--redis-url", url, "--job-id", namespace,
-                                            "--replica-id", name, "--ready-file", str(ready), *common, *extra],
-                               ready)
+            return stack.spawn(name, role, [py, "-m", *launch, f"services.{role}", "--config", str(job_path),
+                                            "--port", "0", "--host", "127.0.0.1", "--redis-url", url, "--job-id",
+                                            namespace, "--replica-id", name, "--ready-file", str(ready), *common,
+                                            *extra], ready)
 
-        first = [service("trainer", "trainer", "--checkpoint-dir", str(run_dir / "checkpoints")),
+        launch, extra = trainer_ranks(job.policy.training.dp_size)
+        first = [service("trainer", "trainer", "--checkpoint-dir", str(run_dir / "checkpoints"), *extra,
+                         launch=launch),
                  service("calibrator", "calibrator"),
                  *(service(f"rollout-{i}", "rollout") for i in range(replicas)),
                  service("reward", "reward")]

@@ -67,6 +67,9 @@ call; a job's ``num_prompts_per_step × num_generations_per_prompt`` is bounded 
 MAX_SCORE_ITEMS = MAX_BATCH_ROWS
 """Items of one Score call (reward ``--max-items``)."""
 
+MAX_TRAINER_RANKS = 1024
+"""Data-parallel trainer ranks one job may ask for (``policy.training.dp_size``)."""
+
 MAX_RESPONSE_CHARS = 1 << 18
 """Characters of one Score item's response or answer (reward ``--max-response-chars``)."""
 

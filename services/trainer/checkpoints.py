@@ -6,17 +6,20 @@ Invariants:
   (``--checkpoint-dir``); a request never supplies a path. A name is a plain file stem
   (:data:`NAME_PATTERN`: no separators, no ``..``, at most 64 characters), so ``<dir>/<name>.pt``
   cannot leave the directory.
+* A checkpoint is a ``.pt`` file (one rank) or a ``.dcp`` directory of per-rank shards (a trainer over
+  ``policy.training.dp_size`` ranks); both kinds count, prune and resume alike.
 * Disk use is bounded: automatic checkpoints (``trainer-v<version>.pt``, what the controller asks for
   every ``job.checkpoint_every`` steps) are pruned to the newest ``keep`` by version after each save;
   named checkpoints are never pruned, but at most ``max_named`` distinct names exist (saving under an
   existing name replaces it).
-* A checkpoint file appears whole or not at all (the backends write a temporary file and rename it).
+* A checkpoint appears whole or not at all (the backends write a temporary file or directory and rename it).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
 from pathlib import Path
 
 from fp8rl.engines import TrainerBackend
@@ -26,7 +29,8 @@ log = logging.getLogger(__name__)
 __all__ = ["AUTO_PATTERN", "NAME_PATTERN", "CheckpointDir", "CheckpointLimitError", "CheckpointNameError",
            "resolve_checkpoint"]
 
-AUTO_PATTERN = re.compile(r"trainer-v(\d+)\.pt")  # the automatic checkpoints; --resume DIR picks the newest
+AUTO_PATTERN = re.compile(r"trainer-v(\d+)\.(?:pt|dcp)")  # the automatic checkpoints; --resume DIR picks the newest
+SUFFIXES = (".pt", ".dcp")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 MAX_NAME_CHARS = 64
 
@@ -65,14 +69,26 @@ def resolve_checkpoint(path: str) -> Path:
         FileNotFoundError: no such file, or a directory without an automatic checkpoint.
     """
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and not is_sharded_checkpoint(p):
         found = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := AUTO_PATTERN.fullmatch(f.name)))
         if not found:
-            raise FileNotFoundError(f"--resume {path}: no trainer-v*.pt checkpoint in that directory")
+            raise FileNotFoundError(f"--resume {path}: no trainer-v*.pt or trainer-v*.dcp checkpoint in that directory")
         return found[-1][1]
-    if not p.is_file():
+    if not (p.is_file() or p.is_dir()):
         raise FileNotFoundError(f"--resume {path}: no such checkpoint file or directory")
     return p
+
+
+def is_sharded_checkpoint(p: Path) -> bool:
+    """Whether directory ``p`` is itself a checkpoint (``torch.distributed.checkpoint``'s ``.metadata`` inside)."""
+    return (p / ".metadata").is_file()
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 class CheckpointDir:
@@ -95,16 +111,18 @@ class CheckpointDir:
         self.directory = Path(directory).resolve()
         self.keep, self.max_named = keep, max_named
 
-    def file_name(self, name: str, version: int) -> str:
-        """The file a save under ``name`` ("" = automatic) at ``version`` writes, after every check.
+    def file_name(self, name: str, version: int, suffix: str = ".pt") -> str:
+        """The file (or ``.dcp`` directory) a save under ``name`` ("" = automatic) at ``version`` writes.
 
         Raises:
             CheckpointNameError: a malformed name.
             CheckpointLimitError: a new name while ``max_named`` named checkpoints exist.
         """
+        if suffix not in SUFFIXES:
+            raise ValueError(f"checkpoint suffix {suffix!r} is not one of {', '.join(SUFFIXES)}")
         if not name:
-            return f"trainer-v{version:06d}.pt"
-        file = f"{check_name(name)}.pt"
+            return f"trainer-v{version:06d}{suffix}"
+        file = f"{check_name(name)}{suffix}"
         named = self.named()
         if file not in named and len(named) >= self.max_named:
             raise CheckpointLimitError(
@@ -119,7 +137,7 @@ class CheckpointDir:
             CheckpointNameError, CheckpointLimitError: see :meth:`file_name` (nothing is written).
             OSError: the directory or file could not be written.
         """
-        file = self.file_name(name, trainer.version)
+        file = self.file_name(name, trainer.version, getattr(trainer, "checkpoint_suffix", ".pt"))
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / file
         if target.parent != self.directory:  # cannot happen after check_name; kept as the invariant's guard
@@ -134,7 +152,7 @@ class CheckpointDir:
         if not self.directory.is_dir():
             return []
         found = sorted((int(m.group(1)), f) for f in self.directory.iterdir()
-                       if (m := AUTO_PATTERN.fullmatch(f.name)) and f.is_file())
+                       if (m := AUTO_PATTERN.fullmatch(f.name)) and (f.is_file() or is_sharded_checkpoint(f)))
         return [f for _, f in found]
 
     def named(self) -> set[str]:
@@ -142,7 +160,7 @@ class CheckpointDir:
         if not self.directory.is_dir():
             return set()
         return {f.name for f in self.directory.iterdir()
-                if f.suffix == ".pt" and not AUTO_PATTERN.fullmatch(f.name) and NAME_PATTERN.fullmatch(f.stem)}
+                if f.suffix in SUFFIXES and not AUTO_PATTERN.fullmatch(f.name) and NAME_PATTERN.fullmatch(f.stem)}
 
     def prune(self) -> list[Path]:
         """Deletes all but the newest ``keep`` automatic checkpoints; returns what was deleted."""
@@ -150,7 +168,7 @@ class CheckpointDir:
             return []
         old = self.automatic()[:-self.keep]
         for f in old:
-            f.unlink(missing_ok=True)
+            _remove(f)
         if old:
             log.info("pruned %d old checkpoint(s) (--keep-checkpoints %d): %s", len(old), self.keep,
                      ", ".join(f.name for f in old))

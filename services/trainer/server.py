@@ -16,6 +16,9 @@ Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.engin
   the trainer; a call cancelled or past its deadline stops between micro-batches, nothing applied.
 * ``SaveCheckpoint`` writes only into ``--checkpoint-dir`` (:mod:`services.trainer.checkpoints`): a request
   names a checkpoint or nothing, never a path; old automatic checkpoints are pruned.
+* ``policy.training.dp_size: N`` under torchrun: this process is rank 0 and leads N - 1 followers
+  (:mod:`services.trainer.ranks`); every call above reaches every rank, publishing gathers the full tensors
+  here, and checkpoints are ``.dcp`` directories the ranks write together.
 """
 
 from __future__ import annotations
@@ -60,10 +63,27 @@ from services.common.runtime import (
 )
 
 from .checkpoints import CheckpointDir, CheckpointLimitError, CheckpointNameError, resolve_checkpoint
+from .ranks import CommandChannel, LeaderTrainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainerService", "TrainerServicer", "SPEC", "resolve_checkpoint"]
+__all__ = ["TrainerService", "TrainerServicer", "SPEC", "resolve_checkpoint", "build_trainer"]
+
+
+def build_trainer(job, policy=None):
+    """``(trainer, parallel)``: the job's trainer backend on this rank, over the group of ``policy.training.dp_size``
+    ranks (joined here; ``parallel`` None for one). Every rank builds it the same way.
+
+    Raises:
+        ValueError: dp_size disagrees with torchrun's world, or the backend cannot run these settings.
+    """
+    from fp8rl.engines.parallel import group_for
+
+    parallel = group_for(job.policy.training.dp_size)
+    if policy is None:
+        policy, _, _ = load_policy(job.policy.model)
+    trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None, parallel=parallel)
+    return trainer, parallel
 
 
 class TrainerService(Service):
@@ -80,13 +100,16 @@ class TrainerService(Service):
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
         self.pow2 = rollout.pow2_weight_scaling_factors
         try:  # torch or megatron, per policy.training.backend; same TrainerConfig mapping either way
-            self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
+            self.trainer, parallel = build_trainer(job, policy)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        if parallel is not None:  # rank 0 of dp_size: every trainer call from here on reaches every rank
+            self.trainer = LeaderTrainer(self.trainer, CommandChannel(parallel))
+            log.info("trainer rank 0 of %d (FSDP2 over %s)", parallel.world, torch.distributed.get_backend())
         try:
             self.checkpoints = CheckpointDir(args.checkpoint_dir or f"checkpoints/{ctx.job_id}",
                                              keep=args.keep_checkpoints, max_named=args.max_named_checkpoints)
-            path = resolve_checkpoint(args.resume) if args.resume else None
+            path = self._resume_path(args.resume)
         except (ValueError, FileNotFoundError) as exc:
             raise StartupError(str(exc)) from None
         if path is not None:
@@ -102,8 +125,20 @@ class TrainerService(Service):
         self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
         self.ready = False
 
+    def _resume_path(self, resume: str | None):
+        """The checkpoint ``--resume`` names; ``auto``: the newest in ``--checkpoint-dir``, or none (a fresh start —
+        what a rank group restarted by torchrun before its first checkpoint gets)."""
+        if not resume:
+            return None
+        if resume == "auto":
+            found = self.checkpoints.automatic()
+            return found[-1] if found else None
+        return resolve_checkpoint(resume)
+
     def stop(self) -> None:
         self.publisher.close()  # shared-memory files go; held shards stay servable until the server stops
+        if isinstance(self.trainer, LeaderTrainer):
+            self.trainer.close()  # the followers exit
 
     def servicers(self):
         return [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(self)),
@@ -293,7 +328,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=env_default("resume"),
-                   help="checkpoint file, or a directory of trainer-v*.pt (the newest is used)")
+                   help="a checkpoint (trainer-v*.pt file or .dcp directory), a directory of them (the newest is "
+                        "used), or 'auto': the newest in --checkpoint-dir if there is one, else a fresh start")
     p.add_argument("--checkpoint-dir", default=env_default("checkpoint_dir"),
                    help="the one directory SaveCheckpoint writes into (default checkpoints/JOB)")
     p.add_argument("--keep-checkpoints", type=int, default=int(env_default("keep_checkpoints", 5)),

@@ -234,6 +234,8 @@ class RolloutEngine(abc.ABC):
 class TrainerBackend(abc.ABC):
     """Owns the policy's master weights and optimizer."""
 
+    checkpoint_suffix = ".pt"  # what save_checkpoint writes: a file, or (".dcp") a directory of per-rank shards
+
     @property
     @abc.abstractmethod
     def version(self) -> int:

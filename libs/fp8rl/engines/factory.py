@@ -8,6 +8,7 @@ import importlib.util
 from fp8rl.model import CausalLM
 
 from .base import RolloutEngine, TrainerBackend
+from .parallel import DataParallel
 from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer
 
@@ -16,8 +17,10 @@ __all__ = ["make_trainer_backend", "make_rollout_engine", "TRAINER_BACKENDS", "R
 TRAINER_BACKENDS = ("torch", "megatron")
 
 
-def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = None) -> TrainerBackend:
-    """The :class:`TrainerBackend` of ``job`` (a :class:`fp8rl.config.JobConfig`) on ``policy``'s weights.
+def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = None,
+                         parallel: DataParallel | None = None) -> TrainerBackend:
+    """The :class:`TrainerBackend` of ``job`` (a :class:`fp8rl.config.JobConfig`) on ``policy``'s weights;
+    ``parallel``: the data-parallel group of ``policy.training.dp_size`` ranks (:func:`~.parallel.group_for`).
 
     Raises:
         ValueError: an unknown backend, a missing ``megatron-core`` install, or settings the chosen
@@ -27,8 +30,12 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
     backend = job.policy.training.backend
     common = dict(ref_model=ref_model, seed=job.job.seed)
     if backend == "torch":
-        return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common)
+        return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common, parallel=parallel)
     if backend == "megatron":
+        if job.policy.training.dp_size > 1 or parallel is not None:
+            raise ValueError(f"policy.training.dp_size: {job.policy.training.dp_size} needs backend 'torch' (FSDP2); "
+                             "the megatron backend runs on one rank here: its DDP + distributed optimizer is not wired "
+                             "to the rank group yet")
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise ValueError("policy.training.backend: 'megatron' needs megatron-core, which is not installed: "
                              "pip install 'fp8rl[megatron]' (or `make test-megatron`, which installs it into .venv)")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DataParallel", "full_tensor", "init_from_env", "WORLD_ENV", "DEFAULT_TIMEOUT_S"]
+__all__ = ["DataParallel", "full_tensor", "init_from_env", "group_for", "WORLD_ENV", "DEFAULT_TIMEOUT_S"]
 
 WORLD_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for each worker
 DEFAULT_TIMEOUT_S = 600.0  # most seconds one collective waits for a peer (a dead one fails sooner: its socket closes)
@@ -54,8 +54,34 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         return None
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        rank, timeout = int(os.environ["RANK"]), timedelta(seconds=timeout_s)
+        # torchrun's agent hosts the store and keeps it across restarts of the group: the keys of an attempt
+        # whose rank died (its address among them) would be read again, and a restarted group hang forming.
+        # Each attempt gets its own key prefix; outside torchrun rank 0 hosts the store itself.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fp8rl/attempt{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     return DataParallel.current()
+
+
+def group_for(dp_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel | None:
+    """The group for ``policy.training.dp_size`` ranks: checked against the world torchrun started (``WORLD_SIZE``),
+    then joined; None for one rank.
+
+    Raises:
+        ValueError: the two disagree (the message names the key and how to launch N ranks).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != dp_size:
+        how = (f"launch the trainer with `torchrun --nproc-per-node {dp_size} -m services.trainer ...` (the launcher, "
+               f"compose and the Helm chart do it from this key)" if world == 1 else
+               f"set policy.training.dp_size: {world}, or start {dp_size} ranks")
+        raise ValueError(f"policy.training.dp_size is {dp_size}, but this trainer runs as {world} rank(s) "
+                         f"(WORLD_SIZE from torchrun): {how}")
+    return init_from_env(timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)

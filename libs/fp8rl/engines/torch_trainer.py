@@ -149,7 +149,7 @@ class TorchTrainer(TrainerBackend):
         return self._version
 
     @property
-    def checkpoint_suffix(self) -> str:
+    def checkpoint_suffix(self) -> str:  # type: ignore[override]
         """What :meth:`save_checkpoint` writes: one ``.pt`` file, or a ``.dcp`` directory of per-rank shards."""
         return ".pt" if self.parallel is None else ".dcp"
 
