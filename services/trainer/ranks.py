@@ -25,6 +25,9 @@ Invariants:
   collective timeout between steps (rollouts can take minutes) and a dead follower is found while idle.
 * A follower ignores SIGTERM and SIGINT: it stops when rank 0 broadcasts ``stop`` (rank 0's graceful
   stop), or exits with status 1 when rank 0 is gone.
+* A follower given a fixed ``--port`` (a pod of its own, as in the Helm chart) serves only gRPC health there,
+  SERVING while it follows, so its pod's probes see it; where the port is taken (ranks sharing a host's
+  network with rank 0) it serves none and says so.
 """
 
 from __future__ import annotations
@@ -91,21 +94,34 @@ class CommandChannel:
             raise GroupFailure(f"command header of {size} bytes (limit {MAX_HEADER_BYTES})")
         raw = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(raw, src=0)
-        try:
-            header = json.loads(raw.numpy().tobytes().decode())
-            op, args, specs = header["op"], header["args"], header["tensors"]
-            if not isinstance(op, str) or not isinstance(args, dict) or not isinstance(specs, list):
-                raise TypeError("op, args, tensors have the wrong types")
-            shapes = [(str(k), DTYPES[d], [int(x) for x in shape]) for k, d, shape in specs]
-            if any(x < 0 for _, _, shape in shapes for x in shape):
-                raise ValueError("negative dimension")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise GroupFailure(f"malformed command header: {exc}") from None
+        op, args, shapes = decode_header(raw.numpy().tobytes())
         tensors = {}
         for name, dtype, shape in shapes:
             tensors[name] = torch.empty(shape, dtype=dtype)
             dist.broadcast(tensors[name], src=0)
         return op, args, tensors
+
+
+def decode_header(raw: bytes) -> tuple[str, dict, list[tuple[str, torch.dtype, list[int]]]]:
+    """``(op, args, [(name, dtype, shape)])`` of a command header, or :class:`GroupFailure` saying what is wrong."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise GroupFailure(f"command header of {len(raw)} bytes (limit {MAX_HEADER_BYTES})")
+    try:
+        header = json.loads(raw.decode())
+        op, args, specs = header["op"], header["args"], header["tensors"]
+        if not isinstance(op, str) or not isinstance(args, dict) or not isinstance(specs, list):
+            raise TypeError("op, args and tensors must be a string, an object and a list")
+        shapes = []
+        for name, dtype, shape in specs:
+            if dtype not in DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {dtype!r}, not one of {', '.join(DTYPES)}")
+            if not isinstance(shape, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                                                  for x in shape):
+                raise ValueError(f"tensor {name!r} has shape {shape!r}; dimensions are ints >= 0")
+            shapes.append((str(name), DTYPES[dtype], shape))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
+        raise GroupFailure(f"malformed command header: {exc}") from None
+    return op, args, shapes
 
 
 def _batch_tensors(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -281,8 +297,28 @@ def follower_main(spec, argv: Sequence[str] | None = None) -> int:
         log.error("rank %d cannot start: %s", rank, exc)
         return 2
     log.info("rank %d of %d following rank 0", parallel.rank, parallel.world)
+    health_server = _serve_health(args) if args.port else None
     try:
         return follow(trainer, CommandChannel(parallel))
     except BaseException as exc:  # noqa: BLE001
         _exit_group(exc)
         return EXIT_GROUP_FAILED
+    finally:
+        if health_server is not None:
+            health_server.stop(0)
+
+
+def _serve_health(args):
+    """gRPC health (and nothing else) on ``--port``, SERVING; None where the port cannot be had."""
+    from fp8rl.rpc.server import build_server, set_serving
+
+    try:
+        server, health, port = build_server([], port=args.port, host=args.host, max_workers=2,
+                                            tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except (RuntimeError, ValueError, OSError) as exc:
+        log.warning("serving no health on port %s (%s): rank 0 or another rank holds it on this host", args.port, exc)
+        return None
+    server.start()
+    set_serving(health, True)
+    log.info("gRPC health on port %d", port)
+    return server

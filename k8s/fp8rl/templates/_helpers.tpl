@@ -271,6 +271,14 @@ Checks the render fails on, each with the value to change. Included by templates
 {{- if and (eq $train "megatron") (or (ne $v.trainer.variant "gpu") (lt (int $v.trainer.gpus) 1)) -}}
 {{- fail (printf "job.policy.training.backend is megatron, which needs a GPU trainer: set trainer.variant=gpu and trainer.gpus>=1 (have variant=%s, gpus=%v)" $v.trainer.variant $v.trainer.gpus) -}}
 {{- end -}}
+{{- $dp := int (dig "policy" "training" "dp_size" 1 $v.job) -}}
+{{- $world := mul (int $v.trainer.pods) (int $v.trainer.procsPerPod) -}}
+{{- if ne $dp $world -}}
+{{- fail (printf "job.policy.training.dp_size is %d but trainer.pods x trainer.procsPerPod is %d x %d = %d: the trainer refuses a rank count other than dp_size; make them equal" $dp (int $v.trainer.pods) (int $v.trainer.procsPerPod) $world) -}}
+{{- end -}}
+{{- if and (gt (int $v.trainer.pods) 1) (not $v.trainer.checkpoints.existingClaim) -}}
+{{- fail (printf "trainer.pods is %d: every rank writes its checkpoint shards into one directory, so set trainer.checkpoints.existingClaim to a ReadWriteMany claim they all mount" (int $v.trainer.pods)) -}}
+{{- end -}}
 {{- if and $v.rollout.pdb.enabled (le (int $v.rollout.replicas) (int $v.rollout.pdb.maxUnavailable)) (gt (int $v.rollout.replicas) 1) -}}
 {{- fail (printf "rollout.pdb.maxUnavailable=%v would let a drain take every one of the %v rollout replicas: lower it below rollout.replicas" $v.rollout.pdb.maxUnavailable $v.rollout.replicas) -}}
 {{- end -}}

@@ -1,7 +1,8 @@
 {{/*
 The pod template every fp8rl role shares:
   fp8rl.pod (dict "root" $ "component" "trainer" "cfg" .Values.trainer "port" 50051
-                  "args" (list ...) "env" (list ...) "mounts" (list ...) "volumes" (list ...) "liveness" "grpc")
+                  "command" (list ...) "args" (list ...) "env" (list ...) "mounts" (list ...) "volumes" (list ...)
+                  "liveness" "grpc")
 */}}
 {{- define "fp8rl.pod" -}}
 {{- $root := .root -}}
@@ -42,6 +43,10 @@ spec:
     - name: {{ .component }}
       image: {{ include "fp8rl.image" (dict "root" $root "role" .component "variant" $cfg.variant) }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      {{- with .command }}
+      command:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- with .args }}
       args:
         {{- toYaml . | nindent 8 }}
@@ -79,12 +84,13 @@ spec:
     {{- end }}
 {{- end -}}
 
-{{/* ClusterIP Service of one role: fp8rl.service (dict "root" $ "component" "trainer" "port" 50051). */}}
+{{/* ClusterIP Service of one role: fp8rl.service (dict "root" $ "component" "trainer" "port" 50051); optional
+"name" (default: the component's), "selector" (extra labels), "extraPorts", "headless", "publishNotReady". */}}
 {{- define "fp8rl.service" -}}
 apiVersion: v1
 kind: Service
 metadata:
-  name: {{ include "fp8rl.component" . }}
+  name: {{ default (include "fp8rl.component" .) .name }}
   labels:
     {{- include "fp8rl.labels" . | nindent 4 }}
 spec:
@@ -92,9 +98,18 @@ spec:
   {{- if .headless }}
   clusterIP: None
   {{- end }}
+  {{- if .publishNotReady }}
+  publishNotReadyAddresses: true
+  {{- end }}
   selector:
     {{- include "fp8rl.selectorLabels" . | nindent 4 }}
+    {{- with .selector }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   ports:
+    {{- with .extraPorts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     - name: grpc
       port: {{ default .port .servicePort }}
       targetPort: grpc

@@ -1,0 +1,81 @@
+"""The trainer's rank group, the parts that need no second process: the dp_size check, the command header's
+validation, the megatron refusal, and .dcp checkpoints in the checkpoint directory (the group itself runs in
+``make test-distributed``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp8rl.config import JobConfig
+from fp8rl.engines import make_trainer_backend
+from fp8rl.engines.parallel import group_for
+from services.trainer.checkpoints import CheckpointDir, resolve_checkpoint
+from services.trainer.ranks import MAX_HEADER_BYTES, GroupFailure, decode_header
+
+
+def test_dp_size_must_match_the_world_torchrun_started(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"policy.training.dp_size is 2, but this trainer runs as 1 rank.*torchrun "
+                                         r"--nproc-per-node 2"):
+        group_for(2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"dp_size is 2, but this trainer runs as 4 rank.*dp_size: 4"):
+        group_for(2)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert group_for(1) is None
+
+
+def test_megatron_with_several_ranks_is_refused_naming_the_key():
+    job = JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 2})
+    with pytest.raises(ValueError, match="policy.training.dp_size: 2 needs backend 'torch'"):
+        make_trainer_backend(job, None)
+
+
+def _header(**kw) -> bytes:
+    return json.dumps({"op": "train", "args": {}, "tensors": [["input_ids", "int64", [2, 3]]], **kw}).encode()
+
+
+def test_a_good_header_decodes():
+    op, args, shapes = decode_header(_header())
+    assert (op, args) == ("train", {}) and [(n, str(d), s) for n, d, s in shapes] == [("input_ids", "torch.int64",
+                                                                                       [2, 3])]
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b"\xff\xfe", "malformed"), (b"[1, 2]", "malformed"), (b'{"op": "x"}', "malformed"),
+    (_header(op=3), "must be a string"), (_header(tensors=[["x", "object", [1]]]), "dtype 'object'"),
+    (_header(tensors=[["x", "int64", [-1]]]), "dimensions are ints >= 0"),
+    (_header(tensors=[["x", "int64", [True]]]), "dimensions are ints >= 0"),
+    (_header(tensors=[["x", "int64"]]), "malformed"), (b" " * (MAX_HEADER_BYTES + 1), "limit"),
+])
+def test_a_malformed_header_is_a_group_failure_saying_why(raw, why):
+    with pytest.raises(GroupFailure, match=why):
+        decode_header(raw)
+
+
+class _Ranked:
+    """A trainer whose checkpoints are .dcp directories (what a trainer over ranks writes)."""
+
+    checkpoint_suffix = ".dcp"
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def save_checkpoint(self, path: str) -> None:
+        from pathlib import Path
+
+        Path(path).mkdir()
+        (Path(path) / ".metadata").write_bytes(b"m")
+
+
+def test_sharded_checkpoints_are_saved_pruned_and_resumed_like_files(tmp_path):
+    d, tr = CheckpointDir(tmp_path / "ck", keep=2), _Ranked()
+    for v in (1, 2, 3):
+        tr.version = v
+        assert d.save(tr) == f"trainer-v{v:06d}.dcp"
+    assert [p.name for p in d.automatic()] == ["trainer-v000002.dcp", "trainer-v000003.dcp"]  # v1 pruned: a dir
+    assert resolve_checkpoint(str(d.directory)).name == "trainer-v000003.dcp"  # newest in the directory
+    assert resolve_checkpoint(str(d.directory / "trainer-v000002.dcp")).name == "trainer-v000002.dcp"  # itself
+    assert d.save(tr, "best") == "best.dcp" and d.named() == {"best.dcp"}
