@@ -380,3 +380,6 @@ def test_the_trainer_runs_as_a_rank_group_of_pods(pods, procs):
     vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shared-checkpoints"
     assert "volumeClaimTemplates" not in sts["spec"]
+    policy = by_kind(docs, "NetworkPolicy")["rl-fp8rl-trainer"]["spec"]["ingress"]
+    peers = [r for r in policy if "ports" not in r]  # every port, from the trainer's own pods only
+    assert [r["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for r in peers] == ["trainer"]
