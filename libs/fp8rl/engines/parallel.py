@@ -110,6 +110,11 @@ class DataParallel:
         """``model`` with each decoder layer and the root fully sharded (FSDP2), gradients summed across ranks."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        from fp8rl.fp8 import Fp8Linear
+
+        for m in model.modules():  # FSDP swaps unsharded storage in without a version bump: no weight cache
+            if isinstance(m, Fp8Linear):
+                m.weight_cache = None
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)

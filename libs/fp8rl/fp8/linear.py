@@ -11,12 +11,23 @@ The recipe (DeepSeek-V3 / Transformer Engine "blockwise"):
 All three GEMMs accumulate in FP32. The saved activation is kept only in its column-wise E4M3
 form (what wgrad needs), which is where the FP8 memory saving of the recipe comes from.
 
+Weight quantization once per update: an :class:`Fp8Linear` keeps the E4M3 form of its master weight (and,
+on the reference backend, its FP32 dequantization) for as long as the weight is the same tensor at the
+same version counter — every in-place change (the optimizer's step, ``load_state_dict``'s ``copy_``) bumps
+that counter — so the micro-batches and logprob passes between two optimizer updates quantize it once,
+with bitwise the numbers of quantizing it per call. The cache costs 1 byte per weight element (5 on the
+reference backend, which also keeps the FP32 dequantization the GEMM multiplies by). It is off for weights
+whose storage is swapped without a version bump (FSDP's unsharded parameters: :mod:`fp8rl.engines.parallel`
+turns it off).
+
 Precision budget (checked by tests): per element, each operand carries relative error ≤ 2**-4, so
 a K-term dot product has error ≲ 2 · 2**-4 · Σ|x_k w_k|; against an FP32 linear the observed
 relative Frobenius error is ~2–4 % on Gaussian data.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +43,7 @@ from .quant import (
     quantize_per_token_group,
 )
 
-__all__ = ["fp8_linear", "fp8_gemm", "Fp8Linear", "Fp8InferenceLinear"]
+__all__ = ["fp8_linear", "fp8_gemm", "Fp8Linear", "Fp8InferenceLinear", "WeightCache"]
 
 
 def fp8_gemm(
@@ -77,17 +88,53 @@ def _gemm_scaled_mm(x_q, x_scale, w_q, w_scale, out_dtype):  # pragma: no cover 
     return out[:t, :n].to(out_dtype)
 
 
+class WeightCache:
+    """The FP8 form of one master weight at one version (see the module docstring)."""
+
+    __slots__ = ("_ref", "_key", "q", "scale", "dequantized", "hits", "misses")
+
+    def __init__(self) -> None:
+        self._ref, self._key = None, None
+        self.q = self.scale = self.dequantized = None
+        self.hits = self.misses = 0
+
+    def get(self, weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(w_q, w_scale, FP32 dequantization or None)`` of ``weight`` now, computed only when it changed."""
+        key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2)
+        if self._ref is not None and self._ref() is weight and self._key == key:
+            self.hits += 1
+            return self.q, self.scale, self.dequantized
+        self.misses += 1
+        w = weight.detach()
+        self.q, self.scale = quantize_blockwise(w, pow2_scale=pow2)  # (N, K), (N/128, K/128)
+        reference = select_backend(w.device) == "reference"
+        self.dequantized = dequantize_blockwise(self.q, self.scale) if reference else None
+        self._ref, self._key = weakref.ref(weight), key
+        return self.q, self.scale, self.dequantized
+
+    def clear(self) -> None:
+        self._ref = self._key = self.q = self.scale = self.dequantized = None
+
+    def __deepcopy__(self, memo) -> WeightCache:  # a copied module starts empty: its weight is another tensor
+        return WeightCache()
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a):
+    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None):
         x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
-        w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
-        out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32)
+        if cache is not None:
+            w_q, w_s, w_deq = cache.get(weight, pow2_w)
+        else:
+            w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
+            w_deq = None
+        out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, w_dequantized=w_deq)
         if bias is not None:
             out = out + bias.float()
         # wgrad reduces over tokens: keep x only in its column-wise (1x128 along T) E4M3 form.
         xt_q, xt_s = quantize_per_token_group(x2d.t(), pow2_scale=pow2_a)  # (K, T), (K, T/128)
         ctx.save_for_backward(xt_q, xt_s, w_q, w_s)
+        ctx.w_deq = w_deq  # the cache's: the same numbers dequantize_blockwise(w_q, w_s) gives
         ctx.pow2_a = pow2_a
         ctx.has_bias = bias is not None
         ctx.dtypes = (x2d.dtype, weight.dtype)
@@ -101,7 +148,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             g_q, g_s = quantize_per_token_group(g, pow2_scale=ctx.pow2_a)  # 1x128 along N
-            w = dequantize_blockwise(w_q, w_s)  # (N, K)
+            w = ctx.w_deq if ctx.w_deq is not None else dequantize_blockwise(w_q, w_s)  # (N, K)
             grad_x = (dequantize_per_token_group(g_q, g_s) @ w).to(x_dtype)  # (T, K)
         if ctx.needs_input_grad[1]:
             gt_q, gt_s = quantize_per_token_group(g.t(), pow2_scale=ctx.pow2_a)  # (N, T): 1x128 along T
@@ -110,7 +157,8 @@ class _Fp8LinearFn(torch.autograd.Function):
             )  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(w_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        ctx.w_deq = None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def fp8_linear(
@@ -120,6 +168,7 @@ def fp8_linear(
     *,
     pow2_scale: bool = False,
     pow2_activation_scale: bool | None = None,
+    weight_cache: WeightCache | None = None,
 ) -> torch.Tensor:
     """Autograd-capable block-scaled FP8 ``F.linear``.
 
@@ -129,12 +178,14 @@ def fp8_linear(
         bias: optional ``(N,)``, added in FP32 after the FP8 GEMM.
         pow2_scale: power-of-two weight scales.
         pow2_activation_scale: power-of-two activation/gradient scales (defaults to ``pow2_scale``).
+        weight_cache: keeps ``weight``'s FP8 form between calls while the weight is unchanged (None: quantize
+            on every call).
     """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     pow2_a = pow2_scale if pow2_activation_scale is None else pow2_activation_scale
     lead = x.shape[:-1]
-    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a)
+    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -151,6 +202,7 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.pow2_weight_scale = pow2_weight_scale
         self.pow2_activation_scale = pow2_activation_scale
+        self.weight_cache: WeightCache | None = WeightCache()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, pow2_weight_scale=False, pow2_activation_scale=False) -> Fp8Linear:
@@ -161,12 +213,14 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new.pow2_weight_scale = pow2_weight_scale
         new.pow2_activation_scale = pow2_activation_scale
+        new.weight_cache = WeightCache()
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(
             x, self.weight, self.bias,
             pow2_scale=self.pow2_weight_scale, pow2_activation_scale=self.pow2_activation_scale,
+            weight_cache=self.weight_cache,
         )
 
     def extra_repr(self) -> str:

@@ -128,3 +128,37 @@ def test_inference_linear_matches_training_linear_and_refits_in_place():
 def test_shape_mismatch_is_clear():
     with pytest.raises(ValueError, match="features"):
         fp8_linear(torch.randn(2, 3), torch.randn(4, 5))
+
+
+def test_the_weight_cache_quantizes_once_per_update_with_the_same_numbers():
+    """Between two optimizer steps the FP8 weight is computed once; outputs and gradients are bitwise those of
+    quantizing on every call, and an in-place update (optimizer step, load_state_dict) invalidates it."""
+    import copy
+
+    from fp8rl.fp8 import Fp8Linear
+
+    torch.manual_seed(0)
+    cached = Fp8Linear(256, 384, bias=True)
+    plain = copy.deepcopy(cached)
+    plain.weight_cache = None  # quantize per call
+    assert cached.weight_cache is not None and plain.weight_cache is None
+    opt_c, opt_p = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cached, plain))
+    for step in range(3):
+        for mb in range(3):  # micro-batches between two updates
+            x = torch.randn(40, 256, generator=torch.Generator().manual_seed(10 * step + mb))
+            ya, yb = cached(x), plain(x)
+            assert torch.equal(ya, yb)
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+        assert torch.equal(cached.weight.grad, plain.weight.grad)
+        for opt in (opt_c, opt_p):
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(cached.weight, plain.weight)
+    assert (cached.weight_cache.misses, cached.weight_cache.hits) == (3, 6)  # once per update, reused twice
+    with torch.no_grad():
+        cached.load_state_dict({k: v + 1 for k, v in cached.state_dict().items()})
+    x = torch.randn(8, 256)
+    fresh = copy.deepcopy(cached)
+    fresh.weight_cache = None
+    assert torch.equal(cached(x), fresh(x)) and cached.weight_cache.misses == 4  # the copy_ was seen

@@ -1,0 +1,98 @@
+"""One GRPO trainer step in FP8 against BF16 on the CPU reference path: same model, same batch, one run.
+
+    python bench/fp8_step.py [--hidden 768 --layers 6 --vocab 8000 --rows 32 --seq 96 --mb 8 --minibatches 2
+                              --steps 3]
+
+A seeded Llama-shaped model (``--hidden`` need not be a multiple of 128: the FP8 blocks are padded, as on a
+real checkpoint whose width is not) and one seeded batch. Each recipe runs :func:`fp8rl.engines.train_on_batch`
+— prev logprobs, then ``--minibatches`` optimizer updates over micro-batches of ``--mb`` rows — ``--steps``
+times after a warm-up; the median step time is reported. Three trainers:
+
+* ``bf16``: the BF16 recipe (high-precision linears);
+* ``fp8_e2e``: block-scaled FP8 linears, each weight quantized once per optimizer update
+  (:class:`fp8rl.fp8.linear.WeightCache`);
+* ``fp8_e2e_per_call``: the same with the cache off — every micro-batch forward (and the logprob pass)
+  quantizes and dequantizes every weight again, what the trainer did before.
+
+Prints ``ratio fp8_step/bf16_step`` (target ≤ 1.3), ``ratio fp8_per_call_step/bf16_step`` and
+``ratio fp8_step/fp8_per_call_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fp8rl.engines import TorchTrainer, TrainBatch, TrainerConfig, train_on_batch
+from fp8rl.fp8 import Fp8Linear, recipe_for_role
+from fp8rl.model import CausalLM, ModelConfig
+
+
+def model(args) -> CausalLM:
+    torch.manual_seed(0)
+    heads = max(args.hidden // 64, 1)
+    cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.layers,
+                      num_attention_heads=heads, num_key_value_heads=max(heads // 3, 1), head_dim=64,
+                      max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return CausalLM(cfg)
+
+
+def batch(args) -> TrainBatch:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, args.vocab, (args.rows, args.seq), generator=g)
+    loss = torch.zeros_like(ids)
+    loss[:, args.seq // 3:] = 1
+    return TrainBatch(ids, torch.ones_like(ids), loss, torch.randn(args.rows, generator=g),
+                      -torch.rand(ids.shape, generator=g) * loss)
+
+
+def time_steps(tr: TorchTrainer, args) -> float:
+    times = []
+    for i in range(args.steps + 1):  # the first is a warm-up
+        b = batch(args)
+        t0 = time.perf_counter()
+        train_on_batch(tr, b)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=96)
+    ap.add_argument("--mb", type=int, default=8)
+    ap.add_argument("--minibatches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    policy = model(args)
+    cfg = TrainerConfig(lr=1e-5, micro_batch_size=args.mb, num_minibatches=args.minibatches)
+    print(f"one trainer step, torch {torch.__version__}, threads={torch.get_num_threads()}: "
+          f"{sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} "
+          f"layers), batch {args.rows} x {args.seq}, micro-batch {args.mb}, {args.minibatches} updates per step, "
+          f"median of {args.steps}")
+    res = {}
+    for name, recipe, cache in (("bf16", "bf16", True), ("fp8_e2e", "fp8_e2e", True),
+                                ("fp8_e2e_per_call", "fp8_e2e", False)):
+        tr = TorchTrainer(policy, recipe_for_role(recipe, "trainer"), cfg)
+        if not cache:
+            for m in tr.model.modules():
+                if isinstance(m, Fp8Linear):
+                    m.weight_cache = None
+        res[name] = time_steps(tr, args)
+        print(f"  {name:17s} {res[name]:7.3f} s/step")
+    print(f"ratio fp8_step/bf16_step {res['fp8_e2e'] / res['bf16']:.4f}")
+    print(f"ratio fp8_per_call_step/bf16_step {res['fp8_e2e_per_call'] / res['bf16']:.4f}")
+    print(f"ratio fp8_step/fp8_per_call_step {res['fp8_e2e'] / res['fp8_e2e_per_call']:.4f}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
