@@ -1,8 +1,8 @@
 """Data parallelism for the embedded trainer: FSDP2 over the ``torch.distributed`` default group.
 
 :class:`DataParallel` is what :class:`~fp8rl.engines.TorchTrainer` needs to run one GRPO step over N ranks
-(gloo on CPU, NCCL on GPU), each rank holding the whole batch (the leader broadcasts it, see
-``services/trainer/ranks.py``) and computing a slice of it:
+(gloo: the embedded trainer computes on the CPU), each rank holding the whole batch (the leader broadcasts it,
+see ``services/trainer/ranks.py``) and computing a slice of it:
 
 * **Sharding.** Every decoder layer and the root are ``fully_shard``-ed (FSDP2): parameters, gradients and
   AdamW's ``exp_avg`` / ``exp_avg_sq`` live as 1/N DTensor shards; a layer's full weight exists only
@@ -47,13 +47,14 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     """The default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``), as a :class:`DataParallel` — or None for a single process (no ``WORLD_SIZE``, or 1).
 
-    ``backend`` defaults to NCCL when CUDA is available, else gloo.
+    ``backend`` defaults to ``$FP8RL_DIST_BACKEND``, else gloo: the embedded trainer computes on the CPU, and
+    NCCL carries only CUDA tensors.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
     if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or os.environ.get("FP8RL_DIST_BACKEND", "gloo")
         rank, timeout = int(os.environ["RANK"]), timedelta(seconds=timeout_s)
         # torchrun's agent hosts the store and keeps it across restarts of the group: the keys of an attempt
         # whose rank died (its address among them) would be read again, and a restarted group hang forming.
