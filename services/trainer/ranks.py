@@ -171,10 +171,6 @@ class LeaderTrainer(TrainerBackend):
     def checkpoint_suffix(self) -> str:  # type: ignore[override]
         return self.trainer.checkpoint_suffix
 
-    @property
-    def world(self) -> int:
-        return self.channel.parallel.world
-
     def _call(self, op: str, fn: Callable[[], Any], args: dict | None = None,
               tensors: dict[str, torch.Tensor] | None = None) -> Any:
         with self._lock:

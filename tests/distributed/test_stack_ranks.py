@@ -57,9 +57,8 @@ def test_a_two_rank_trainer_runs_a_job_and_a_rank_killed_mid_job_costs_no_step(t
     trainer = st.process("trainer")
     assert "torch.distributed.run" in trainer["cmd"] and "--resume" in trainer["cmd"]
     first = _rank_pid(trainer["pid"], 1)
-    job_text = yaml.safe_dump({**yaml.safe_load(st.job_file.read_text())})
     with Fp8rlClient(st.target, token=st.client_token, tls_ca="", timeout_s=30) as c:
-        job_id = c.submit_job(job_text, job_id="two-ranks")
+        job_id = c.submit_job(st.job_file.read_text(), job_id="two-ranks")
     jobs, deadline = st.jobs(), time.monotonic() + WATCH_S
     while jobs.get(job_id).steps_done < 1:
         assert time.monotonic() < deadline, "the first step was never recorded"

@@ -30,7 +30,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 __all__ = ["DataParallel", "full_tensor", "init_from_env", "group_for", "WORLD_ENV", "DEFAULT_TIMEOUT_S"]
 
@@ -40,6 +39,10 @@ DEFAULT_TIMEOUT_S = 600.0  # most seconds one collective waits for a peer (a dea
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: a DTensor gathered from its shards (a collective every rank must join), else ``t``."""
+    if not dist.is_initialized():  # no group, no DTensor (and no 1 s import of torch.distributed.tensor)
+        return t
+    from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 

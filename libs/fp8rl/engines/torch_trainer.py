@@ -159,20 +159,21 @@ class TorchTrainer(TrainerBackend):
         return [(a, min(a + mb, rows)) for a in range(0, rows, mb)]
 
     def _micro_batches(self, batch: TrainBatch, should_stop: ShouldStop | None = None):
-        """``(round, j, micro-batch)`` this rank runs: every one on a single rank; with a group, micro-batch
-        ``j`` on rank ``j % N`` (``j`` None: a zero-token filler), the stop decision agreed before each."""
+        """``(round, micro-batch)`` this rank runs: every one on a single rank; with a group, micro-batch ``j``
+        on rank ``j % N`` in round ``j // N`` (a zero-token filler where ``j`` is past the last), the stop
+        decision agreed before each."""
         spans = self._spans(batch.input_ids.shape[0])
         p = self.parallel
         if p is None:
             for j, (a, b) in enumerate(spans):
                 check_stop(should_stop, "training step")
-                yield j, j, batch.slice(a, b)
+                yield j, batch.slice(a, b)
             return
         for i in range(p.rounds(len(spans))):
             if p.any(should_stop is not None and should_stop()):  # rank 0 decides; all raise together
                 raise Cancelled("training step stopped: the caller cancelled or its deadline passed")
             j = i * p.world + p.rank
-            yield (i, j, batch.slice(*spans[j])) if j < len(spans) else (i, None, _filler(batch))
+            yield i, (batch.slice(*spans[j]) if j < len(spans) else _filler(batch))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
@@ -183,10 +184,10 @@ class TorchTrainer(TrainerBackend):
         p, t = self.parallel, self.config.temperature
         if p is None:
             return torch.cat([sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
-                              for _, _, mb in self._micro_batches(batch, should_stop)], dim=0)
+                              for _, mb in self._micro_batches(batch, should_stop)], dim=0)
         spans, mb_rows = self._spans(batch.input_ids.shape[0]), self.config.micro_batch_size
         outs: list[torch.Tensor | None] = [None] * len(spans)
-        for i, _, mb in self._micro_batches(batch, should_stop):
+        for i, mb in self._micro_batches(batch, should_stop):
             lp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)  # (rows, T)
             padded = lp.new_zeros(mb_rows, lp.shape[1])
             padded[:lp.shape[0]] = lp
@@ -234,7 +235,7 @@ class TorchTrainer(TrainerBackend):
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grouped = self.parallel is not None
-        for _, _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
+        for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             n_mb = mb.num_tokens
             if n_mb == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue

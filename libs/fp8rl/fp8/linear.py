@@ -112,9 +112,6 @@ class WeightCache:
         self._ref, self._key = weakref.ref(weight), key
         return self.q, self.scale, self.dequantized
 
-    def clear(self) -> None:
-        self._ref = self._key = self.q = self.scale = self.dequantized = None
-
     def __deepcopy__(self, memo) -> WeightCache:  # a copied module starts empty: its weight is another tensor
         return WeightCache()
 
