@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups 
 
 test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks vs 1, sharded checkpoints resharded 2->1->2, refit from ranks, a 2-rank trainer in the service stack with a rank SIGKILLed
 	$(BIN)/python -m pytest -m distributed $(PYTEST_ARGS)
+
+test-invariant: $(STAMP) redis  ## batch-invariant numerics: a stack job (fp8_e2e, FP8 KV) whose trainer logprobs are bitwise the rollout's
+	$(BIN)/python -m pytest -m invariant $(PYTEST_ARGS)
 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)

@@ -71,6 +71,7 @@ LOOP_FLAGS: dict[str, str] = {
     "eval_size": "job.eval_size",
     "seed": "job.seed",
     "max_weight_lag": "grpo.async_grpo.max_weight_lag",  # giving it also sets grpo.async_grpo.enabled
+    "batch_invariant": "policy.numerics.batch_invariant",
 }
 
 
@@ -144,7 +145,9 @@ class GRPOLoop:
         self.backends = _InProcess(self)
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
             prompts = self.plan.prompts(self.plan.batch(0))
-            self.rollout.load_scales(self.calibrator.calibrate(self.trainer.version, prompts))
+            scales = self.calibrator.calibrate(self.trainer.version, prompts)
+            self.rollout.load_scales(scales)
+            self.backends.hold_scales(scales)
 
     def eval_due(self, step: int, steps: int) -> bool:
         """Whether a validation runs after ``step`` (every ``job.eval_every`` steps; the last is measured by
@@ -216,6 +219,12 @@ class _InProcess:
     def __init__(self, loop: GRPOLoop) -> None:
         self.loop = loop
         self._scales: dict[int, object] = {}  # version -> its QKV scales, until its refit
+        self._trainer_scales: dict[int, object] = {}  # version -> its scales, until the trainer trains on it
+
+    def hold_scales(self, scales) -> None:
+        """Keep ``scales`` for the trainer's pass at that version (trainer-side FP8 KV only)."""
+        if getattr(self.loop.trainer, "needs_qkv_scales", False):
+            self._trainer_scales[scales.version] = scales
         self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
 
     def generate(self, prompts, version, *, step, n, temperature):
@@ -234,6 +243,8 @@ class _InProcess:
             raise RuntimeError(f"step {step} expects the trainer at version {version}, it holds {loop.trainer.version}")
         batch = build_train_batch([s for _, s, _ in rows], None, loop.plan.group, loop.tok.pad_id,
                                   advantages=torch.tensor([a for _, _, a in rows], dtype=torch.float64))
+        if getattr(loop.trainer, "needs_qkv_scales", False):  # the rollout's scales of the version it recomputes
+            loop.trainer.load_qkv_scales(self._trainer_scales.pop(version))
         out = train_on_batch(loop.trainer, batch, max_weight_lag=max_weight_lag)
         t = time.perf_counter()
         if loop.plan.async_grpo:  # "publish": the refit thread loads this copy while the trainer moves on
@@ -243,6 +254,7 @@ class _InProcess:
 
     def calibrate(self, version, sequences):
         self._scales[version] = self.loop.calibrator.calibrate(version, sequences)
+        self.hold_scales(self._scales[version])
 
     def await_refit(self, version):
         loop = self.loop
@@ -343,6 +355,10 @@ def _parser() -> argparse.ArgumentParser:
     for flag, key in LOOP_FLAGS.items():
         f = docs[key]
         kind, choices = f.metadata["kind"], f.metadata["choices"]
+        if kind is bool:  # a switch: present sets the key true
+            ap.add_argument(f"--{flag.replace('_', '-')}", action="store_true", default=None,
+                            help=f"{f.metadata['doc']} (job key {key}; default {f.default})")
+            continue
         ap.add_argument(f"--{flag.replace('_', '-')}", type=None if kind is str else kind, choices=choices,
                         default=None, help=f"{f.metadata['doc']} (job key {key}; default {f.default})")
     ap.add_argument("--out", default=None, help="report directory (metrics.jsonl, summary.json)")

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from fp8rl.engines import Cancelled, StaleSampleError, TrainBatch, TrainerBackend
 from fp8rl.engines.parallel import DataParallel
+from fp8rl.fp8 import QKVScales
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,14 @@ class LeaderTrainer(TrainerBackend):
     def relabel_version(self, version):
         return self._call("relabel", lambda: self.trainer.relabel_version(version), {"version": version})
 
+    @property
+    def needs_qkv_scales(self) -> bool:
+        return bool(getattr(self.trainer, "needs_qkv_scales", False))
+
+    def load_qkv_scales(self, scales):
+        return self._call("scales", lambda: self.trainer.load_qkv_scales(scales), {"version": scales.version},
+                          tensors={"qkv": scales.to_tensor()})
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell the followers to stop (they exit 0); later calls fail."""
         if not self._lock.acquire(timeout=timeout_s):
@@ -265,6 +274,8 @@ def follow(trainer: TrainerBackend, channel: CommandChannel) -> int:
                 trainer.load_checkpoint(str(args["path"]))
             elif op == "relabel":
                 trainer.relabel_version(int(args["version"]))
+            elif op == "scales":
+                trainer.load_qkv_scales(QKVScales.from_tensor(int(args["version"]), tensors["qkv"]))
             else:
                 raise GroupFailure(f"unknown command {op!r} from rank 0")
         except SHARED_ERRORS as exc:  # raised on rank 0 too: still in step

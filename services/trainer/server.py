@@ -123,7 +123,26 @@ class TrainerService(Service):
         self.lock = threading.Lock()  # one step / logprobs / checkpoint at a time
         self.published: int | None = None
         self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
+        self.scales_version: int | None = None  # trainer-side FP8 KV: the version whose QKV scales it holds
         self.ready = False
+
+    def load_held_scales(self, wait_s: float = 60.0) -> None:
+        """Trainer-side FP8 KV (batch-invariant recipes): install the QKV scales the rollout uses for the held
+        version, read from the refit store; in asynchronous GRPO they may still be calibrating, so wait a bounded
+        time. Raises :class:`Abort` UNAVAILABLE when none arrive (nothing is computed with other scales)."""
+        if not getattr(self.trainer, "needs_qkv_scales", False):
+            return
+        v = self.trainer.version
+        if self.scales_version == v:
+            return
+        deadline = time.monotonic() + wait_s
+        while (scales := self.ctx.store.get_scales(v)) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if scales is None:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the trainer recomputes the rollout's FP8 attention with the QKV "
+                        f"scales of weight version {v}, and none were published within {wait_s:.0f} s (calibrate it)")
+        self.trainer.load_qkv_scales(scales)
+        self.scales_version = v
 
     def _resume_path(self, resume: str | None):
         """The checkpoint ``--resume`` names; ``auto``: the newest in ``--checkpoint-dir``, or none (a fresh start —
@@ -259,6 +278,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             require(bad is None, f"row {bad}: advantage must be finite")
             batch = self._batch(samples, advantages)
             require(0 <= request.max_weight_lag <= 16, f"max_weight_lag must be in 0..16, got {request.max_weight_lag}")
+            s.load_held_scales()
             try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
                 out = s.ctx.compute(train_on_batch, s.trainer, batch, should_stop=stop,
                                     max_weight_lag=request.max_weight_lag)
@@ -288,6 +308,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 self._require_version(request.expected_version)
             samples, has_gen = self._samples(request.rows, need_gen=False)
             batch = self._batch(samples, [0.0] * len(samples))
+            s.load_held_scales()
             try:
                 prev = s.ctx.compute(s.trainer.compute_logprobs, batch,  # (B, T)
                                      should_stop=lambda: not context.is_active())

@@ -145,3 +145,25 @@ def test_every_key_is_documented_and_docs_config_md_is_current():
     assert len(keys) > 40 and all(len(f.metadata["doc"]) > 10 for _, f in keys)
     doc = Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md"
     assert doc.read_text() == reference(), "docs/CONFIG.md is stale: python -m fp8rl.config > docs/CONFIG.md"
+
+
+def test_batch_invariance_needs_the_embedded_engines_and_reaches_both_roles():
+    from fp8rl.config import JobConfig
+
+    job = JobConfig().with_settings({"policy.numerics.batch_invariant": True})
+    rollout, trainer = job.fp8_recipe("rollout"), job.fp8_recipe("trainer")
+    assert rollout.batch_invariant and trainer.batch_invariant
+    assert trainer.fp8_kv == rollout.fp8_kv  # the trainer recomputes the rollout's FP8 attention
+    assert not JobConfig().fp8_recipe("trainer").fp8_kv  # without it the trainer's attention stays high precision
+    for key in ("policy.generation.backend", "policy.training.backend"):
+        other = "vllm" if "generation" in key else "megatron"
+        with pytest.raises(ConfigError, match=f"batch_invariant=true needs {key}=torch"):
+            JobConfig().with_settings({"policy.numerics.batch_invariant": True, key: other})
+
+
+def test_loop_flag_batch_invariant_is_a_switch():
+    from fp8rl.loop import LoopConfig, _parser
+
+    args = _parser().parse_args(["--batch-invariant"])
+    assert args.batch_invariant is True and _parser().parse_args([]).batch_invariant is None
+    assert LoopConfig.from_flags(batch_invariant=True).job.policy.numerics.batch_invariant

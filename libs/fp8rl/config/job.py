@@ -66,6 +66,13 @@ class JobConfig(Section):
     def check(self) -> None:
         self._check_batch_shape()
         _ = self.recipe  # the precision combination must be a recipe
+        if self.policy.numerics.batch_invariant:
+            # the embedded engines own both sides' kernels; vLLM's and Megatron's choose theirs by shape
+            for key, val in (("policy.generation.backend", self.policy.generation.backend),
+                             ("policy.training.backend", self.policy.training.backend)):
+                if val != "torch":
+                    raise ConfigError(f"policy.numerics.batch_invariant=true needs {key}=torch (got {val}): only "
+                                      "the embedded engines compute a token the same way whatever the batch")
 
     def _check_batch_shape(self) -> None:
         """One step's batch must fit one call of each service at its default bounds (see :mod:`fp8rl.limits`)."""
@@ -104,6 +111,7 @@ class JobConfig(Section):
             num_first_layers_in_bf16=v.num_first_layers_in_bf16, num_last_layers_in_bf16=v.num_last_layers_in_bf16,
             pow2_weight_scaling_factors=v.pow2_weight_scaling_factors,
             pow2_activation_scaling_factors=v.pow2_activation_scaling_factors,
+            batch_invariant=self.policy.numerics.batch_invariant,
         )
 
     def loss_config(self):

@@ -98,11 +98,21 @@ class TrainingConfig(Section):
 
 
 @dataclass(frozen=True)
+class NumericsConfig(Section):
+    KEY = "policy.numerics"
+    batch_invariant: bool = setting(False, "Batch-invariant numerics in both embedded engines (GEMMs in fixed row "
+                                    "tiles, split-KV attention with a fixed chunk): the rollout's logprobs are "
+                                    "bitwise the trainer's, in bf16 and fp8_e2e, with an FP8 KV cache too (the "
+                                    "trainer then quantizes Q/K/V with the rollout's scales). Torch engines only.")
+
+
+@dataclass(frozen=True)
 class PolicyConfig(Section):
     KEY = "policy"
     model: str = setting("tiny-arith", "A preset name (tiny-arith) or a local HF checkpoint directory.")
     generation: GenerationConfig = section(GenerationConfig, "The rollout engine.")
     training: TrainingConfig = section(TrainingConfig, "The trainer.")
+    numerics: NumericsConfig = section(NumericsConfig, "How the engines compute (batch invariance).")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ a single-rank trainer still writes one ``.pt`` file, and both kinds load at any 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fp8rl.fp8 import Fp8Recipe, convert_model
+from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
 from fp8rl.model import CausalLM
 from fp8rl.rl import LossConfig, policy_loss
 
@@ -121,6 +122,12 @@ class TorchTrainer(TrainerBackend):
         self.config = config
         self.parallel = parallel
         self.model = self._build_policy(model, recipe).train()
+        # Trainer-side FP8 KV (batch-invariant recipes): the quantizers stay off the model except during this
+        # trainer's own passes, which need the QKV scales the rollout used for the version they recompute; a
+        # calibrator reading the same model object (the in-process loop) keeps its high-precision forward.
+        self._kv_quants = list(self.model.kv_quantizers) if recipe.fp8_kv else []
+        if self._kv_quants:
+            self.model.disable_fp8_kv()
         if parallel is not None:
             self.model = parallel.shard(self.model)
         self.ref_model = None
@@ -175,9 +182,45 @@ class TorchTrainer(TrainerBackend):
             j = i * p.world + p.rank
             yield i, (batch.slice(*spans[j]) if j < len(spans) else _filler(batch))
 
+    @property
+    def needs_qkv_scales(self) -> bool:
+        """Whether :meth:`load_qkv_scales` must give the held version's scales before logprobs or a step."""
+        return bool(self._kv_quants)
+
+    def load_qkv_scales(self, scales: QKVScales) -> None:
+        """The QKV scales the rollout used for ``scales.version`` (FP8 KV on the trainer: batch-invariant recipes).
+
+        Raises:
+            ValueError: this trainer has no FP8 KV, or the scales do not cover every layer.
+        """
+        if not self._kv_quants:
+            raise ValueError("this trainer computes attention in high precision (no FP8 KV): it takes no QKV scales")
+        if scales.num_layers != len(self._kv_quants):
+            raise ValueError(f"QKV scales cover {scales.num_layers} layers, the model has {len(self._kv_quants)}")
+        for i, qz in enumerate(self._kv_quants):
+            qz.set_scales(scales.q[i], scales.k[i], scales.v[i], scales.version)
+
+    @contextlib.contextmanager
+    def _fp8_kv(self):
+        """The FP8 KV quantizers installed for one pass, with the held version's scales (else RuntimeError)."""
+        if not self._kv_quants:
+            yield
+            return
+        for qz in self._kv_quants:
+            qz.require_version(self._version)
+        layers = self.model.model.layers
+        for layer, qz in zip(layers, self._kv_quants, strict=True):
+            layer.self_attn.kv_quant = qz
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.self_attn.kv_quant = None
+
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
-        return self._logprobs_of(self.model, batch, should_stop)
+        with self._fp8_kv():
+            return self._logprobs_of(self.model, batch, should_stop)
 
     @torch.no_grad()
     def _logprobs_of(self, model: CausalLM, batch: TrainBatch, should_stop: ShouldStop | None = None) -> torch.Tensor:
@@ -216,7 +259,8 @@ class TorchTrainer(TrainerBackend):
                         copy.deepcopy(self.optimizer.state_dict()))
         try:
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                m = self._update(batch.slice(lo, hi), should_stop)
+                with self._fp8_kv():
+                    m = self._update(batch.slice(lo, hi), should_stop)
                 for key, val in m.items():
                     totals[key] = totals.get(key, 0.0) + val / k
         except Exception:

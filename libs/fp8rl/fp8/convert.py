@@ -100,6 +100,12 @@ def convert_model(
         if enable is None:
             raise ValueError(f"kv_cache_dtype=fp8 needs a model with enable_fp8_kv(); {type(model).__name__} has none")
         enable(fp8_attention=recipe.fp8_attention)
+    if recipe.batch_invariant:  # after the swap: it tiles the FP8 linears and the remaining plain ones
+        enable_bi = getattr(model, "enable_batch_invariance", None)
+        if enable_bi is None:
+            raise ValueError(f"batch_invariant needs a model with enable_batch_invariance(); {type(model).__name__} "
+                             "has none")
+        enable_bi()
     model.fp8_recipe = recipe
     log.debug("convert_model(%s): %d linears in FP8 (%s)", mode, n_fp8, recipe)
     return model

@@ -22,7 +22,25 @@ from torch import nn
 
 from .quant import E4M3, E4M3_MAX, dequantize_per_tensor, quantize_per_tensor
 
-__all__ = ["QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history"]
+__all__ = ["QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history", "straight_through"]
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``fn(x)`` forward, identity backward: the forward numbers are exactly ``fn``'s (no ``x + (y - x)``
+    re-association), and gradients pass the rounding unchanged (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(x)`` with straight-through gradients when ``x`` needs them (the trainer's FP8 attention)."""
+    return _StraightThrough.apply(x, fn) if x.requires_grad else fn(x)
 
 DEFAULT_MARGIN = 1.05
 DEFAULT_PERCENTILE = 99.9
@@ -115,7 +133,12 @@ class QKVQuantizer(nn.Module):
     * :meth:`dequantize_kv` to read the cache back for the attention math,
     * :meth:`fake_quantize_q` (FP8 attention: Q is E4M3 too),
     * :meth:`round_probs` on the softmax probabilities before ``P @ V`` when ``fp8_attention``
-      (probabilities use scale 1.0: they lie in [0, 1], which E4M3 covers down to 2**-9).
+      (probabilities use scale 1.0: they lie in [0, 1], which E4M3 covers down to 2**-9),
+    * :meth:`fake_quantize_kv` in a forward without a cache (the trainer's, under batch-invariant
+      numerics): the numbers a cache would store and return.
+
+    Gradients flow through every rounding straight-through (:func:`straight_through`): the trainer's
+    backward treats the E4M3 rounding of Q, K, V and P as the identity.
 
     Args:
         fp8_attention: also round Q and the probabilities to E4M3 (FP8 attention).
@@ -160,15 +183,24 @@ class QKVQuantizer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return dequantize_per_tensor(k_q, self.k_scale, dtype), dequantize_per_tensor(v_q, self.v_scale, dtype)
 
+    def fake_quantize_kv(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dequantize_kv(quantize_kv(k, v))`` elementwise (bitwise what a cache round trip gives)."""
+        return (straight_through(k, lambda t: dequantize_per_tensor(quantize_per_tensor(t, self.k_scale)[0],
+                                                                     self.k_scale, dtype)),
+                straight_through(v, lambda t: dequantize_per_tensor(quantize_per_tensor(t, self.v_scale)[0],
+                                                                     self.v_scale, dtype)))
+
     def fake_quantize_q(self, q: torch.Tensor) -> torch.Tensor:
         if not self.fp8_attention:
             return q
-        return dequantize_per_tensor(quantize_per_tensor(q, self.q_scale)[0], self.q_scale, q.dtype)
+        return straight_through(
+            q, lambda t: dequantize_per_tensor(quantize_per_tensor(t, self.q_scale)[0], self.q_scale, t.dtype))
 
     def round_probs(self, p: torch.Tensor) -> torch.Tensor:
         if not self.fp8_attention:
             return p
-        return p.to(E4M3).to(p.dtype)
+        return straight_through(p, lambda t: t.to(E4M3).to(t.dtype))
 
     def extra_repr(self) -> str:
         return (

@@ -43,7 +43,28 @@ from .quant import (
     quantize_per_token_group,
 )
 
-__all__ = ["fp8_linear", "fp8_gemm", "Fp8Linear", "Fp8InferenceLinear", "WeightCache"]
+__all__ = ["fp8_linear", "fp8_gemm", "tiled_mm", "pad_rows", "Fp8Linear", "Fp8InferenceLinear", "WeightCache"]
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` ``(..., M, K)`` with zero rows appended up to a multiple of ``multiple``."""
+    pad = -x.shape[-2] % multiple
+    if pad == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+
+
+def tiled_mm(x: torch.Tensor, wt: torch.Tensor, row_tile: int) -> torch.Tensor:
+    """``x @ wt`` for ``x`` ``(M, K)`` and ``wt`` ``(K, N)`` as ``ceil(M / row_tile)`` GEMMs of one shape.
+
+    Batch-invariant numerics (:mod:`fp8rl.model.invariant`): every matrix of the batched GEMM is
+    ``(row_tile, K) @ (K, N)`` (the last tile zero-padded), so the BLAS kernel and its summation order
+    over ``K`` do not depend on ``M``. The weight is broadcast (stride 0) over the tiles, never copied.
+    """
+    m, k = x.shape
+    tiles = pad_rows(x, row_tile).view(-1, row_tile, k)  # (n, R, K)
+    out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape))  # (n, R, N)
+    return out.view(-1, wt.shape[1])[:m]
 
 
 def fp8_gemm(
@@ -54,18 +75,24 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.float32,
     *,
     w_dequantized: torch.Tensor | None = None,
+    row_tile: int | None = None,
 ) -> torch.Tensor:
     """``x Wᵀ`` for x ``(T, K)`` quantized 1×128 and W ``(N, K)`` quantized 128×128; FP32 accumulation.
 
     ``w_dequantized`` lets a frozen layer pass its cached FP32 ``dequantize_blockwise(w_q, w_scale)``
     to the reference path (same numbers, computed once per weight version instead of per call).
+    ``row_tile`` (batch-invariant numerics) runs the reference GEMM as :func:`tiled_mm`; it needs the
+    reference backend (the fast path's kernels choose their tiling by shape).
     """
     backend = select_backend(x_q.device)
     if backend == "scaled_mm":
+        if row_tile is not None:
+            raise RuntimeError("batch-invariant numerics run the reference FP8 GEMM; set FP8RL_FP8_BACKEND=reference")
         return _gemm_scaled_mm(x_q, x_scale, w_q, w_scale, out_dtype)
     x = dequantize_per_token_group(x_q, x_scale)
     w = w_dequantized if w_dequantized is not None else dequantize_blockwise(w_q, w_scale)
-    return (x @ w.t()).to(out_dtype)
+    out = x @ w.t() if row_tile is None else tiled_mm(x, w.t(), row_tile)
+    return out.to(out_dtype)
 
 
 def _gemm_scaled_mm(x_q, x_scale, w_q, w_scale, out_dtype):  # pragma: no cover - needs sm90
@@ -118,14 +145,14 @@ class WeightCache:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None):
+    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None):
         x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
         if cache is not None:
             w_q, w_s, w_deq = cache.get(weight, pow2_w)
         else:
             w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
             w_deq = None
-        out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, w_dequantized=w_deq)
+        out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, w_dequantized=w_deq, row_tile=row_tile)
         if bias is not None:
             out = out + bias.float()
         # wgrad reduces over tokens: keep x only in its column-wise (1x128 along T) E4M3 form.
@@ -155,7 +182,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(w_dtype)
         ctx.w_deq = None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def fp8_linear(
@@ -166,6 +193,7 @@ def fp8_linear(
     pow2_scale: bool = False,
     pow2_activation_scale: bool | None = None,
     weight_cache: WeightCache | None = None,
+    row_tile: int | None = None,
 ) -> torch.Tensor:
     """Autograd-capable block-scaled FP8 ``F.linear``.
 
@@ -177,12 +205,13 @@ def fp8_linear(
         pow2_activation_scale: power-of-two activation/gradient scales (defaults to ``pow2_scale``).
         weight_cache: keeps ``weight``'s FP8 form between calls while the weight is unchanged (None: quantize
             on every call).
+        row_tile: batch-invariant forward GEMM (:func:`tiled_mm`), or None.
     """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     pow2_a = pow2_scale if pow2_activation_scale is None else pow2_activation_scale
     lead = x.shape[:-1]
-    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache)
+    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -200,6 +229,7 @@ class Fp8Linear(nn.Linear):
         self.pow2_weight_scale = pow2_weight_scale
         self.pow2_activation_scale = pow2_activation_scale
         self.weight_cache: WeightCache | None = WeightCache()
+        self.row_tile: int | None = None  # batch-invariant numerics (CausalLM.set_batch_invariance)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, pow2_weight_scale=False, pow2_activation_scale=False) -> Fp8Linear:
@@ -211,13 +241,14 @@ class Fp8Linear(nn.Linear):
         new.pow2_weight_scale = pow2_weight_scale
         new.pow2_activation_scale = pow2_activation_scale
         new.weight_cache = WeightCache()
+        new.row_tile = None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(
             x, self.weight, self.bias,
             pow2_scale=self.pow2_weight_scale, pow2_activation_scale=self.pow2_activation_scale,
-            weight_cache=self.weight_cache,
+            weight_cache=self.weight_cache, row_tile=self.row_tile,
         )
 
     def extra_repr(self) -> str:
@@ -246,6 +277,7 @@ class Fp8InferenceLinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(sn, sk, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.register_buffer("_w_dequant", None, persistent=False)
+        self.row_tile: int | None = None  # batch-invariant numerics (CausalLM.set_batch_invariance)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, name: str | None = None, **kw) -> Fp8InferenceLinear:
@@ -296,7 +328,8 @@ class Fp8InferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x_q, x_s = quantize_per_token_group(x.reshape(-1, self.in_features), pow2_scale=self.pow2_activation_scale)
-        out = fp8_gemm(x_q, x_s, self.weight, self.weight_scale, torch.float32, w_dequantized=self._w_dequant)
+        out = fp8_gemm(x_q, x_s, self.weight, self.weight_scale, torch.float32, w_dequantized=self._w_dequant,
+                       row_tile=self.row_tile)
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*lead, self.out_features)

@@ -11,7 +11,9 @@ fp8_e2e        fp8 linears    fp8 linears
 =============  =============  =============
 
 ``kv_cache_dtype: fp8`` applies to the rollout engine only (the trainer computes attention in high
-precision, as the reference does); the calibrator computes the scales the rollout uses.
+precision, as the reference does); the calibrator computes the scales the rollout uses. With
+``batch_invariant`` the trainer quantizes Q/K/V too, with the scales the rollout used for the version
+it recomputes (so its logprobs are bitwise the rollout's); the calibrator still runs high precision.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Fp8Recipe:
         pow2_activation_scaling_factors: same for activation (and gradient) group scales.
         kv_cache_dtype: ``"fp8"`` stores K/V in E4M3 with calibrated per-tensor scales.
         fp8_attention: with an FP8 KV cache, also round Q and the softmax probabilities to E4M3.
+        batch_invariant: GEMMs in fixed-shape row tiles and split-KV attention with a fixed chunk
+            (:mod:`fp8rl.model.invariant`), so a token's numbers do not depend on the batch, on decode
+            vs full forward or on padding: the rollout's and the trainer's logprobs are bitwise equal.
     """
 
     linear: Literal["bf16", "fp8"] = "fp8"
@@ -47,6 +52,7 @@ class Fp8Recipe:
     pow2_activation_scaling_factors: bool = False
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     fp8_attention: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.linear not in ("bf16", "fp8"):
@@ -82,6 +88,7 @@ def recipe_for_role(
     pow2_weight_scaling_factors: bool = False,
     pow2_activation_scaling_factors: bool = False,
     fp8_attention: bool = True,
+    batch_invariant: bool = False,
 ) -> Fp8Recipe:
     """The :class:`Fp8Recipe` one role runs under a job-level ``recipe`` (see the module table)."""
     if recipe not in RECIPES:
@@ -95,6 +102,9 @@ def recipe_for_role(
         num_last_layers_in_bf16=num_last_layers_in_bf16,
         pow2_weight_scaling_factors=pow2_weight_scaling_factors,
         pow2_activation_scaling_factors=pow2_activation_scaling_factors,
-        kv_cache_dtype=kv_cache_dtype if role == "rollout" else "auto",  # type: ignore[arg-type]
+        # the trainer quantizes Q/K/V as the rollout did only when it computes the rollout's numbers exactly
+        kv_cache_dtype=kv_cache_dtype if role == "rollout" or (role == "trainer" and batch_invariant)
+        else "auto",  # type: ignore[arg-type]
         fp8_attention=fp8_attention,
+        batch_invariant=batch_invariant,
     )

@@ -30,6 +30,7 @@ from fp8rl.fp8.kv import QKVQuantizer
 from fp8rl.fp8.quant import E4M3
 
 from .config import ModelConfig
+from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attention
 from .kv_cache import KVCache
 
 __all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm", "QKVPoint", "rope_inv_freq"]
@@ -151,6 +152,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor,
         kv_cache: KVCache | None = None,
+        layout: KeyLayout | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``(B, T, C)`` to itself (and to the cache's first ``length`` slots).
 
@@ -159,6 +161,8 @@ class Attention(nn.Module):
             mask: additive FP32 mask ``(B or 1, 1, T, S)``, 0 where visible, a large negative
                 elsewhere; ``S = T`` without a cache, ``cache.length + T`` with one.
             kv_cache: written at ``[length, length + T)`` for this layer; not advanced here.
+            layout: with batch-invariant numerics, the keys' canonical layout; attention then runs
+                :func:`~fp8rl.model.invariant.split_kv_attention` (``mask`` is not used).
         """
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -175,19 +179,21 @@ class Attention(nn.Module):
         quant = self.kv_quant
         if quant is not None:
             q = quant.fake_quantize_q(q)
-            k_st, v_st = quant.quantize_kv(k, v)  # E4M3, what an FP8 cache stores
-        else:
-            k_st, v_st = k, v
         if kv_cache is not None:
+            k_st, v_st = quant.quantize_kv(k, v) if quant is not None else (k, v)  # E4M3: what an FP8 cache stores
             k_st, v_st = self._through_cache(kv_cache, k_st, v_st)  # (B, Hkv, S, D)
-        # Without a cache the same quantize -> dequantize runs, so both paths see equal K/V.
-        if quant is not None and kv_cache is not None:
-            k_att, v_att = kv_cache.read_dequantized(self.layer_idx, k_st.shape[2], quant.dequantize_kv, dtype)
-        elif quant is not None:
-            k_att, v_att = quant.dequantize_kv(k_st, v_st, dtype)
+            if quant is not None:
+                k_att, v_att = kv_cache.read_dequantized(self.layer_idx, k_st.shape[2], quant.dequantize_kv, dtype)
+            else:
+                k_att, v_att = k_st.to(dtype), v_st.to(dtype)
+        elif quant is not None:  # without a cache the same quantize -> dequantize runs: both paths see equal K/V
+            k_att, v_att = quant.fake_quantize_kv(k, v, dtype)
         else:
-            k_att, v_att = k_st.to(dtype), v_st.to(dtype)
+            k_att, v_att = k, v
 
+        if layout is not None:
+            out = split_kv_attention(q, k_att, v_att, layout, quant.round_probs if quant is not None else None)
+            return self.o_proj(out.to(dtype).transpose(1, 2).reshape(B, T, H * D))
         rep = H // Hkv  # GQA: query head h reads kv head h // rep
         S = k_att.shape[2]
         # One plain batched GEMM per kv head: its rep query heads stacked along the rows.
@@ -242,9 +248,10 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor,
         kv_cache: KVCache | None = None,
+        layout: KeyLayout | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, T, C)`` -> ``(B, T, C)``; arguments as :meth:`Attention.forward`."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -276,6 +283,7 @@ class CausalLM(nn.Module):
         # Kept out of the state dict (HF names) and out of module.to(dtype): BF16 angles would be wrong.
         self._inv_freq = rope_inv_freq(config)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self.batch_invariance: BatchInvariance | None = None
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module) -> None:
@@ -326,6 +334,30 @@ class CausalLM(nn.Module):
     def kv_quantizers(self) -> list[QKVQuantizer]:
         """The installed quantizers, layer order (empty when FP8 KV is off)."""
         return [la.self_attn.kv_quant for la in self.model.layers if la.self_attn.kv_quant is not None]
+
+    # -----------------------------------------------------------------------------------------
+    # batch-invariant numerics
+    # -----------------------------------------------------------------------------------------
+
+    def enable_batch_invariance(self, inv: BatchInvariance | None = None) -> None:
+        """:meth:`set_batch_invariance` with ``inv`` or the default tile and chunk sizes."""
+        self.set_batch_invariance(inv or BatchInvariance())
+
+    def set_batch_invariance(self, inv: BatchInvariance | None) -> None:
+        """Run every GEMM in fixed-shape row tiles and attention split-KV (:mod:`fp8rl.model.invariant`).
+
+        Plain ``nn.Linear`` modules (the output head included) become :class:`TiledLinear` on the same
+        parameters; FP8 linears (anything with a ``row_tile`` attribute) get the tile size. Call it after
+        any FP8 conversion. ``None`` turns it off (the tiled modules then compute as plain linears do).
+        """
+        self.batch_invariance = inv
+        for parent in list(self.modules()):
+            for attr, child in list(parent.named_children()):
+                if type(child) is nn.Linear and inv is not None:
+                    setattr(parent, attr, TiledLinear.from_linear(child, inv.row_tile))
+                elif hasattr(child, "row_tile"):
+                    child.row_tile = inv.row_tile if inv is not None else None
+        self.tie_weights()
 
     # -----------------------------------------------------------------------------------------
     # forward
@@ -393,10 +425,15 @@ class CausalLM(nn.Module):
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
         mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
 
+        layout = None
+        if self.batch_invariance is not None:
+            keys = attention_mask if attention_mask is not None else torch.ones(B, S, dtype=torch.long, device=device)
+            layout = KeyLayout.build(keys, L, T, self.batch_invariance)
+
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(self._rope_inv_freq(device), position_ids, x.dtype)  # (B, T, D)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, kv_cache)
+            x = layer(x, cos, sin, mask, kv_cache, layout)
         x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)  # once per forward, after every layer wrote its slots

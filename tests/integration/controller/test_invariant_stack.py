@@ -1,0 +1,54 @@
+"""Batch-invariant numerics through the service stack (issue 18): zero train/rollout mismatch, exactly.
+
+A stack launched for a job with ``policy.numerics.batch_invariant: true`` (fp8_e2e, FP8 KV cache): the rollout
+replica decodes, the trainer service recomputes the logprobs in its own process with the QKV scales it reads
+from the refit store, and every step's ``token_mult_prob_error`` is exactly 1.0 and ``gen_kl_k3`` exactly 0 —
+the trainer's logprobs are bitwise the rollout's. The in-process loop on the same job gives the same. The
+negative control (the flag off) is the default-tier stack test, whose mismatch is > 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fp8rl.loop import LoopConfig, run
+
+from .conftest import Stack, launcher, tiny_job, tiny_model
+from .test_controller import WATCH_S, _client
+
+pytestmark = [pytest.mark.integration, pytest.mark.invariant]
+
+
+def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_path):
+    model_dir = tiny_model(tmp_path / "model")
+    job = tiny_job(model_dir, max_new_tokens=12)
+    job["policy"]["numerics"] = {"batch_invariant": True}
+    job["job"]["steps"] = 3
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+    assert up.returncode == 0, up.stderr[-4000:]
+    stack = Stack(run_dir, job_file, model_dir)
+    try:
+        with _client(stack) as c:
+            job_id = c.submit_job(job_file)
+            reports = list(c.watch(job_id, timeout_s=WATCH_S * 2))
+            info = c.get_job(job_id)
+    finally:
+        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert r.metrics["response_len"] > 1  # tokens were generated and compared
+        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+
+    loop = run(LoopConfig.from_flags(model=str(model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=3,
+                                     prompts_per_step=4, group_size=2, max_tokens=12, lr=0.01, micro_batch_size=8,
+                                     calibration_max_sequences=4, eval_size=2, seed=0, batch_invariant=True),
+               progress=False)["steps"]
+    assert [h["token_mult_prob_error"] for h in loop] == [1.0, 1.0, 1.0]
+    for r, h in zip(reports, loop, strict=True):  # the controller runs the loop's step: the same samples
+        assert r.reward_mean == pytest.approx(h["reward_mean"]) and r.metrics["response_len"] == h["response_len"]
+

@@ -1,0 +1,172 @@
+"""Batch-invariant numerics: the rollout's logprobs are bitwise the trainer's (issue 18).
+
+The claim is exact equality, so every comparison here is ``torch.equal`` — no tolerance. The cases vary
+what used to change the numbers: rows decoded together (rollout ``max_batch_size``), rows per trainer
+micro-batch, prompt lengths (left padding in the rollout, right padding in the trainer), sequences that
+cross KV-chunk boundaries, recipe (bf16, fp8_e2e) and KV cache (model dtype, FP8 with calibrated scales).
+The negative control runs the same comparison with the flag off and must see differences.
+"""
+
+import pytest
+import torch
+
+from fp8rl.engines.base import SamplingParams
+from fp8rl.engines.batch import build_train_batch
+from fp8rl.engines.calibrator import QKVCalibrator
+from fp8rl.engines.torch_rollout import TorchRolloutEngine
+from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
+from fp8rl.fp8 import recipe_for_role
+from fp8rl.fp8.kv import straight_through
+from fp8rl.fp8.linear import tiled_mm
+from fp8rl.model import CausalLM
+from fp8rl.model.invariant import BatchInvariance, KeyLayout, split_kv_attention
+
+from .conftest import tiny_config
+
+INV = BatchInvariance()
+
+
+@pytest.fixture(scope="module")
+def awkward():
+    """Dims that are not multiples of 128 (FP8 blocks padded), GQA 3:1, tied embeddings."""
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=97, hidden_size=192, intermediate_size=320, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, initializer_range=0.08)
+    return CausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts():
+    g = torch.Generator().manual_seed(1)
+    # 2..40 tokens: with 20 new tokens rows end on both sides of the 32-key chunk boundary
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in (2, 19, 7, 40, 11, 3, 31)]
+
+
+def _compare(model, prompts, recipe, kv, *, invariant, rollout_rows, trainer_rows, temperature=1.0):
+    """(trainer logprobs, rollout logprobs) on the generated tokens, and the batch."""
+    rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant)
+    tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant)
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=rollout_rows)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=trainer_rows))
+    if kv == "fp8":
+        scales = QKVCalibrator(model, pad_token_id=0).calibrate(0, prompts)
+        engine.load_scales(scales)
+        if trainer.needs_qkv_scales:
+            trainer.load_qkv_scales(scales)
+    samples = engine.generate(prompts, SamplingParams(temperature=temperature, max_tokens=20, n=2, seed=3))
+    batch = build_train_batch(samples, torch.zeros(len(samples)), 2, 0)
+    mask = batch.loss_mask.bool()
+    return trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask], trainer, batch
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("rollout_rows,trainer_rows", [(1, 14), (3, 5), (16, 1)])
+def test_rollout_logprobs_are_bitwise_the_trainers(awkward, mixed_prompts, recipe, kv, rollout_rows, trainer_rows):
+    trainer_lp, rollout_lp, _, _ = _compare(awkward, mixed_prompts, recipe, kv, invariant=True,
+                                            rollout_rows=rollout_rows, trainer_rows=trainer_rows)
+    assert trainer_lp.numel() > 100
+    diff = (trainer_lp - rollout_lp).abs()
+    assert torch.equal(trainer_lp, rollout_lp), (
+        f"{int((diff > 0).sum())} of {diff.numel()} logprobs differ (max {float(diff.max()):.3g})")
+
+
+def test_greedy_sampling_is_invariant_too(awkward, mixed_prompts):
+    """Greedy decoding reports temperature-1 logprobs on both sides."""
+    t, r, _, _ = _compare(awkward, mixed_prompts, "fp8_e2e", "auto", invariant=True, rollout_rows=5,
+                          trainer_rows=3, temperature=0.0)
+    assert torch.equal(t, r)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+def test_negative_control_without_the_flag_logprobs_differ(awkward, mixed_prompts, recipe):
+    """The same comparison with batch invariance off: decode GEMMs of a few rows and attention over the cache
+    sum in another order than the trainer's full forward, so some logprobs differ — the check above can fail."""
+    t, r, _, _ = _compare(awkward, mixed_prompts, recipe, "auto", invariant=False, rollout_rows=3, trainer_rows=14)
+    assert not torch.equal(t, r)
+
+
+def test_a_trainer_with_fp8_kv_refuses_to_run_without_the_versions_scales(awkward, mixed_prompts):
+    _, _, trainer, batch = _compare(awkward, mixed_prompts, "fp8_e2e", "fp8", invariant=True, rollout_rows=16,
+                                    trainer_rows=16)
+    trainer.train_step(batch)  # version 0 -> 1 with version 0's scales
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    with pytest.raises(RuntimeError, match="QKV scales of weight version 1"):
+        trainer.compute_logprobs(batch)
+    assert trainer.model.kv_quantizers == []  # installed only during a pass: calibrators see high precision
+
+
+def test_trainer_without_fp8_kv_takes_no_scales(awkward):
+    trainer = TorchTrainer(awkward, recipe_for_role("fp8_e2e", "trainer", kv_cache_dtype="fp8"))
+    assert not trainer.needs_qkv_scales  # without batch invariance the trainer's attention stays high precision
+    with pytest.raises(ValueError, match="takes no QKV scales"):
+        trainer.load_qkv_scales(QKVCalibrator(awkward, pad_token_id=0).calibrate(0, [[3, 4, 5]]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the primitives
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k,n", [(192, 320), (320, 192), (32, 20)])
+def test_tiled_mm_gives_a_row_the_same_bits_whatever_the_rows_around_it(k, n):
+    """The property the design rests on: a row's product does not depend on how many rows are multiplied with it
+    nor on its place in a tile. Fails on a BLAS whose kernel order depends on a row's position in the tile."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, k, generator=g), torch.randn(n, k, generator=g)
+    full = tiled_mm(x, w.t(), INV.row_tile)
+    for m in (1, 2, 5, 8, 17, 33):
+        for start in (0, 3, 70 - m):
+            assert torch.equal(tiled_mm(x[start:start + m], w.t(), INV.row_tile), full[start:start + m]), (m, start)
+    # and it is the same product: within FP32 summation error of the plain GEMM (|err| <= k * 2**-24 * sum|x w|)
+    ref = x.double() @ w.double().t()
+    bound = k * 2.0**-24 * (x.abs().double() @ w.abs().double().t())
+    assert bool(((full.double() - ref).abs() <= bound).all())
+
+
+def test_plain_gemm_rows_are_not_invariant_here_negative_control():
+    """Why the tiles exist: a plain (M, K) GEMM of a few rows sums in another order than a big one (MKL's
+    small-M path). Skipped on a BLAS where that does not happen — then the tiles cost little and change nothing."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(384, 256, generator=g)
+    if all(torch.equal(x[:m] @ w.t(), (x @ w.t())[:m]) for m in (1, 2, 3)):
+        pytest.skip("this BLAS gives small-M GEMM rows the same bits as large-M ones")
+    assert torch.equal(tiled_mm(x[:2], w.t(), INV.row_tile), tiled_mm(x, w.t(), INV.row_tile)[:2])
+
+
+def test_split_kv_attention_is_softmax_attention_and_decode_equals_full():
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, D = 3, 6, 2, 45, 32
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hkv, Hkv))
+    keys = torch.ones(B, T, dtype=torch.long)
+    full = split_kv_attention(q, k, v, KeyLayout.build(keys, 0, T, INV))
+    # reference: plain causal softmax attention in float64, within FP32 error
+    rep = H // Hkv
+    kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = q.double() @ kk.transpose(-1, -2) / D**0.5
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    ref = s.softmax(-1) @ vv
+    assert float((full.double() - ref).abs().max()) < 1e-5  # FP32 softmax + sums of <= 45 terms of |v| ~ 3
+    # one query at a time over its prefix only (decode), with the row's keys behind left padding
+    for t in (0, 31, 32, 44):
+        pad = 5
+        kp = torch.cat([torch.randn(B, Hkv, pad, D, generator=g), k[:, :, :t + 1]], 2)
+        vp = torch.cat([torch.randn(B, Hkv, pad, D, generator=g), v[:, :, :t + 1]], 2)
+        mask = torch.cat([torch.zeros(B, pad, dtype=torch.long), torch.ones(B, t + 1, dtype=torch.long)], 1)
+        one = split_kv_attention(q[:, :, t:t + 1], kp, vp, KeyLayout.build(mask, pad + t, 1, INV))
+        assert torch.equal(one, full[:, :, t:t + 1]), t
+
+
+def test_straight_through_keeps_forward_bits_and_passes_gradients():
+    x = torch.randn(5, 7, requires_grad=True)
+    y = straight_through(x, lambda t: t.to(torch.float8_e4m3fn).float())
+    assert torch.equal(y, x.detach().to(torch.float8_e4m3fn).float())
+    y.backward(torch.arange(35.0).view(5, 7))
+    assert torch.equal(x.grad, torch.arange(35.0).view(5, 7))
+
+
+def test_batch_invariance_settings_are_checked():
+    with pytest.raises(ValueError, match="row_tile must be >= 8"):
+        BatchInvariance(row_tile=4)
+    with pytest.raises(ValueError, match="kv_chunk"):
+        BatchInvariance(kv_chunk=0)
