@@ -119,6 +119,7 @@ class KeyLayout:
 
     Attributes:
         index: ``(B, Sc)`` slot of each canonical key (clamped into range where past the end).
+        shift: the one offset every row shares (then keys are a slice, no gather), or None.
         present: ``(B, Sc)`` the slot exists and is not padding.
         visible: ``(B, 1, T, Sc)`` query ``i`` may attend canonical key ``j``: ``present`` and
             ``j <= (L + i) - offset[b]`` (causal, counted from the row's first key).
@@ -129,6 +130,7 @@ class KeyLayout:
     present: torch.Tensor
     visible: torch.Tensor
     inv: BatchInvariance
+    shift: int | None = None
 
     @classmethod
     def build(cls, key_mask: torch.Tensor, past: int, num_new: int, inv: BatchInvariance) -> KeyLayout:
@@ -147,7 +149,8 @@ class KeyLayout:
         present = inside & keep.gather(1, index)
         qpos = torch.arange(past, past + num_new, device=device)[None, :] - offset[:, None]  # (B, T)
         visible = (j[None, None, :] <= qpos[:, :, None]) & present[:, None, :]  # (B, T, Sc)
-        return cls(index, present, visible[:, None], inv)
+        lo, hi = int(offset.min()), int(offset.max())
+        return cls(index, present, visible[:, None], inv, lo if lo == hi else None)
 
 
 def split_kv_attention(
@@ -174,11 +177,16 @@ def split_kv_attention(
     G, M = B * Hkv, rep * T
     sc = layout.index.shape[1]
     n_c = sc // C
-    # canonical K/V (G, Sc, D): row b's key j is slot offset[b] + j; absent keys are exact zeros
-    gather = layout.index[:, None, :, None].expand(B, Hkv, sc, D)
-    absent = ~layout.present[:, None, :, None]
-    kc = k.float().gather(2, gather).masked_fill(absent, 0.0).reshape(G, n_c, C, D)
-    vc = v.float().gather(2, gather).masked_fill(absent, 0.0).reshape(G, n_c, C, D)
+    # Canonical K/V (G, Sc, D): row b's key j is slot offset[b] + j. Keys a query cannot see keep whatever they
+    # hold (padding tokens' K/V, empty cache slots, repeats of the last slot): finite, so their probability of
+    # exactly 0 adds exact zeros whatever the value.
+    if layout.shift is not None:  # one offset for every row (the trainer's right padding: 0): a slice
+        o = layout.shift
+        kc, vc = (F.pad(t[:, :, o:o + sc].float(), (0, 0, 0, max(0, sc - (t.shape[2] - o)))) for t in (k, v))
+    else:
+        gather = layout.index[:, None, :, None].expand(B, Hkv, sc, D)
+        kc, vc = k.float().gather(2, gather), v.float().gather(2, gather)
+    kc, vc = kc.reshape(G, n_c, C, D), vc.reshape(G, n_c, C, D)
     # query rows of one kv head, (rep, T) order, in tiles of R: (G, nT, R, D)
     qt = pad_rows(q.float().reshape(G, M, D), R).view(G, -1, R, D)
     n_t = qt.shape[1]

@@ -1,0 +1,119 @@
+"""Train/rollout mismatch and step time, per recipe × KV dtype × batch invariance, in one run.
+
+    python bench/batch_invariance.py [--model tiny-arith|DIR|smollm2-135m-instruct] [--prompts 8 --n 4
+                                      --max-tokens 24 --repeats 2] [--recipes bf16 fp8_e2e] [--kv auto fp8]
+
+One GRPO step's two engine phases on the embedded engines: the rollout engine samples ``--prompts`` × ``--n``
+responses of up to ``--max-tokens`` tokens (temperature 1, fixed seed), then the trainer recomputes their
+logprobs and takes one optimizer step (:func:`fp8rl.engines.train_on_batch`). For every combination it
+reports the mismatch of the trainer's logprobs against the rollout's (``token_mult_prob_error``, 1.0 =
+bitwise equal; ``gen_kl_k3``) and the median step time (generate + train) over ``--repeats`` runs after a
+warm-up, and prints ``ratio step_invariant/step_plain`` per recipe and KV dtype (the cost of batch
+invariance; issue 18's target is ≤ 1.3 on CPU).
+
+Without ``--model`` a seeded random model of tiny-arith's shape (4 layers, 256 wide) and random prompts are
+used, so nothing needs preparing; ``--model`` takes a preset name or a local HF checkpoint directory, whose
+prompts are grade-school word problems in its tokenizer (chat template applied when it has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fp8rl.engines import TorchTrainer, TrainerConfig, train_on_batch
+from fp8rl.engines.base import SamplingParams
+from fp8rl.engines.batch import build_train_batch
+from fp8rl.engines.calibrator import QKVCalibrator
+from fp8rl.engines.torch_rollout import TorchRolloutEngine
+from fp8rl.fp8 import recipe_for_role
+from fp8rl.model import CausalLM, ModelConfig
+
+QUESTIONS = [
+    "Tom has 7 apples and buys 5 more. How many apples does he have?",
+    "A box holds 12 pencils. How many pencils are in 3 boxes?",
+    "Sara read 18 pages on Monday and 23 on Tuesday. How many pages did she read?",
+    "A train travels 60 km each hour. How far does it go in 4 hours?",
+    "There are 45 birds on a tree and 17 fly away. How many are left?",
+    "Each ticket costs 8 dollars. How much do 9 tickets cost?",
+    "A baker makes 96 rolls and packs them in bags of 8. How many bags does she fill?",
+    "Ben is 14 years old. His sister is 5 years younger. How old is his sister?",
+]
+
+
+def policy_and_prompts(args) -> tuple[CausalLM, list[list[int]], int, list[int]]:
+    """(model, prompts, pad id, eos ids)."""
+    if args.model is None:
+        torch.manual_seed(0)
+        cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=256, intermediate_size=768,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist()
+                   for n in torch.randint(6, 30, (args.prompts,), generator=g)]
+        return CausalLM(cfg), prompts, 0, [2]
+    from fp8rl.presets import load_policy
+
+    model, tok, _ = load_policy(args.model)
+    texts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
+    render = getattr(tok, "render_chat", None)
+    prompts = [tok.encode(render([{"role": "user", "content": t}]) if render else t) for t in texts]
+    return model, prompts, tok.pad_id, [tok.eos_id]
+
+
+def one(model, prompts, pad, eos, recipe: str, kv: str, invariant: bool, args) -> dict:
+    rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant)
+    tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant)
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=eos, pad_token_id=pad, max_batch_size=args.prompts * args.n)
+    trainer = TorchTrainer(model, tr, TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch))
+    if kv == "fp8":
+        scales = QKVCalibrator(model, pad_token_id=pad).calibrate(0, prompts)
+        engine.load_scales(scales)
+    times, metrics = [], None
+    for i in range(args.repeats + 1):  # the first is a warm-up; the trainer stays at version 0's weights
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=i)
+        samples = engine.generate(prompts, params)
+        batch = build_train_batch(samples, torch.randn(len(samples)), args.n, pad)
+        if trainer.needs_qkv_scales:
+            trainer.load_qkv_scales(scales)
+        trainer._version = 0  # noqa: SLF001 - each repeat recomputes version 0's samples (same weights' numbers)
+        out = train_on_batch(trainer, batch)
+        if i:
+            times.append(time.perf_counter() - t0)
+        metrics = metrics or out.metrics
+    return {"step_s": statistics.median(times), "tmpe": metrics["token_mult_prob_error"],
+            "kl": metrics["gen_kl_k3"], "tokens": int(batch.loss_mask.sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="preset name or HF checkpoint directory (default: random tiny)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_e2e"])
+    ap.add_argument("--kv", nargs="+", default=["auto", "fp8"])
+    args = ap.parse_args()
+    model, prompts, pad, eos = policy_and_prompts(args)
+    print(f"model {args.model or 'random tiny-arith shape'}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"params, {args.prompts} prompts x {args.n}, <= {args.max_tokens} tokens, torch threads "
+          f"{torch.get_num_threads()}")
+    print(f"{'recipe':8} {'kv':5} {'invariant':9} {'token_mult_prob_error':>22} {'gen_kl_k3':>10} {'step s':>8}")
+    for recipe in args.recipes:
+        for kv in args.kv:
+            row = {}
+            for invariant in (False, True):
+                r = row[invariant] = one(model, prompts, pad, eos, recipe, kv, invariant, args)
+                print(f"{recipe:8} {kv:5} {str(invariant):9} {r['tmpe']:22.6f} {r['kl']:10.2e} {r['step_s']:8.2f}",
+                      flush=True)
+            print(f"ratio step_invariant/step_plain {recipe} kv={kv}: {row[True]['step_s'] / row[False]['step_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
