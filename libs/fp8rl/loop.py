@@ -41,6 +41,7 @@ from fp8rl.engines import (
     train_on_batch,
 )
 from fp8rl.fp8 import RECIPES
+from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.presets import load_policy
 from fp8rl.rl import mismatch_promise
 
@@ -131,7 +132,7 @@ class GRPOLoop:
         policy, self.tok, self.model_path = load_policy(job.policy.model)
         self.rollout_recipe = job.fp8_recipe("rollout")
         self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
-        self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=[self.tok.eos_id],
+        self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=stop_token_ids(self.tok),
                                           pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256)
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
         cal = job.calibration
@@ -167,7 +168,7 @@ class GRPOLoop:
         delivered, not the trainer's copy); ``seed`` fixes the sampler, so an unchanged engine
         gives the same rates.
         """
-        prompts = [self.tok.encode(p.prompt) for p in problems]
+        prompts = self.plan.prompts(problems)
         g = self.job.policy.generation
         params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, n=n, seed=seed)
         right = [0] * len(problems)

@@ -33,8 +33,8 @@ import grpc
 from fp8rl import limits
 from fp8rl.config import JobConfig
 from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, VersionMismatchError, make_rollout_engine
-from fp8rl.model.tokenizer import load_tokenizer
-from fp8rl.presets import PRESETS, load_policy, prepare_tiny_arith
+from fp8rl.model.tokenizer import load_tokenizer, stop_token_ids
+from fp8rl.presets import PRESETS, load_policy, prepare_preset
 from fp8rl.refit import RefitFollower
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
 from services.common.compute import OnComputeThread
@@ -62,17 +62,17 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
     if job.policy.generation.backend == "vllm":  # vLLM loads the checkpoint itself
         from fp8rl.engines.vllm.launch import Fp8UnsupportedError, VllmUnavailableError
 
-        path = prepare_tiny_arith() if name in PRESETS else Path(name)
+        path = prepare_preset(name) if name in PRESETS else Path(name)
         tok = load_tokenizer(path)
         try:
-            engine = make_rollout_engine(job, None, path, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id,
+            engine = make_rollout_engine(job, None, path, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,
                                          max_batch_size=args.max_batch_size)
         except (Fp8UnsupportedError, VllmUnavailableError) as exc:
             raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
         return engine, engine.config.vocab_size, engine.config.max_position_embeddings
     policy, tok, path = load_policy(name)
     try:
-        engine = make_rollout_engine(job, policy, path, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id,
+        engine = make_rollout_engine(job, policy, path, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,
                                      max_batch_size=args.max_batch_size)
     except ValueError as exc:
         raise StartupError(str(exc)) from None

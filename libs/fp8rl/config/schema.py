@@ -109,7 +109,8 @@ class NumericsConfig(Section):
 @dataclass(frozen=True)
 class PolicyConfig(Section):
     KEY = "policy"
-    model: str = setting("tiny-arith", "A preset name (tiny-arith) or a local HF checkpoint directory.")
+    model: str = setting("tiny-arith", "A preset name (tiny-arith, smollm2-135m-instruct) or a local HF checkpoint "
+                        "directory.")
     generation: GenerationConfig = section(GenerationConfig, "The rollout engine.")
     training: TrainingConfig = section(TrainingConfig, "The trainer.")
     numerics: NumericsConfig = section(NumericsConfig, "How the engines compute (batch invariance).")
@@ -183,6 +184,10 @@ class DataConfig(Section):
                         choices=("arith", "jsonl"))
     path: str | None = setting(None, "jsonl: the data file, under the services' data root.", kind=str,
                                optional=True)
+    chat_template: bool = setting(False, "Render each prompt as a user message with the tokenizer's own chat "
+                                  "template (generation prompt added) before tokenizing; the tokenizer must have one.")
+    system_prompt: str | None = setting(None, "With chat_template: a system message put before each prompt (None: "
+                                        "the template's default).", kind=str, optional=True)
     arith: ArithSection = section(ArithSection, "The arithmetic task's difficulty.")
 
     def __post_init__(self) -> None:
@@ -196,6 +201,8 @@ class DataConfig(Section):
     def check(self) -> None:
         if self.task == "jsonl" and not self.path:
             raise ConfigError("data.path: required when data.task is 'jsonl'")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ConfigError("data.system_prompt: only used with data.chat_template: true")
 
 
 @dataclass(frozen=True)

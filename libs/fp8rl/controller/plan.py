@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from fp8rl.config import JobConfig
+from fp8rl.config import ConfigError, JobConfig
 from fp8rl.data import ArithDataset, DataRoot, Problem, load_jsonl
-from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
-from fp8rl.presets import PRESETS, prepare_tiny_arith
+from fp8rl.model.tokenizer import Tokenizer, chat_template_of, load_tokenizer, render_chat_prompt
+from fp8rl.presets import PRESETS, prepare_preset
 from fp8rl.rl import grpo_advantages
 
 __all__ = [
@@ -113,7 +113,7 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None) -> list[Problem]
 def load_job_tokenizer(job: JobConfig) -> Tokenizer:
     """The policy's tokenizer (a preset is prepared first if it is not cached yet)."""
     model = job.policy.model
-    return load_tokenizer(prepare_tiny_arith(progress=False) if model in PRESETS else Path(model))
+    return load_tokenizer(prepare_preset(model, progress=False) if model in PRESETS else Path(model))
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
@@ -185,10 +185,22 @@ class JobPlan:
         self.max_weight_lag = a.max_weight_lag if a.enabled else 0
         self.fp8_kv = job.fp8_recipe("rollout").fp8_kv
         self.tok = load_job_tokenizer(job)
+        if job.data.chat_template and chat_template_of(self.tok) is None:
+            raise ConfigError(f"data.chat_template: true, but the tokenizer of policy.model {job.policy.model!r} "
+                              f"has no chat template (set data.chat_template: false)")
         self.batch = problem_source(job, data)
         self.eval_every = job.job.eval_every
         self.eval_set = eval_problems(job, data) if self.eval_every else []
 
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:
-        """Prompt token ids (with BOS, without EOS) of ``problems``."""
+        """Prompt token ids (without EOS) of ``problems``: the one place prompts are tokenized.
+
+        With ``data.chat_template`` each prompt is first rendered by the tokenizer's chat template
+        (:func:`fp8rl.model.tokenizer.render_chat_prompt`, system prompt ``data.system_prompt``) and encoded
+        without an extra BOS (the template writes its own specials); otherwise BOS + the prompt text.
+        """
+        d = self.job.data
+        if d.chat_template:
+            return [self.tok.encode(render_chat_prompt(self.tok, p.prompt, d.system_prompt), add_bos=False)
+                    for p in problems]
         return [self.tok.encode(p.prompt) for p in problems]

@@ -5,6 +5,9 @@
 * :class:`HFTokenizer` — any tokenizer directory ``transformers.AutoTokenizer`` can read, loaded
   with ``local_files_only=True``: a model directory is always local, never fetched from a hub.
 * :func:`load_tokenizer` — picks the right one for a directory.
+* :func:`render_chat_prompt` — a prompt as the tokenizer's own chat template renders it (one user
+  turn, optional system turn, the assistant's generation prompt); encode the result with
+  ``add_bos=False``: the template writes its own special tokens.
 
 Invariants both keep: ``encode`` never adds EOS unless asked (SFT appends it to targets; prompts
 for generation must not end in it), and ``decode(encode(t))`` round-trips text the vocabulary
@@ -18,7 +21,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CHAR_TOKENIZER_FILE", "CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = [
+    "CHAR_TOKENIZER_FILE", "CharTokenizer", "HFTokenizer", "Tokenizer", "chat_template_of", "load_tokenizer",
+    "render_chat_prompt", "stop_token_ids",
+]
 
 CHAR_TOKENIZER_FILE = "fp8rl_tokenizer.json"
 # Files whose presence marks a directory as a Hugging Face tokenizer.
@@ -188,7 +194,9 @@ class HFTokenizer:
     ``eos_id`` comes from the tokenizer (required); ``pad_id`` falls back to ``eos_id`` when the
     tokenizer defines no pad token (common for causal LMs); ``bos_id`` is None when it has no BOS.
     ``encode`` adds BOS/EOS itself and never lets the tokenizer's post-processor add specials, so
-    ``add_bos``/``add_eos`` mean the same thing for every tokenizer.
+    ``add_bos``/``add_eos`` mean the same thing for every tokenizer. ``eos_ids`` lists every id that
+    ends generation: ``eos_id`` first, then the ``eos_token_id`` (int or list) of the directory's
+    ``generation_config.json`` when there is one (chat models stop on their end-of-turn token).
     """
 
     def __init__(self, directory: str | Path):
@@ -217,6 +225,8 @@ class HFTokenizer:
         self.bos_id: int | None = None if bos is None else int(bos)
         # len() counts added tokens too, which vocab_size (base vocabulary only) may not.
         self.vocab_size: int = len(self.hf_tokenizer)
+        self.eos_ids: list[int] = [self.eos_id, *_generation_eos_ids(directory)]
+        self.eos_ids = list(dict.fromkeys(self.eos_ids))  # de-duplicated, eos_id first
 
     def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Ids of ``text``; BOS is prepended only when asked and the tokenizer has one.
@@ -238,6 +248,27 @@ class HFTokenizer:
         return self.hf_tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
+def _generation_eos_ids(directory: Path) -> list[int]:
+    """``eos_token_id`` of ``directory/generation_config.json`` as a list (empty when absent)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object ({e})") from None
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return ids
+
+
+def stop_token_ids(tok: Tokenizer) -> list[int]:
+    """Every id that ends a generated sample: the tokenizer's ``eos_ids`` when it has them (an
+    :class:`HFTokenizer` adds the checkpoint's generation config), else ``[eos_id]``."""
+    return list(getattr(tok, "eos_ids", None) or [tok.eos_id])
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer stored in ``directory``.
 
@@ -257,3 +288,28 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     looked_for = ", ".join((CHAR_TOKENIZER_FILE, *_HF_TOKENIZER_FILES))
     state = "does not exist" if not directory.is_dir() else "holds none of them"
     raise FileNotFoundError(f"no tokenizer in {directory}: looked for {looked_for}; the directory {state}")
+
+
+def chat_template_of(tok: Tokenizer) -> str | None:
+    """The chat template (Jinja source) of ``tok``, or None when it has none (a :class:`CharTokenizer`)."""
+    hf = getattr(tok, "hf_tokenizer", None)
+    template = getattr(hf, "chat_template", None)
+    return template if isinstance(template, str) and template else None
+
+
+def render_chat_prompt(tok: Tokenizer, prompt: str, system_prompt: str | None = None) -> str:
+    """``prompt`` as one user turn (after a system turn when ``system_prompt`` is given), rendered by the
+    tokenizer's own chat template with the assistant's generation prompt appended.
+
+    The text equals ``AutoTokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``;
+    it already holds the template's special tokens, so encode it with ``add_bos=False``.
+
+    Raises:
+        ValueError: ``tok`` has no chat template.
+    """
+    if chat_template_of(tok) is None:
+        raise ValueError(f"tokenizer {type(tok).__name__} has no chat template")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": prompt})
+    return tok.hf_tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        messages, add_generation_prompt=True, tokenize=False)

@@ -31,15 +31,17 @@ from fp8rl.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from fp8rl.model.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 from fp8rl.model.transformer import CausalLM
 
+from .smollm2 import SMOLLM2_PRESET, prepare_smollm2
+
 log = logging.getLogger(__name__)
 
 __all__ = [
     "PRESETS", "TINY_ARITH_TASK", "tiny_arith_config", "prepare_tiny_arith", "load_policy", "preset_dir",
-    "greedy_accuracy",
+    "greedy_accuracy", "prepare_preset",
 ]
 
 PRESET_VERSION = "v1"
-PRESETS = ("tiny-arith",)
+PRESETS = ("tiny-arith", SMOLLM2_PRESET)
 # The task tiny-arith is warm-started on (and that GRPO then trains on): bare two-term sums and
 # differences of operands up to 20 ("Q: 12+7=\nA: "). Short prompts keep a warm start at a few
 # minutes on 2 CPU cores; word problems are available (ArithConfig(word_problems=True)) for
@@ -160,10 +162,23 @@ def prepare_tiny_arith(
     return out
 
 
+def prepare_preset(name: str, *, progress: bool = True) -> Path:
+    """The checkpoint directory of preset ``name``, prepared (and cached) on first use.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`PRESETS` (the message lists them).
+    """
+    if name == "tiny-arith":
+        return prepare_tiny_arith(progress=progress)
+    if name == SMOLLM2_PRESET:
+        return prepare_smollm2()
+    raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+
+
 def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, Tokenizer, Path]:
-    """Load a preset (``tiny-arith``, prepared on first use) or a local HF checkpoint directory."""
+    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory."""
     if name_or_path in PRESETS:
-        path = prepare_tiny_arith()
+        path = prepare_preset(name_or_path)
     else:
         path = Path(name_or_path)
         if not path.is_dir():
