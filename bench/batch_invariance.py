@@ -55,13 +55,16 @@ def policy_and_prompts(args) -> tuple[CausalLM, list[list[int]], int, list[int]]
         prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist()
                    for n in torch.randint(6, 30, (args.prompts,), generator=g)]
         return CausalLM(cfg), prompts, 0, [2]
+    from fp8rl.model.tokenizer import chat_template_of, render_chat_prompt, stop_token_ids
     from fp8rl.presets import load_policy
 
     model, tok, _ = load_policy(args.model)
     texts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
-    render = getattr(tok, "render_chat", None)
-    prompts = [tok.encode(render([{"role": "user", "content": t}]) if render else t) for t in texts]
-    return model, prompts, tok.pad_id, [tok.eos_id]
+    if chat_template_of(tok) is not None:
+        prompts = [tok.encode(render_chat_prompt(tok, t, None), add_bos=False) for t in texts]
+    else:
+        prompts = [tok.encode(t) for t in texts]
+    return model, prompts, tok.pad_id, stop_token_ids(tok)
 
 
 def one(model, prompts, pad, eos, recipe: str, kv: str, invariant: bool, args) -> dict:
@@ -110,7 +113,7 @@ def main() -> None:
             row = {}
             for invariant in (False, True):
                 r = row[invariant] = one(model, prompts, pad, eos, recipe, kv, invariant, args)
-                print(f"{recipe:8} {kv:5} {str(invariant):9} {r['tmpe']:22.6f} {r['kl']:10.2e} {r['step_s']:8.2f}",
+                print(f"{recipe:8} {kv:5} {str(invariant):9} {r['tmpe']:22.9f} {r['kl']:10.2e} {r['step_s']:8.2f}",
                       flush=True)
             print(f"ratio step_invariant/step_plain {recipe} kv={kv}: {row[True]['step_s'] / row[False]['step_s']:.3f}")
 
