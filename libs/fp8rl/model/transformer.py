@@ -150,7 +150,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         kv_cache: KVCache | None = None,
         layout: KeyLayout | None = None,
     ) -> torch.Tensor:
@@ -159,10 +159,10 @@ class Attention(nn.Module):
         Args:
             cos, sin: RoPE tables ``(B, T, D)`` for the new tokens.
             mask: additive FP32 mask ``(B or 1, 1, T, S)``, 0 where visible, a large negative
-                elsewhere; ``S = T`` without a cache, ``cache.length + T`` with one.
+                elsewhere; ``S = T`` without a cache, ``cache.length + T`` with one (None with ``layout``).
             kv_cache: written at ``[length, length + T)`` for this layer; not advanced here.
             layout: with batch-invariant numerics, the keys' canonical layout; attention then runs
-                :func:`~fp8rl.model.invariant.split_kv_attention` (``mask`` is not used).
+                :func:`~fp8rl.model.invariant.split_kv_attention` (``mask`` is None then).
         """
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -246,7 +246,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         kv_cache: KVCache | None = None,
         layout: KeyLayout | None = None,
     ) -> torch.Tensor:
@@ -415,20 +415,20 @@ class CausalLM(nn.Module):
         elif tuple(position_ids.shape) != (B, T):
             raise ValueError(f"position_ids must be (B, T) = ({B}, {T}), got {tuple(position_ids.shape)}")
 
-        # Additive mask (B|1, 1, T, S): query i sits at time slot L + i and sees slots <= L + i.
-        q_slot = torch.arange(L, S, device=device)
-        visible = torch.arange(S, device=device)[None, :] <= q_slot[:, None]  # (T, S)
-        visible = visible[None, None]  # (1, 1, T, S)
-        if attention_mask is not None:
-            visible = visible & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
-        # finfo.min rather than -inf: a fully masked row softmaxes to uniform instead of NaN
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
-        mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
-
-        layout = None
-        if self.batch_invariance is not None:
+        mask, layout = None, None
+        if self.batch_invariance is not None:  # split-KV attention reads the key layout, not an additive mask
             keys = attention_mask if attention_mask is not None else torch.ones(B, S, dtype=torch.long, device=device)
             layout = KeyLayout.build(keys, L, T, self.batch_invariance)
+        else:
+            # Additive mask (B|1, 1, T, S): query i sits at time slot L + i and sees slots <= L + i.
+            q_slot = torch.arange(L, S, device=device)
+            visible = torch.arange(S, device=device)[None, :] <= q_slot[:, None]  # (T, S)
+            visible = visible[None, None]  # (1, 1, T, S)
+            if attention_mask is not None:
+                visible = visible & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+            # finfo.min rather than -inf: a fully masked row softmaxes to uniform instead of NaN
+            mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+            mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(self._rope_inv_freq(device), position_ids, x.dtype)  # (B, T, D)
