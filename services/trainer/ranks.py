@@ -1,8 +1,8 @@
 """One trainer service over N ranks: rank 0 serves gRPC and leads, the other ranks follow its commands.
 
 ``policy.training.dp_size: N`` with ``torchrun --nproc-per-node N -m services.trainer ...`` (the launcher,
-compose and the Helm chart start it so). Every rank builds the same :class:`~fp8rl.engines.TorchTrainer` over
-FSDP2 (:mod:`fp8rl.engines.parallel`). Rank 0 runs the whole service — gRPC, Redis, the refit publisher —
+compose and the Helm chart start it so). Every rank builds the same trainer: a :class:`~fp8rl.engines.TorchTrainer`
+over FSDP2 (:mod:`fp8rl.engines.parallel`), or a ``MegatronTrainer`` over Megatron-Core DDP. Rank 0 runs the whole service — gRPC, Redis, the refit publisher —
 with its trainer wrapped in :class:`LeaderTrainer`; ranks 1..N-1 run :func:`follow` and nothing else (no
 port, no Redis).
 

@@ -18,7 +18,8 @@ Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.engin
   names a checkpoint or nothing, never a path; old automatic checkpoints are pruned.
 * ``policy.training.dp_size: N`` under torchrun: this process is rank 0 and leads N - 1 followers
   (:mod:`services.trainer.ranks`); every call above reaches every rank, publishing gathers the full tensors
-  here, and checkpoints are ``.dcp`` directories the ranks write together.
+  here, and checkpoints are ``.dcp`` directories the ranks write together (torch backend, FSDP2) or one ``.pt``
+  file rank 0 writes (megatron backend: Megatron-Core DDP, state replicated on every rank).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class TrainerService(Service):
             raise StartupError(str(exc)) from None
         if parallel is not None:  # rank 0 of dp_size: every trainer call from here on reaches every rank
             self.trainer = LeaderTrainer(self.trainer, CommandChannel(parallel))
-            log.info("trainer rank 0 of %d (FSDP2 over %s)", parallel.world, torch.distributed.get_backend())
+            how = "Megatron-Core DDP" if self.backend == "megatron" else "FSDP2"
+            log.info("trainer rank 0 of %d (%s over %s)", parallel.world, how, torch.distributed.get_backend())
         try:
             self.checkpoints = CheckpointDir(args.checkpoint_dir or f"checkpoints/{ctx.job_id}",
                                              keep=args.keep_checkpoints, max_named=args.max_named_checkpoints)

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N tests/distributed/rank_worker.py SCENARIO OUT_DIR JSON_ARGS
 
+``JSON_ARGS`` picks the trainer (``backend``: ``torch`` (default) or ``megatron``), its recipe and batch.
 Scenarios (rank 0 writes its results into OUT_DIR as ``torch.save`` files the test loads with
 ``weights_only=True``):
 
@@ -59,9 +60,15 @@ def batch(rows: int, seed: int = 0) -> TrainBatch:
 
 
 def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
+    """The torch backend (FSDP2), or with ``backend: megatron`` the Megatron-Core one (its DDP)."""
     cfg = TrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=args["micro_batch_size"],
                         grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1))
-    return TorchTrainer(policy(), recipe_for_role(args["recipe"], "trainer"), cfg, parallel=parallel)
+    recipe = recipe_for_role(args["recipe"], "trainer")
+    if args.get("backend", "torch") == "megatron":
+        from fp8rl.engines.megatron import MegatronTrainer
+
+        return MegatronTrainer(policy(), recipe, cfg, parallel=parallel)
+    return TorchTrainer(policy(), recipe, cfg, parallel=parallel)
 
 
 def full_state(tr: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -88,6 +95,7 @@ def main(scenario: str, out: Path, args: dict) -> None:
         metrics = tr.train_step(b)
         res["metrics"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
         res["grads"] = {n: full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()}
+        res["megatron_ddp"] = torch.tensor(int(getattr(tr, "_ddp", None) is not None))
     elif scenario == "save":
         for s in range(args.get("steps", 1)):
             tr.train_step(batch(args["rows"], seed=10 + s))

@@ -92,8 +92,9 @@ class TrainingConfig(Section):
     grad_clip: float = setting(1.0, "Global gradient-norm clip (0: none).", ge=0.0)
     micro_batch_size: int = setting(64, "Rows per forward/backward micro-batch.", gt=0)
     num_minibatches: int = setting(1, "Optimizer updates per step (the step's batch split PPO-style).", gt=0)
-    dp_size: int = setting(1, "Data-parallel trainer ranks (torch backend: FSDP2 under torchrun; the launcher, "
-                           "compose and the Helm chart start this many).", ge=1, le=limits.MAX_TRAINER_RANKS)
+    dp_size: int = setting(1, "Data-parallel trainer ranks under torchrun (torch backend: FSDP2, sharded "
+                           "weights and AdamW state; megatron backend: Megatron-Core DDP, replicated state); the "
+                           "launcher, compose and the Helm chart start this many).", ge=1, le=limits.MAX_TRAINER_RANKS)
     megatron_cfg: MegatronCfg = section(MegatronCfg, "Parallelism and FP8 (NeMo RL's megatron_cfg).")
 
 

@@ -28,14 +28,14 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
             the message names the key.
     """
     backend = job.policy.training.backend
+    dp, world = job.policy.training.dp_size, 1 if parallel is None else parallel.world
+    if dp != world:
+        raise ValueError(f"policy.training.dp_size: {dp} needs a group of {dp} ranks, but this trainer is given "
+                         f"{world} (parallel.group_for(dp_size) joins the group torchrun started)")
     common = dict(ref_model=ref_model, seed=job.job.seed)
     if backend == "torch":
         return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common, parallel=parallel)
     if backend == "megatron":
-        if job.policy.training.dp_size > 1 or parallel is not None:
-            raise ValueError(f"policy.training.dp_size: {job.policy.training.dp_size} needs backend 'torch' (FSDP2); "
-                             "the megatron backend runs on one rank here: its DDP + distributed optimizer is not wired "
-                             "to the rank group yet")
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise ValueError("policy.training.backend: 'megatron' needs megatron-core, which is not installed: "
                              "pip install 'fp8rl[megatron]' (or `make test-megatron`, which installs it into .venv)")
@@ -44,7 +44,7 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
         mc = job.policy.training.megatron_cfg
         return MegatronTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common,
                                tensor_model_parallel_size=mc.tensor_model_parallel_size,
-                               pipeline_model_parallel_size=mc.pipeline_model_parallel_size)
+                               pipeline_model_parallel_size=mc.pipeline_model_parallel_size, parallel=parallel)
     raise ValueError(f"policy.training.backend: {backend!r} is not one of {', '.join(TRAINER_BACKENDS)}")
 
 

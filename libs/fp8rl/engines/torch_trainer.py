@@ -129,14 +129,14 @@ class TorchTrainer(TrainerBackend):
         if self._kv_quants:
             self.model.disable_fp8_kv()
         if parallel is not None:
-            self.model = parallel.shard(self.model)
+            self.model = self._distribute(self.model, trained=True)
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self._build_reference(ref_model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
             if parallel is not None:
-                self.ref_model = parallel.shard(self.ref_model)
+                self.ref_model = self._distribute(self.ref_model, trained=False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -151,6 +151,19 @@ class TorchTrainer(TrainerBackend):
         """The frozen KL reference, kept in high precision."""
         return copy.deepcopy(ref_model)
 
+    def _distribute(self, model: torch.nn.Module, trained: bool) -> torch.nn.Module:
+        """``model`` spread over the data-parallel group: here FSDP2 (:meth:`DataParallel.shard`), the policy
+        and the frozen reference (``trained=False``) alike."""
+        return self.parallel.shard(model)
+
+    def _zero_grads(self) -> None:
+        """Clear the gradients before an update's first backward."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _reduce_grads(self) -> None:
+        """Make every parameter's ``.grad`` the group's sum, after an update's last backward (FSDP2 already
+        reduce-scattered them inside the backward: nothing left to do here)."""
+
     @property
     def version(self) -> int:
         return self._version
@@ -158,7 +171,13 @@ class TorchTrainer(TrainerBackend):
     @property
     def checkpoint_suffix(self) -> str:  # type: ignore[override]
         """What :meth:`save_checkpoint` writes: one ``.pt`` file, or a ``.dcp`` directory of per-rank shards."""
-        return ".pt" if self.parallel is None else ".dcp"
+        return ".dcp" if self._sharded_state else ".pt"
+
+    @property
+    def _sharded_state(self) -> bool:
+        """Whether each rank holds only shards of the weights and AdamW state (FSDP2 over a group): checkpoints
+        are then ``.dcp`` directories every rank writes its part of; otherwise one ``.pt`` file rank 0 writes."""
+        return self.parallel is not None
 
     def _spans(self, rows: int) -> list[tuple[int, int]]:
         """The micro-batches of ``rows`` rows, as on one rank: ``[start, stop)`` of ``micro_batch_size``."""
@@ -275,7 +294,7 @@ class TorchTrainer(TrainerBackend):
     def _update(self, batch: TrainBatch, should_stop: ShouldStop | None = None) -> dict[str, float]:
         """One optimizer update on ``batch`` (token-level mean over its generated tokens)."""
         num_tokens = max(batch.num_tokens, 1)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grouped = self.parallel is not None
@@ -297,6 +316,7 @@ class TorchTrainer(TrainerBackend):
                     totals[k] = totals.get(k, 0.0) + (float(v) * n_mb if n_mb else 0.0)
                     weights[k] = weights.get(k, 0.0) + n_mb
         if grouped:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
+            self._reduce_grads()
             keys, wkeys = sorted(totals), sorted(weights)
             summed = self.parallel.sum(torch.tensor([totals[k] for k in keys] + [weights[k] for k in wkeys],
                                                     dtype=torch.float64)).tolist()
@@ -314,7 +334,7 @@ class TorchTrainer(TrainerBackend):
                 torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])
             )
         if not torch.isfinite(gn):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
             raise FloatingPointError(f"non-finite gradient norm {float(gn)} at version {self._version}; step skipped")
         self.optimizer.step()
         totals["grad_norm"] = float(gn)
@@ -342,9 +362,14 @@ class TorchTrainer(TrainerBackend):
     def save_checkpoint(self, path: str) -> None:
         """One ``.pt`` file on a single rank; a ``.dcp`` directory (every rank its shards) with a group, or
         when ``path`` ends in ``.dcp``. Either appears whole or not at all."""
-        if self.parallel is not None or path.endswith(".dcp"):
+        if self._sharded_state or path.endswith(".dcp"):
             self._save_dcp(path)
             return
+        if self._leads():  # state replicated on every rank (or one rank): the leader writes it
+            self._save_file(path)
+        self._barrier()
+
+    def _save_file(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
         state = {
             "format": self.CHECKPOINT_FORMAT,
@@ -372,7 +397,7 @@ class TorchTrainer(TrainerBackend):
         if state.get("format") != self.CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint (format={state.get('format')!r})")
         self._check_recipe(path, state["recipe_linear"])
-        if self.parallel is None:
+        if not self._sharded_state:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         else:  # a single rank's file, every rank reading it: keep this rank's shards of weights and AdamW state

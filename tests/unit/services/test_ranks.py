@@ -27,9 +27,11 @@ def test_dp_size_must_match_the_world_torchrun_started(monkeypatch):
     assert group_for(1) is None
 
 
-def test_megatron_with_several_ranks_is_refused_naming_the_key():
-    job = JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 2})
-    with pytest.raises(ValueError, match="policy.training.dp_size: 2 needs backend 'torch'"):
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_backend_without_its_group_of_dp_size_ranks_is_refused_naming_the_key(backend):
+    job = JobConfig().with_settings({"policy.training.backend": backend, "policy.training.dp_size": 2})
+    with pytest.raises(ValueError, match="policy.training.dp_size: 2 needs a group of 2 ranks, but this trainer is "
+                                         "given 1"):
         make_trainer_backend(job, None)
 
 

@@ -16,6 +16,11 @@ Why each exists (file paths are in ``megatron/core``):
    attention dropout (``DotProductAttention.forward`` forks on every call, even at dropout 0).
    Shim: on CPU the fork is a plain context; dropout then draws from the CPU generator, which the
    trainer checkpoints.
+3. ``distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__`` (the gradient buffers of
+   Megatron's ``DistributedDataParallel``) allocates them with ``device=torch.cuda.current_device()``.
+   Shim: while *that constructor* runs, the current device is the CPU (a scoped swap of
+   ``torch.cuda.current_device``, restored on exit; nothing else sees it). The buckets' all-reduce /
+   reduce-scatter are plain ``torch.distributed`` calls, which gloo runs on CPU tensors.
 
 Two more CUDA-only spots are avoided rather than shimmed: the default causal mask
 (``transformer.utils.get_default_causal_mask``, the trainer always passes an explicit mask) and
@@ -59,6 +64,27 @@ def _fork_on_cpu(self, name=None):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _current_device_is_cpu():
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def _on_cpu(init):
+    """A ``_ParamAndGradBuffer.__init__`` that allocates its buffers on the CPU (shim 3)."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        with _current_device_is_cpu():
+            init(self, *args, **kwargs)
+
+    return wrapped
+
+
 def apply() -> bool:
     """Patch Megatron-Core for CPU execution, once per process.
 
@@ -72,9 +98,12 @@ def apply() -> bool:
     if torch.cuda.is_available():
         return False
     from megatron.core import utils as mcore_utils
+    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     mcore_random.CudaRNGStatesTracker.fork = _fork_on_cpu
+    buffer = param_and_grad_buffer._ParamAndGradBuffer
+    buffer.__init__ = _on_cpu(buffer.__init__)
     _APPLIED = True
     return True

@@ -8,14 +8,30 @@ mini-batches with rollback, grad clipping, AdamW — is :class:`~fp8rl.engines.T
 inherited unchanged: the two backends differ in the model only, which is what the equality tests
 between them check.
 
-Parallelism: ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size`` are config values,
-but only 1 × 1 is implemented (sharded HF conversion and a distributed optimizer are not); larger
-sizes are refused at construction with a message saying so, never silently mis-sharded. On CPU the
-process joins a single-rank gloo group and :mod:`.shims` are applied.
+Parallelism:
+
+* **Data parallel** (``policy.training.dp_size`` = N under torchrun, a :class:`~fp8rl.engines.parallel.DataParallel`
+  group): Megatron's parallel state is initialised over the N ranks (TP = PP = 1, so DP = N) and the
+  GPTModel's gradients go through Megatron-Core's ``DistributedDataParallel``: its contiguous FP32 gradient
+  buffers (``param.main_grad``), bucketed and all-reduced by ``finish_grad_sync`` once per update. The
+  micro-batch schedule is the torch backend's (micro-batch ``j`` on rank ``j % N``, zero-token fillers), so
+  logprobs are bitwise one rank's and gradients differ by FP32 summation order only. Losses are normalised
+  by the *global* token count, so the buffers are *summed* (``calculate_per_token_loss``: no 1/N scaling).
+  Weights, gradients and AdamW state are replicated (every rank holds them whole): checkpoints are one
+  ``.pt`` file rank 0 writes and any world size reads.
+* **Not here**: Megatron's ``DistributedOptimizer`` (ZeRO-1 sharding of the AdamW state) and its other
+  optimizers are CUDA-only in megatron-core 0.16 (``clip_grads`` builds ``device='cuda'`` tensors;
+  ``DistributedOptimizer`` accepts only ``torch.cuda.*Tensor`` parameters), and tensor / pipeline parallel
+  need a sharded HF <-> Megatron conversion this backend does not have. TP/PP other than 1 are refused at
+  construction with a message naming the key, never silently mis-sharded; use the torch backend (FSDP2)
+  for sharded optimizer state.
+
+On CPU a single process joins a one-rank gloo group, and :mod:`.shims` are applied.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -24,6 +40,7 @@ import torch.distributed as dist
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig
 
+from ..parallel import DataParallel
 from ..torch_trainer import TorchTrainer, TrainerConfig
 from . import shims
 from .convert import hf_to_megatron, megatron_to_hf
@@ -47,7 +64,7 @@ def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_para
         raise ValueError(
             f"policy.training.megatron_cfg: tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp} "
             f"is not supported {where}by the megatron backend: only 1 x 1 is implemented (sharded HF <-> Megatron "
-            f"conversion is not); set both to 1")
+            f"conversion is not); set both to 1 and scale out with policy.training.dp_size")
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
@@ -80,6 +97,7 @@ class MegatronTrainer(TorchTrainer):
         initial_version: version of ``model``'s weights.
         seed: seeds the trainer's RNG.
         tensor_model_parallel_size, pipeline_model_parallel_size: must be 1 (see the module doc).
+        parallel: the data-parallel group (every rank builds the same trainer), or None for one process.
     """
 
     CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
@@ -95,13 +113,15 @@ class MegatronTrainer(TorchTrainer):
         seed: int = 0,
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        parallel: DataParallel | None = None,
     ) -> None:
         init_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, seed)
         self.model_config: ModelConfig = model.config
         self.dtype = next(model.parameters()).dtype
+        self._ddp = None  # Megatron's DistributedDataParallel over the policy's GPTModel, with a group
         # the GRPO step, optimizer and bookkeeping are TorchTrainer's; the modules come from the hooks below
         super().__init__(model, recipe, config if config is not None else TrainerConfig(), ref_model=ref_model,
-                         initial_version=initial_version, seed=seed)
+                         initial_version=initial_version, seed=seed, parallel=parallel)
 
     @property
     def backend(self) -> str:
@@ -120,6 +140,47 @@ class MegatronTrainer(TorchTrainer):
         with torch.no_grad():
             adapter.load_state_dict(hf_to_megatron(model.state_dict(), model.config, fused_norms=use_te()))
         return adapter
+
+    # --- data parallel: Megatron-Core DDP ------------------------------------------------------
+
+    def _distribute(self, model: MegatronCausalLM, trained: bool) -> MegatronCausalLM:
+        """The policy's GPTModel under Megatron DDP (its gradient buffers and bucketed all-reduce); the frozen
+        reference stays a plain replica on every rank (no gradients, no collectives in its forward)."""
+        if not trained:
+            return model
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        config = copy.copy(model.gpt.config)
+        config.calculate_per_token_loss = True  # the loss is already over the global token count: sum, no 1/N
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        # DDP hooks the parameters' gradient accumulation; the adapter keeps calling the GPTModel itself, so
+        # state dict names (and checkpoints) are those of one rank
+        self._ddp = DistributedDataParallel(config, ddp_config, module=model.gpt)
+        return model
+
+    def _zero_grads(self) -> None:
+        if self._ddp is not None:
+            self._ddp.zero_grad_buffer()
+        super()._zero_grads()
+
+    def _reduce_grads(self) -> None:
+        """Sum the gradient buffers over the group (Megatron DDP's ``finish_grad_sync``) and hand them to AdamW
+        as ``.grad`` (the hooks accumulate into ``main_grad`` and leave ``.grad`` empty)."""
+        self._ddp.finish_grad_sync()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = p.main_grad.to(p.dtype)
+
+    @property
+    def _sharded_state(self) -> bool:
+        return False  # replicated on every rank: one .pt checkpoint (see the module doc)
+
+    def save_checkpoint(self, path: str) -> None:
+        if path.endswith(".dcp"):
+            raise ValueError(f"{path}: the megatron backend writes one .pt checkpoint (its state is replicated "
+                             f"across data-parallel ranks), not a .dcp directory")
+        super().save_checkpoint(path)
 
     # --- weights under HF names ---------------------------------------------------------------
 
