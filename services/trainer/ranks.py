@@ -1,10 +1,10 @@
 """One trainer service over N ranks: rank 0 serves gRPC and leads, the other ranks follow its commands.
 
 ``policy.training.dp_size: N`` with ``torchrun --nproc-per-node N -m services.trainer ...`` (the launcher,
-compose and the Helm chart start it so). Every rank builds the same trainer: a :class:`~fp8rl.engines.TorchTrainer`
-over FSDP2 (:mod:`fp8rl.engines.parallel`), or a ``MegatronTrainer`` over Megatron-Core DDP. Rank 0 runs the whole service — gRPC, Redis, the refit publisher —
-with its trainer wrapped in :class:`LeaderTrainer`; ranks 1..N-1 run :func:`follow` and nothing else (no
-port, no Redis).
+compose and the Helm chart start it so). Every rank builds the same trainer: a
+:class:`~fp8rl.engines.TorchTrainer` over FSDP2 (:mod:`fp8rl.engines.parallel`), or a ``MegatronTrainer`` over
+Megatron-Core DDP. Rank 0 runs the whole service — gRPC, Redis, the refit publisher — with its trainer wrapped
+in :class:`LeaderTrainer`; ranks 1..N-1 run :func:`follow` and nothing else (no port, no Redis).
 
 Wire (:class:`CommandChannel`): before each trainer call rank 0 broadcasts a command over the default
 process group: an int64 length, a UTF-8 JSON header ``{"op", "args", "tensors": [[name, dtype, shape]]}``

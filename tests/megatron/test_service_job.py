@@ -1,10 +1,11 @@
 """A 3-step GRPO job through the real service stack with ``policy.training.backend: megatron``.
 
 The trainer runs on one rank and on two (``policy.training.dp_size: 2``: the launcher starts it under torchrun,
-Megatron-Core DDP sums the gradients). The stack is started exactly as in the controller tests (``python -m deploy.launcher up``: redis-server,
-trainer, calibrator, reward, one rollout replica, controller as real processes) and driven with the SDK;
-their helpers are reused from ``tests/integration/controller/conftest.py``. Step 0 runs on the initial
-weights, so its numbers must equal the in-process loop's (torch backend) exactly as the torch stack's do.
+Megatron-Core DDP sums the gradients). The stack is started exactly as in the controller tests (``python -m
+deploy.launcher up``: redis-server, trainer, calibrator, reward, one rollout replica, controller as real
+processes) and driven with the SDK; their helpers are reused from ``tests/integration/controller/conftest.py``.
+Step 0 runs on the initial weights, so its numbers must equal the in-process loop's (torch backend) exactly as
+the torch stack's do.
 """
 
 from __future__ import annotations
