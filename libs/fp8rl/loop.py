@@ -42,6 +42,7 @@ from fp8rl.engines import (
 )
 from fp8rl.fp8 import RECIPES
 from fp8rl.model.tokenizer import stop_token_ids
+from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
 from fp8rl.presets import load_policy
 from fp8rl.rl import mismatch_promise
 
@@ -73,6 +74,8 @@ LOOP_FLAGS: dict[str, str] = {
     "seed": "job.seed",
     "max_weight_lag": "grpo.async_grpo.max_weight_lag",  # giving it also sets grpo.async_grpo.enabled
     "batch_invariant": "policy.numerics.batch_invariant",
+    "auto_bf16_layers": "policy.numerics.auto_bf16_layers",
+    "auto_bf16_target": "policy.numerics.auto_bf16_target",
 }
 
 
@@ -130,6 +133,9 @@ class GRPOLoop:
         job = cfg.job
         torch.manual_seed(job.job.seed)
         policy, self.tok, self.model_path = load_policy(job.policy.model)
+        self.observatory: ObservatoryResult | None = None
+        if job.policy.numerics.auto_bf16_layers:
+            job = self.job = self._auto_bf16_layers(job, policy)
         self.rollout_recipe = job.fp8_recipe("rollout")
         self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=stop_token_ids(self.tok),
@@ -149,6 +155,33 @@ class GRPOLoop:
             scales = self.calibrator.calibrate(self.trainer.version, prompts)
             self.rollout.load_scales(scales)
             self.backends.hold_scales(scales)
+
+    def _auto_bf16_layers(self, job: JobConfig, policy) -> JobConfig:
+        """``policy.numerics.auto_bf16_layers``: the observatory on step 0's prompts (at step 0's group size, tokens
+        and seed) picks the bf16 layer counts; the job with them set (both engines are built from it)."""
+        g, v, num = job.policy.generation, job.policy.generation.vllm_cfg, job.policy.numerics
+        plan = JobPlan("loop", job)
+        cfg = ObservatoryConfig(recipe=job.recipe, kv_cache_dtype=v.kv_cache_dtype, fp8_attention=v.fp8_attention,
+                                batch_invariant=num.batch_invariant, n=plan.group, max_tokens=g.max_new_tokens,
+                                temperature=g.temperature, seed=sampling_seed(job.job.seed, 0, 0),
+                                micro_batch_size=job.policy.training.micro_batch_size, target=num.auto_bf16_target,
+                                max_bf16_layers=num.auto_bf16_max_layers)
+        log.info("auto_bf16_layers: running the mismatch observatory on step 0's prompts (%s, kv=%s, target %.3f)",
+                 job.recipe, v.kv_cache_dtype, num.auto_bf16_target)
+        with torch.random.fork_rng(devices=[]):  # its trainers seed the global RNG: the run's draws stay the run's
+            res = self.observatory = observe(policy, plan.prompts(plan.batch(0)), cfg, pad_token_id=self.tok.pad_id,
+                                             eos_token_ids=stop_token_ids(self.tok), name=job.policy.model,
+                                             progress=lambda msg: log.debug("observatory: %s", msg))
+        s = res.suggestion
+        log.info("auto_bf16_layers: num_first_layers_in_bf16=%d num_last_layers_in_bf16=%d (token_mult_prob_error "
+                 "%.5f, %s; %.1f s)", s.first, s.last, s.token_mult_prob_error,
+                 f"within the target {s.target}" if s.met else
+                 f"the best measured with at most {s.max_bf16_layers} bf16 layers: the target {s.target} was not met",
+                 res.seconds)
+        # the job the engines run: the choice written in, the switch spent (it refuses explicit layer counts)
+        return job.with_settings({"policy.generation.vllm_cfg.num_first_layers_in_bf16": s.first,
+                                  "policy.generation.vllm_cfg.num_last_layers_in_bf16": s.last,
+                                  "policy.numerics.auto_bf16_layers": False})
 
     def eval_due(self, step: int, steps: int) -> bool:
         """Whether a validation runs after ``step`` (every ``job.eval_every`` steps; the last is measured by
@@ -221,12 +254,12 @@ class _InProcess:
         self.loop = loop
         self._scales: dict[int, object] = {}  # version -> its QKV scales, until its refit
         self._trainer_scales: dict[int, object] = {}  # version -> its scales, until the trainer trains on it
+        self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
 
     def hold_scales(self, scales) -> None:
         """Keep ``scales`` for the trainer's pass at that version (trainer-side FP8 KV only)."""
         if getattr(self.loop.trainer, "needs_qkv_scales", False):
             self._trainer_scales[scales.version] = scales
-        self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
 
     def generate(self, prompts, version, *, step, n, temperature):
         job = self.loop.job
@@ -317,6 +350,10 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         "weight_lag_max": max(h["weight_lag_max"] for h in history),
         **{f"phase_seconds/{p}": statistics.fmean(h[f"time/{p}"] for h in history) for p in PHASES},
     }
+    if loop.observatory is not None:
+        s = loop.observatory.suggestion
+        summary.update({"auto_bf16/num_first_layers_in_bf16": s.first, "auto_bf16/num_last_layers_in_bf16": s.last,
+                        "auto_bf16/token_mult_prob_error": s.token_mult_prob_error, "auto_bf16/met_target": s.met})
     promise = summary["token_mult_prob_error_promise"] = mismatch_promise(cfg.recipe, cfg.kv_cache_dtype)
     if summary["token_mult_prob_error_median"] > promise:
         log.warning("median token_mult_prob_error %.4f is above what %s with kv_cache_dtype=%s promises (%.2f): "
@@ -326,7 +363,8 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
     if cfg.out_dir:
         from fp8rl.report import write_report  # matplotlib/tensorboard only when a report is asked for
 
-        out = write_report(history, cfg.out_dir, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}")
+        out = write_report(history, cfg.out_dir, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}",
+                           observatory=loop.observatory)
         (out / "summary.json").write_text(json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                       "validation": val}, indent=2))
     return result

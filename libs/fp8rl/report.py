@@ -7,6 +7,8 @@
                                      token_mult_prob_error, calibrate share of step time, phase means
     OUT/reward.png accuracy.png token_mult_prob_error.png phase_times.png (stacked per phase)
     OUT/tensorboard/events.out.tfevents.*   every numeric column as a scalar, x = step
+    OUT/observatory.md .json .png    with ``observatory=``: the mismatch observatory's tables and bars
+                                     (:mod:`fp8rl.observatory`), its tables also appended to summary.md
 
 Accepted step dicts: the controller's step reports (``{"step", "weight_version", "reward_mean",
 "accuracy", "metrics": {...}, "phase_times": {...}}``, as the SDK and Redis hold them) and
@@ -30,7 +32,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,13 @@ __all__ = ["PHASES", "flatten_step", "summarize", "write_report", "main"]
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 _PLOTS = (("reward_mean", "reward.png", "mean reward"), ("accuracy", "accuracy.png", "accuracy"),
           ("token_mult_prob_error", "token_mult_prob_error.png", "token_mult_prob_error (1.0 = identical)"))
+
+
+class ReportSection(Protocol):
+    """Something a report carries beside the steps (e.g. :class:`fp8rl.observatory.ObservatoryResult`): it writes
+    its own files into the report directory and returns the Markdown that ``summary.md`` appends."""
+
+    def write(self, out_dir: str | Path) -> str: ...
 
 
 def flatten_step(step: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,10 +161,12 @@ def _tensorboard(rows: list[dict], out: Path) -> None:
         writer.close()
 
 
-def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, title: str = "GRPO run") -> Path:
+def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, title: str = "GRPO run",
+                 observatory: ReportSection | None = None) -> Path:
     """Write the report directory of ``steps`` (see the module docstring) into ``out_dir``; returns it.
 
-    ``python -m fp8rl.loop --out DIR`` can call ``write_report(result["steps"], DIR)``.
+    ``python -m fp8rl.loop --out DIR`` can call ``write_report(result["steps"], DIR)``; ``observatory`` (the
+    loop's ``auto_bf16_layers`` measurement) adds its files and appends its tables to ``summary.md``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +183,10 @@ def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, tit
         except ImportError as exc:
             log.warning("report: no %s (%s); pip install %s", what, exc, package)
             notes.append(f"{what} skipped: `{package}` is not installed (`pip install {package}`)")
-    (out / "summary.md").write_text(_summary_md(summarize(rows), title, notes))
+    summary = _summary_md(summarize(rows), title, notes)
+    if observatory is not None:
+        summary += "\n" + observatory.write(out)
+    (out / "summary.md").write_text(summary)
     return out
 
 

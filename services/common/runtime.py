@@ -171,6 +171,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     try:
         apply_security_args(args, spec.scopes)
         job = load_job_config(args.config)
+        job.check_services()  # keys only the in-process loop runs
         store = RefitStore(_redis(spec, args.redis_url), args.job_id or job.job.name)
         ctx = Context(spec.name, args, job, store)
         if spec.uses_compute_thread(job):  # one OpenMP team per process: services.common.compute says why

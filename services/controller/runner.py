@@ -138,6 +138,7 @@ class JobRunner:
         job's data file is checked here (location, kind, size); its rows are read when the job starts.
         """
         job = parse_job_config(job_yaml)
+        job.check_services()  # keys only the in-process loop runs
         check_deployment(job, self.deployed)
         try:
             check_data(job, self.settings.data)

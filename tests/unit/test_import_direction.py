@@ -1,7 +1,7 @@
 """The dependency direction of the code base (docs/ARCHITECTURE.md), checked on every import statement.
 
-fp8 ← rl, model ← engines ← presets ← controller / loop; data and limits at the bottom; refit never imports
-engines or services; rpc ← sdk, services; services never import each other except ``services.common``;
+fp8 ← rl, model ← engines ← presets ← controller / observatory ← loop; data and limits at the bottom; refit never
+imports engines or services; rpc ← sdk, services; services never import each other except ``services.common``;
 nothing in ``libs`` imports ``services``. Lazy imports inside functions count too.
 """
 
@@ -27,8 +27,9 @@ LIBS = {
     "fp8rl.sdk": {"fp8rl.rpc", "fp8rl.config", "fp8rl.limits"},
     "fp8rl.controller": {"fp8rl.config", "fp8rl.data", "fp8rl.model", "fp8rl.presets", "fp8rl.rl", "fp8rl.refit",
                          "fp8rl.rpc", "fp8rl.limits"},
+    "fp8rl.observatory": {"fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.rl", "fp8rl.presets", "fp8rl.data"},
     "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.presets",
-                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits"},
+                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory"},
     "fp8rl.report": {"fp8rl.limits"},
 }
 

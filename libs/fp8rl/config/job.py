@@ -73,6 +73,30 @@ class JobConfig(Section):
                 if val != "torch":
                     raise ConfigError(f"policy.numerics.batch_invariant=true needs {key}=torch (got {val}): only "
                                       "the embedded engines compute a token the same way whatever the batch")
+        if self.policy.numerics.auto_bf16_layers:
+            if self.policy.training.backend != "torch":  # the observatory measures the embedded trainer's numbers
+                raise ConfigError(f"policy.numerics.auto_bf16_layers=true needs policy.training.backend=torch (got "
+                                  f"{self.policy.training.backend}): the observatory measures the embedded engines")
+            v = self.policy.generation.vllm_cfg
+            if v.num_first_layers_in_bf16 or v.num_last_layers_in_bf16:
+                raise ConfigError("policy.numerics.auto_bf16_layers=true chooses policy.generation.vllm_cfg."
+                                  "num_first_layers_in_bf16 / num_last_layers_in_bf16 itself; leave them at 0 (got "
+                                  f"{v.num_first_layers_in_bf16} / {v.num_last_layers_in_bf16}) or turn it off")
+
+    def check_services(self) -> None:
+        """Refuse (:class:`ConfigError`, naming the key) what only the in-process loop runs: the services call it
+        where they read a job (the controller's submit, every service's start).
+
+        ``policy.numerics.auto_bf16_layers`` runs the observatory before step 0 inside ``python -m fp8rl.loop``;
+        the services stack has no phase that would run it and tell every replica and trainer rank the result,
+        so a job asks for the layer counts the observatory suggests (``python -m fp8rl.observatory``) instead.
+        """
+        if self.policy.numerics.auto_bf16_layers:
+            raise ConfigError("policy.numerics.auto_bf16_layers=true is run by the in-process loop only "
+                              "(python -m fp8rl.loop --auto-bf16-layers); the services stack does not run the "
+                              "observatory: run python -m fp8rl.observatory on the model and set "
+                              "policy.generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16 to "
+                              "its suggestion")
 
     def _check_batch_shape(self) -> None:
         """One step's batch must fit one call of each service at its default bounds (see :mod:`fp8rl.limits`)."""

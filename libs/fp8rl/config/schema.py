@@ -105,6 +105,16 @@ class NumericsConfig(Section):
                                     "tiles, split-KV attention with a fixed chunk): the rollout's logprobs are "
                                     "bitwise the trainer's, in bf16 and fp8_e2e, with an FP8 KV cache too (the "
                                     "trainer then quantizes Q/K/V with the rollout's scales). Torch engines only.")
+    auto_bf16_layers: bool = setting(False, "In-process loop only: before step 0, the mismatch observatory "
+                                     "(fp8rl.observatory) samples the first batch's prompts and sets "
+                                     "vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16 of both engines to "
+                                     "the fewest bf16 layers whose re-measured token_mult_prob_error is within "
+                                     "auto_bf16_target (else the best within auto_bf16_max_layers). Refused by the "
+                                     "services stack; needs policy.training.backend: torch.")
+    auto_bf16_target: float = setting(1.03, "auto_bf16_layers: the token_mult_prob_error to reach (DESIGN §4: "
+                                      "1.03-1.05 is the usual acceptable bound).", ge=1.0)
+    auto_bf16_max_layers: int = setting(4, "auto_bf16_layers: the budget, most first + last layers tried (one "
+                                        "rollout and recompute each).", ge=0)
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,8 @@ class PolicyConfig(Section):
                         "directory.")
     generation: GenerationConfig = section(GenerationConfig, "The rollout engine.")
     training: TrainingConfig = section(TrainingConfig, "The trainer.")
-    numerics: NumericsConfig = section(NumericsConfig, "How the engines compute (batch invariance).")
+    numerics: NumericsConfig = section(NumericsConfig, "How the engines compute (batch invariance, automatic bf16 "
+                                       "layers).")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,241 @@
+"""What the observatory found, as data: per-source and per-layer rows, the bf16-layer suggestion, and its
+rendering (a Markdown table, a JSON file and a PNG of bars) into a report directory.
+
+:meth:`ObservatoryResult.write` is the one writer; :func:`fp8rl.report.write_report` calls it (duck-typed,
+so the report package imports nothing from here) and appends the returned Markdown to ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Candidate", "LayerRow", "ObservatoryResult", "SourceRow", "Suggestion"]
+
+MARKDOWN = "observatory.md"
+JSON = "observatory.json"
+PNG = "observatory.png"
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    """One divergence source: ``token_mult_prob_error`` (1.0 = equal) of ``logprobs`` against ``baseline``.
+
+    Attributes:
+        name: ``linear``, ``qkv``, ``probs``, ``decode``, ``rollout_numerics`` or ``total``.
+        on: whether the observed rollout recipe uses this source (an off source measures exactly 1.0).
+        compared: what was compared with what, in words (the table's second column).
+        token_mult_prob_error: mean over generated tokens of ``exp(|Δlogp|)``.
+        mean_abs_dlogp: mean of ``|Δlogp|`` over the same tokens.
+        max_abs_dlogp: the largest ``|Δlogp|``.
+    """
+
+    name: str
+    on: bool
+    compared: str
+    token_mult_prob_error: float
+    mean_abs_dlogp: float
+    max_abs_dlogp: float
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """Decoder layer ``index`` under FP8 linears (see :mod:`fp8rl.observatory` for how each is measured).
+
+    Attributes:
+        index: 0-based layer index.
+        in_fp8: whether the observed recipe runs this layer's linears in FP8.
+        local_rel_err: ``‖out_fp8 − out_hp‖ / ‖out_hp‖`` of this layer alone on the high-precision input,
+            under the observed recipe (exactly 0 for a layer it keeps in bf16).
+        cumulative_rel_err: the same ratio of the hidden states after this layer in a whole forward under
+            the observed recipe (errors of earlier layers included).
+        alone_rel_err: ``local_rel_err`` as if this layer ran FP8 linears (also for layers kept in bf16).
+        alone_token_mult_prob_error: mismatch against high precision with only this layer's linears in FP8;
+            NaN when not measured.
+    """
+
+    index: int
+    in_fp8: bool
+    local_rel_err: float
+    cumulative_rel_err: float
+    alone_rel_err: float
+    alone_token_mult_prob_error: float = math.nan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One bf16-layer setting tried by the suggestion: its predicted score and its measured mismatch.
+
+    Attributes:
+        first, last: ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16``.
+        score: per-layer excess still in FP8 (sum over those layers of ``alone_token_mult_prob_error - 1``,
+            or of ``alone_rel_err`` when per-layer logprobs were not measured): the ranking, not a mismatch.
+        token_mult_prob_error: rollout-vs-trainer mismatch re-measured with this setting.
+    """
+
+    first: int
+    last: int
+    score: float
+    token_mult_prob_error: float
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """The smallest ``first + last`` whose measured mismatch is within ``target``, or the best one measured.
+
+    Attributes:
+        first, last: the suggested ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16``.
+        token_mult_prob_error: its measured rollout-vs-trainer mismatch.
+        target: the bound asked for.
+        met: whether ``token_mult_prob_error <= target``; False means the budget ran out and this is the
+            lowest mismatch measured.
+        max_bf16_layers: the budget (largest ``first + last`` tried).
+        candidates: every setting measured, in order.
+    """
+
+    first: int
+    last: int
+    token_mult_prob_error: float
+    target: float
+    met: bool
+    max_bf16_layers: int
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+@dataclass
+class ObservatoryResult:
+    """Rollout-vs-trainer divergence of one batch, attributed per source and per layer.
+
+    Attributes:
+        model: the model's name or path.
+        recipe, kv_cache_dtype: the job-level recipe and the rollout's KV cache dtype observed.
+        num_first_layers_in_bf16, num_last_layers_in_bf16: the observed recipe's bf16 layers.
+        batch_invariant: whether both engines ran batch-invariant numerics.
+        num_sequences, num_tokens: rollout rows and generated tokens measured.
+        sources: one :class:`SourceRow` per source, then ``rollout_numerics`` and ``total``.
+        layers: one :class:`LayerRow` per decoder layer.
+        suggestion: the bf16-layer suggestion, or None when not searched.
+        seconds: wall time of the whole observation.
+    """
+
+    model: str
+    recipe: str
+    kv_cache_dtype: str
+    num_first_layers_in_bf16: int
+    num_last_layers_in_bf16: int
+    batch_invariant: bool
+    num_sequences: int
+    num_tokens: int
+    sources: list[SourceRow]
+    layers: list[LayerRow]
+    suggestion: Suggestion | None = None
+    seconds: float = 0.0
+
+    def source(self, name: str) -> SourceRow:
+        """The row of source ``name`` (KeyError naming the known ones otherwise)."""
+        for row in self.sources:
+            if row.name == name:
+                return row
+        raise KeyError(f"no source {name!r}; sources: {', '.join(r.name for r in self.sources)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ObservatoryResult:
+        d = dict(d)
+        d["sources"] = [SourceRow(**r) for r in d["sources"]]
+        d["layers"] = [LayerRow(**r) for r in d["layers"]]
+        if d.get("suggestion") is not None:
+            s = dict(d["suggestion"])
+            s["candidates"] = [Candidate(**c) for c in s["candidates"]]
+            d["suggestion"] = Suggestion(**s)
+        return cls(**d)
+
+    def to_markdown(self) -> str:
+        """The per-source, per-layer and suggestion tables (``observatory.md``, appended to ``summary.md``)."""
+        bf16 = f"first {self.num_first_layers_in_bf16} / last {self.num_last_layers_in_bf16} layers in bf16"
+        lines = ["## Mismatch observatory", "",
+                 f"{self.model}, recipe {self.recipe}, kv_cache_dtype {self.kv_cache_dtype}, {bf16}, "
+                 f"batch_invariant {str(self.batch_invariant).lower()}: {self.num_sequences} sequences, "
+                 f"{self.num_tokens} generated tokens ({self.seconds:.1f} s).", "",
+                 "| source | on | compared | token_mult_prob_error | mean abs Δlogp | max abs Δlogp |",
+                 "|---|---|---|---|---|---|"]
+        for r in self.sources:
+            lines.append(f"| {r.name} | {'yes' if r.on else 'no'} | {r.compared} | {r.token_mult_prob_error:.6f} | "
+                         f"{r.mean_abs_dlogp:.3e} | {r.max_abs_dlogp:.3e} |")
+        lines += ["", "| layer | linears | local rel err | cumulative rel err | rel err if FP8 | "
+                  "token_mult_prob_error with only this layer FP8 |", "|---|---|---|---|---|---|"]
+        for r in self.layers:
+            alone = "n/a" if math.isnan(r.alone_token_mult_prob_error) else f"{r.alone_token_mult_prob_error:.6f}"
+            lines.append(f"| {r.index} | {'fp8' if r.in_fp8 else 'bf16'} | {r.local_rel_err:.3e} | "
+                         f"{r.cumulative_rel_err:.3e} | {r.alone_rel_err:.3e} | {alone} |")
+        s = self.suggestion
+        if s is not None:
+            lines += ["", "| num_first_layers_in_bf16 | num_last_layers_in_bf16 | score | token_mult_prob_error "
+                      "(re-measured) | within target |", "|---|---|---|---|---|"]
+            for c in s.candidates:
+                lines.append(f"| {c.first} | {c.last} | {c.score:.3e} | {c.token_mult_prob_error:.6f} | "
+                             f"{'yes' if c.token_mult_prob_error <= s.target else 'no'} |")
+            how = ("the smallest setting within the target" if s.met else
+                   f"no setting with at most {s.max_bf16_layers} bf16 layers met the target; the lowest measured")
+            lines += ["", f"Suggestion: num_first_layers_in_bf16={s.first}, num_last_layers_in_bf16={s.last} "
+                      f"(token_mult_prob_error {s.token_mult_prob_error:.6f}, target {s.target}): {how}."]
+        return "\n".join(lines) + "\n"
+
+    def write(self, out_dir: str | Path) -> str:
+        """Write ``observatory.md``, ``observatory.json`` and ``observatory.png`` (the PNG only when matplotlib
+        is installed) into ``out_dir``; return the Markdown (what a report appends to its summary)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        md = self.to_markdown()
+        try:
+            self.plot(out / PNG)
+        except ImportError as exc:
+            log.warning("observatory: no plot (%s); pip install matplotlib", exc)
+            md += "\n- plot skipped: `matplotlib` is not installed (`pip install matplotlib`)\n"
+        (out / MARKDOWN).write_text(md)
+        (out / JSON).write_text(json.dumps(self.to_dict(), indent=2))
+        return md
+
+    def plot(self, path: str | Path) -> None:
+        """Per-source bars (``token_mult_prob_error − 1``) beside per-layer bars (relative errors, and the
+        mismatch with only that layer in FP8 when measured). Needs matplotlib (Agg backend)."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+
+        alone = [r.alone_token_mult_prob_error - 1 for r in self.layers]
+        panels = 3 if not all(math.isnan(a) for a in alone) else 2
+        fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8))
+        ax = axes[0]
+        names = [r.name for r in self.sources]
+        ax.bar(names, [r.token_mult_prob_error - 1 for r in self.sources],
+               color=["tab:blue" if r.on else "tab:gray" for r in self.sources])
+        ax.set(title="per source", ylabel="token_mult_prob_error − 1")
+        ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+        idx = [r.index for r in self.layers]
+        ax = axes[1]
+        ax.bar([i - 0.2 for i in idx], [r.local_rel_err for r in self.layers], width=0.4, label="local")
+        ax.bar([i + 0.2 for i in idx], [r.cumulative_rel_err for r in self.layers], width=0.4, label="cumulative")
+        ax.set(title="per layer: hidden-state rel. error", xlabel="layer")
+        ax.legend(fontsize="small")
+        if panels == 3:
+            ax = axes[2]
+            ax.bar(idx, alone, color=["tab:red" if r.in_fp8 else "tab:gray" for r in self.layers])
+            ax.set(title="only this layer in FP8", xlabel="layer", ylabel="token_mult_prob_error − 1")
+        from matplotlib.ticker import MaxNLocator
+
+        for a in axes[1:]:
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))  # layer indices
+        for a in axes:
+            a.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
