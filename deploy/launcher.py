@@ -251,13 +251,14 @@ def _prepare_model(job) -> None:
 TRAINER_MAX_RESTARTS = 3  # torchrun restarts a rank group this often before the trainer counts as failed
 
 
-def trainer_ranks(dp_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(launch, extra)``: how ``python -m`` starts the trainer for ``policy.training.dp_size`` ranks — under
+def trainer_ranks(ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(launch, extra)``: how ``python -m`` starts the trainer as ``ranks`` processes (the job's
+    ``trainer_ranks``: ``policy.training.dp_size`` x Megatron's tensor-parallel size) — under
     torchrun (one node, a free rendezvous port, the group restarted on a rank's death) resuming from its newest
     checkpoint after a restart — and nothing extra for one rank."""
-    if dp_size <= 1:
+    if ranks <= 1:
         return (), ()
-    return (("torch.distributed.run", "--standalone", "--nproc-per-node", str(dp_size), "--max-restarts",
+    return (("torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "--max-restarts",
              str(TRAINER_MAX_RESTARTS), "-m"), ("--resume", "auto"))
 
 
@@ -295,7 +296,7 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                                             namespace, "--replica-id", name, "--ready-file", str(ready), *common,
                                             *extra], ready)
 
-        launch, extra = trainer_ranks(job.policy.training.dp_size)
+        launch, extra = trainer_ranks(job.trainer_ranks)
         first = [service("trainer", "trainer", "--checkpoint-dir", str(run_dir / "checkpoints"), *extra,
                          launch=launch),
                  service("calibrator", "calibrator"),

@@ -80,7 +80,7 @@ def build_trainer(job, policy=None):
     """
     from fp8rl.engines.parallel import group_for
 
-    parallel = group_for(job.policy.training.dp_size)
+    parallel = group_for(job.policy.training.dp_size, job.trainer_model_parallel)
     if policy is None:
         policy, _, _ = load_policy(job.policy.model)
     trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None, parallel=parallel)

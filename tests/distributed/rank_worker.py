@@ -34,9 +34,9 @@ CONFIG = dict(architecture="llama", vocab_size=128, hidden_size=256, intermediat
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def policy() -> CausalLM:
+def policy(**overrides) -> CausalLM:
     torch.manual_seed(1234)
-    m = CausalLM(ModelConfig(**CONFIG))
+    m = CausalLM(ModelConfig(**{**CONFIG, **overrides}))
     with torch.no_grad():
         m.lm_head.weight.mul_(3.0)
     return m
@@ -63,18 +63,31 @@ def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
     """The torch backend (FSDP2), or with ``backend: megatron`` the Megatron-Core one (its DDP)."""
     cfg = TrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=args["micro_batch_size"],
                         grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1))
-    recipe = recipe_for_role(args["recipe"], "trainer")
+    recipe, model = recipe_for_role(args["recipe"], "trainer"), policy(**args.get("model", {}))
     if args.get("backend", "torch") == "megatron":
         from fp8rl.engines.megatron import MegatronTrainer
 
-        return MegatronTrainer(policy(), recipe, cfg, parallel=parallel)
-    return TorchTrainer(policy(), recipe, cfg, parallel=parallel)
+        return MegatronTrainer(model, recipe, cfg, parallel=parallel, tensor_model_parallel_size=args.get("tp", 1))
+    return TorchTrainer(model, recipe, cfg, parallel=parallel)
+
+
+def full_grads(tr: TorchTrainer) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole (gathered from FSDP2 shards or Megatron tensor-parallel slices)."""
+    if getattr(tr, "tp", 1) > 1:
+        return tr._full({n.removeprefix("gpt."): p.grad for n, p in tr.model.named_parameters()})
+    return {n.removeprefix("gpt."): full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()}
 
 
 def full_state(tr: TorchTrainer) -> dict[str, torch.Tensor]:
     """Weights and AdamW state, whole, under parameter names (gathered on every rank)."""
     out = {f"w/{k}": v.clone() for k, v in tr.state_dict().items()}
-    names = {id(p): n for n, p in tr.model.named_parameters()}
+    if getattr(tr, "tp", 1) > 1:  # Megatron tensor parallel: the checkpoint's whole (TP = 1) optimizer state
+        names = tr._param_names()
+        for i, st in tr._checkpoint_state()["optimizer"]["state"].items():
+            out.update({f"opt/{names[i]}/{k}": v.clone() if torch.is_tensor(v) else torch.tensor(v)
+                        for k, v in st.items()})
+        return out
+    names = {id(p): n.removeprefix("gpt.") for n, p in tr.model.named_parameters()}
     for p, st in tr.optimizer.state.items():
         for k, v in st.items():
             out[f"opt/{names[id(p)]}/{k}"] = full_tensor(v).clone() if torch.is_tensor(v) else torch.tensor(v)
@@ -94,7 +107,7 @@ def main(scenario: str, out: Path, args: dict) -> None:
         tr.optimizer.step = lambda: None  # keep the gradients for inspection
         metrics = tr.train_step(b)
         res["metrics"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
-        res["grads"] = {n: full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()}
+        res["grads"] = full_grads(tr)
         res["megatron_ddp"] = torch.tensor(int(getattr(tr, "_ddp", None) is not None))
     elif scenario == "save":
         for s in range(args.get("steps", 1)):

@@ -1,11 +1,18 @@
-"""The Megatron backend over 2 data-parallel ranks (Megatron-Core DDP on gloo, under the real torchrun) against
-1 rank on the same global batch, and its checkpoints across world sizes.
+"""The Megatron backend over 2 ranks under the real torchrun (gloo) against 1 rank on the same global batch:
+2 data-parallel ranks (Megatron-Core DDP) and 2 tensor-parallel ranks (Megatron's column/row-parallel layers,
+FP8 linears included), and its checkpoints across world sizes and tensor-parallel sizes.
 
 The ranks run ``tests/distributed/rank_worker.py`` with ``backend: megatron``. The schedule is the torch
 backend's (the very micro-batches one rank runs, micro-batch ``j`` on rank ``j % N``), so the tolerances are
 the ones :mod:`tests.distributed.test_trainer_ranks` derives from the same error model, named there:
 logprobs bitwise; loss and gradients differ by FP32 summation order only (Megatron DDP's bucket all-reduce
 adds the ranks' FP32 gradient buffers in another order than one rank's backward accumulates them).
+
+Tensor parallel is not bitwise: a row-parallel layer adds its ranks' partial products (an all-reduce) where one
+rank sums the whole K at once, and a column-parallel layer's input gradient likewise. That is FP32 summation
+order again, so the bounds are :mod:`tests.megatron.test_trainer`'s (torch vs Megatron backend, same error
+model, named there): ``LOGPROB_ATOL``, ``LOSS_RTOL``, ``GRAD_RTOL_FP32`` and, with FP8 linears, ``GRAD_RTOL_FP8``
+(quantizer inputs that differ by that noise flip an element to the neighbouring E4M3 value now and then).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+pytestmark = pytest.mark.megatron  # make test-megatron (installs megatron-core), not test-distributed
 
 
 def _ranks_module():
@@ -30,6 +37,7 @@ def _ranks_module():
 
 
 R = _ranks_module()  # torchrun(), rel(), LOSS_RTOL, GRAD_RTOL
+ALIGNED = dict(num_key_value_heads=4)  # each of 2 ranks holds 128-row slices of q/k/v, gate/up (FP8 blocks whole)
 
 
 @pytest.mark.parametrize("recipe,minibatches", [("bf16", 2), ("fp8_e2e", 1)])
@@ -61,5 +69,81 @@ def test_megatron_checkpoints_move_between_two_ranks_and_one(megatron_core, tmp_
     assert [k for k in saved["state"] if not torch.equal(saved["state"][k], one["state"][k])] == []
     two = R.torchrun(tmp_path, 2, "load", **base, path=str(b))
     assert int(two["version"]) == 3
+    assert [k for k in two["state"] if not torch.equal(two["state"][k], one["after"][k])] == []
+    assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])  # the step moved them
+
+
+def _worker():
+    path = Path(__file__).resolve().parents[1] / "distributed" / "rank_worker.py"
+    spec = importlib.util.spec_from_file_location("_rank_worker", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _loss_bound(batch, lp_a: torch.Tensor, lp_b: torch.Tensor) -> float:
+    """Most the step's loss can move when its old-policy logprobs move from ``lp_a`` to ``lp_b``.
+
+    On the first update the policy ratio is exactly 1 on both sides (current = old logprobs, same weights, same
+    code), so the loss is ``-sum_t A_t w_t / N`` with the IS weight ``w_t = exp(old_t - gen_t)`` (capped: a cap
+    only shrinks differences). ``|dw_t| <= max(w_t) (exp|d old_t| - 1)`` bounds each term."""
+    m = batch.loss_mask.bool()
+    d = (lp_a - lp_b).abs()[m]
+    w = torch.exp(torch.maximum(lp_a, lp_b)[m].double() - batch.gen_logprobs[m].double())
+    adv = batch.advantages[:, None].expand_as(batch.loss_mask)[m].double().abs()
+    return float((adv * w * torch.expm1(d.double())).sum() / m.sum())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+def test_two_tensor_parallel_ranks_train_like_one(megatron_core, tmp_path, recipe):
+    """bf16: FP32 summation order only (test_trainer's bounds). fp8_e2e: that noise also moves a quantizer input
+    across an E4M3 rounding boundary now and then (a one-step flip, 2**-3 relative), which moves whole
+    logprobs: the token probabilities then stay within the recipe's own mismatch promise (the bound for two
+    FP8 computations of the same tokens in different summation orders), the loss within what the measured
+    logprob moves can change it by (:func:`_loss_bound`), gradients within GRAD_RTOL_FP8 (its flip model)."""
+    from fp8rl.rl.metrics import mismatch_promise, token_mult_prob_error
+
+    from .test_trainer import GRAD_RTOL_FP8, GRAD_RTOL_FP32, LOGPROB_ATOL, LOSS_RTOL
+
+    rows = 10
+    args = dict(backend="megatron", recipe=recipe, micro_batch_size=3, rows=rows, model=ALIGNED)
+    one, two = R.torchrun(tmp_path, 1, "step", **args), R.torchrun(tmp_path, 2, "step", **args, tp=2)
+    batch = _worker().batch(rows)
+    real = batch.attention_mask.bool()
+    diff = float((two["logprobs"] - one["logprobs"]).abs()[real].max())
+    m1, m2 = one["metrics"], two["metrics"]
+    assert float(m2["num_tokens"]) == float(m1["num_tokens"]) > 0
+    fp8 = recipe == "fp8_e2e"
+    if fp8:
+        err = float(token_mult_prob_error(two["logprobs"], one["logprobs"], batch.loss_mask))
+        print(f"{recipe}: TP 2 vs 1: max |dlogprob| {diff:.3g}, token_mult_prob_error {err:.6f}")
+        assert err <= mismatch_promise("fp8_e2e", "auto", over="step")
+        bound = _loss_bound(batch, one["logprobs"], two["logprobs"]) + LOSS_RTOL * abs(float(m1["loss"]))
+        assert abs(float(m2["loss"]) - float(m1["loss"])) <= bound
+    else:
+        print(f"{recipe}: TP 2 vs 1: max |dlogprob| {diff:.3g}")
+        assert diff <= LOGPROB_ATOL
+        assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=LOSS_RTOL)
+    grad_rtol = GRAD_RTOL_FP8 if fp8 else GRAD_RTOL_FP32
+    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=grad_rtol)
+    assert set(one["grads"]) == set(two["grads"])
+    err = {n: R.rel(two["grads"][n], one["grads"][n]) for n in one["grads"]}
+    worst = max(err, key=err.get)
+    print(f"{recipe}: TP 2 vs 1: worst grad rel err {err[worst]:.3g} ({worst})")
+    assert err[worst] <= grad_rtol, worst
+
+
+def test_tensor_parallel_checkpoints_are_whole_and_move_between_sizes(megatron_core, tmp_path):
+    """Saved by 2 tensor-parallel ranks (whole tensors, the TP = 1 layout), resumed by 1 (weights and AdamW moments
+    bitwise), stepped and saved by 1, resumed by 2 (bitwise again)."""
+    a, b = tmp_path / "ck" / "trainer-v000001.pt", tmp_path / "ck" / "trainer-v000002.pt"
+    base = dict(backend="megatron", recipe="fp8_e2e", micro_batch_size=3, rows=10, model=ALIGNED)
+    saved = R.torchrun(tmp_path, 2, "save", **base, tp=2, steps=1, path=str(a))
+    one = R.torchrun(tmp_path, 1, "load", **base, path=str(a), then_step=True, save_to=str(b))
+    assert int(saved["version"]) == int(one["version"]) == 1
+    assert set(saved["state"]) == set(one["state"]) and any(k.endswith("/exp_avg_sq") for k in saved["state"])
+    assert [k for k in saved["state"] if not torch.equal(saved["state"][k], one["state"][k])] == []
+    two = R.torchrun(tmp_path, 2, "load", **base, tp=2, path=str(b))
+    assert int(two["version"]) == 2
     assert [k for k in two["state"] if not torch.equal(two["state"][k], one["after"][k])] == []
     assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])  # the step moved them

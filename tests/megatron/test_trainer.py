@@ -168,9 +168,13 @@ def test_fp8_layers_really_compute_in_fp8(megatron_core):
     assert float((_real(f8, batch) - _real(ref, batch)).abs().max()) <= LOGPROB_ATOL
 
 
-def test_parallel_sizes_other_than_one_are_refused(megatron_core):
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*only 1 x 1"):
+def test_parallel_sizes_it_cannot_run_are_refused(megatron_core):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 needs a multiple of 2 ranks \(this trainer "
+                                         r"runs as 1"):
         _megatron(make_policy("llama"), Fp8Recipe(linear="bf16"), tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 gives each rank 64 k_proj / v_proj rows, not "
+                                         r"a multiple of 128: its FP8 128x128 weight blocks would not be the rollout"):
+        _megatron(make_policy("llama"), Fp8Recipe(linear="fp8"), tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline_model_parallel_size=4"):
         _megatron(make_policy("llama"), Fp8Recipe(linear="bf16"), pipeline_model_parallel_size=4)
 

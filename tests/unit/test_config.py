@@ -167,3 +167,21 @@ def test_loop_flag_batch_invariant_is_a_switch():
     args = _parser().parse_args(["--batch-invariant"])
     assert args.batch_invariant is True and _parser().parse_args([]).batch_invariant is None
     assert LoopConfig.from_flags(batch_invariant=True).job.policy.numerics.batch_invariant
+
+
+def test_model_parallel_keys_are_checked_against_the_backend():
+    from fp8rl.config import JobConfig
+
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size / pipeline_model_parallel_size \(2 / 1\) apply "
+                                          r"to policy.training.backend=megatron only"):
+        JobConfig().with_settings({"policy.training.megatron_cfg.tensor_model_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size=2 is not supported: the GRPO step runs whole"):
+        JobConfig().with_settings({"policy.training.backend": "megatron",
+                                   "policy.training.megatron_cfg.pipeline_model_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"dp_size x megatron_cfg.tensor_model_parallel_size = \d+ trainer ranks; "
+                                          r"the limit is"):
+        JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 64,
+                                   "policy.training.megatron_cfg.tensor_model_parallel_size": 32})
+    job = JobConfig().with_settings({"policy.training.backend": "megatron",
+                                     "policy.training.megatron_cfg.tensor_model_parallel_size": 2})
+    assert (job.trainer_model_parallel, job.trainer_ranks) == (2, 2)

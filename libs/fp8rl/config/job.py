@@ -66,6 +66,7 @@ class JobConfig(Section):
     def check(self) -> None:
         self._check_batch_shape()
         _ = self.recipe  # the precision combination must be a recipe
+        self._check_model_parallel()
         if self.policy.numerics.batch_invariant:
             # the embedded engines own both sides' kernels; vLLM's and Megatron's choose theirs by shape
             for key, val in (("policy.generation.backend", self.policy.generation.backend),
@@ -98,6 +99,22 @@ class JobConfig(Section):
                               "policy.generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16 to "
                               "its suggestion")
 
+    def _check_model_parallel(self) -> None:
+        t = self.policy.training
+        mc = t.megatron_cfg
+        if t.backend != "megatron" and (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) != (1, 1):
+            raise ConfigError(f"policy.training.megatron_cfg.tensor_model_parallel_size / pipeline_model_parallel_size "
+                              f"({mc.tensor_model_parallel_size} / {mc.pipeline_model_parallel_size}) apply to "
+                              f"policy.training.backend=megatron only (got {t.backend}, which scales out with dp_size)")
+        if mc.pipeline_model_parallel_size != 1:
+            raise ConfigError(f"policy.training.megatron_cfg.pipeline_model_parallel_size="
+                              f"{mc.pipeline_model_parallel_size} is not supported: the GRPO step runs whole "
+                              f"forward/backward passes, not Megatron's "
+                              f"pipeline schedule; use tensor_model_parallel_size and dp_size")
+        if self.trainer_ranks > limits.MAX_TRAINER_RANKS:
+            raise ConfigError(f"policy.training.dp_size x megatron_cfg.tensor_model_parallel_size = "
+                              f"{self.trainer_ranks} trainer ranks; the limit is {limits.MAX_TRAINER_RANKS}")
+
     def _check_batch_shape(self) -> None:
         """One step's batch must fit one call of each service at its default bounds (see :mod:`fp8rl.limits`)."""
         prompts, group = self.grpo.num_prompts_per_step, self.grpo.num_generations_per_prompt
@@ -120,6 +137,19 @@ class JobConfig(Section):
                               "policy.generation.vllm_cfg.precision=fp8 (FP8 training with BF16 rollout "
                               "is not a recipe)")
         return "fp8_e2e" if train_fp8 else ("fp8_gen_only" if gen_fp8 else "bf16")
+
+    @property
+    def trainer_model_parallel(self) -> int:
+        """Ranks one data-parallel replica of the trainer spans: Megatron's TP x PP (megatron backend), else 1."""
+        t = self.policy.training
+        if t.backend != "megatron":
+            return 1
+        return t.megatron_cfg.tensor_model_parallel_size * t.megatron_cfg.pipeline_model_parallel_size
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Processes the trainer runs as (what torchrun starts): ``dp_size`` x :attr:`trainer_model_parallel`."""
+        return self.policy.training.dp_size * self.trainer_model_parallel
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -77,8 +77,12 @@ class Fp8Cfg(Section):
 @dataclass(frozen=True)
 class MegatronCfg(Section):
     KEY = "policy.training.megatron_cfg"
-    tensor_model_parallel_size: int = setting(1, "Megatron tensor-parallel size.", ge=1)
-    pipeline_model_parallel_size: int = setting(1, "Megatron pipeline-parallel size.", ge=1)
+    tensor_model_parallel_size: int = setting(1, "Megatron tensor-parallel size (backend megatron): ranks per "
+                                              "data-parallel replica; the trainer runs as dp_size x this many. FP8 "
+                                              "recipes need each rank's weight slices to be whole 128x128 blocks.",
+                                              ge=1)
+    pipeline_model_parallel_size: int = setting(1, "Megatron pipeline-parallel size: only 1 (the GRPO step does not "
+                                                "run Megatron's pipeline schedule).", ge=1)
     fp8_cfg: Fp8Cfg = section(Fp8Cfg, "Trainer FP8 settings (read by both trainer backends).")
 
 

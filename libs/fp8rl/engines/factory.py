@@ -28,10 +28,11 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
             the message names the key.
     """
     backend = job.policy.training.backend
-    dp, world = job.policy.training.dp_size, 1 if parallel is None else parallel.world
-    if dp != world:
-        raise ValueError(f"policy.training.dp_size: {dp} needs a group of {dp} ranks, but this trainer is given "
-                         f"{world} (parallel.group_for(dp_size) joins the group torchrun started)")
+    ranks, world = job.trainer_ranks, 1 if parallel is None else parallel.world
+    if ranks != world:
+        raise ValueError(f"policy.training.dp_size: {job.policy.training.dp_size} (x {job.trainer_model_parallel} "
+                         f"model-parallel) needs a group of {ranks} ranks, but this trainer is given {world} "
+                         f"(parallel.group_for joins the group torchrun started)")
     common = dict(ref_model=ref_model, seed=job.job.seed)
     if backend == "torch":
         return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common, parallel=parallel)

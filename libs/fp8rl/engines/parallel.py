@@ -71,34 +71,45 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     return DataParallel.current()
 
 
-def group_for(dp_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel | None:
-    """The group for ``policy.training.dp_size`` ranks: checked against the world torchrun started (``WORLD_SIZE``),
-    then joined; None for one rank.
+def group_for(dp_size: int, model_parallel: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel | None:
+    """The group of a trainer over ``policy.training.dp_size`` data-parallel ranks, each ``model_parallel`` ranks
+    wide (Megatron's tensor x pipeline parallel sizes; 1 otherwise): checked against the world torchrun started
+    (``WORLD_SIZE``), then joined; None for one rank.
 
     Raises:
-        ValueError: the two disagree (the message names the key and how to launch N ranks).
+        ValueError: the two disagree (the message names the keys and how to launch the ranks).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != dp_size:
-        how = (f"launch the trainer with `torchrun --nproc-per-node {dp_size} -m services.trainer ...` (the launcher, "
-               f"compose and the Helm chart do it from this key)" if world == 1 else
-               f"set policy.training.dp_size: {world}, or start {dp_size} ranks")
-        raise ValueError(f"policy.training.dp_size is {dp_size}, but this trainer runs as {world} rank(s) "
-                         f"(WORLD_SIZE from torchrun): {how}")
+    world, want = int(os.environ.get("WORLD_SIZE", "1")), dp_size * model_parallel
+    if world != want:
+        keys = "policy.training.dp_size" + (
+            f" ({dp_size}) x megatron_cfg tensor_model_parallel_size x pipeline_model_parallel_size ({model_parallel})"
+            if model_parallel > 1 else "")
+        how = (f"launch the trainer with `torchrun --nproc-per-node {want} -m services.trainer ...` (the launcher, "
+               f"compose and the Helm chart do it from these keys)" if world == 1 else
+               (f"set policy.training.dp_size: {world}" if model_parallel == 1 else
+                f"set the keys so that they multiply to {world}") + f", or start {want} ranks")
+        raise ValueError(f"{keys} is {want}, but this trainer runs as {world} rank(s) (WORLD_SIZE from torchrun): "
+                         f"{how}")
     return init_from_env(timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
 class DataParallel:
-    """The data-parallel group a trainer runs in (the default process group).
+    """The data-parallel group a trainer runs in: the default process group, or (a trainer that is also model
+    parallel, e.g. Megatron tensor parallel) its data-parallel subgroup.
 
     Attributes:
-        rank: this process's rank (0 serves; see the module docstring).
-        world: number of ranks.
+        rank: this process's data-parallel rank (global rank 0 serves; see the module docstring).
+        world: number of data-parallel ranks.
+        group: the data-parallel process group (None: the default group, every rank).
+
+    Row collectives (:meth:`sum`, :meth:`gather_rows`) run within ``group``; :meth:`any` and :meth:`barrier`
+    always span every rank, since every rank must stop together.
     """
 
     rank: int
     world: int
+    group: object | None = None
 
     @classmethod
     def current(cls) -> DataParallel:
@@ -106,9 +117,15 @@ class DataParallel:
             raise RuntimeError("DataParallel needs torch.distributed's default process group (init_from_env)")
         return cls(dist.get_rank(), dist.get_world_size())
 
+    @classmethod
+    def over(cls, group) -> DataParallel:
+        """The data-parallel subgroup ``group`` (a process group this rank belongs to)."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
     @property
     def leader(self) -> bool:
-        return self.rank == 0
+        """Whether this process is global rank 0 (the one that serves and writes)."""
+        return (dist.get_rank() if self.group is not None else self.rank) == 0
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with each decoder layer and the root fully sharded (FSDP2), gradients summed across ranks."""
@@ -139,14 +156,14 @@ class DataParallel:
         return bool(t.item())
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum over ranks of a float64 vector (in place; returned)."""
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        """Element-wise sum over the data-parallel ranks of a float64 vector (in place; returned)."""
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         return values
 
     def gather_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``rows`` (same shape on all ranks), in rank order."""
+        """Every data-parallel rank's ``rows`` (same shape on all ranks), in rank order."""
         out = [torch.empty_like(rows) for _ in range(self.world)]
-        dist.all_gather(out, rows.contiguous())
+        dist.all_gather(out, rows.contiguous(), group=self.group)
         return out
 
     def barrier(self) -> None:

@@ -324,21 +324,23 @@ class TorchTrainer(TrainerBackend):
             weights = dict(zip(wkeys, summed[len(keys):], strict=True))
         for k, w in weights.items():
             totals[k] /= max(w, 1.0)
-        if grouped:  # the global norm of the sharded gradients (DTensor reduction); inf clips nothing
-            gn = full_tensor(torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.config.grad_clip if self.config.grad_clip > 0 else float("inf")))
-        elif self.config.grad_clip > 0:
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        else:
-            gn = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])
-            )
+        gn = self._clip_grads()
         if not torch.isfinite(gn):
             self._zero_grads()
             raise FloatingPointError(f"non-finite gradient norm {float(gn)} at version {self._version}; step skipped")
         self.optimizer.step()
         totals["grad_norm"] = float(gn)
         return totals
+
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip the gradients to ``grad_clip`` by their global norm (0: no clipping); the norm."""
+        if self.parallel is not None:  # the global norm of the sharded gradients (DTensor reduction); inf clips nothing
+            return full_tensor(torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.grad_clip if self.config.grad_clip > 0 else float("inf")))
+        if self.config.grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        return torch.linalg.vector_norm(
+            torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full master weights under HF names; with a group, each gathered from its shards (every rank must
@@ -365,13 +367,15 @@ class TorchTrainer(TrainerBackend):
         if self._sharded_state or path.endswith(".dcp"):
             self._save_dcp(path)
             return
-        if self._leads():  # state replicated on every rank (or one rank): the leader writes it
-            self._save_file(path)
+        state = self._checkpoint_state()  # on every rank (it may gather)
+        if self._leads():  # whole on every rank (or one rank): the leader writes it
+            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+            self._write_file(path, state)
         self._barrier()
 
-    def _save_file(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        state = {
+    def _checkpoint_state(self) -> dict:
+        """What a ``.pt`` checkpoint holds (every rank computes it; the leader writes it)."""
+        return {
             "format": self.CHECKPOINT_FORMAT,
             "version": self._version,
             "model": self.model.state_dict(),
@@ -379,6 +383,14 @@ class TorchTrainer(TrainerBackend):
             "rng": torch.get_rng_state(),
             "recipe_linear": self.recipe.linear,
         }
+
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        """Load a ``.pt`` checkpoint's weights and optimizer state (held whole by this trainer)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @staticmethod
+    def _write_file(path: str, state: dict) -> None:
         tmp = f"{path}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
@@ -398,8 +410,7 @@ class TorchTrainer(TrainerBackend):
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint (format={state.get('format')!r})")
         self._check_recipe(path, state["recipe_linear"])
         if not self._sharded_state:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._restore_checkpoint_state(state)
         else:  # a single rank's file, every rank reading it: keep this rank's shards of weights and AdamW state
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,

@@ -30,9 +30,19 @@ def test_dp_size_must_match_the_world_torchrun_started(monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
 def test_a_backend_without_its_group_of_dp_size_ranks_is_refused_naming_the_key(backend):
     job = JobConfig().with_settings({"policy.training.backend": backend, "policy.training.dp_size": 2})
-    with pytest.raises(ValueError, match="policy.training.dp_size: 2 needs a group of 2 ranks, but this trainer is "
-                                         "given 1"):
+    with pytest.raises(ValueError, match=r"policy.training.dp_size: 2 \(x 1 model-parallel\) needs a group of 2 "
+                                         "ranks, but this trainer is given 1"):
         make_trainer_backend(job, None)
+
+
+def test_tensor_parallel_ranks_multiply_the_group_torchrun_must_start(monkeypatch):
+    job = JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 2,
+                                     "policy.training.megatron_cfg.tensor_model_parallel_size": 2})
+    assert (job.trainer_model_parallel, job.trainer_ranks) == (2, 4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"dp_size \(2\) x megatron_cfg tensor_model_parallel_size x "
+                                         r"pipeline_model_parallel_size \(2\) is 4, but this trainer runs as 2"):
+        group_for(job.policy.training.dp_size, job.trainer_model_parallel)
 
 
 def _header(**kw) -> bytes:

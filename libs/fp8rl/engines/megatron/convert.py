@@ -1,4 +1,4 @@
-"""Hugging Face ↔ Megatron-Core weight layout for Llama / Qwen2 / Qwen3 GPT models (TP = PP = 1).
+"""Hugging Face ↔ Megatron-Core weight layout for Llama / Qwen2 / Qwen3 GPT models (the TP = 1 layout).
 
 The rollout side only ever sees Hugging Face names and layouts; this module is the one place that
 knows Megatron's. Both directions are pure index moves (no arithmetic), so a round trip is exact.
@@ -13,8 +13,8 @@ Megatron fuses two groups of HF tensors into one weight each:
 
   (biases of Qwen2 follow the same row order).
 * ``mlp.linear_fc1`` — ``[gate; up]`` stacked along the output rows (``(2F, C)``); Megatron's GLU
-  takes ``silu(first half) * second half``. With TP > 1 each rank would hold ``[gate_r; up_r]``,
-  an interleave this module does not produce: only TP = 1 is supported.
+  takes ``silu(first half) * second half``. With TP > 1 each rank holds ``[gate_r; up_r]``: the
+  slicing of this TP = 1 layout is :mod:`.tensor_parallel`'s.
 
 Norm names differ between the local spec (``input_layernorm``, ``pre_mlp_layernorm``) and the
 Transformer Engine spec, where the norms are fused into the following linear

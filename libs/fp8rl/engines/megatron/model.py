@@ -46,13 +46,32 @@ def use_te() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    Megatron's tensor-parallel regions all-reduce ``grad.contiguous()`` *in place*; for a non-contiguous
+    gradient that is a copy, and the sum is lost (megatron-core 0.16 ``mappings._reduce``). The gradient of
+    a transposed view is non-contiguous, so the FP8 linears put this between the region and the transpose.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def _fp8_seq_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mod: nn.Module) -> torch.Tensor:
     """``fp8_linear`` on Megatron's ``(S, B, K)`` activations, one call per HF tensor of a fused weight.
 
     Tokens are fed batch-major, ``(B, S, K)``: the wgrad GEMM quantizes x and dy in 1×128 groups
     *along tokens*, so the token order decides the groups; batch-major is the torch backend's order.
+    The output is contiguous ``(S, B, N)``, as Megatron's own linears return it (its regions and
+    attention ``view`` it).
     """
-    xb = x.transpose(0, 1)  # (B, S, K)
+    xb = _ContiguousGrad.apply(x).transpose(0, 1)  # (B, S, K)
     kw = dict(pow2_scale=mod.pow2_weight_scale, pow2_activation_scale=mod.pow2_activation_scale)
     if mod.hf_rows is None:
         y = fp8_linear(xb, weight, bias, **kw)  # (B, S, N)
@@ -60,15 +79,36 @@ def _fp8_seq_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         parts = [fp8_linear(xb, weight.index_select(0, r), None if bias is None else bias.index_select(0, r), **kw)
                  for r in mod.hf_rows]
         y = torch.cat(parts, dim=-1).index_select(-1, mod.hf_inverse)  # back to the fused row order, (B, S, N)
-    return y.transpose(0, 1)  # (S, B, N)
+    return y.transpose(0, 1).contiguous()  # (S, B, N)
+
+
+def _local_rows(rows: tuple[torch.Tensor, ...], fused: str) -> list[torch.Tensor]:
+    """``rows`` (each HF tensor's rows in the TP = 1 fused weight) as rows of this rank's slice of it, in HF
+    order: the slice is cut exactly as the weight is (:func:`.tensor_parallel.to_local`)."""
+    from megatron.core import parallel_state
+
+    from .tensor_parallel import to_local
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return list(rows)
+    n = sum(len(r) for r in rows)
+    held = to_local("mlp.linear_fc1.weight" if fused == "gate_up" else "linear_qkv.weight", torch.arange(n), 0,
+                    parallel_state.get_tensor_model_parallel_rank(), tp)  # full row ids, in local order
+    where = torch.full((n,), -1, dtype=torch.long)
+    where[held] = torch.arange(len(held))
+    return [where[r][where[r] >= 0] for r in rows]
 
 
 def _init_fp8(mod: nn.Module, fused: str | None, pow2_weight_scale: bool, pow2_activation_scale: bool,
               model_config: ModelConfig | None) -> None:
+    from megatron.core import parallel_state
+
     mod.pow2_weight_scale, mod.pow2_activation_scale = pow2_weight_scale, pow2_activation_scale
+    mod.tp = parallel_state.get_tensor_model_parallel_world_size()
     mod.hf_rows = None
     if fused is not None:
-        rows = qkv_rows(model_config) if fused == "qkv" else gate_up_rows(model_config)
+        rows = _local_rows(qkv_rows(model_config) if fused == "qkv" else gate_up_rows(model_config), fused)
         mod.hf_rows = [r.to(mod.weight.device) for r in rows]
         mod.hf_inverse = torch.argsort(torch.cat(rows)).to(mod.weight.device)
 
@@ -79,13 +119,21 @@ def fp8_parallel_linears() -> tuple[type, type]:
 
     Defined on first call, because megatron-core is an optional dependency of this package.
     """
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
 
     class _Column(ColumnParallelLinear):
-        """Megatron ``ColumnParallelLinear`` (TP = 1) computing in block-scaled FP8 via ``fp8rl.fp8``.
+        """Megatron ``ColumnParallelLinear`` computing in block-scaled FP8 via ``fp8rl.fp8``.
 
         ``fused`` names the HF tensors stacked in the weight (``"qkv"``, ``"gate_up"`` or None);
-        each is quantized and multiplied on its own. The bias (if any) is added inside, in FP32.
+        each is quantized and multiplied on its own (its rows on this rank, with TP > 1). The bias (if
+        any) is added inside, in FP32. With TP > 1 the input enters Megatron's tensor-parallel region
+        (identity forward, all-reduced gradient), as the parent's forward does.
         """
 
         def __init__(self, *args, fused=None, pow2_weight_scale=False, pow2_activation_scale=False,
@@ -96,18 +144,26 @@ def fp8_parallel_linears() -> tuple[type, type]:
         def forward(self, input_, weight=None, runtime_gather_output=None):
             w = self.weight if weight is None else weight
             bias = None if self.skip_bias_add else self.bias
-            out = _fp8_seq_first(input_, w, bias, self)
+            x = input_ if self.tp == 1 else copy_to_tensor_model_parallel_region(input_)
+            out = _fp8_seq_first(x, w, bias, self)
+            gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+            if gather and self.tp > 1:
+                out = gather_from_tensor_model_parallel_region(out)
             return out, (self.bias if self.skip_bias_add else None)
 
     class _Row(RowParallelLinear):
-        """Megatron ``RowParallelLinear`` (TP = 1) in block-scaled FP8; the bias is added inside, in FP32."""
+        """Megatron ``RowParallelLinear`` in block-scaled FP8. With TP > 1 the input is this rank's slice of K
+        and the partial outputs are all-reduced (Megatron's region), then the bias (if any) added in FP32."""
 
         def __init__(self, *args, pow2_weight_scale=False, pow2_activation_scale=False, **kwargs):
             super().__init__(*args, **kwargs)
             _init_fp8(self, None, pow2_weight_scale, pow2_activation_scale, None)
 
         def forward(self, input_):
-            return _fp8_seq_first(input_, self.weight, self.bias, self), None
+            if self.tp == 1:
+                return _fp8_seq_first(input_, self.weight, self.bias, self), None
+            out = reduce_from_tensor_model_parallel_region(_fp8_seq_first(input_, self.weight, None, self))
+            return (out if self.bias is None else out + self.bias), None
 
     _Column.__name__ = _Column.__qualname__ = "Fp8ColumnParallelLinear"
     _Row.__name__ = _Row.__qualname__ = "Fp8RowParallelLinear"
@@ -228,6 +284,7 @@ def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype =
         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(config.rope_theta), rotary_percent=1.0,
         share_embeddings_and_output_weights=config.tie_word_embeddings,
+        parallel_output=False,  # whole-vocabulary logits on every tensor-parallel rank (a no-op at TP = 1)
     )
     # RoPE at per-row positions from our inverse frequencies (theta as a float, llama3 scaling if set)
     gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), gpt.rotary_pos_emb)

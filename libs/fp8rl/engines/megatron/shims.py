@@ -22,6 +22,11 @@ Why each exists (file paths are in ``megatron/core``):
    ``torch.cuda.current_device``, restored on exit; nothing else sees it). The buckets' all-reduce /
    reduce-scatter are plain ``torch.distributed`` calls, which gloo runs on CPU tensors.
 
+4. ``tensor_parallel.mappings``'s gather / reduce-scatter helpers (``_gather_along_last_dim``,
+   ``_gather_along_first_dim``, ``_reduce_scatter_along_last_dim``, ``_reduce_scatter_along_first_dim``: the
+   tensor-parallel regions' collectives) allocate their output on ``torch.cuda.current_device()``. Shim: the
+   same scoped swap while each runs (the autograd functions look the helpers up by module global name).
+
 Two more CUDA-only spots are avoided rather than shimmed: the default causal mask
 (``transformer.utils.get_default_causal_mask``, the trainer always passes an explicit mask) and
 ``RotaryEmbedding.get_emb`` (which moves ``inv_freq`` to CUDA; the trainer replaces that module
@@ -74,15 +79,19 @@ def _current_device_is_cpu():
         torch.cuda.current_device = saved
 
 
-def _on_cpu(init):
-    """A ``_ParamAndGradBuffer.__init__`` that allocates its buffers on the CPU (shim 3)."""
+def _on_cpu(fn):
+    """``fn`` run with the CPU as the current device (shims 3 and 4)."""
 
-    @functools.wraps(init)
-    def wrapped(self, *args, **kwargs):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
         with _current_device_is_cpu():
-            init(self, *args, **kwargs)
+            return fn(*args, **kwargs)
 
     return wrapped
+
+
+_MAPPINGS_ALLOCATING = ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_last_dim",
+                        "_reduce_scatter_along_first_dim")
 
 
 def apply() -> bool:
@@ -103,7 +112,11 @@ def apply() -> bool:
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     mcore_random.CudaRNGStatesTracker.fork = _fork_on_cpu
+    from megatron.core.tensor_parallel import mappings
+
     buffer = param_and_grad_buffer._ParamAndGradBuffer
     buffer.__init__ = _on_cpu(buffer.__init__)
+    for name in _MAPPINGS_ALLOCATING:
+        setattr(mappings, name, _on_cpu(getattr(mappings, name)))
     _APPLIED = True
     return True
