@@ -246,6 +246,11 @@ def test_job_configmap_is_a_valid_job():
     ({"trainer": {"pods": 2}, "job": {"policy": {"training": {"dp_size": 2}}}},
      "trainer.pods is 2: every rank writes its checkpoint shards into one directory"),
     ({"trainer": {"pods": 0}}, "/trainer/pods"),
+    ({"trainer": {"variant": "gpu", "gpus": 1, "procsPerPod": 2},
+      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "dp_size": 2,
+                                                    "megatron_cfg": {"tensor_model_parallel_size": 2}}}}},
+     "dp_size x megatron_cfg tensor x pipeline parallel size is 2 x 2 = 4 ranks but trainer.pods x "
+     "trainer.procsPerPod is 1 x 2 = 2"),
 ])
 def test_bad_values_fail_the_render_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError) as err:
@@ -383,3 +388,12 @@ def test_the_trainer_runs_as_a_rank_group_of_pods(pods, procs):
     policy = by_kind(docs, "NetworkPolicy")["rl-fp8rl-trainer"]["spec"]["ingress"]
     peers = [r for r in policy if "ports" not in r]  # every port, from the trainer's own pods only
     assert [r["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for r in peers] == ["trainer"]
+
+
+def test_a_tensor_parallel_megatron_trainer_runs_dp_size_x_tp_ranks():
+    """dp_size 1 x tensor_model_parallel_size 2: one pod of 2 ranks (torchrun --nproc-per-node 2)."""
+    docs, _ = render({"trainer": {"variant": "gpu", "gpus": 2, "procsPerPod": 2},
+                      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "megatron_cfg": {
+                          "tensor_model_parallel_size": 2}}}}})
+    cmd = container(docs, "trainer")["command"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "--standalone" in cmd

@@ -272,9 +272,17 @@ Checks the render fails on, each with the value to change. Included by templates
 {{- fail (printf "job.policy.training.backend is megatron, which needs a GPU trainer: set trainer.variant=gpu and trainer.gpus>=1 (have variant=%s, gpus=%v)" $v.trainer.variant $v.trainer.gpus) -}}
 {{- end -}}
 {{- $dp := int (dig "policy" "training" "dp_size" 1 $v.job) -}}
+{{- $mp := 1 -}}
+{{- if eq $train "megatron" -}}
+{{- $mp = mul (int (dig "policy" "training" "megatron_cfg" "tensor_model_parallel_size" 1 $v.job)) (int (dig "policy" "training" "megatron_cfg" "pipeline_model_parallel_size" 1 $v.job)) -}}
+{{- end -}}
+{{- $want := mul $dp $mp -}}
 {{- $world := mul (int $v.trainer.pods) (int $v.trainer.procsPerPod) -}}
-{{- if ne $dp $world -}}
+{{- if and (ne $want $world) (eq $mp 1) -}}
 {{- fail (printf "job.policy.training.dp_size is %d but trainer.pods x trainer.procsPerPod is %d x %d = %d: the trainer refuses a rank count other than dp_size; make them equal" $dp (int $v.trainer.pods) (int $v.trainer.procsPerPod) $world) -}}
+{{- end -}}
+{{- if ne $want $world -}}
+{{- fail (printf "job.policy.training.dp_size x megatron_cfg tensor x pipeline parallel size is %d x %d = %d ranks but trainer.pods x trainer.procsPerPod is %d x %d = %d: the trainer refuses any other rank count; make them equal" $dp $mp $want (int $v.trainer.pods) (int $v.trainer.procsPerPod) $world) -}}
 {{- end -}}
 {{- if and (gt (int $v.trainer.pods) 1) (not $v.trainer.checkpoints.existingClaim) -}}
 {{- fail (printf "trainer.pods is %d: every rank writes its checkpoint shards into one directory, so set trainer.checkpoints.existingClaim to a ReadWriteMany claim they all mount" (int $v.trainer.pods)) -}}
