@@ -1,7 +1,11 @@
-"""Data-parallel trainer scaling on this machine: one rank with 2 threads against 2 ranks with 1 thread each.
+"""Trainer scaling on this machine: one rank with 2 threads against 2 ranks with 1 thread each.
 
     python bench/trainer_scaling.py [--hidden 512 --layers 4 --vocab 8000 --rows 32 --seq 64 --mb 8
-                                     --recipe bf16 --steps 4]
+                                     --recipe bf16 --steps 4 --backend torch|megatron --tp 1|2]
+
+``--backend megatron`` runs :class:`~fp8rl.engines.megatron.MegatronTrainer` instead (megatron-core installed):
+its 2 ranks are data parallel through Megatron-Core DDP, or with ``--tp 2`` one tensor-parallel pair (weights and
+AdamW state sliced in two, activations all-reduced per layer).
 
 Both runs train the same seeded Llama-shaped model on the same global batch (``--rows`` rows of ``--seq``
 tokens, micro-batches of ``--mb`` rows) with :class:`fp8rl.engines.TorchTrainer`; the 2-rank run is FSDP2 on
@@ -15,7 +19,8 @@ Prints ``ratio NAME VALUE`` lines:
 
 * ``ratio step_time/2x1_vs_1x2`` — 2 ranks × 1 thread over 1 rank × 2 threads (same cores, same batch);
 * ``ratio comm_share/2x1`` — the collective share of the 2-rank step;
-* ``ratio optimizer_state_per_rank/2_vs_1`` — FSDP2 target ≈ 1/N = 0.5;
+* ``ratio optimizer_state_per_rank/2_vs_1`` — FSDP2 and Megatron TP=2 target ≈ 1/N = 0.5 (Megatron DDP: 1.0,
+  its state is replicated);
 * ``ratio peak_rss_per_rank/2_vs_1`` — what a rank's process costs in all (the model build, torch and the
   batch are per process, so this stays above 0.5).
 """
@@ -44,8 +49,9 @@ def _model(args):
 
     torch.manual_seed(0)
     heads = max(args.hidden // 64, 1)
+    step = 128 * args.tp  # FFN rows in whole 128-row FP8 blocks on each tensor-parallel rank
     cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=int(args.hidden * 2.75) // 128 * 128, num_hidden_layers=args.layers,
+                      intermediate_size=int(args.hidden * 2.75) // step * step, num_hidden_layers=args.layers,
                       num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
                       max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return CausalLM(cfg)
@@ -76,8 +82,14 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     par = init_from_env()
-    tr = TorchTrainer(_model(args), recipe_for_role(args.recipe, "trainer"),
-                      TrainerConfig(lr=1e-4, micro_batch_size=args.mb), parallel=par)
+    recipe, cfg = recipe_for_role(args.recipe, "trainer"), TrainerConfig(lr=1e-4, micro_batch_size=args.mb)
+    if args.backend == "megatron":
+        from fp8rl.engines.megatron import MegatronTrainer
+
+        tp = args.tp if par is not None else 1
+        tr = MegatronTrainer(_model(args), recipe, cfg, parallel=par, tensor_model_parallel_size=tp)
+    else:
+        tr = TorchTrainer(_model(args), recipe, cfg, parallel=par)
     batch = _batch(args)
     times, comm = [], []
     for step in range(args.steps + 1):  # the first is a warm-up
@@ -92,8 +104,8 @@ def worker(args) -> None:
                          if any(k in e.key.lower() for k in COLLECTIVES) and not e.key.startswith("aten::"))
             comm.append(waited / 1e6 / dt)
     state = [v for st in tr.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-    rank = par.rank if par is not None else 0
-    out = {"rank": rank, "world": par.world if par is not None else 1, "step_s": statistics.median(times),
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if par is not None else (0, 1)
+    out = {"rank": rank, "world": world, "step_s": statistics.median(times),
            "comm_share": statistics.median(comm), "optimizer_state_bytes": _local_bytes(state),
            "param_bytes": _local_bytes(list(tr.model.parameters())),
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -124,15 +136,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mb", type=int, default=8)
     ap.add_argument("--recipe", default="bf16", choices=("bf16", "fp8_e2e"))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--backend", default="torch", choices=("torch", "megatron"))
+    ap.add_argument("--tp", type=int, default=1, choices=(1, 2),
+                    help="megatron: the 2-rank run is tensor parallel (2) instead of data parallel (1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tp != 1 and args.backend != "megatron":
+        ap.error("--tp needs --backend megatron (the torch backend scales with FSDP2 data parallel)")
     if args.worker:
         worker(args)
         return {}
     params = sum(p.numel() for p in _model(args).parameters())
-    print(f"trainer scaling, torch {torch.__version__}, {os.cpu_count()} cores: {params / 1e6:.1f}M params, recipe "
+    how = {"torch": "FSDP2", "megatron": "Megatron DDP" if args.tp == 1 else "Megatron TP=2"}[args.backend]
+    print(f"trainer scaling ({args.backend} backend, 2 ranks: {how}), torch {torch.__version__}, {os.cpu_count()} "
+          f"cores: {params / 1e6:.1f}M params, recipe "
           f"{args.recipe}, global batch {args.rows} x {args.seq} tokens, micro-batch {args.mb}, median of {args.steps} "
           f"steps after a warm-up")
     one, two = run(args, 1, 2), run(args, 2, 1)
