@@ -194,6 +194,11 @@ class GRPOLoop:
         rates = self.solve_rates(self.eval_set, n=1, temperature=0.0)
         return sum(rates) / len(rates)
 
+    def task_problems(self, limit: int = 4096) -> list:
+        """The task's distinct problems: every one its generator draws in ``limit`` draws, deduplicated by prompt
+        (for a small task, e.g. tiny-arith's two operands up to 9, the whole population)."""
+        return list({p.prompt: p for p in self.data.eval_set(limit)}.values())
+
     def solve_rates(self, problems, *, n: int, temperature: float, seed: int = 0) -> list[float]:
         """Per problem, the fraction of ``n`` rollout-engine samples the grader scores right.
 

@@ -4,13 +4,14 @@ How learning is judged (the tiny-arith weights differ per machine, and so does e
 CPU kernels round differently, so nothing here depends on exact numbers):
 
 * **Statistic** — the policy's expected reward on the whole task: over every distinct problem of
-  the task (:func:`task_problems`; 126 for two operands up to 9, so the set is the population and
+  the task (:meth:`GRPOLoop.task_problems`; 126 for two operands up to 9, so the set is the population and
   no problem-sampling noise enters), the mean fraction of ``EVAL_SAMPLES`` samples at temperature 1
   that the *rollout engine* answers right, measured before step 0 and after the last step.
   ``gain = after - before``. The rollout engine is measured, not the trainer, so a refit that never
   reaches the rollout shows as no gain.
 * **Noise** — each measurement averages ``N * EVAL_SAMPLES`` Bernoulli draws, so
-  ``SE(gain) = sqrt(sum_i p_i(1-p_i)/n over both measurements) / N`` (:func:`gain_and_se`, from the
+  ``SE(gain) = sqrt(sum_i p_i(1-p_i)/n over both measurements) / N``
+  (:func:`fp8rl.rl.metrics.expected_reward_gain`, from the
   measured ``p_i``, as for independent draws; the shared sampler seed can only couple the two, and a
   policy whose weights did not change scores ``gain`` ~ 0, moved only by its recalibrated KV scales).
   At most sqrt(2 * N * 0.25 / n) / N = 0.0074 for N = 126, n = 72 (every p_i = 1/2); 0.0062 measured.
@@ -30,7 +31,7 @@ import torch
 from fp8rl.config import ConfigError
 from fp8rl.loop import GRPOLoop, LoopConfig, main, run
 from fp8rl.presets import prepare_tiny_arith
-from fp8rl.rl.metrics import mismatch_promise
+from fp8rl.rl.metrics import expected_reward_gain, mismatch_promise
 
 TASK = {"max_operand": 9, "num_terms": 2, "ops": ("+", "-"), "word_problems": False}
 STEPS = 32  # the learning run (about 45 s on 2 cores)
@@ -52,18 +53,6 @@ def _config(steps: int, **kw) -> LoopConfig:
     return LoopConfig.from_flags(**{**base, **kw})
 
 
-def task_problems(loop: GRPOLoop) -> list:
-    """The task's distinct problems (every one the generator draws, deduplicated by prompt)."""
-    return list({p.prompt: p for p in loop.data.eval_set(4096)}.values())
-
-
-def gain_and_se(before: list[float], after: list[float], n: int) -> tuple[float, float]:
-    """``(mean(after) - mean(before), its standard error)`` for per-problem rates of ``n`` Bernoulli draws each."""
-    N = len(before)
-    var = sum(p * (1 - p) / n for p in before + after)
-    return (sum(after) - sum(before)) / N, var**0.5 / N
-
-
 _BEFORE: dict[tuple, list[float]] = {}  # the step-0 measurement, by everything in the config but its length
 
 
@@ -81,7 +70,7 @@ def learning_run(cfg: LoopConfig, patch=None) -> tuple[float, float, dict]:
     learning run's); ``test_the_start_measurement_is_a_function_of_the_config`` checks that it is.
     """
     loop = GRPOLoop(cfg)
-    problems = task_problems(loop)
+    problems = loop.task_problems()
     key = _start_key(cfg)
     if key not in _BEFORE:
         _BEFORE[key] = loop.solve_rates(problems, n=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED)
@@ -91,7 +80,7 @@ def learning_run(cfg: LoopConfig, patch=None) -> tuple[float, float, dict]:
     if undo is not None:
         undo()
     after = loop.solve_rates(problems, n=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED)
-    gain, se = gain_and_se(before, after, EVAL_SAMPLES)
+    gain, se = expected_reward_gain(before, after, EVAL_SAMPLES)
     print(f"{len(problems)} problems: expected reward {sum(before) / len(before):.4f} -> "
           f"{sum(after) / len(after):.4f}, gain {gain:+.4f} (SE {se:.4f}, required {REQUIRED_GAIN})")
     return gain, se, res
@@ -166,7 +155,7 @@ def test_the_start_measurement_is_a_function_of_the_config(preset):
     """What lets the runs share their step-0 measurement: a loop built again from the same config (another
     length) measures the same rates, sample for sample, on a subset of the problems."""
     a, b = GRPOLoop(_config(CONTROL_STEPS)), GRPOLoop(_config(STEPS))
-    problems = task_problems(a)[:16]
+    problems = a.task_problems()[:16]
     assert a.solve_rates(problems, n=8, temperature=1.0, seed=EVAL_SEED) == \
         b.solve_rates(problems, n=8, temperature=1.0, seed=EVAL_SEED)
 

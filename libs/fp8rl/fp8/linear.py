@@ -38,8 +38,12 @@ from .quant import (
     BLOCK,
     E4M3,
     dequantize_blockwise,
+    dequantize_columnwise,
     dequantize_per_token_group,
+    fake_quantize_columnwise,
+    fake_quantize_per_token_group,
     quantize_blockwise,
+    quantize_columnwise,
     quantize_per_token_group,
 )
 
@@ -144,19 +148,29 @@ class WeightCache:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
+    """The recipe's three GEMMs. On the reference backend each E4M3 operand goes straight to its FP32
+    dequantization (:func:`fake_quantize_per_token_group`: the same numbers as quantizing and dequantizing,
+    in one pass), and wgrad's operands, quantized 1x128 along T, stay token-major
+    (:func:`quantize_columnwise`: the same codes and scales as quantizing the transpose, no transpose copy)."""
+
     @staticmethod
     def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None):
-        x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
         if cache is not None:
             w_q, w_s, w_deq = cache.get(weight, pow2_w)
         else:
             w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
             w_deq = None
-        out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, w_dequantized=w_deq, row_tile=row_tile)
+        if select_backend(x2d.device) == "reference":
+            x = fake_quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K) FP32, E4M3 values x scales
+            w = w_deq if w_deq is not None else dequantize_blockwise(w_q, w_s)
+            out = x @ w.t() if row_tile is None else tiled_mm(x, w.t(), row_tile)
+        else:
+            x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
+            out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, w_dequantized=w_deq, row_tile=row_tile)
         if bias is not None:
             out = out + bias.float()
-        # wgrad reduces over tokens: keep x only in its column-wise (1x128 along T) E4M3 form.
-        xt_q, xt_s = quantize_per_token_group(x2d.t(), pow2_scale=pow2_a)  # (K, T), (K, T/128)
+        # wgrad reduces over tokens: keep x only in its column-wise (1x128 along T) E4M3 form, token-major.
+        xt_q, xt_s = quantize_columnwise(x2d, pow2_scale=pow2_a)  # (T, K), (T/128, K)
         ctx.save_for_backward(xt_q, xt_s, w_q, w_s)
         ctx.w_deq = w_deq  # the cache's: the same numbers dequantize_blockwise(w_q, w_s) gives
         ctx.pow2_a = pow2_a
@@ -171,14 +185,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         g = grad_out.contiguous()  # (T, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            g_q, g_s = quantize_per_token_group(g, pow2_scale=ctx.pow2_a)  # 1x128 along N
             w = ctx.w_deq if ctx.w_deq is not None else dequantize_blockwise(w_q, w_s)  # (N, K)
-            grad_x = (dequantize_per_token_group(g_q, g_s) @ w).to(x_dtype)  # (T, K)
+            g_deq = fake_quantize_per_token_group(g, pow2_scale=ctx.pow2_a)  # 1x128 along N
+            grad_x = (g_deq @ w).to(x_dtype)  # (T, K)
         if ctx.needs_input_grad[1]:
-            gt_q, gt_s = quantize_per_token_group(g.t(), pow2_scale=ctx.pow2_a)  # (N, T): 1x128 along T
-            grad_w = (dequantize_per_token_group(gt_q, gt_s) @ dequantize_per_token_group(xt_q, xt_s).t()).to(
-                w_dtype
-            )  # (N, K)
+            g_cw = fake_quantize_columnwise(g, pow2_scale=ctx.pow2_a)  # (T, N): 1x128 along T
+            grad_w = (g_cw.t() @ dequantize_columnwise(xt_q, xt_s)).to(w_dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(w_dtype)
         ctx.w_deq = None

@@ -38,6 +38,10 @@ __all__ = [
     "dequantize_blockwise",
     "quantize_per_token_group",
     "dequantize_per_token_group",
+    "fake_quantize_per_token_group",
+    "quantize_columnwise",
+    "dequantize_columnwise",
+    "fake_quantize_columnwise",
     "quantize_per_tensor",
     "dequantize_per_tensor",
     "check_finite",
@@ -85,6 +89,20 @@ def compute_scale(amax: torch.Tensor, *, pow2_scale: bool = False) -> torch.Tens
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     bad = (amax == 0) | ~torch.isfinite(amax)
     return torch.where(bad, torch.ones_like(scale), scale)
+
+
+_E4M3_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e4m3_to_f32(q: torch.Tensor) -> torch.Tensor:
+    """``q.float()`` for an E4M3 tensor on the CPU, through a 256-entry table of ``code.float()`` (the same
+    conversion per code, so bitwise equal; the elementwise E4M3 -> FP32 cast is ~2x slower there)."""
+    if q.device.type != "cpu":
+        return q.float()
+    table = _E4M3_VALUES.get(q.device)
+    if table is None:
+        table = _E4M3_VALUES[q.device] = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    return table.index_select(0, q.reshape(-1).view(torch.uint8).int()).view(q.shape)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -264,6 +282,69 @@ def _per_token_group_chunked(x: torch.Tensor, group_size: int, pow2_scale: bool)
         torch.div(chunk, s.unsqueeze(-1), out=b)
         q[i:i + n].copy_(b.clamp_(-E4M3_MAX, E4M3_MAX))
     return q.view(x.shape), scale.view(*x.shape[:-1], g)
+
+
+def fake_quantize_per_token_group(x: torch.Tensor, group_size: int = BLOCK, *,
+                                  pow2_scale: bool = False) -> torch.Tensor:
+    """``dequantize_per_token_group(*quantize_per_token_group(x))`` in FP32, bitwise, in one chunked pass.
+
+    The reference FP8 GEMM multiplies dequantized operands; this gives them without materialising the E4M3
+    tensor and reading it back in a second pass: each chunk of rows is scaled, clamped, rounded to E4M3 and
+    multiplied back by its scale while it is in cache. The same operations in the same order as the two-step
+    path (``tests/unit/fp8/test_quant.py`` checks bitwise equality), so a caller may use either.
+    """
+    k = x.shape[-1]
+    if k % group_size or not x.is_contiguous():
+        return dequantize_per_token_group(*quantize_per_token_group(x, group_size, pow2_scale=pow2_scale), group_size)
+    g = k // group_size
+    rows = x.reshape(-1, g, group_size)  # (R, G, group)
+    r = rows.shape[0]
+    out = torch.empty(r, g, group_size, dtype=torch.float32, device=x.device)
+    step = max(1, _CHUNK_ELEMS // k)
+    upcast = x.dtype != torch.float32
+    for i in range(0, r, step):
+        chunk = rows[i:i + step]
+        o = out[i:i + chunk.shape[0]]
+        if upcast:
+            chunk = o.copy_(chunk)
+        amax = torch.maximum(chunk.amax(dim=-1), chunk.amin(dim=-1).neg())  # (n, G)
+        s = compute_scale(amax, pow2_scale=pow2_scale).unsqueeze(-1)
+        torch.div(chunk, s, out=o)
+        o.copy_(_e4m3_to_f32(o.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)))  # the E4M3 rounding, back in FP32
+        o.mul_(s)
+    return out.view(x.shape)
+
+
+def quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
+                        pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a ``(T, K)`` tensor in groups of ``group_size`` *along T* (dim 0), kept in ``(T, K)`` layout.
+
+    The values are exactly ``quantize_per_token_group(x.t())`` transposed back: the same groups, scales and
+    E4M3 codes (``tests/unit/fp8/test_quant.py``), without materialising the transpose — the wgrad GEMM
+    ``dW = dyᵀ x`` wants both operands token-major anyway. Returns ``(q (T, K), scale (ceil(T/group), K))``.
+    """
+    t, k = x.shape
+    xp = _pad_to(x.float(), {0: group_size})
+    groups = xp.view(-1, group_size, k)  # (G, group, K)
+    amax = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg())  # (G, K)
+    scale = compute_scale(amax, pow2_scale=pow2_scale)
+    q = _cast(groups, scale.unsqueeze(1)).view(-1, k)
+    return (q[:t] if q.shape[0] != t else q), scale
+
+
+def dequantize_columnwise(q: torch.Tensor, scale: torch.Tensor, group_size: int = BLOCK) -> torch.Tensor:
+    """FP32 ``(T, K)`` from :func:`quantize_columnwise`'s output."""
+    t, k = q.shape
+    g = scale.shape[0]
+    if g * group_size == t:
+        return (_e4m3_to_f32(q).view(g, group_size, k) * scale.float().unsqueeze(1)).view(t, k)
+    return _e4m3_to_f32(q) * scale.float().repeat_interleave(group_size, dim=0)[:t]
+
+
+def fake_quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
+                             pow2_scale: bool = False) -> torch.Tensor:
+    """``dequantize_columnwise(*quantize_columnwise(x))``: FP32, bitwise."""
+    return dequantize_columnwise(*quantize_columnwise(x, group_size, pow2_scale=pow2_scale), group_size)
 
 
 def dequantize_per_token_group(

@@ -167,6 +167,18 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor, empty: float) -> torch.Ten
     return total / count.to(x.dtype)
 
 
+def expected_reward_gain(before: list[float], after: list[float], n: int) -> tuple[float, float]:
+    """``(mean(after) - mean(before), its standard error)`` for per-problem solve rates, each the mean of ``n``
+    Bernoulli draws (as :meth:`fp8rl.loop.GRPOLoop.solve_rates` measures them): the SE of independent draws,
+    ``sqrt(sum_i p_i (1 - p_i) / n) / N`` over both measurements' ``N`` problems each."""
+    if len(before) != len(after) or not before:
+        raise ValueError(f"expected reward gain needs the same problems before and after (got {len(before)} and "
+                         f"{len(after)})")
+    N = len(before)
+    var = sum(p * (1 - p) / n for p in before + after)
+    return (sum(after) - sum(before)) / N, var**0.5 / N
+
+
 def token_mult_prob_error(
     train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:

@@ -167,3 +167,38 @@ def test_subnormal_amax_never_gives_nan():
     q, s = quantize_per_token_group(x)
     assert torch.isfinite(dequantize_per_token_group(q, s)).all()
     assert (dequantize_per_token_group(q, s) - x).abs().max() < 1e-38
+
+
+@pytest.mark.parametrize("shape", [(3, 256), (4200, 384), (7, 130), (2, 3, 128)])  # 4200x384 > one chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fake_quantize_is_bitwise_quantize_then_dequantize(shape, dtype, pow2):
+    from fp8rl.fp8.quant import fake_quantize_per_token_group
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-30, 3, shape[-1])  # subnormal to large groups
+    x[0, ..., :128] = 0  # a zero group (scale 1)
+    x = x.to(dtype)
+    want = dequantize_per_token_group(*quantize_per_token_group(x, pow2_scale=pow2))
+    got = fake_quantize_per_token_group(x, pow2_scale=pow2)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    t = x.reshape(-1, shape[-1]).t()  # a non-contiguous view takes the two-step path: still equal
+    assert torch.equal(fake_quantize_per_token_group(t, pow2_scale=pow2),
+                       dequantize_per_token_group(*quantize_per_token_group(t, pow2_scale=pow2)))
+
+
+@pytest.mark.parametrize("shape", [(768, 2048), (300, 130), (5, 7), (256, 128)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_columnwise_is_the_transpose_quantized_per_token_group(shape, pow2):
+    """wgrad's operands, 1x128 along T, quantized token-major: the same codes and scales as quantizing the
+    transpose (what the recipe defines), and the same FP32 values out."""
+    from fp8rl.fp8.quant import dequantize_columnwise, fake_quantize_columnwise, quantize_columnwise
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * torch.logspace(-20, 2, shape[0])[:, None]
+    q, s = quantize_columnwise(x, pow2_scale=pow2)
+    qt, st = quantize_per_token_group(x.t().contiguous(), pow2_scale=pow2)
+    assert q.shape == x.shape and torch.equal(q.view(torch.uint8), qt.t().contiguous().view(torch.uint8))
+    assert torch.equal(s, st.t())
+    want = dequantize_per_token_group(qt, st).t()
+    assert torch.equal(dequantize_columnwise(q, s), want) and torch.equal(fake_quantize_columnwise(x, pow2_scale=pow2),
+                                                                         want)
