@@ -60,3 +60,18 @@ def self_signed_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
         check=True, capture_output=True, timeout=30,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture(scope="session")
+def controller_stack():
+    """``tests/integration/controller/conftest.py`` as a module — its stack helpers (``launcher``, ``Stack``,
+    ``tiny_model``, ``tiny_job``) for tiers outside that directory (Megatron, real model)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent / "integration" / "controller" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("_controller_stack_helpers", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass (Stack) looks its module up while being defined
+    spec.loader.exec_module(mod)
+    return mod

@@ -10,8 +10,6 @@ the torch stack's do.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,19 +27,10 @@ STEPS = 3
 WATCH_S = 180.0
 
 
-def _controller_helpers():
-    path = Path(__file__).resolve().parents[1] / "integration" / "controller" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_controller_stack_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass (Stack) looks its module up while being defined
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
-def megatron_stack(megatron_core, tmp_path_factory, request):
+def megatron_stack(megatron_core, tmp_path_factory, request, controller_stack):
     """The stack with a Megatron trainer on one rank, then on two (torchrun, Megatron-Core DDP)."""
-    h = _controller_helpers()
+    h = controller_stack
     tmp = tmp_path_factory.mktemp("megatron-stack")
     model_dir = h.tiny_model(tmp / "model")
     job = h.tiny_job(model_dir, steps=STEPS, checkpoint_every=0)

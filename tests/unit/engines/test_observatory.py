@@ -14,39 +14,21 @@ import logging
 import math
 
 import pytest
-import torch
 
 from fp8rl.config import ConfigError, JobConfig
-from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
+from fp8rl.model import CausalLM, save_hf_checkpoint
 from fp8rl.model.tokenizer import CharTokenizer
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, Probe, best_split, observe
 from fp8rl.observatory.result import JSON, MARKDOWN, PNG
 
-LAYERS = 3
-
-
-def _config() -> ModelConfig:
-    """3 layers, width 256 (two FP8 blocks), GQA 2:1: a model whose every forward takes milliseconds."""
-    tok = CharTokenizer()
-    return ModelConfig(architecture="llama", vocab_size=128, hidden_size=256, intermediate_size=512,
-                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       max_position_embeddings=128, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                       pad_token_id=tok.pad_id)
+LAYERS = 3  # conftest.tiny_config's
 
 
 @pytest.fixture(scope="module")
-def model() -> CausalLM:
-    torch.manual_seed(1234)
-    m = CausalLM(_config())
-    with torch.no_grad():  # sharper logits: sampling is not uniform noise
-        m.lm_head.weight.mul_(3.0)
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [[1] + torch.randint(4, 100, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+def model(policy) -> CausalLM:
+    """The engine tests' seeded 3-layer model (``conftest.policy``: width 256, two FP8 blocks, GQA 2:1, the
+    CharTokenizer's special ids), whose every forward takes milliseconds."""
+    return policy
 
 
 def _observe(model, prompts, search=False, **kw) -> ObservatoryResult:
