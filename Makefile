@@ -34,7 +34,7 @@ test-controls: $(STAMP)  ## the e2e learning run must pass the judge; its negati
 test-collective: $(STAMP)  ## collective refit transport: gloo broadcast groups across real processes, joins and leaves (about a minute)
 	$(BIN)/python -m pytest -m "collective and not chaos" $(PYTEST_ARGS)
 
-test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks vs 1, sharded checkpoints resharded 2->1->2, refit from ranks, a 2-rank trainer in the service stack with a rank SIGKILLed
+test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks vs 1, sharded checkpoints resharded 2->1->2, refit from ranks, a 2-rank trainer in the service stack with a rank SIGKILLed, the Helm chart's 2-pod torchrun command run as two nodes
 	$(BIN)/python -m pytest -m distributed $(PYTEST_ARGS)
 
 test-invariant: $(STAMP) redis  ## batch-invariant numerics: stack jobs (fp8_e2e, FP8 KV; 1 and 2 trainer ranks) whose trainer logprobs are bitwise the rollout's
