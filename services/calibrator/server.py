@@ -69,7 +69,7 @@ class CalibratorService(Service):
                                                         ctx.replica_id, ctx.job.refit,
                                                         requires_scales=False, metrics=ctx.metrics)
         self.lock = threading.Lock()  # one sync or calibration at a time: weights never change mid-pass
-        self.follower = RefitFollower(ctx, self.subscriber, lock=self.lock)
+        self.follower = RefitFollower(ctx, self.subscriber, lock=self.lock, in_order=True)
 
     def servicers(self):
         return [(calibrator_pb2_grpc.add_CalibratorServiceServicer_to_server, CalibratorServicer(self))]

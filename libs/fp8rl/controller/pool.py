@@ -59,12 +59,12 @@ class RolloutPool:
     def __init__(self, refit: RefitStore, stub: Callable[[str], object], attempts: int = 3,
                  suspect_s: float = 30.0) -> None:
         self.refit, self.stub, self.attempts, self.suspect_s = refit, stub, attempts, suspect_s
-        self._suspect: dict[tuple[str, int], float] = {}  # (replica id, registration seq) -> monotonic expiry
+        self._suspect: dict[tuple[str, int], float] = {}  # (replica id, registered_ms) -> monotonic expiry
         self._lock = threading.Lock()
 
     @staticmethod
     def _key(lease: ReplicaLease) -> tuple[str, int]:
-        return lease.replica_id, lease.seq
+        return lease.replica_id, lease.registered_ms
 
     def suspect(self, lease: ReplicaLease) -> None:
         """Give ``lease`` no work for ``suspect_s`` seconds."""

@@ -64,11 +64,16 @@ class RefitFollower:
         lock: serialises syncs with the service's own use of the engine.
         on_change: called after every sync attempt (e.g. to flip health).
         poll_ms: longest wait for an event before Redis is re-read.
+        in_order: never move past a version whose QKV scales are still unpublished (the calibrator's: the
+            controller asks it to calibrate every version in order, and a calibrator that followed
+            ``weights:latest`` past version ``v`` — asynchronous GRPO publishes ahead — could no longer
+            calibrate ``v``). It then waits until ``latest - 1`` has its scales; a calibration request syncs
+            it forward on demand anyway.
     """
 
     def __init__(self, holder: LeaseHolder, subscriber: RefitSubscriber, *, lock: threading.Lock,
-                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000) -> None:
-        self.ctx, self.subscriber, self.lock = holder, subscriber, lock
+                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000, in_order: bool = False) -> None:
+        self.ctx, self.subscriber, self.lock, self.in_order = holder, subscriber, lock, in_order
         self.on_change, self.poll_ms = on_change, poll_ms
         self.store = holder.store
         self.lease = RoleLease(holder, lambda: subscriber.engine.weight_version)
@@ -114,6 +119,9 @@ class RefitFollower:
         if latest is None or (held is not None and latest <= held):
             self.pending = None
             return
+        if self.in_order and held is not None and self.store.get_scales(latest - 1) is None:
+            self.pending = PendingRefit(latest, AWAITING_SCALES)
+            return  # version latest - 1 (>= held) is still to be calibrated, here: do not skip past it
         if self.subscriber.requires_scales and self.store.get_scales(latest) is None:
             self.pending = PendingRefit(latest, AWAITING_SCALES)
             return  # the calibrator has not published v's scales: never serve v without them

@@ -20,7 +20,6 @@ key                     type         meaning
 ``P events``            stream       ``weights_published``, ``scales_published``, ``replica_fenced``
 ``P replicas:{id}``     hash + TTL   a replica's lease: endpoint, version, ttl
 ``P replicas``          set          index of replica ids that registered (lease may be gone)
-``P replicas:seq``      int          registration counter: orders leases registered within one ms
 ``P collective:members``  set        ids of replicas asking for the collective refit transport
 ``P collective:members:{id}``  bytes + TTL  a collective member's heartbeat (JSON; gone = left)
 ``P collective:epoch``  bytes        the current collective group (strict JSON: epoch, store, members)
@@ -129,10 +128,6 @@ class Keys:
     def replica_index(self) -> str:
         """``replicas`` — set of replica ids that registered (their leases may have expired)."""
         return f"{self.prefix}replicas"
-
-    def replica_seq(self) -> str:
-        """``replicas:seq`` — counter incremented by every registration (a total order of leases)."""
-        return f"{self.prefix}replicas:seq"
 
     # -- collective refit transport (transport/collective.py) ------------------------------------
     def collective_members(self) -> str:

@@ -130,8 +130,7 @@ class Event:
 @dataclass(frozen=True)
 class ReplicaLease:
     """A live lease: its id, the endpoint it serves on, the version it holds, the lease TTL, its role and
-    when it was (re)registered (ms since the epoch; a restart makes a new one). ``seq`` orders
-    registrations totally (the Redis clock has ms resolution; two registrations can share one)."""
+    when it was (re)registered (ms since the epoch; a restart makes a new one)."""
 
     replica_id: str
     endpoint: str
@@ -139,7 +138,6 @@ class ReplicaLease:
     ttl_ms: int
     role: str = "rollout"
     registered_ms: int = 0
-    seq: int = 0
 
 
 def _s(x: bytes | str) -> str:
@@ -168,8 +166,7 @@ _REGISTER = """
 redis.call('DEL', KEYS[1])
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'endpoint', ARGV[2], 'version', ARGV[3], 'ttl_ms', ARGV[4], 'role', ARGV[6],
-           'registered_ms', tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)),
-           'seq', tostring(redis.call('INCR', KEYS[4])))
+           'registered_ms', tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'replica_registered', 'version', ARGV[3],
@@ -388,7 +385,7 @@ class RefitStore:
         ttl_ms = self._ttl_ms(ttl_s)
         k = self.keys
         self._scripts["register"](
-            keys=[k.replica(replica_id), k.replica_index(), k.events(), k.replica_seq()],
+            keys=[k.replica(replica_id), k.replica_index(), k.events()],
             args=[replica_id, endpoint, "" if version is None else validate_version(version), ttl_ms,
                   self.events_maxlen, role],
         )
@@ -427,15 +424,15 @@ class RefitStore:
             h = {_s(a): b for a, b in h.items()}
             lease = ReplicaLease(rid, _s(h.get("endpoint", b"")), _opt_int(h.get("version")),
                                  int(_s(h.get("ttl_ms", b"0"))), _s(h.get("role", b"rollout")) or "rollout",
-                                 int(_s(h.get("registered_ms", b"0")) or 0), int(_s(h.get("seq", b"0")) or 0))
+                                 int(_s(h.get("registered_ms", b"0")) or 0))
             if role is None or lease.role == role:
                 out[rid] = lease
         return out
 
     def endpoint_of(self, role: str) -> ReplicaLease | None:
-        """The newest live lease of ``role`` (latest registration, by ``seq``), or None when none is live."""
+        """The newest live lease of ``role`` (latest registration), or None when none is live."""
         leases = self.live_replicas(role)
-        return max(leases.values(), key=lambda ls: ls.seq) if leases else None
+        return max(leases.values(), key=lambda ls: (ls.registered_ms, ls.replica_id)) if leases else None
 
     def ack(self, replica_id: str, version: int) -> None:
         """Record that ``replica_id`` applied ``version`` (weights and scales).
