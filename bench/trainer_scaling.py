@@ -1,11 +1,12 @@
 """Trainer scaling on this machine: one rank with 2 threads against 2 ranks with 1 thread each.
 
     python bench/trainer_scaling.py [--hidden 512 --layers 4 --vocab 8000 --rows 32 --seq 64 --mb 8
-                                     --recipe bf16 --steps 4 --backend torch|megatron --tp 1|2]
+                                     --recipe bf16 --steps 4 --backend torch|megatron --tp 1|2 --pp 1|2]
 
 ``--backend megatron`` runs :class:`~fp8rl.engines.megatron.MegatronTrainer` instead (megatron-core installed):
 its 2 ranks are data parallel through Megatron-Core DDP, or with ``--tp 2`` one tensor-parallel pair (weights and
-AdamW state sliced in two, activations all-reduced per layer).
+AdamW state sliced in two, activations all-reduced per layer), or with ``--pp 2`` two pipeline stages (half the
+layers each, Megatron's 1F1B schedule sending activations between them).
 
 Both runs train the same seeded Llama-shaped model on the same global batch (``--rows`` rows of ``--seq``
 tokens, micro-batches of ``--mb`` rows) with :class:`fp8rl.engines.TorchTrainer`; the 2-rank run is FSDP2 on
@@ -86,8 +87,9 @@ def worker(args) -> None:
     if args.backend == "megatron":
         from fp8rl.engines.megatron import MegatronTrainer
 
-        tp = args.tp if par is not None else 1
-        tr = MegatronTrainer(_model(args), recipe, cfg, parallel=par, tensor_model_parallel_size=tp)
+        tp, pp = (args.tp, args.pp) if par is not None else (1, 1)
+        tr = MegatronTrainer(_model(args), recipe, cfg, parallel=par, tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=pp)
     else:
         tr = TorchTrainer(_model(args), recipe, cfg, parallel=par)
     batch = _batch(args)
@@ -139,17 +141,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", default="torch", choices=("torch", "megatron"))
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2),
                     help="megatron: the 2-rank run is tensor parallel (2) instead of data parallel (1)")
+    ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                    help="megatron: the 2-rank run is two pipeline stages (2) instead of data parallel (1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.tp != 1 and args.backend != "megatron":
-        ap.error("--tp needs --backend megatron (the torch backend scales with FSDP2 data parallel)")
+    if (args.tp, args.pp) != (1, 1) and args.backend != "megatron":
+        ap.error("--tp / --pp need --backend megatron (the torch backend scales with FSDP2 data parallel)")
+    if args.tp * args.pp > 2:
+        ap.error("the 2-rank run is one of data, tensor or pipeline parallel: --tp 2 or --pp 2, not both")
     if args.worker:
         worker(args)
         return {}
     params = sum(p.numel() for p in _model(args).parameters())
-    how = {"torch": "FSDP2", "megatron": "Megatron DDP" if args.tp == 1 else "Megatron TP=2"}[args.backend]
+    how = {"torch": "FSDP2", "megatron": {(1, 1): "Megatron DDP", (2, 1): "Megatron TP=2",
+                                          (1, 2): "Megatron PP=2"}[args.tp, args.pp]}[args.backend]
     print(f"trainer scaling ({args.backend} backend, 2 ranks: {how}), torch {torch.__version__}, {os.cpu_count()} "
           f"cores: {params / 1e6:.1f}M params, recipe "
           f"{args.recipe}, global batch {args.rows} x {args.seq} tokens, micro-batch {args.mb}, median of {args.steps} "

@@ -106,7 +106,12 @@ class TrainerService(Service):
             raise StartupError(str(exc)) from None
         if parallel is not None:  # rank 0 of dp_size: every trainer call from here on reaches every rank
             self.trainer = LeaderTrainer(self.trainer, CommandChannel(parallel))
-            how = "Megatron-Core DDP" if self.backend == "megatron" else "FSDP2"
+            how = "FSDP2"
+            if self.backend == "megatron":
+                mc = job.policy.training.megatron_cfg
+                how = "Megatron-Core DDP" + (f", tensor x pipeline parallel {mc.tensor_model_parallel_size} x "
+                                             f"{mc.pipeline_model_parallel_size}" if job.trainer_model_parallel > 1
+                                             else "")
             log.info("trainer rank 0 of %d (%s over %s)", parallel.world, how, torch.distributed.get_backend())
         try:
             self.checkpoints = CheckpointDir(args.checkpoint_dir or f"checkpoints/{ctx.job_id}",

@@ -251,6 +251,11 @@ def test_job_configmap_is_a_valid_job():
                                                     "megatron_cfg": {"tensor_model_parallel_size": 2}}}}},
      "dp_size x megatron_cfg tensor x pipeline parallel size is 2 x 2 = 4 ranks but trainer.pods x "
      "trainer.procsPerPod is 1 x 2 = 2"),
+    ({"trainer": {"variant": "gpu", "gpus": 1, "procsPerPod": 2},
+      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "megatron_cfg": {
+          "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}}}},
+     "dp_size x megatron_cfg tensor x pipeline parallel size is 1 x 4 = 4 ranks but trainer.pods x "
+     "trainer.procsPerPod is 1 x 2 = 2"),
 ])
 def test_bad_values_fail_the_render_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError) as err:
@@ -390,10 +395,10 @@ def test_the_trainer_runs_as_a_rank_group_of_pods(pods, procs):
     assert [r["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for r in peers] == ["trainer"]
 
 
-def test_a_tensor_parallel_megatron_trainer_runs_dp_size_x_tp_ranks():
-    """dp_size 1 x tensor_model_parallel_size 2: one pod of 2 ranks (torchrun --nproc-per-node 2)."""
+@pytest.mark.parametrize("mp", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}])
+def test_a_model_parallel_megatron_trainer_runs_dp_size_x_tp_x_pp_ranks(mp):
+    """dp_size 1 x tensor (or pipeline) parallel 2: one pod of 2 ranks (torchrun --nproc-per-node 2)."""
     docs, _ = render({"trainer": {"variant": "gpu", "gpus": 2, "procsPerPod": 2},
-                      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "megatron_cfg": {
-                          "tensor_model_parallel_size": 2}}}}})
+                      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "megatron_cfg": mp}}}})
     cmd = container(docs, "trainer")["command"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "--standalone" in cmd

@@ -67,13 +67,15 @@ def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
     if args.get("backend", "torch") == "megatron":
         from fp8rl.engines.megatron import MegatronTrainer
 
-        return MegatronTrainer(model, recipe, cfg, parallel=parallel, tensor_model_parallel_size=args.get("tp", 1))
+        return MegatronTrainer(model, recipe, cfg, parallel=parallel, tensor_model_parallel_size=args.get("tp", 1),
+                               pipeline_model_parallel_size=args.get("pp", 1))
     return TorchTrainer(model, recipe, cfg, parallel=parallel)
 
 
 def full_grads(tr: TorchTrainer) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, whole (gathered from FSDP2 shards or Megatron tensor-parallel slices)."""
-    if getattr(tr, "tp", 1) > 1:
+    """Every parameter's gradient, whole (gathered from FSDP2 shards or Megatron tensor-parallel slices and pipeline
+    stages)."""
+    if getattr(tr, "_split", False):
         return tr._full({n.removeprefix("gpt."): p.grad for n, p in tr.model.named_parameters()})
     return {n.removeprefix("gpt."): full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()}
 
@@ -81,8 +83,8 @@ def full_grads(tr: TorchTrainer) -> dict[str, torch.Tensor]:
 def full_state(tr: TorchTrainer) -> dict[str, torch.Tensor]:
     """Weights and AdamW state, whole, under parameter names (gathered on every rank)."""
     out = {f"w/{k}": v.clone() for k, v in tr.state_dict().items()}
-    if getattr(tr, "tp", 1) > 1:  # Megatron tensor parallel: the checkpoint's whole (TP = 1) optimizer state
-        names = tr._param_names()
+    if getattr(tr, "_split", False):  # Megatron TP / PP: the checkpoint's whole (TP = PP = 1) optimizer state
+        names = tr._whole_order
         for i, st in tr._checkpoint_state()["optimizer"]["state"].items():
             out.update({f"opt/{names[i]}/{k}": v.clone() if torch.is_tensor(v) else torch.tensor(v)
                         for k, v in st.items()})

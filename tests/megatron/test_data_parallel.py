@@ -1,6 +1,7 @@
-"""The Megatron backend over 2 ranks under the real torchrun (gloo) against 1 rank on the same global batch:
-2 data-parallel ranks (Megatron-Core DDP) and 2 tensor-parallel ranks (Megatron's column/row-parallel layers,
-FP8 linears included), and its checkpoints across world sizes and tensor-parallel sizes.
+"""The Megatron backend over several ranks under the real torchrun (gloo) against 1 rank on the same global batch:
+2 data-parallel ranks (Megatron-Core DDP), 2 tensor-parallel ranks (Megatron's column/row-parallel layers, FP8
+linears included), 2 pipeline stages (Megatron's 1F1B schedule), data x pipeline parallel on 4 ranks, and its
+checkpoints across world sizes and tensor- / pipeline-parallel layouts.
 
 The ranks run ``tests/distributed/rank_worker.py`` with ``backend: megatron``. The schedule is the torch
 backend's (the very micro-batches one rank runs, micro-batch ``j`` on rank ``j % N``), so the tolerances are
@@ -150,3 +151,62 @@ def test_tensor_parallel_checkpoints_are_whole_and_move_between_sizes(megatron_c
     assert int(two["version"]) == 2
     assert [k for k in two["state"] if not torch.equal(two["state"][k], one["after"][k])] == []
     assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])  # the step moved them
+
+
+# --- pipeline parallel: Megatron's 1F1B schedule over 2 stages ------------------------------------------------
+
+@pytest.mark.parametrize("recipe,tied", [("bf16", False), ("fp8_e2e", False), ("bf16", True)])
+def test_two_pipeline_stages_train_like_one(megatron_core, tmp_path, recipe, tied):
+    """PP = 2 (one layer per stage, every pass through Megatron's schedule) against one rank: each stage runs the
+    very operations one rank runs on the same inputs and the activations travel exactly, so logprobs, loss and
+    metrics are bitwise one rank's, and so are the gradients of an untied model. Tied embeddings: the embedding's
+    gradient is its two copies' (first and last stage) summed over the embedding group after the schedule, where
+    one rank accumulates both uses micro-batch by micro-batch — FP32 summation order (GRAD_RTOL); the clip's
+    global norm likewise sums per-tensor squares in another order."""
+    args = dict(backend="megatron", recipe=recipe, micro_batch_size=3, rows=10,
+                model={"tie_word_embeddings": tied})
+    one, two = R.torchrun(tmp_path, 1, "step", **args), R.torchrun(tmp_path, 2, "step", **args, pp=2)
+    assert torch.equal(one["logprobs"], two["logprobs"])
+    m1, m2 = one["metrics"], two["metrics"]
+    assert set(m1) == set(m2) and float(m1["num_tokens"]) > 0
+    assert {k: float(m2[k]) for k in m1 if k != "grad_norm"} == {k: float(m1[k]) for k in m1 if k != "grad_norm"}
+    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=R.GRAD_RTOL)
+    assert set(one["grads"]) == set(two["grads"])
+    err = {n: R.rel(two["grads"][n], one["grads"][n]) for n in one["grads"]}
+    if tied:
+        assert max(err.values()) <= R.GRAD_RTOL, max(err, key=err.get)
+        assert [n for n, e in err.items() if e and not n.startswith("embedding.")] == []
+    else:
+        assert [n for n in one["grads"] if not torch.equal(one["grads"][n], two["grads"][n])] == []
+
+
+def test_data_and_pipeline_parallel_together(megatron_core, tmp_path):
+    """dp_size 2 x PP 2 (4 ranks) against one rank, fp8_e2e: logprobs bitwise; loss and gradients within the data-
+    parallel bounds (Megatron DDP adds the two replicas' FP32 gradient buffers in another order)."""
+    args = dict(backend="megatron", recipe="fp8_e2e", micro_batch_size=3, rows=10)
+    one, four = R.torchrun(tmp_path, 1, "step", **args), R.torchrun(tmp_path, 4, "step", **args, pp=2)
+    assert torch.equal(one["logprobs"], four["logprobs"])
+    assert float(four["metrics"]["num_tokens"]) == float(one["metrics"]["num_tokens"]) > 0
+    assert float(four["metrics"]["loss"]) == pytest.approx(float(one["metrics"]["loss"]), rel=R.LOSS_RTOL)
+    assert float(four["metrics"]["grad_norm"]) == pytest.approx(float(one["metrics"]["grad_norm"]), rel=R.GRAD_RTOL)
+    worst = max(one["grads"], key=lambda n: R.rel(four["grads"][n], one["grads"][n]))
+    assert R.rel(four["grads"][worst], one["grads"][worst]) <= R.GRAD_RTOL, worst
+
+
+def test_pipeline_checkpoints_are_whole_and_move_between_layouts(megatron_core, tmp_path):
+    """Saved by TP 2 x PP 2 (4 ranks; tied embeddings, so the last stage holds the embedding's copy), resumed by one
+    rank (weights and AdamW moments bitwise: the checkpoint is the TP = PP = 1 layout, the optimizer state keyed by
+    that model's parameter positions), stepped and saved by one, resumed by PP 2 (bitwise again)."""
+    a, b = tmp_path / "ck" / "trainer-v000001.pt", tmp_path / "ck" / "trainer-v000002.pt"
+    base = dict(backend="megatron", recipe="fp8_e2e", micro_batch_size=3, rows=10,
+                model={**ALIGNED, "tie_word_embeddings": True})
+    saved = R.torchrun(tmp_path, 4, "save", **base, tp=2, pp=2, steps=1, path=str(a))
+    assert sorted(p.name for p in a.parent.iterdir()) == [a.name]
+    one = R.torchrun(tmp_path, 1, "load", **base, path=str(a), then_step=True, save_to=str(b))
+    assert int(saved["version"]) == int(one["version"]) == 1
+    assert set(saved["state"]) == set(one["state"]) and any(k.endswith("/exp_avg_sq") for k in saved["state"])
+    assert [k for k in saved["state"] if not torch.equal(saved["state"][k], one["state"][k])] == []
+    two = R.torchrun(tmp_path, 2, "load", **base, pp=2, path=str(b))
+    assert int(two["version"]) == 2
+    assert [k for k in two["state"] if not torch.equal(two["state"][k], one["after"][k])] == []
+    assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])

@@ -1,7 +1,7 @@
 """A 3-step GRPO job through the real service stack with ``policy.training.backend: megatron``.
 
-The trainer runs on one rank and on two (``policy.training.dp_size: 2``: the launcher starts it under torchrun,
-Megatron-Core DDP sums the gradients). The stack is started exactly as in the controller tests (``python -m
+The trainer runs on one rank and on two: ``policy.training.dp_size: 2`` (the launcher starts it under torchrun,
+Megatron-Core DDP sums the gradients) and ``megatron_cfg.pipeline_model_parallel_size: 2`` (two pipeline stages). The stack is started exactly as in the controller tests (``python -m
 deploy.launcher up``: redis-server, trainer, calibrator, reward, one rollout replica, controller as real
 processes) and driven with the SDK; their helpers are reused from ``tests/integration/controller/conftest.py``.
 Step 0 runs on the initial weights, so its numbers must equal the in-process loop's (torch backend) exactly as
@@ -27,15 +27,17 @@ STEPS = 3
 WATCH_S = 180.0
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["dp1", "dp2", "pp2"])
 def megatron_stack(megatron_core, tmp_path_factory, request, controller_stack):
-    """The stack with a Megatron trainer on one rank, then on two (torchrun, Megatron-Core DDP)."""
+    """The stack with a Megatron trainer on one rank, then on two (torchrun): two data-parallel ranks (Megatron-Core
+    DDP), then two pipeline stages (Megatron's 1F1B schedule, one layer each)."""
     h = controller_stack
     tmp = tmp_path_factory.mktemp("megatron-stack")
     model_dir = h.tiny_model(tmp / "model")
     job = h.tiny_job(model_dir, steps=STEPS, checkpoint_every=0)
     job["policy"]["training"]["backend"] = "megatron"
-    job["policy"]["training"]["dp_size"] = request.param
+    job["policy"]["training"]["dp_size"], pp = request.param
+    job["policy"]["training"]["megatron_cfg"]["pipeline_model_parallel_size"] = pp
     job_file = tmp / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp / "run"
@@ -67,9 +69,12 @@ def test_three_step_job_on_the_megatron_backend(megatron_stack):
         assert 1.0 <= r.token_mult_prob_error <= mismatch_promise("fp8_e2e", "fp8", over="step")
         assert {"train/loss", "train/grad_norm"} <= set(r.metrics)
     assert trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=30).version == STEPS
-    if yaml.safe_load(stack.job_file.read_text())["policy"]["training"]["dp_size"] == 2:
-        log = Path(stack.process("trainer")["log"]).read_text()
+    training = yaml.safe_load(stack.job_file.read_text())["policy"]["training"]
+    log = Path(stack.process("trainer")["log"]).read_text()
+    if training["dp_size"] == 2:
         assert "trainer rank 0 of 2 (Megatron-Core DDP over gloo)" in log
+    if training["megatron_cfg"]["pipeline_model_parallel_size"] == 2:
+        assert "trainer rank 0 of 2 (Megatron-Core DDP, tensor x pipeline parallel 1 x 2 over gloo)" in log
 
     # Step 0 is on the initial weights: same rollouts as the in-process loop, and the Megatron trainer's
     # logprobs equal the torch backend's there, so the mismatch metric is the loop's too.

@@ -169,13 +169,13 @@ def test_fp8_layers_really_compute_in_fp8(megatron_core):
 
 
 def test_parallel_sizes_it_cannot_run_are_refused(megatron_core):
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 needs a multiple of 2 ranks \(this trainer "
-                                         r"runs as 1"):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 x pipeline_model_parallel_size=1 needs a "
+                                         r"multiple of 2 ranks \(this trainer runs as 1"):
         _megatron(make_policy("llama"), Fp8Recipe(linear="bf16"), tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 gives each rank 64 k_proj / v_proj rows, not "
                                          r"a multiple of 128: its FP8 128x128 weight blocks would not be the rollout"):
         _megatron(make_policy("llama"), Fp8Recipe(linear="fp8"), tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=4"):
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=4 needs a multiple of 4 ranks"):
         _megatron(make_policy("llama"), Fp8Recipe(linear="bf16"), pipeline_model_parallel_size=4)
 
 

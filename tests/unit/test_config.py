@@ -175,13 +175,14 @@ def test_model_parallel_keys_are_checked_against_the_backend():
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size / pipeline_model_parallel_size \(2 / 1\) apply "
                                           r"to policy.training.backend=megatron only"):
         JobConfig().with_settings({"policy.training.megatron_cfg.tensor_model_parallel_size": 2})
-    with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size=2 is not supported: the GRPO step runs whole"):
-        JobConfig().with_settings({"policy.training.backend": "megatron",
-                                   "policy.training.megatron_cfg.pipeline_model_parallel_size": 2})
-    with pytest.raises(ConfigError, match=r"dp_size x megatron_cfg.tensor_model_parallel_size = \d+ trainer ranks; "
-                                          r"the limit is"):
+    with pytest.raises(ConfigError, match=r"dp_size x megatron_cfg.tensor_model_parallel_size x "
+                                          r"pipeline_model_parallel_size = \d+ trainer ranks; the limit is"):
         JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 64,
                                    "policy.training.megatron_cfg.tensor_model_parallel_size": 32})
     job = JobConfig().with_settings({"policy.training.backend": "megatron",
                                      "policy.training.megatron_cfg.tensor_model_parallel_size": 2})
     assert (job.trainer_model_parallel, job.trainer_ranks) == (2, 2)
+    job = JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 2,
+                                     "policy.training.megatron_cfg.tensor_model_parallel_size": 2,
+                                     "policy.training.megatron_cfg.pipeline_model_parallel_size": 2})
+    assert (job.trainer_model_parallel, job.trainer_ranks) == (4, 8)

@@ -106,14 +106,10 @@ class JobConfig(Section):
             raise ConfigError(f"policy.training.megatron_cfg.tensor_model_parallel_size / pipeline_model_parallel_size "
                               f"({mc.tensor_model_parallel_size} / {mc.pipeline_model_parallel_size}) apply to "
                               f"policy.training.backend=megatron only (got {t.backend}, which scales out with dp_size)")
-        if mc.pipeline_model_parallel_size != 1:
-            raise ConfigError(f"policy.training.megatron_cfg.pipeline_model_parallel_size="
-                              f"{mc.pipeline_model_parallel_size} is not supported: the GRPO step runs whole "
-                              f"forward/backward passes, not Megatron's "
-                              f"pipeline schedule; use tensor_model_parallel_size and dp_size")
         if self.trainer_ranks > limits.MAX_TRAINER_RANKS:
-            raise ConfigError(f"policy.training.dp_size x megatron_cfg.tensor_model_parallel_size = "
-                              f"{self.trainer_ranks} trainer ranks; the limit is {limits.MAX_TRAINER_RANKS}")
+            raise ConfigError(f"policy.training.dp_size x megatron_cfg.tensor_model_parallel_size x "
+                              f"pipeline_model_parallel_size = {self.trainer_ranks} trainer ranks; the limit is "
+                              f"{limits.MAX_TRAINER_RANKS}")
 
     def _check_batch_shape(self) -> None:
         """One step's batch must fit one call of each service at its default bounds (see :mod:`fp8rl.limits`)."""

@@ -81,8 +81,11 @@ class MegatronCfg(Section):
                                               "data-parallel replica; the trainer runs as dp_size x this many. FP8 "
                                               "recipes need each rank's weight slices to be whole 128x128 blocks.",
                                               ge=1)
-    pipeline_model_parallel_size: int = setting(1, "Megatron pipeline-parallel size: only 1 (the GRPO step does not "
-                                                "run Megatron's pipeline schedule).", ge=1)
+    pipeline_model_parallel_size: int = setting(1, "Megatron pipeline-parallel size (backend megatron): stages per "
+                                                "data-parallel replica, each holding an equal share of the layers "
+                                                "(it must divide the model's layers); every pass runs Megatron's "
+                                                "1F1B schedule. The trainer runs as dp_size x tensor x pipeline "
+                                                "ranks.", ge=1)
     fp8_cfg: Fp8Cfg = section(Fp8Cfg, "Trainer FP8 settings (read by both trainer backends).")
 
 

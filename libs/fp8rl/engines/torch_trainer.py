@@ -35,7 +35,7 @@ from fp8rl.rl import LossConfig, policy_loss
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
 from .parallel import DataParallel, full_tensor
 
-__all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs"]
+__all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,12 @@ def sequence_logprobs(
     model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """``(B, T)`` logprob of each token given its prefix (0 at t = 0), under ``logits / temperature``."""
-    logits = model(input_ids, attention_mask=attention_mask)  # (B, T, V) FP32
+    return token_logprobs(model(input_ids, attention_mask=attention_mask), input_ids, temperature)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``(B, T)`` logprob of each token of ``input_ids`` under the ``(B, T, V)`` FP32 ``logits`` of its sequence
+    (:func:`sequence_logprobs` once the model has run)."""
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens 1..T-1
@@ -247,10 +252,16 @@ class TorchTrainer(TrainerBackend):
         if p is None:
             return torch.cat([sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
                               for _, mb in self._micro_batches(batch, should_stop)], dim=0)
+        return self._rows_of(batch, ((i, sequence_logprobs(model, mb.input_ids, mb.attention_mask, t))
+                                     for i, mb in self._micro_batches(batch, should_stop)))
+
+    def _rows_of(self, batch: TrainBatch, rounds) -> torch.Tensor:
+        """The ``(B, T)`` logprobs of ``batch`` on every rank of the group, from ``rounds``: ``(round, (rows, T)
+        logprobs of this rank's micro-batch in it)``, gathered round by round."""
+        p = self.parallel
         spans, mb_rows = self._spans(batch.input_ids.shape[0]), self.config.micro_batch_size
         outs: list[torch.Tensor | None] = [None] * len(spans)
-        for i, mb in self._micro_batches(batch, should_stop):
-            lp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)  # (rows, T)
+        for i, lp in rounds:
             padded = lp.new_zeros(mb_rows, lp.shape[1])
             padded[:lp.shape[0]] = lp
             for r, got in enumerate(p.gather_rows(padded)):  # every rank gets every row
@@ -293,29 +304,9 @@ class TorchTrainer(TrainerBackend):
 
     def _update(self, batch: TrainBatch, should_stop: ShouldStop | None = None) -> dict[str, float]:
         """One optimizer update on ``batch`` (token-level mean over its generated tokens)."""
-        num_tokens = max(batch.num_tokens, 1)
         self._zero_grads()
-        totals: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        grouped = self.parallel is not None
-        for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
-            n_mb = mb.num_tokens
-            if n_mb == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
-                continue
-            curr = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.config.temperature)
-            loss, m = policy_loss(
-                curr, mb.prev_logprobs, mb.gen_logprobs, mb.advantages, mb.loss_mask, self.config.loss,
-                ref_logprobs=mb.ref_logprobs, num_tokens=num_tokens,
-            )
-            loss.backward()
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-            for k, v in m.items():  # sums for globally-normalised values, token-weighted means otherwise
-                if k in ("pg_loss", "kl", "num_tokens"):
-                    totals[k] = totals.get(k, 0.0) + float(v)
-                else:  # a zero-token micro-batch adds nothing (and its key exists on every rank)
-                    totals[k] = totals.get(k, 0.0) + (float(v) * n_mb if n_mb else 0.0)
-                    weights[k] = weights.get(k, 0.0) + n_mb
-        if grouped:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
+        totals, weights = self._backward(batch, max(batch.num_tokens, 1), should_stop)
+        if self.parallel is not None:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
             self._reduce_grads()
             keys, wkeys = sorted(totals), sorted(weights)
             summed = self.parallel.sum(torch.tensor([totals[k] for k in keys] + [weights[k] for k in wkeys],
@@ -331,6 +322,27 @@ class TorchTrainer(TrainerBackend):
         self.optimizer.step()
         totals["grad_norm"] = float(gn)
         return totals
+
+    def _backward(self, batch: TrainBatch, num_tokens: int, should_stop: ShouldStop | None = None
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+        """Forward and backward over this rank's micro-batches of ``batch`` (losses over ``num_tokens``, the
+        update's global token count), gradients accumulated; this rank's metric sums and their token weights."""
+        totals: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        grouped = self.parallel is not None
+        for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
+            if mb.num_tokens == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
+                continue
+            curr = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.config.temperature)
+            loss, m = self._loss(curr, mb, num_tokens)
+            loss.backward()
+            _add_metrics(totals, weights, float(loss.detach()), m, mb.num_tokens)
+        return totals, weights
+
+    def _loss(self, curr: torch.Tensor, mb: TrainBatch, num_tokens: int):
+        """The policy loss of micro-batch ``mb`` at current logprobs ``curr`` (over ``num_tokens``) and its metrics."""
+        return policy_loss(curr, mb.prev_logprobs, mb.gen_logprobs, mb.advantages, mb.loss_mask, self.config.loss,
+                           ref_logprobs=mb.ref_logprobs, num_tokens=num_tokens)
 
     def _clip_grads(self) -> torch.Tensor:
         """Clip the gradients to ``grad_clip`` by their global norm (0: no clipping); the norm."""
@@ -478,6 +490,18 @@ class TorchTrainer(TrainerBackend):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         torch.set_rng_state(state["rng"])
         self._version = int(meta["version"])
+
+
+def _add_metrics(totals: dict[str, float], weights: dict[str, float], loss: float, m: dict, n_mb: int) -> None:
+    """Add one micro-batch's loss and metrics ``m`` (over ``n_mb`` tokens) to the running sums: sums for the
+    globally-normalised values, token-weighted sums (and their weights) for the rest."""
+    totals["loss"] = totals.get("loss", 0.0) + loss
+    for k, v in m.items():
+        if k in ("pg_loss", "kl", "num_tokens"):
+            totals[k] = totals.get(k, 0.0) + float(v)
+        else:  # a zero-token micro-batch adds nothing (and its key exists on every rank)
+            totals[k] = totals.get(k, 0.0) + (float(v) * n_mb if n_mb else 0.0)
+            weights[k] = weights.get(k, 0.0) + n_mb
 
 
 def _filler(batch: TrainBatch) -> TrainBatch:

@@ -32,7 +32,8 @@ from fp8rl.model.transformer import rope_inv_freq
 from .convert import gate_up_rows, qkv_rows
 
 __all__ = [
-    "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "transformer_config", "use_te",
+    "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "stage_layers", "transformer_config",
+    "use_te",
 ]
 
 
@@ -183,6 +184,7 @@ def _check_supported(config: ModelConfig) -> None:
 
 def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype, te: bool):
     """The Megatron ``TransformerConfig`` equal to ``config`` (dropout off, fusions off on CPU)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     _check_supported(config)
@@ -191,7 +193,7 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
         n_first, n_last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
         kw = dict(fp8="e4m3", fp8_recipe="blockwise", first_last_layers_bf16=bool(n_first or n_last),
                   num_layers_at_start_in_bf16=n_first, num_layers_at_end_in_bf16=n_last)
-    return TransformerConfig(
+    tc = TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
         kv_channels=config.head_dim, ffn_hidden_size=config.intermediate_size,
@@ -203,12 +205,34 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        pipeline_dtype=dtype,  # pipeline stages send activations in the model's dtype
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         **kw,
     )
+    # a step's last micro-batch may have fewer rows: pipeline stages exchange shapes before each transfer (set
+    # after construction: the config's check of it concerns the MoE token dispatcher, which a dense model lacks)
+    tc.variable_seq_lengths = True
+    return tc
+
+
+def stage_layers(num_layers: int) -> range:
+    """The (global) decoder layers this pipeline stage holds: an even split, stage ``p`` of ``P`` holding layers
+    ``[p L/P, (p + 1) L/P)`` (Megatron's default split, no embedding accounted; ``L % P`` must be 0)."""
+    from megatron.core import parallel_state
+
+    pp, rank = (parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_rank())
+    if num_layers % pp:
+        raise ValueError(f"policy.training.megatron_cfg.pipeline_model_parallel_size={pp} must divide the model's "
+                         f"{num_layers} layers")
+    per = num_layers // pp
+    return range(rank * per, (rank + 1) * per)
 
 
 def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
-    """``TransformerBlockSubmodules``: one layer spec per layer, FP8 linears where the recipe says."""
+    """``TransformerBlockSubmodules``: one layer spec per layer of this pipeline stage, FP8 linears where the recipe
+    says (the recipe's first / last high-precision layers counted over the whole model)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -225,7 +249,7 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
                 pow2_activation_scale=recipe.pow2_activation_scaling_factors)
     n = config.num_hidden_layers
     specs = []
-    for i in range(n):
+    for i in stage_layers(n):
         if not recipe.layer_in_fp8(i, n):
             specs.append(base)
             continue
@@ -274,13 +298,17 @@ class RowPositionRotary(nn.Module):
 def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype = torch.float32):
     """A Megatron ``GPTModel`` with the architecture of ``config`` (weights uninitialised: load them).
 
-    Needs ``megatron.core.parallel_state`` initialised (the trainer does it) and, on CPU, the shims.
+    Needs ``megatron.core.parallel_state`` initialised (the trainer does it) and, on CPU, the shims. With pipeline
+    parallel, the GPTModel of this rank's stage: its layers (:func:`stage_layers`), the embedding on the first
+    stage, the final norm and output layer on the last.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     te = use_te()
     gpt = GPTModel(
         transformer_config(config, recipe, dtype, te), _layer_specs(config, recipe, te),
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(config.rope_theta), rotary_percent=1.0,
         share_embeddings_and_output_weights=config.tie_word_embeddings,
@@ -289,6 +317,10 @@ def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype =
     # RoPE at per-row positions from our inverse frequencies (theta as a float, llama3 scaling if set)
     gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), gpt.rotary_pos_emb)
     gpt.fused_norms = te
+    held = stage_layers(config.num_hidden_layers)
+    if [layer.layer_number - 1 for layer in gpt.decoder.layers] != list(held):  # Megatron's own offset agrees
+        raise RuntimeError(f"Megatron built layers {[layer.layer_number - 1 for layer in gpt.decoder.layers]} on "
+                           f"this pipeline stage, expected {list(held)}")
     return gpt
 
 
@@ -306,7 +338,11 @@ class MegatronCausalLM(nn.Module):
         self.config = config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, T, V)`` FP32 logits of ``input_ids`` ``(B, T)``; ``attention_mask`` ``(B, T)`` 1 keep / 0 pad."""
+        """``(B, T, V)`` FP32 logits of ``input_ids`` ``(B, T)``; ``attention_mask`` ``(B, T)`` 1 keep / 0 pad.
+
+        On a pipeline stage other than the last, this stage's output activations ``(T, B, H)`` instead (the next
+        stage's input); on one other than the first, the input activations are the ones the GPTModel's
+        ``set_input_tensor`` gave (``input_ids`` then only sets the shapes, positions and mask)."""
         B, T = input_ids.shape
         device = input_ids.device
         visible = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
@@ -319,10 +355,10 @@ class MegatronCausalLM(nn.Module):
         rotary.position_ids = position_ids
         try:
             # Megatron's mask is True where attention is *blocked*; always explicit (its default is built on CUDA)
-            logits = self.gpt(input_ids, position_ids, ~visible)  # (B, T, V)
+            out = self.gpt(input_ids, position_ids, ~visible)  # (B, T, V) logits on the last stage
         finally:
             rotary.position_ids = None
-        return logits.float()
+        return out.float() if self.gpt.post_process else out
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The GPTModel's weights under Megatron names (no ``gpt.`` prefix, no ``_extra_state``)."""

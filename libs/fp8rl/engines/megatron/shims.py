@@ -27,6 +27,22 @@ Why each exists (file paths are in ``megatron/core``):
    tensor-parallel regions' collectives) allocate their output on ``torch.cuda.current_device()``. Shim: the
    same scoped swap while each runs (the autograd functions look the helpers up by module global name).
 
+5. ``pipeline_parallel.p2p_communication.P2PCommunicator._communicate`` / ``_communicate_shapes`` (the pipeline
+   stages' send / receive) allocate their receive buffers on ``torch.cuda.current_device()`` and call
+   ``torch.cuda.synchronize()`` after ``batch_isend_irecv`` (a guard against a NCCL race). Shim: while each runs,
+   the current device is the CPU and ``synchronize`` is a no-op (gloo's ``wait()`` has already completed the
+   transfer). The sends and receives are plain ``torch.distributed`` point-to-point calls, which gloo runs.
+6. ``pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving`` (the 1F1B schedule) counts
+   tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``. Shim: while it runs, ``torch.zeros`` given
+   ``device="cuda"`` allocates on the CPU (any other call passes through unchanged; on this machine that
+   device string could only have raised). :func:`~megatron.core.pipeline_parallel.get_forward_backward_func`
+   looks the schedule up by module global name, so it hands out the shimmed one.
+
+7. ``models.common.language_module.LanguageModule.setup_embeddings_and_output_layer`` (pipeline stages with tied
+   embeddings: the last stage's copy of the embedding is summed with the first stage's over the embedding group)
+   moves the weight with ``weight.data.cuda()`` first. Shim: while that method runs, ``Tensor.cuda`` returns the
+   tensor itself. (The trainer loads both copies from the same weights right after.)
+
 Two more CUDA-only spots are avoided rather than shimmed: the default causal mask
 (``transformer.utils.get_default_causal_mask``, the trainer always passes an explicit mask) and
 ``RotaryEmbedding.get_emb`` (which moves ``inv_freq`` to CUDA; the trainer replaces that module
@@ -71,16 +87,57 @@ def _fork_on_cpu(self, name=None):
 
 @contextlib.contextmanager
 def _current_device_is_cpu():
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     try:
         yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+@contextlib.contextmanager
+def _cuda_zeros_on_cpu():
+    saved = torch.zeros
+
+    def zeros(*args, device=None, **kwargs):
+        return saved(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    torch.zeros = zeros
+    try:
+        yield
+    finally:
+        torch.zeros = saved
+
+
+def _stays_on_cpu(fn):
+    """``fn`` run with ``Tensor.cuda`` the identity (shim 7)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved
+
+    return wrapped
+
+
+def _schedule_on_cpu(fn):
+    """``fn`` (a pipeline schedule) run with ``torch.zeros(device="cuda")`` on the CPU (shim 6)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _cuda_zeros_on_cpu():
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def _on_cpu(fn):
-    """``fn`` run with the CPU as the current device (shims 3 and 4)."""
+    """``fn`` run with the CPU as the current device and a no-op ``synchronize`` (shims 3, 4 and 5)."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -118,5 +175,15 @@ def apply() -> bool:
     buffer.__init__ = _on_cpu(buffer.__init__)
     for name in _MAPPINGS_ALLOCATING:
         setattr(mappings, name, _on_cpu(getattr(mappings, name)))
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    comm = p2p_communication.P2PCommunicator
+    comm._communicate = _on_cpu(comm._communicate)
+    comm._communicate_shapes = _on_cpu(comm._communicate_shapes)
+    schedules.forward_backward_pipelining_without_interleaving = _schedule_on_cpu(
+        schedules.forward_backward_pipelining_without_interleaving)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _stays_on_cpu(LanguageModule.setup_embeddings_and_output_layer)
     _APPLIED = True
     return True

@@ -27,12 +27,23 @@ Parallelism:
   The gradient-norm clip sums each slice once and each whole tensor once over the tensor-parallel group.
   FP8 recipes need every rank's slice of a tensor to be whole 128-row / 128-column blocks (otherwise the
   trainer would round the weights in other blocks than the rollout): other sizes are refused, naming the key.
+* **Pipeline parallel** (``megatron_cfg.pipeline_model_parallel_size`` = P; the trainer runs as dp_size x T x P
+  ranks): stage ``p`` holds decoder layers ``[p L/P, (p + 1) L/P)`` (the first stage the embedding, the last the
+  final norm and output layer; :mod:`.pipeline_parallel`), and every pass — logprobs, the reference's, each
+  update's forward/backward — runs Megatron-Core's own 1F1B schedule (``get_forward_backward_func``) over this
+  data-parallel rank's micro-batches, activations sent stage to stage. The last stage computes logprobs and the
+  policy loss (per-token: ``calculate_per_token_loss``, the loss already over the global token count), and hands
+  the logprobs and metrics back to every stage. Tied embeddings: the last stage's copy of the embedding gets its
+  gradient summed with the first stage's over Megatron's embedding group (as its ``finalize_model_grads`` does).
+  Checkpoints and published weights are whole, in the P = 1 layout (each tensor broadcast from the stage that
+  owns it), so any pipeline size resumes any other. A stop request is agreed by every rank before each
+  micro-batch is scheduled, not inside the schedule.
 * **Not here**: Megatron's ``DistributedOptimizer`` (ZeRO-1 sharding of the AdamW state) and its other
   optimizers are CUDA-only in megatron-core 0.16 (``clip_grads`` builds ``device='cuda'`` tensors;
   ``DistributedOptimizer`` accepts only ``torch.cuda.*Tensor`` parameters), so the AdamW state is torch's,
-  replicated across data-parallel ranks and sliced across tensor-parallel ones; use the torch backend (FSDP2)
-  for state sharded over data-parallel ranks. Pipeline parallel needs Megatron's pipeline schedule, which
-  the GRPO step (whole forward/backward passes) does not run: refused, naming the key.
+  replicated across data-parallel ranks and sliced across tensor- and pipeline-parallel ones; use the torch
+  backend (FSDP2) for state sharded over data-parallel ranks. Virtual (interleaved) pipeline stages are not
+  configurable.
 
 On CPU a single process joins a one-rank gloo group, and :mod:`.shims` are applied.
 """
@@ -40,6 +51,8 @@ On CPU a single process joins a one-rank gloo group, and :mod:`.shims` are appli
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import os
 
 import torch
@@ -48,11 +61,13 @@ import torch.distributed as dist
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig
 
+from ..base import ShouldStop, TrainBatch
 from ..parallel import DataParallel
-from ..torch_trainer import TorchTrainer, TrainerConfig
+from ..torch_trainer import TorchTrainer, TrainerConfig, _add_metrics, token_logprobs
 from . import shims
 from .convert import hf_to_megatron, megatron_to_hf
-from .model import MegatronCausalLM, build_gpt_model, use_te
+from .model import MegatronCausalLM, build_gpt_model, stage_layers, use_te
+from .pipeline_parallel import EMBEDDING, TIED_COPY, owner_stage, whole_name, whole_param_order
 from .tensor_parallel import check_tensor_parallel, gather, partition_dims, to_local
 
 __all__ = ["MegatronTrainer", "init_model_parallel"]
@@ -64,18 +79,15 @@ def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_para
     """Join (or create) the process group and Megatron's model-parallel state, once per process.
 
     Raises:
-        ValueError: pipeline parallel (not run by this backend), a tensor-parallel size that does not divide
-            the ranks started, or sizes that differ from the ones this process was already initialised with.
+        ValueError: tensor- and pipeline-parallel sizes whose product does not divide the ranks started, or
+            sizes that differ from the ones this process was already initialised with.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if pp != 1:
-        raise ValueError(f"policy.training.megatron_cfg.pipeline_model_parallel_size={pp} is not supported by the "
-                         f"megatron backend: its GRPO step runs whole forward/backward passes, not Megatron's "
-                         f"pipeline schedule; use tensor_model_parallel_size and policy.training.dp_size")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or world % tp:
-        raise ValueError(f"policy.training.megatron_cfg.tensor_model_parallel_size={tp} needs a multiple of {tp} "
-                         f"ranks (this trainer runs as {world}: start dp_size x {tp} under torchrun)")
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"policy.training.megatron_cfg.tensor_model_parallel_size={tp} x "
+                         f"pipeline_model_parallel_size={pp} needs a multiple of {tp * pp} ranks (this trainer runs "
+                         f"as {world}: start dp_size x {tp * pp} under torchrun)")
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
@@ -108,8 +120,9 @@ class MegatronTrainer(TorchTrainer):
         initial_version: version of ``model``'s weights.
         seed: seeds the trainer's RNG.
         tensor_model_parallel_size: Megatron's tensor-parallel size (ranks per data-parallel replica).
-        pipeline_model_parallel_size: must be 1 (see the module doc).
-        parallel: the group of every trainer rank (data x tensor parallel; every rank builds the same
+        pipeline_model_parallel_size: Megatron's pipeline-parallel size (stages per data-parallel replica; it
+            must divide the model's layers).
+        parallel: the group of every trainer rank (data x tensor x pipeline parallel; every rank builds the same
             trainer), or None for one process.
     """
 
@@ -135,11 +148,17 @@ class MegatronTrainer(TorchTrainer):
         self.model_config: ModelConfig = model.config
         self.dtype = next(model.parameters()).dtype
         self._ddp = None  # Megatron's DistributedDataParallel over the policy's GPTModel, with a group
-        self.tp = tensor_model_parallel_size
+        self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
         self._tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._pp_group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
+        self._pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self._layers = stage_layers(model.config.num_hidden_layers)  # the global layers of this stage
         self._tp_dims: dict[str, int | None] = {}  # Megatron name -> split dimension (None: whole), from the build
-        if parallel is not None and self.tp > 1:  # micro-batches and row collectives go by data-parallel rank
+        self._names: dict[str, str] = {}  # this stage's Megatron name -> the whole (TP = PP = 1) model's
+        self._whole: dict[str, tuple[torch.Size, torch.dtype]] = {}  # the whole model's tensors: shape, dtype
+        self._whole_order: list[str] = []  # the whole model's parameters in its parameters() order
+        if parallel is not None and (self.tp > 1 or self.pp > 1):  # micro-batches, row collectives: by DP rank
             parallel = DataParallel.over(parallel_state.get_data_parallel_group())
         # the GRPO step, optimizer and bookkeeping are TorchTrainer's; the modules come from the hooks below
         super().__init__(model, recipe, config if config is not None else TrainerConfig(), ref_model=ref_model,
@@ -151,7 +170,10 @@ class MegatronTrainer(TorchTrainer):
         return "megatron-te" if self.model.gpt.fused_norms else "megatron"
 
     def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
-        return self._build(model, recipe)
+        built = self._build(model, recipe)
+        local = [n.removeprefix("gpt.") for n, _ in built.named_parameters()]
+        self._whole_order = local if self.pp == 1 else whole_param_order(local, sorted(self._whole), self._layers)
+        return built
 
     def _build_reference(self, ref_model: CausalLM) -> MegatronCausalLM:
         return self._build(ref_model, Fp8Recipe(linear="bf16"))
@@ -160,24 +182,50 @@ class MegatronTrainer(TorchTrainer):
         gpt = build_gpt_model(model.config, recipe, self.dtype)
         adapter = MegatronCausalLM(gpt, model.config)
         full = hf_to_megatron(model.state_dict(), model.config, fused_norms=use_te())
+        self._whole = {k: (v.shape, v.dtype) for k, v in full.items()}
         local = {k: v.shape for k, v in adapter.state_dict().items()}
-        self._tp_dims = partition_dims(local, {k: v.shape for k, v in full.items()}, self.tp)
+        tied_copy = self.pp > 1 and model.config.tie_word_embeddings and gpt.post_process
+        self._names = {k: whole_name(k, self._layers, tied_copy) for k in local}
+        self._tp_dims = partition_dims(local, {k: full[self._names[k]].shape for k in local}, self.tp)
         with torch.no_grad():
             adapter.load_state_dict(self._local(full))
         return adapter
 
-    # --- tensor parallel: this rank's slices <-> whole (TP = 1) Megatron tensors ------------------
+    # --- model parallel: this rank's slices and stage <-> whole (TP = PP = 1) Megatron tensors ----
+
+    @property
+    def _split(self) -> bool:
+        """Whether this rank holds less than the whole model (tensor or pipeline parallel)."""
+        return self.tp > 1 or self.pp > 1
 
     def _local(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.tp == 1:
+        """This rank's tensors (its stage's, sliced) from whole ones under the whole model's names."""
+        if not self._split:
             return full
-        return {k: to_local(k, v, self._tp_dims[k], self._tp_rank, self.tp) for k, v in full.items()}
+        return {k: to_local(k, full[w], self._tp_dims[k], self._tp_rank, self.tp) for k, w in self._names.items()}
+
+    def _owned(self, name: str) -> bool:
+        """Whether this stage owns its tensor ``name`` (the last stage's tied copy of the embedding it does not)."""
+        return not (name == TIED_COPY and self._names[name] == EMBEDDING)
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors from this rank's slices (all-gathers over the tensor-parallel group, in name order)."""
-        if self.tp == 1:
+        """Whole tensors under the whole model's names, on every rank, from each rank's ``local`` ones (this
+        stage's, under its names): all-gathered over the tensor-parallel group, then each broadcast over the
+        pipeline-parallel group from the stage that owns it (every rank calls this, with the same names)."""
+        if not self._split:
             return local
-        return {k: gather(k, local[k], self._tp_dims[k], self._tp_group) for k in sorted(local)}
+        mine = {self._names[k]: gather(k, local[k], self._tp_dims[k], self._tp_group)
+                for k in sorted(local) if self._owned(k)}
+        if self.pp == 1:
+            return mine
+        return {w: self._from_owner(w, mine.get(w), *self._whole[w]) for w in sorted(self._whole)}
+
+    def _from_owner(self, whole: str, held: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor the owner stage of ``whole`` holds (``held`` there), on every stage (a broadcast)."""
+        owner = owner_stage(whole, self.model_config.num_hidden_layers, self.pp)
+        t = held.contiguous() if owner == self._pp_rank else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=dist.get_global_rank(self._pp_group, owner), group=self._pp_group)
+        return t
 
     def _param_names(self) -> list[str]:
         """Megatron names of the policy's parameters, in ``parameters()`` order (the optimizer's)."""
@@ -185,29 +233,60 @@ class MegatronTrainer(TorchTrainer):
 
     def _checkpoint_state(self) -> dict:
         state = super()._checkpoint_state()
-        if self.tp > 1:  # saved whole, in the TP = 1 layout: any tensor-parallel size resumes it
-            state["model"] = self._full(state["model"])
-            names, opt = self._param_names(), state["optimizer"]
-            # new dicts: torch's optimizer state_dict() hands out its live per-parameter state
-            opt["state"] = {i: {k: gather(names[i], v, self._tp_dims[names[i]], self._tp_group)
-                                if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
-                            for i, st in sorted(opt["state"].items())}
+        if not self._split:
+            return state
+        # saved whole, in the TP = PP = 1 layout (the optimizer state keyed by that model's parameter positions):
+        # any tensor- and pipeline-parallel sizes resume it
+        state["model"] = self._full(state["model"])
+        names, opt = self._param_names(), state["optimizer"]
+        if len(opt["param_groups"]) != 1:
+            raise RuntimeError(f"expected one optimizer parameter group, got {len(opt['param_groups'])}")
+        local = {self._names[n]: st for n, st in zip(names, (opt["state"].get(i) for i in range(len(names))),
+                                                     strict=True) if self._owned(n)}
+        whole_ix = {self._names[n]: n for n in names if self._owned(n)}
+        # every rank's optimizer has stepped as often as every other's: all hold state, or none does
+        keys = sorted(next(iter(local.values())).keys()) if all(local.values()) else []
+        out = {}
+        for j, w in enumerate(self._whole_order):
+            st = {}
+            for key in keys:
+                held = local.get(w)
+                if held is not None and torch.is_tensor(held[key]) and held[key].dim() > 0:
+                    held = gather(whole_ix[w], held[key], self._tp_dims[whole_ix[w]], self._tp_group)
+                elif held is not None:
+                    held = held[key]
+                if self.pp == 1:
+                    st[key] = held
+                    continue
+                ref = next(iter(local.values()))[key]  # this key's dtype (and rank: moments or a scalar step)
+                shape = self._whole[w][0] if ref.dim() > 0 else torch.Size([])
+                st[key] = self._from_owner(w, held, shape, ref.dtype)
+            if st:
+                out[j] = st
+        opt["state"] = out
+        opt["param_groups"] = [{**opt["param_groups"][0], "params": list(range(len(self._whole_order)))}]
         return state
 
     def _restore_checkpoint_state(self, state: dict) -> None:
-        if self.tp > 1:
+        if self._split:
             state["model"] = self._local(state["model"])
             names, opt = self._param_names(), state["optimizer"]
+            index = {w: j for j, w in enumerate(self._whole_order)}
+            # each local parameter's whole one (the tied copy: the embedding's state, the same numbers)
+            held = {i: opt["state"].get(index[self._names[n]]) for i, n in enumerate(names)}
             opt["state"] = {i: {k: to_local(names[i], v, self._tp_dims[names[i]], self._tp_rank, self.tp)
                                 if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
-                            for i, st in opt["state"].items()}
+                            for i, st in held.items() if st is not None}
+            opt["param_groups"] = [{**g, "params": list(range(len(names)))} for g in opt["param_groups"][:1]]
         super()._restore_checkpoint_state(state)
 
     def _clip_grads(self) -> torch.Tensor:
-        """Clip by the global gradient norm; with TP > 1 each slice counts once and each whole tensor (norms)
-        once, summed over the tensor-parallel group."""
-        if self.tp == 1:
+        """Clip by the global gradient norm; with TP or PP > 1 each slice counts once, each whole tensor (norms)
+        once and the tied embedding once, summed over the model-parallel (tensor x pipeline) group."""
+        if not self._split:
             return super()._clip_grads()
+        from megatron.core import parallel_state
+
         names = self._param_names()
         sq = torch.zeros((), dtype=torch.float32)
         grads = []
@@ -215,9 +294,9 @@ class MegatronTrainer(TorchTrainer):
             if p.grad is None:
                 continue
             grads.append(p.grad)
-            if self._tp_dims[name] is not None or self._tp_rank == 0:
+            if self._owned(name) and (self._tp_dims[name] is not None or self._tp_rank == 0):
                 sq += torch.linalg.vector_norm(p.grad.float()) ** 2
-        dist.all_reduce(sq, group=self._tp_group)
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
         gn = sq.sqrt()
         clip = self.config.grad_clip
         if clip > 0 and torch.isfinite(gn):  # torch's clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
@@ -237,6 +316,7 @@ class MegatronTrainer(TorchTrainer):
 
         config = copy.copy(model.gpt.config)
         config.calculate_per_token_loss = True  # the loss is already over the global token count: sum, no 1/N
+        model.gpt.config.calculate_per_token_loss = True  # and the pipeline schedule must not scale it either
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
         # DDP hooks the parameters' gradient accumulation; the adapter keeps calling the GPTModel itself, so
@@ -251,11 +331,83 @@ class MegatronTrainer(TorchTrainer):
 
     def _reduce_grads(self) -> None:
         """Sum the gradient buffers over the group (Megatron DDP's ``finish_grad_sync``) and hand them to AdamW
-        as ``.grad`` (the hooks accumulate into ``main_grad`` and leave ``.grad`` empty)."""
+        as ``.grad`` (the hooks accumulate into ``main_grad`` and leave ``.grad`` empty). With pipeline stages and
+        tied embeddings, the first stage's embedding and the last stage's copy then sum their gradients over
+        Megatron's embedding group, so the two stay equal."""
         self._ddp.finish_grad_sync()
+        if self.pp > 1 and self.model_config.tie_word_embeddings:
+            from megatron.core import parallel_state
+
+            if parallel_state.is_rank_in_embedding_group():
+                dist.all_reduce(self.model.gpt.shared_embedding_or_output_weight().main_grad,
+                                group=parallel_state.get_embedding_group())
         for p in self.model.parameters():
             if p.requires_grad:
                 p.grad = p.main_grad.to(p.dtype)
+
+    # --- pipeline parallel: every pass through Megatron's schedule ------------------------------
+
+    @torch.no_grad()
+    def _logprobs_of(self, model, batch: TrainBatch, should_stop: ShouldStop | None = None) -> torch.Tensor:
+        if self.pp == 1:
+            return super()._logprobs_of(model, batch, should_stop)
+        rounds = list(self._micro_batches(batch, should_stop))  # the stop agreed by every rank, round by round
+        store = self._schedule(model, [mb for _, mb in rounds], forward_only=True)
+        last = self._pp_rank == self.pp - 1
+        lps = [self._from_last_stage(store[k] if last else None, mb.input_ids.shape)
+               for k, (_, mb) in enumerate(rounds)]
+        return self._rows_of(batch, ((i, lp) for (i, _), lp in zip(rounds, lps, strict=True)))
+
+    def _backward(self, batch: TrainBatch, num_tokens: int, should_stop: ShouldStop | None = None):
+        if self.pp == 1:
+            return super()._backward(batch, num_tokens, should_stop)
+        mbs = [mb for _, mb in self._micro_batches(batch, should_stop)]
+        store = self._schedule(self.model, mbs, forward_only=False, num_tokens=num_tokens)
+        totals: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for loss, m, n_mb in store:  # the last stage's; empty elsewhere
+            _add_metrics(totals, weights, loss, m, n_mb)
+        return self._json_from_last_stage([totals, weights])
+
+    def _schedule(self, model: MegatronCausalLM, mbs: list[TrainBatch], forward_only: bool,
+                  num_tokens: int = 1) -> list:
+        """Megatron's pipeline schedule over micro-batches ``mbs``: forward only (the last stage's list holds each
+        one's ``(rows, T)`` logprobs) or forward and backward of the policy loss over ``num_tokens`` (gradients
+        accumulated; the last stage's list holds ``(loss, metrics, tokens)`` per micro-batch)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        temperature = self.config.temperature
+
+        def loss_func(mb: TrainBatch, logits: torch.Tensor, non_loss_data: bool = False):
+            curr = token_logprobs(logits, mb.input_ids, temperature)
+            if non_loss_data:
+                return curr
+            loss, m = self._loss(curr, mb, num_tokens)
+            return loss, torch.tensor(mb.num_tokens, dtype=torch.int), (float(loss.detach()), m, mb.num_tokens)
+
+        def forward_step(data_iterator, gpt):
+            mb = next(data_iterator)
+            return model(mb.input_ids, mb.attention_mask), functools.partial(loss_func, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=model.gpt, num_microbatches=len(mbs),
+            seq_length=mbs[0].input_ids.shape[1], micro_batch_size=self.config.micro_batch_size,
+            forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _from_last_stage(self, t: torch.Tensor | None, shape) -> torch.Tensor:
+        """The last pipeline stage's FP32 tensor ``t`` of ``shape``, on every stage (a broadcast)."""
+        out = t.detach().float().contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+        dist.broadcast(out, src=dist.get_global_rank(self._pp_group, self.pp - 1), group=self._pp_group)
+        return out
+
+    def _json_from_last_stage(self, value):
+        """The last pipeline stage's JSON-able ``value`` on every stage (floats round-trip exactly)."""
+        last = self._pp_rank == self.pp - 1
+        data = json.dumps(value).encode() if last else b""
+        n = self._from_last_stage(torch.tensor([float(len(data))]) if last else None, (1,))
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if last else torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(buf, src=dist.get_global_rank(self._pp_group, self.pp - 1), group=self._pp_group)
+        return json.loads(buf.numpy().tobytes())
 
     @property
     def _sharded_state(self) -> bool:
