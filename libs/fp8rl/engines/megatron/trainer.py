@@ -246,21 +246,19 @@ class MegatronTrainer(TorchTrainer):
         whole_ix = {self._names[n]: n for n in names if self._owned(n)}
         # every rank's optimizer has stepped as often as every other's: all hold state, or none does
         keys = sorted(next(iter(local.values())).keys()) if all(local.values()) else []
+        ref = next(iter(local.values())) if keys else {}  # each key's dtype and rank (moments, or the scalar step)
         out = {}
         for j, w in enumerate(self._whole_order):
+            mine = local.get(w)  # this rank's state of w (None: another pipeline stage owns it)
             st = {}
             for key in keys:
-                held = local.get(w)
-                if held is not None and torch.is_tensor(held[key]) and held[key].dim() > 0:
-                    held = gather(whole_ix[w], held[key], self._tp_dims[whole_ix[w]], self._tp_group)
-                elif held is not None:
-                    held = held[key]
-                if self.pp == 1:
-                    st[key] = held
-                    continue
-                ref = next(iter(local.values()))[key]  # this key's dtype (and rank: moments or a scalar step)
-                shape = self._whole[w][0] if ref.dim() > 0 else torch.Size([])
-                st[key] = self._from_owner(w, held, shape, ref.dtype)
+                v = None if mine is None else mine[key]
+                if v is not None and v.dim() > 0:
+                    v = gather(whole_ix[w], v, self._tp_dims[whole_ix[w]], self._tp_group)
+                if self.pp > 1:
+                    shape = self._whole[w][0] if ref[key].dim() > 0 else torch.Size([])
+                    v = self._from_owner(w, v, shape, ref[key].dtype)
+                st[key] = v
             if st:
                 out[j] = st
         opt["state"] = out
