@@ -137,22 +137,6 @@ def test_two_tensor_parallel_ranks_train_like_one(megatron_core, tmp_path, recip
     assert err[worst] <= grad_rtol, worst
 
 
-def test_tensor_parallel_checkpoints_are_whole_and_move_between_sizes(megatron_core, tmp_path):
-    """Saved by 2 tensor-parallel ranks (whole tensors, the TP = 1 layout), resumed by 1 (weights and AdamW moments
-    bitwise), stepped and saved by 1, resumed by 2 (bitwise again)."""
-    a, b = tmp_path / "ck" / "trainer-v000001.pt", tmp_path / "ck" / "trainer-v000002.pt"
-    base = dict(backend="megatron", recipe="fp8_e2e", micro_batch_size=3, rows=10, model=ALIGNED)
-    saved = R.torchrun(tmp_path, 2, "save", **base, tp=2, steps=1, path=str(a))
-    one = R.torchrun(tmp_path, 1, "load", **base, path=str(a), then_step=True, save_to=str(b))
-    assert int(saved["version"]) == int(one["version"]) == 1
-    assert set(saved["state"]) == set(one["state"]) and any(k.endswith("/exp_avg_sq") for k in saved["state"])
-    assert [k for k in saved["state"] if not torch.equal(saved["state"][k], one["state"][k])] == []
-    two = R.torchrun(tmp_path, 2, "load", **base, tp=2, path=str(b))
-    assert int(two["version"]) == 2
-    assert [k for k in two["state"] if not torch.equal(two["state"][k], one["after"][k])] == []
-    assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])  # the step moved them
-
-
 # --- pipeline parallel: Megatron's 1F1B schedule over 2 stages ------------------------------------------------
 
 @pytest.mark.parametrize("recipe,tied", [("bf16", False), ("fp8_e2e", False), ("bf16", True)])
@@ -195,20 +179,26 @@ def test_data_and_pipeline_parallel_together(megatron_core, tmp_path):
     assert R.rel(four["grads"][worst], one["grads"][worst]) <= R.GRAD_RTOL, worst
 
 
-def test_pipeline_checkpoints_are_whole_and_move_between_layouts(megatron_core, tmp_path):
-    """Saved by TP 2 x PP 2 (4 ranks; tied embeddings, so the last stage holds the embedding's copy), resumed by one
-    rank (weights and AdamW moments bitwise: the checkpoint is the TP = PP = 1 layout, the optimizer state keyed by
-    that model's parameter positions), stepped and saved by one, resumed by PP 2 (bitwise again)."""
+@pytest.mark.parametrize("save_layout,load_layout,tied", [
+    (dict(tp=2), dict(tp=2), False),
+    (dict(tp=2, pp=2), dict(pp=2), True),  # tied: the last stage holds the embedding's copy
+], ids=["tp2", "tp2pp2-then-pp2"])
+def test_model_parallel_checkpoints_are_whole_and_move_between_layouts(megatron_core, tmp_path, save_layout,
+                                                                       load_layout, tied):
+    """Saved by tensor- (and pipeline-) parallel ranks: whole tensors in the TP = PP = 1 layout, the optimizer state
+    keyed by that model's parameter positions. Resumed by one rank (weights and AdamW moments bitwise), stepped and
+    saved by one, resumed by another parallel layout (bitwise again)."""
     a, b = tmp_path / "ck" / "trainer-v000001.pt", tmp_path / "ck" / "trainer-v000002.pt"
     base = dict(backend="megatron", recipe="fp8_e2e", micro_batch_size=3, rows=10,
-                model={**ALIGNED, "tie_word_embeddings": True})
-    saved = R.torchrun(tmp_path, 4, "save", **base, tp=2, pp=2, steps=1, path=str(a))
-    assert sorted(p.name for p in a.parent.iterdir()) == [a.name]
+                model={**ALIGNED, "tie_word_embeddings": tied})
+    n = {k: v.get("tp", 1) * v.get("pp", 1) for k, v in (("save", save_layout), ("load", load_layout))}
+    saved = R.torchrun(tmp_path, n["save"], "save", **base, **save_layout, steps=1, path=str(a))
+    assert sorted(p.name for p in a.parent.iterdir()) == [a.name]  # one file, no temporary left
     one = R.torchrun(tmp_path, 1, "load", **base, path=str(a), then_step=True, save_to=str(b))
     assert int(saved["version"]) == int(one["version"]) == 1
     assert set(saved["state"]) == set(one["state"]) and any(k.endswith("/exp_avg_sq") for k in saved["state"])
     assert [k for k in saved["state"] if not torch.equal(saved["state"][k], one["state"][k])] == []
-    two = R.torchrun(tmp_path, 2, "load", **base, pp=2, path=str(b))
-    assert int(two["version"]) == 2
-    assert [k for k in two["state"] if not torch.equal(two["state"][k], one["after"][k])] == []
-    assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])
+    again = R.torchrun(tmp_path, n["load"], "load", **base, **load_layout, path=str(b))
+    assert int(again["version"]) == 2
+    assert [k for k in again["state"] if not torch.equal(again["state"][k], one["after"][k])] == []
+    assert any(not torch.equal(one["after"][k], one["state"][k]) for k in one["state"])  # the step moved them

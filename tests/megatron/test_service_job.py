@@ -1,9 +1,10 @@
 """A 3-step GRPO job through the real service stack with ``policy.training.backend: megatron``.
 
 The trainer runs on one rank and on two: ``policy.training.dp_size: 2`` (the launcher starts it under torchrun,
-Megatron-Core DDP sums the gradients) and ``megatron_cfg.pipeline_model_parallel_size: 2`` (two pipeline stages). The stack is started exactly as in the controller tests (``python -m
-deploy.launcher up``: redis-server, trainer, calibrator, reward, one rollout replica, controller as real
-processes) and driven with the SDK; their helpers are reused from ``tests/integration/controller/conftest.py``.
+Megatron-Core DDP sums the gradients) and ``megatron_cfg.pipeline_model_parallel_size: 2`` (two pipeline stages,
+Megatron's 1F1B schedule). The stack is started exactly as in the controller tests (``python -m deploy.launcher
+up``: redis-server, trainer, calibrator, reward, one rollout replica, controller as real processes) and driven
+with the SDK; their helpers are reused from ``tests/integration/controller/conftest.py``.
 Step 0 runs on the initial weights, so its numbers must equal the in-process loop's (torch backend) exactly as
 the torch stack's do.
 """

@@ -69,4 +69,5 @@ def test_a_stage_without_layers_or_names_that_do_not_match_are_refused():
     with pytest.raises(ValueError, match="holds no decoder layer"):
         whole_param_order(["embedding.word_embeddings.weight"], whole, range(0, 0))
     with pytest.raises(ValueError, match="names differ"):
-        whole_param_order(_stage_params(range(2), True, True, False), whole + ["decoder.layers.1.extra.weight"], range(2))
+        extra = whole + ["decoder.layers.1.extra.weight"]
+        whole_param_order(_stage_params(range(2), True, True, False), extra, range(2))

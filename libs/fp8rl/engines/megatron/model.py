@@ -32,8 +32,8 @@ from fp8rl.model.transformer import rope_inv_freq
 from .convert import gate_up_rows, qkv_rows
 
 __all__ = [
-    "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "stage_layers", "transformer_config",
-    "use_te",
+    "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "stage_layers",
+    "transformer_config", "use_te",
 ]
 
 

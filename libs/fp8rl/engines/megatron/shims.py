@@ -110,41 +110,33 @@ def _cuda_zeros_on_cpu():
         torch.zeros = saved
 
 
-def _stays_on_cpu(fn):
-    """``fn`` run with ``Tensor.cuda`` the identity (shim 7)."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        saved = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.Tensor.cuda = saved
-
-    return wrapped
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved
 
 
-def _schedule_on_cpu(fn):
-    """``fn`` (a pipeline schedule) run with ``torch.zeros(device="cuda")`` on the CPU (shim 6)."""
+def _within(context):
+    """A decorator: the function run inside ``context()`` (a scoped swap, restored on exit)."""
 
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with _cuda_zeros_on_cpu():
-            return fn(*args, **kwargs)
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with context():
+                return fn(*args, **kwargs)
 
-    return wrapped
+        return wrapped
+
+    return wrap
 
 
-def _on_cpu(fn):
-    """``fn`` run with the CPU as the current device and a no-op ``synchronize`` (shims 3, 4 and 5)."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with _current_device_is_cpu():
-            return fn(*args, **kwargs)
-
-    return wrapped
+_on_cpu = _within(_current_device_is_cpu)  # the CPU as current device, a no-op synchronize (shims 3, 4, 5)
+_schedule_on_cpu = _within(_cuda_zeros_on_cpu)  # torch.zeros(device="cuda") on the CPU (shim 6)
+_stays_on_cpu = _within(_tensor_cuda_is_identity)  # Tensor.cuda the identity (shim 7)
 
 
 _MAPPINGS_ALLOCATING = ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_last_dim",
