@@ -60,6 +60,22 @@ MAX_SAMPLES_PER_PROMPT = 1024
 MAX_GENERATED_TOKENS = 1 << 24
 """Token budget of one Generate call, ``prompts × n × max_tokens`` (rollout ``--max-generated-tokens``)."""
 
+MAX_REQUEST_ID_CHARS = 256
+"""Characters of a Generate call's ``request_id`` (echoed on every response of the stream)."""
+
+MAX_STOP_TOKEN_IDS = 256
+"""Entries of a Generate call's ``sampling.stop_token_ids``."""
+
+MAX_GEN_LOGPROB = 1e-6
+"""Largest ``gen_logprob`` a TrainStep row may carry: a logprob is <= 0; FP32 log-softmax of the top token is 0
+exactly, the margin only forgives an engine that rounds the other way."""
+
+MIN_GEN_LOGPROB = -1e5
+"""Smallest ``gen_logprob`` a TrainStep row may carry. A drawn token's sampling probability is at least FP32's
+smallest positive value 2^-149, so its logprob under the sampling distribution is >= -103.3; an engine reporting
+the raw model's logprob at temperature T <= 100 (:data:`MAX_TEMPERATURE`) stays above -103.3 T - ln V > -1.1e4
+for any vocabulary V. Below this bound a value is not a logprob of a sampled token (e.g. -3e38)."""
+
 MAX_BATCH_ROWS = 8192
 """Rows of one TrainStep / ComputeLogprobs (trainer ``--max-rows``) or Calibrate (calibrator ``--max-rows``)
 call; a job's ``num_prompts_per_step × num_generations_per_prompt`` is bounded by it."""
@@ -73,12 +89,84 @@ MAX_TRAINER_RANKS = 1024
 MAX_RESPONSE_CHARS = 1 << 18
 """Characters of one Score item's response or answer (reward ``--max-response-chars``)."""
 
-MAX_WATCH_STREAMS = 4
-"""Concurrent WatchJob streams of one controller (``--max-watch-streams``); more get RESOURCE_EXHAUSTED."""
+MAX_WATCH_STREAMS = 32
+"""Concurrent WatchJob streams of one controller (``--max-watch-streams``); more get RESOURCE_EXHAUSTED. A stream
+waits on the server's I/O loop and holds no worker thread; each polls Redis twice a second."""
+
+MAX_WATCH_STREAMS_PER_CLIENT = 4
+"""Concurrent WatchJob streams of one client connection (``--max-watch-streams-per-client``; a process's channels
+to one server share a connection): one client cannot hold every stream."""
+
+# -- the controller's job store (fp8rl.controller.jobstore) ----------------------------------------
+
+MAX_JOBS = 10_000
+"""Jobs stored at once, any state (controller ``--max-jobs``); SubmitJob beyond is RESOURCE_EXHAUSTED."""
+
+MAX_QUEUED_JOBS = 100
+"""Pending jobs at once (controller ``--max-queued-jobs``); SubmitJob beyond is RESOURCE_EXHAUSTED."""
+
+JOB_RETENTION_S = 7 * 24 * 3600.0
+"""Seconds a finished (succeeded, failed, cancelled) job is kept, with its reports (``--job-retention-s``)."""
+
+MAX_FINISHED_JOBS = 1000
+"""Finished jobs kept at most; the oldest beyond are deleted (``--max-finished-jobs``)."""
+
+MAX_LIST_JOBS = 1000
+"""Jobs on one ListJobs page (``limit``); 0 asks for :data:`DEFAULT_LIST_JOBS`."""
+
+DEFAULT_LIST_JOBS = 100
+"""ListJobs' page size when the request gives no ``limit``."""
+
+# -- what errors echo back ---------------------------------------------------------------------------
+
+MAX_STATUS_DETAILS_CHARS = 4000
+"""Characters of a status message the server sends (gRPC clients refuse trailers past their metadata limit,
+8 KiB by default, and would see RESOURCE_EXHAUSTED instead of the real error)."""
+
 
 RESERVED_WORKERS = 2
-"""gRPC worker threads kept free of long calls (``build_server(reserved_workers=...)``), so health, Status
-and refusals are always answered: at most ``workers - RESERVED_WORKERS`` other calls run at once."""
+"""gRPC worker threads that serve only light calls (Status, GetJob, ListJobs; ``build_server(reserved_workers=...)``):
+at most ``workers - RESERVED_WORKERS`` long calls run at once. Health needs no worker (it runs on the I/O loop)."""
+
+# -- the wire, before a handler runs (fp8rl.rpc.guard / fp8rl.rpc.server) ---------------------------
+
+MAX_BULK_MESSAGE_BYTES = 256 * 1024 * 1024
+"""Largest request of the batch-carrying RPCs (:data:`BULK_REQUEST_METHODS`) and largest message any server sends
+(weight-shard chunks, big rollout batches); every service's ``--max-message-bytes``. gRPC's default is 4 MiB."""
+
+BULK_REQUEST_METHODS = frozenset({"TrainStep", "ComputeLogprobs", "Calibrate", "Score", "Generate"})
+"""RPCs whose request carries a batch (token rows, texts): they take up to ``--max-message-bytes``."""
+
+REQUEST_BYTES = {"SubmitJob": MAX_JOB_YAML_BYTES + 4096}
+"""Request limits of the other RPCs that need more than :data:`MAX_REQUEST_BYTES` (a job YAML plus its id)."""
+
+MAX_REQUEST_BYTES = 64 * 1024
+"""Request limit of every other RPC (ids, names, a few numbers: Status, GetJob, ListJobs, WatchJob, CancelJob,
+SaveCheckpoint, GetManifest, StreamShards, reflection). A server's gRPC receive limit is the largest of its
+methods', so the controller refuses a 250 MiB message from its length prefix, before buffering it."""
+
+FIRST_MESSAGE_TIMEOUT_S = 10.0
+"""Seconds from a call's start to its request message; later is DEADLINE_EXCEEDED (a stalled call holds no
+worker meanwhile, only its place among :data:`MAX_WAITING_CALLS`)."""
+
+MAX_WAITING_CALLS = 64
+"""Calls past the token check that may wait for their request message or a light worker at once, per server
+(RESOURCE_EXHAUSTED beyond)."""
+
+LIGHT_CALL_WAIT_S = 10.0
+"""Seconds a light call (Status, GetJob, ListJobs) waits for one of the reserved workers before UNAVAILABLE."""
+
+MAX_STREAMS_PER_CONNECTION = 64
+"""Concurrent HTTP/2 streams (calls) of one client connection; more wait in the client (gRPC's own limit)."""
+
+MAX_CONNECTIONS = 1024
+"""Client connections one server accepts at once."""
+
+HANDSHAKE_TIMEOUT_S = 10.0
+"""Seconds a new connection has to finish its HTTP/2 (and TLS) handshake."""
+
+MAX_METADATA_BYTES = 16 * 1024
+"""Bytes of one call's metadata (headers): a bearer token and a few names."""
 
 # -- data files (fp8rl.data.files) -----------------------------------------------------------------
 

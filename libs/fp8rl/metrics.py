@@ -39,14 +39,12 @@ from __future__ import annotations
 
 import math
 import threading
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
-__all__ = ["ServiceMetrics", "RpcMetricsInterceptor", "serve_metrics", "scrape", "parse_metrics"]
+__all__ = ["ServiceMetrics", "serve_metrics", "scrape", "parse_metrics"]
 
 disable_created_metrics()  # no `*_created` twin of every counter: Prometheus does not need them
 RPC_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0, 300.0)
@@ -94,6 +92,13 @@ class ServiceMetrics:
                 fam.labels(direction=direction)
 
     # -- what the roles call -------------------------------------------------------------------
+    def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """One RPC ended with ``code`` after ``seconds`` (the server's call observer, ``build_server(observer=...)``:
+        calls the token check or the call gate refused are counted too, with the code they got)."""
+        name = _method_name(method)
+        self.rpc_requests.labels(method=name, code=code.name if isinstance(code, grpc.StatusCode) else str(code)).inc()
+        self.rpc_seconds.labels(method=name).observe(seconds)
+
     def observe_report(self, report: Mapping) -> None:
         """The controller recorded one step's report (``JobService`` ``StepReport`` as a dict)."""
         self.steps.inc()
@@ -135,55 +140,6 @@ def _method_name(full: str) -> str:
     """``/fp8rl.rollout.RolloutService/Generate`` -> ``RolloutService/Generate``."""
     service, _, method = full.lstrip("/").rpartition("/")
     return f"{service.rpartition('.')[2]}/{method}" if method else full
-
-
-class RpcMetricsInterceptor(grpc.ServerInterceptor):
-    """Counts every RPC by method and final status code, and times it; the outermost interceptor, so calls
-    the token check or the request guard refuse are counted with the code they got."""
-
-    def __init__(self, metrics: ServiceMetrics) -> None:
-        self.m = metrics
-
-    @contextmanager
-    def _observe(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
-        t0 = time.perf_counter()
-        failed = False
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            code = context.code()  # what context.abort() / set_code() left, None when neither ran
-            if code is None:
-                code = grpc.StatusCode.OK if not failed else \
-                    grpc.StatusCode.CANCELLED if not context.is_active() else grpc.StatusCode.UNKNOWN
-            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-            self.m.rpc_requests.labels(method=method, code=name).inc()
-            self.m.rpc_seconds.labels(method=method).observe(time.perf_counter() - t0)
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = _method_name(handler_call_details.method)
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
-            ("stream" if handler.response_streaming else "unary")
-        inner = getattr(handler, kind)
-        observe = self._observe
-
-        if handler.response_streaming:
-            def call(request, context):
-                with observe(method, context):
-                    yield from inner(request, context)
-        else:
-            def call(request, context):
-                with observe(method, context):
-                    return inner(request, context)
-
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(call, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
 
 
 class MetricsServer:

@@ -43,8 +43,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8rl import limits
 from fp8rl.config import ConfigError, load_job_config
-from fp8rl.metrics import RpcMetricsInterceptor, serve_metrics
+from fp8rl.metrics import serve_metrics
 from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, RoleLease, connect
 from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
 from fp8rl.rpc.server import SCOPE_SERVICE, build_server
@@ -111,7 +112,11 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
     a("--max-message-bytes", type=int, default=env_default("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES))
     a("--lease-ttl", type=float, default=env_default("lease_ttl", 10.0), help="replica lease TTL, seconds")
     a("--grace", type=float, default=env_default("grace", 5.0), help="seconds in-flight RPCs get on shutdown")
-    a("--workers", type=int, default=env_default("workers", 8), help="concurrent RPCs")
+    a("--workers", type=int, default=env_default("workers", 8),
+      help="worker threads: calls running at once (2 of them serve only Status / GetJob / ListJobs)")
+    a("--first-message-timeout", type=float, default=env_default("first_message_timeout_s",
+                                                                  limits.FIRST_MESSAGE_TIMEOUT_S),
+      help="seconds a call may take to send its request message after it starts (then DEADLINE_EXCEEDED)")
     a("--metrics-port", type=_metrics_port, default=_metrics_port(env_default("metrics_port", "")),
       help="serve Prometheus metrics on http://HOST:PORT/metrics (0 picks a free port; default: off)")
     a("--metrics-host", default=env_default("metrics_host"), help="address the metrics bind (default: --host)")
@@ -190,7 +195,8 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         server, health, port = build_server(service.servicers(), port=args.port, host=args.host,
                                             max_message_bytes=args.max_message_bytes, max_workers=args.workers,
                                             scoped_tokens=args.tokens, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                                            interceptors=[RpcMetricsInterceptor(ctx.metrics)])
+                                            observer=ctx.metrics.observe_rpc,
+                                            first_message_s=args.first_message_timeout)
         exporter = None if args.metrics_port is None else \
             serve_metrics(ctx.metrics, args.metrics_port, args.metrics_host or args.host)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad TLS files, port in use

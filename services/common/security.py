@@ -38,12 +38,13 @@ import logging
 import os
 from collections.abc import Iterable
 
-from fp8rl.rpc.channel import ENV_AUTH_TOKEN, ENV_TLS_CA, ENV_TOKEN_FILE, read_token_file
+from fp8rl.rpc.channel import ENV_AUTH_TOKEN, ENV_TLS_CA, ENV_TOKEN_FILE, read_token_file, set_process_token
 from fp8rl.rpc.server import SCOPE_CLIENT, SCOPE_SERVICE, ScopedTokens
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["SECURITY_ENV", "add_security_args", "apply_security_args", "is_loopback_host", "resolve_tokens"]
+__all__ = ["SECRET_ENV", "SECURITY_ENV", "add_security_args", "apply_security_args", "is_loopback_host",
+           "resolve_tokens"]
 
 SECURITY_ENV = {
     "service_token": "FP8RL_SERVICE_TOKEN", "service_token_file": "FP8RL_SERVICE_TOKEN_FILE",
@@ -51,6 +52,10 @@ SECURITY_ENV = {
     "insecure": "FP8RL_INSECURE", "tls_cert": "FP8RL_TLS_CERT", "tls_key": "FP8RL_TLS_KEY", "tls_ca": "FP8RL_TLS_CA",
 }
 _TRUE = {"1", "true", "yes", "on"}
+
+SECRET_ENV = ("FP8RL_SERVICE_TOKEN", "FP8RL_SERVICE_TOKEN_FILE", "FP8RL_CLIENT_TOKEN", "FP8RL_CLIENT_TOKEN_FILE",
+              ENV_AUTH_TOKEN, ENV_TOKEN_FILE)
+"""Environment variables that hold a token or name its file: removed once read (:func:`apply_security_args`)."""
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -127,9 +132,11 @@ def apply_security_args(args: argparse.Namespace, scopes: Iterable[str] = (SCOPE
     """Resolves the tokens, refuses an open listener, and makes the service token this process's outgoing one.
 
     Sets ``args.tokens`` to the resolved :class:`~fp8rl.rpc.server.ScopedTokens`. Outgoing channels made by
-    :func:`fp8rl.rpc.channel.make_channel` read ``$FP8RL_AUTH_TOKEN`` / ``$FP8RL_TLS_CA``, so the service token
-    ("" when there is none) and ``--tls-ca`` are exported to this process's environment (and
-    ``$FP8RL_TOKEN_FILE`` dropped): a service never sends the client token.
+    :func:`fp8rl.rpc.channel.make_channel` send the service token (:func:`~fp8rl.rpc.channel.set_process_token`:
+    held in memory; a service never sends the client token) and verify against ``--tls-ca`` (exported as
+    ``$FP8RL_TLS_CA``, not a secret). Every token variable (:data:`SECRET_ENV`) is then removed from this
+    process's environment, so what it starts — the reward service's grading workers, which parse untrusted
+    model output; vLLM's engine processes — holds no token.
 
     Args:
         args: parsed flags of :func:`add_security_args` plus ``--host``.
@@ -156,8 +163,9 @@ def apply_security_args(args: argparse.Namespace, scopes: Iterable[str] = (SCOPE
                     " or ".join(open_scopes))
     elif open_scopes:
         log.warning("no %s token: its RPCs accept any local caller on %s", " or ".join(open_scopes), host)
-    os.environ[ENV_AUTH_TOKEN] = tokens.service or ""
-    os.environ.pop(ENV_TOKEN_FILE, None)
+    set_process_token(tokens.service)  # sent on this service's own calls; never the client token
+    for var in SECRET_ENV:  # read once, above: the processes this service starts (grading workers) inherit nothing
+        os.environ.pop(var, None)
     if args.tls_ca is not None:
         os.environ[ENV_TLS_CA] = args.tls_ca
     args.tokens = tokens

@@ -53,17 +53,20 @@ a placeholder 0 never reaches TrainStep.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis
 
+from fp8rl import limits
 from fp8rl.config import ConfigError, JobConfig, parse_job_config
-from fp8rl.controller.jobstore import JobRecord, JobStore
+from fp8rl.config.fields import short
+from fp8rl.controller.jobstore import JobLimitError, JobRecord, JobStore
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import (
     JobPlan,
@@ -75,7 +78,7 @@ from fp8rl.controller.plan import (
 from fp8rl.controller.pool import RolloutPool
 from fp8rl.controller.reconcile import Lineage, reconcile
 from fp8rl.controller.step import PHASES, finish, first_half
-from fp8rl.data import DataFileError, DataRoot
+from fp8rl.data import GRADERS, DataFileError, DataRoot
 from fp8rl.refit import RefitStore
 from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
@@ -103,6 +106,8 @@ class RunnerSettings:
         score_attempts: Score calls for an item the reward service could not grade (timeout / error)
             before the job fails.
         data: the data root ``data.path`` must lie under, and the byte / row limits of a data file.
+        retention_s: seconds a finished job is kept (then deleted, with its reports).
+        max_finished: finished jobs kept at most (the oldest beyond are deleted).
     """
 
     refit_timeout_s: float = 60.0
@@ -112,6 +117,21 @@ class RunnerSettings:
     retry_pause_s: float = 2.0
     score_attempts: int = 3
     data: DataRoot = DataRoot()
+    retention_s: float = limits.JOB_RETENTION_S
+    max_finished: int = limits.MAX_FINISHED_JOBS
+
+
+def kept_seconds(partial: dict | None, since_unix: float) -> float:
+    """Phase seconds of the in-flight step record ``partial`` when it was made since ``since_unix`` (during a try
+    that then failed): that try's rollout / reward / train work is not lost — the next try finishes the step from
+    the record and its report counts those seconds as phases, so they are no part of the outage."""
+    if partial is None or partial.get("started_unix", -math.inf) < since_unix:
+        return 0.0
+    return sum(v for v in partial.get("phase_times", {}).values() if isinstance(v, int | float))
+
+
+_PRUNE_EVERY_S = 60.0  # the idle runner applies the retention this often (and after every job it finishes)
+_WATCH_POLL_S = 0.5  # how often a WatchJob stream looks for new reports
 
 
 class JobRunner:
@@ -132,7 +152,8 @@ class JobRunner:
 
     # -- the servicer's API --------------------------------------------------------------------
     def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
-        """Validate and enqueue. Raises ConfigError, DeploymentMismatchError, ValueError (bad id), JobExistsError.
+        """Validate and enqueue. Raises ConfigError, DeploymentMismatchError, ValueError (bad id), JobExistsError,
+        JobLimitError (the store is full even after applying the retention, or the queue is).
 
         ``job_id`` None picks a fresh id; any string given, ``""`` included, must be a valid id. A ``jsonl``
         job's data file is checked here (location, kind, size); its rows are read when the job starts.
@@ -140,15 +161,29 @@ class JobRunner:
         job = parse_job_config(job_yaml)
         job.check_services()  # keys only the in-process loop runs
         check_deployment(job, self.deployed)
+        self._check_grader(job)
         try:
             check_data(job, self.settings.data)
         except DataFileError as exc:
             raise ConfigError(str(exc)) from None
-        rec = self.jobs.create(new_job_id(job.job.name) if job_id is None else job_id, job_yaml,
-                               job.job.steps)
+        job_id = new_job_id(job.job.name) if job_id is None else job_id
+        try:
+            rec = self.jobs.create(job_id, job_yaml, job.job.steps)
+        except JobLimitError:
+            if not self._prune():  # the store is full: apply the retention now, not at the next minute
+                raise
+            rec = self.jobs.create(job_id, job_yaml, job.job.steps)
         log.info("job %s submitted (%d steps)", rec.job_id, rec.total_steps)
         self._notify()
         return rec
+
+    def _check_grader(self, job: JobConfig) -> None:
+        """``reward.grader`` must be one the reward service grades with (what it recorded in Redis when it started,
+        each ``--grader-module`` included; the built-in graders while it has recorded none)."""
+        known = self.refit.graders() or set(GRADERS)
+        if job.reward.grader not in known:
+            raise ConfigError(f"reward.grader: unknown grader {short(job.reward.grader)}; the reward service grades "
+                              f"with {', '.join(sorted(known))} (more with its --grader-module)")
 
     def get(self, job_id: str) -> JobRecord:
         rec = self.jobs.get(job_id)
@@ -170,19 +205,21 @@ class JobRunner:
                 self._cond.wait(0.2)
         return rec
 
-    def watch(self, job_id: str, from_step: int, active: Callable[[], bool]) -> Iterator[dict]:
-        """Reports from ``from_step`` (finished ones first, then live) until the job is terminal."""
-        self.get(job_id)
+    async def watch(self, job_id: str, from_step: int) -> AsyncIterator[dict]:
+        """Reports from ``from_step`` (finished ones first, then live) until the job is terminal.
+
+        An asyncio generator: a watcher waits on the server's I/O loop, holding no worker thread (each poll's
+        Redis reads, a few milliseconds, run on the loop's executor). Raises KeyError for an unknown job."""
+        await asyncio.to_thread(self.get, job_id)
         nxt = max(0, from_step)
-        while active() and not self._stop.is_set():
-            terminal = self.get(job_id).terminal  # read before the reports: a terminal report is then seen
-            for r in self.jobs.reports(job_id, nxt):
+        while not self._stop.is_set():
+            terminal = (await asyncio.to_thread(self.get, job_id)).terminal  # before the reports: then seen
+            for r in await asyncio.to_thread(self.jobs.reports, job_id, nxt):
                 nxt = r["step"] + 1
                 yield r
             if terminal:
                 return
-            with self._cond:
-                self._cond.wait(0.5)
+            await asyncio.sleep(_WATCH_POLL_S)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,10 +237,18 @@ class JobRunner:
             self._cond.notify_all()
 
     def _loop(self) -> None:
+        indexed, pruned_at = False, -math.inf
         while not self._stop.is_set():
             try:
-                running = self.jobs.in_state("running")  # left by a previous controller: resume first
-                rec = running[0] if running else next(iter(self.jobs.in_state("pending")), None)
+                if not indexed:  # jobs an older controller recorded before the indexes existed
+                    if n := self.jobs.ensure_indexes():
+                        log.info("indexed %d jobs recorded by an older controller", n)
+                    indexed = True
+                if time.monotonic() - pruned_at >= _PRUNE_EVERY_S:
+                    self._prune()
+                    pruned_at = time.monotonic()
+                # the heads of two indexes: the idle runner's cost does not grow with the jobs stored
+                rec = self.jobs.first_in_state("running") or self.jobs.first_in_state("pending")  # resume first
                 if rec is None:
                     with self._cond:
                         self._cond.wait(1.0)
@@ -211,9 +256,19 @@ class JobRunner:
                 if rec.state == "pending" and not self.jobs.transition(rec.job_id, "running", ("pending",)):
                     continue  # cancelled meanwhile
                 self._run(rec.job_id)
+                pruned_at = -math.inf
             except Exception as exc:  # noqa: BLE001 - Redis down: the job stays running and is resumed
                 log.warning("runner: %s; retrying in 1 s", exc)
                 self._stop.wait(1.0)
+
+    def _prune(self) -> int:
+        """Apply the retention: finished jobs past ``retention_s`` or beyond ``max_finished`` are deleted; returns
+        how many."""
+        s = self.settings
+        n = self.jobs.prune(s.retention_s, s.max_finished)
+        if n:
+            log.info("deleted %d finished jobs (kept for %g s, at most %d)", n, s.retention_s, s.max_finished)
+        return n
 
     def _run(self, job_id: str) -> None:
         self._faults, self._step_t0 = {"retries": 0, "outage": 0.0}, time.perf_counter()
@@ -221,7 +276,7 @@ class JobRunner:
         try:
             plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)), self.settings.data)
             while True:
-                t_try = time.perf_counter()
+                t_try, t_try_unix = time.perf_counter(), time.time()
                 try:
                     return self._advance(plan)
                 except RpcFailed as exc:
@@ -235,7 +290,10 @@ class JobRunner:
                     log.warning("job %s: %s; retrying the step in %.1f s (%d/%d)", job_id, exc, pause, f["retries"],
                                 self.settings.step_attempts)
                     self._stop.wait(pause)
-                    f["outage"] += time.perf_counter() - max(t_try, self._step_t0)  # this step's failed try + pause
+                    # this step's failed try + pause, less the phases of it the next try keeps (a failure after
+                    # TrainStep: the in-flight record's rollout/reward/train times go into the report as phases)
+                    lost = time.perf_counter() - max(t_try, self._step_t0) - self._kept_seconds(job_id, t_try_unix)
+                    f["outage"] += max(0.0, lost)
         except Stopping:
             log.info("job %s left running for the next controller", job_id)
         except JobCancelled:
@@ -249,6 +307,13 @@ class JobRunner:
             self.jobs.transition(job_id, "failed", ("running",), error=msg)
         finally:
             self._notify()
+
+    def _kept_seconds(self, job_id: str, since_unix: float) -> float:
+        try:
+            partial = self.jobs.inflight(job_id)
+        except redis.RedisError:
+            return 0.0
+        return kept_seconds(partial, since_unix)
 
     # -- one job -------------------------------------------------------------------------------
     def _advance(self, plan: JobPlan) -> None:

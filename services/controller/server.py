@@ -14,8 +14,14 @@ sees their refit state (leases, acks) in Redis. Submitted jobs are checked again
   ``--max-data-bytes`` large — else INVALID_ARGUMENT. Its rows (at most ``--max-data-rows``) are read
   when the job starts; a file that fails then fails the job with the reason as its error.
 
-At most ``--max-watch-streams`` WatchJob streams run at once (RESOURCE_EXHAUSTED beyond), so watchers
-cannot take every worker from GetJob / CancelJob / health.
+WatchJob is an asyncio method: a stream waits on the server's I/O loop and holds no worker thread. At most
+``--max-watch-streams`` run at once and ``--max-watch-streams-per-client`` per client connection
+(RESOURCE_EXHAUSTED beyond), so one client cannot hold every stream.
+
+The job store is bounded (``fp8rl.controller.jobstore``): ``--max-jobs`` stored and ``--max-queued-jobs``
+pending (SubmitJob beyond: RESOURCE_EXHAUSTED), finished jobs deleted after ``--job-retention-s`` or beyond
+``--max-finished-jobs``; ListJobs pages through an index (``page_token``). A job's ``reward.grader`` must be
+one the reward service recorded (INVALID_ARGUMENT otherwise, at SubmitJob rather than at the first step).
 
 Every service is found through its role lease in Redis (registered by the common skeleton), read
 again at every call, so a service restarted on another port is reached at the next retry. Flags
@@ -29,13 +35,16 @@ from __future__ import annotations
 
 import argparse
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import redis
 
 from fp8rl import limits
 from fp8rl.config import ConfigError
-from fp8rl.controller.jobstore import JOB_STATES, JobExistsError, JobRecord, JobStore
+from fp8rl.config.fields import short
+from fp8rl.controller.jobstore import JOB_STATES, JobExistsError, JobLimitError, JobRecord, JobStore
 from fp8rl.controller.plan import DeploymentMismatchError
 from fp8rl.data import DataRoot
 from fp8rl.refit.keys import validate_job_id
@@ -56,7 +65,6 @@ from .runner import REPORT_TIMES, Backends, JobRunner, RunnerSettings
 
 __all__ = ["ControllerService", "JobServicer", "SPEC"]
 
-DEFAULT_LIST_LIMIT = 100
 _STUBS = {"trainer": trainer_pb2_grpc.TrainerServiceStub, "reward": reward_pb2_grpc.RewardServiceStub,
           "calibrator": calibrator_pb2_grpc.CalibratorServiceStub, "rollout": rollout_pb2_grpc.RolloutServiceStub}
 
@@ -96,10 +104,11 @@ def _not_found(exc: KeyError) -> Abort:
 class JobServicer(controller_pb2_grpc.JobServiceServicer):
     """proto ↔ runner; status codes, nothing else."""
 
-    def __init__(self, runner: JobRunner, cancel_wait_s: float, max_watch_streams: int = limits.MAX_WATCH_STREAMS):
+    def __init__(self, runner: JobRunner, cancel_wait_s: float, max_watch_streams: int = limits.MAX_WATCH_STREAMS,
+                 max_watch_per_client: int = limits.MAX_WATCH_STREAMS_PER_CLIENT):
         self.r, self.cancel_wait_s = runner, cancel_wait_s
-        self.max_watch_streams = max_watch_streams
-        self._watch_slots = threading.BoundedSemaphore(max_watch_streams)
+        self.max_watch_streams, self.max_watch_per_client = max_watch_streams, max_watch_per_client
+        self._watchers: dict[str, int] = {}  # client connection -> its open WatchJob streams
 
     @rpc_method
     def SubmitJob(self, request, context):
@@ -113,24 +122,42 @@ class JobServicer(controller_pb2_grpc.JobServiceServicer):
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job does not match the deployment: {exc}") from None
         except JobExistsError as exc:
             raise Abort(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        except JobLimitError as exc:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except ValueError as exc:  # a malformed job_id
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"job_id: {exc}") from None
         return controller_pb2.SubmitJobResponse(job_id=rec.job_id)
 
-    @rpc_method
-    def WatchJob(self, request, context):
-        job_id = _job_id(request.job_id)
-        if not self._watch_slots.acquire(blocking=False):
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{self.max_watch_streams} WatchJob streams are open (the limit, --max-watch-streams); "
-                        f"close one or poll GetJob")
+    async def WatchJob(self, request, context):
+        """An asyncio method: a stream waits on the I/O loop and holds no worker, so watchers never take the
+        workers SubmitJob / CancelJob need; its own limits are per client connection and in all."""
         try:
-            for r in self.r.watch(job_id, request.from_step, context.is_active):
+            job_id = _job_id(request.job_id)
+        except Abort as exc:
+            await context.abort(exc.code, exc.message)
+        client = context.peer()  # one client connection (a process's channels to us share one): counted together
+        mine = self._watchers.get(client, 0)
+        if mine >= self.max_watch_per_client:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this client already has {mine} WatchJob streams open (the limit per client, "
+                                f"--max-watch-streams-per-client); close one or poll GetJob")
+        if sum(self._watchers.values()) >= self.max_watch_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_watch_streams} WatchJob streams are open (the limit, --max-watch-streams); "
+                                f"retry with back-off or poll GetJob")
+        self._watchers[client] = mine + 1  # touched on the I/O loop only: no lock
+        try:
+            async for r in self.r.watch(job_id, request.from_step):
                 yield _report(r)
         except KeyError as exc:
-            raise _not_found(exc) from None
+            await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(exc).message)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"WatchJob: the job state in Redis is unreachable "
+                                                             f"({exc}); retry")
         finally:
-            self._watch_slots.release()
+            self._watchers[client] -= 1
+            if not self._watchers[client]:
+                del self._watchers[client]
 
     @rpc_method
     def GetJob(self, request, context):
@@ -143,11 +170,17 @@ class JobServicer(controller_pb2_grpc.JobServiceServicer):
     def ListJobs(self, request, context):
         if request.state and request.state not in JOB_STATES:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"state: {request.state!r} is not one of {', '.join(JOB_STATES)} (or '' for all)")
-        if request.limit < 0:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be >= 0, got {request.limit}")
-        recs = self.r.jobs.list(request.state, request.limit or DEFAULT_LIST_LIMIT)
-        return controller_pb2.ListJobsResponse(jobs=[_info(r) for r in recs])
+                        f"state: {short(request.state)} is not one of {', '.join(JOB_STATES)} (or '' for all)")
+        if not 0 <= request.limit <= limits.MAX_LIST_JOBS:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"limit must be in [0, {limits.MAX_LIST_JOBS}] (0: {limits.DEFAULT_LIST_JOBS}), got "
+                        f"{request.limit}")
+        try:
+            recs, token = self.r.jobs.page(request.state, request.limit or limits.DEFAULT_LIST_JOBS,
+                                           request.page_token)
+        except ValueError as exc:  # a page_token ListJobs did not hand out
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return controller_pb2.ListJobsResponse(jobs=[_info(r) for r in recs], next_page_token=token)
 
     @rpc_method
     def CancelJob(self, request, context):
@@ -174,9 +207,17 @@ class ControllerService(Service):
             raise StartupError(f"--step-attempts must be >= 1, got {a.step_attempts}")
         settings = RunnerSettings(refit_timeout_s=a.refit_timeout, replica_wait_s=a.replica_wait, data=data,
                                   step_attempts=a.step_attempts)
-        self.runner = JobRunner(JobStore(ctx.store.client), ctx.store, backends, ctx.job, settings)
+        for flag in ("max_jobs", "max_queued_jobs", "max_finished_jobs", "max_watch_streams_per_client"):
+            if getattr(a, flag) < 1:
+                raise StartupError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+        if not a.job_retention_s > 0:
+            raise StartupError(f"--job-retention-s must be > 0, got {a.job_retention_s}")
+        jobs = JobStore(ctx.store.client, max_jobs=a.max_jobs, max_queued=a.max_queued_jobs)
+        settings = replace(settings, retention_s=a.job_retention_s, max_finished=a.max_finished_jobs)
+        self.runner = JobRunner(jobs, ctx.store, backends, ctx.job, settings)
         self.runner.on_report = ctx.metrics.observe_report
         self.cancel_wait_s, self.max_watch_streams = a.cancel_wait, a.max_watch_streams
+        self.max_watch_per_client = a.max_watch_streams_per_client
         if self.max_watch_streams < 1:
             raise StartupError(f"--max-watch-streams must be >= 1, got {self.max_watch_streams}")
 
@@ -188,7 +229,7 @@ class ControllerService(Service):
 
     def servicers(self):
         return [(controller_pb2_grpc.add_JobServiceServicer_to_server,
-                 JobServicer(self.runner, self.cancel_wait_s, self.max_watch_streams))]
+                 JobServicer(self.runner, self.cancel_wait_s, self.max_watch_streams, self.max_watch_per_client))]
 
     def start(self, ctx: Context) -> None:
         self.runner.start()  # resumes a job left running by a previous controller, then serves the queue
@@ -224,6 +265,19 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-watch-streams", type=int,
                    default=int(env_default("max_watch_streams", limits.MAX_WATCH_STREAMS)),
                    help="concurrent WatchJob streams; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-watch-streams-per-client", type=int,
+                   default=int(env_default("max_watch_streams_per_client", limits.MAX_WATCH_STREAMS_PER_CLIENT)),
+                   help="concurrent WatchJob streams of one client connection")
+    p.add_argument("--max-jobs", type=int, default=int(env_default("max_jobs", limits.MAX_JOBS)),
+                   help="jobs stored at once, any state; SubmitJob beyond is RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queued-jobs", type=int, default=int(env_default("max_queued_jobs", limits.MAX_QUEUED_JOBS)),
+                   help="pending jobs at once; SubmitJob beyond is RESOURCE_EXHAUSTED")
+    p.add_argument("--job-retention-s", type=float,
+                   default=float(env_default("job_retention_s", limits.JOB_RETENTION_S)),
+                   help="seconds a finished job (and its reports) is kept before it is deleted")
+    p.add_argument("--max-finished-jobs", type=int,
+                   default=int(env_default("max_finished_jobs", limits.MAX_FINISHED_JOBS)),
+                   help="finished jobs kept at most; the oldest beyond are deleted")
 
 
 SPEC = ServiceSpec(name="controller", default_port=50050, build=ControllerService, add_args=_add_args,

@@ -13,22 +13,29 @@ replaced), a crashing one ``ERROR`` — both *ungraded*, so the controller retri
 on their placeholder 0. The only failure is a caller's mistake: an unknown grader name is INVALID_ARGUMENT,
 naming the item and the known graders, and nothing in that batch is graded. So is a batch over the
 size limits (more than ``max_items`` items, or a response or answer longer than ``max_response_chars``;
-defaults in :mod:`fp8rl.limits`), refused before anything is graded.
+defaults in :mod:`fp8rl.limits`), refused before anything is graded. A caller that is gone (cancelled, past its
+deadline) stops the batch: items not yet taken by a worker are dropped, the ones grading finish within their
+bound. At start the service records its grader names in Redis (those of each ``--grader-module`` too), which the
+controller checks a submitted job's ``reward.grader`` against.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import threading
 
 import grpc
 
 from fp8rl import limits
 from fp8rl.data import GRADERS
 from fp8rl.data.process_pool import ProcessGradingPool
-from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingPool, grade_many
+from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingCancelled, GradingPool, grade_many
 from fp8rl.rpc import reward_pb2, reward_pb2_grpc
 from services.common.runtime import Context, Service, ServiceSpec, StartupError, env_default
+
+log = logging.getLogger("fp8rl.reward")
 
 __all__ = ["RewardService", "RewardServicer", "SPEC", "STATUS_CODES"]
 
@@ -87,7 +94,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"items[{i}].grader: unknown grader {name[:80]!r}; known graders: {', '.join(sorted(GRADERS))}",
                 )
-        results = grade_many(items, self.timeout_s, pool=self.pool)
+        try:  # a caller that is gone (cancelled, past its deadline) stops the batch at its next item
+            results = grade_many(items, self.timeout_s, pool=self.pool, should_stop=lambda: not context.is_active())
+        except GradingCancelled as exc:
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
         if self.metrics is not None:
             self.metrics.graded.inc(len(results))
         return reward_pb2.ScoreResponse(
@@ -128,6 +138,18 @@ class RewardService(Service):
 
     def start(self, ctx: Context) -> None:
         ctx.set_serving(True)
+        # what SubmitJob checks a job's reward.grader against; Redis may be away (grading needs none): retried
+        threading.Thread(target=self._record_graders, args=(ctx,), name="reward-graders", daemon=True).start()
+
+    @staticmethod
+    def _record_graders(ctx: Context) -> None:
+        while not ctx.stopping.is_set():
+            try:
+                ctx.store.set_graders(sorted(GRADERS))
+                return
+            except Exception as exc:  # noqa: BLE001 - Redis away: the controller falls back to the built-in graders
+                log.warning("cannot record the graders in Redis yet (%s); retrying in 5 s", exc)
+                ctx.stopping.wait(5.0)
 
     def stop(self) -> None:
         self.pool.close()
@@ -138,8 +160,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="grader for items that name none (default: the job's reward.grader)")
     p.add_argument("--timeout-s", type=float, default=env_default("grade_timeout_s"),
                    help="per-item grading time bound in seconds (default: the job's reward.timeout_s)")
-    p.add_argument("--grader-module", action="append", default=None, metavar="MODULE",
-                   help="import MODULE (repeatable) to register more graders (fp8rl.data.register_grader)")
+    modules = env_default("grader_modules", "")
+    p.add_argument("--grader-module", action="append", metavar="MODULE",
+                   default=[m.strip() for m in modules.split(",") if m.strip()] or None,
+                   help="import MODULE (repeatable) to register more graders (fp8rl.data.register_grader; default: "
+                        "the comma-separated $FP8RL_GRADER_MODULES)")
     p.add_argument("--grading-workers", type=int, default=int(env_default("grading_workers", 2)),
                    help="grading worker processes (default 2)")
     p.add_argument("--max-items", type=int, default=int(env_default("max_items", limits.MAX_SCORE_ITEMS)),

@@ -136,6 +136,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         require(num <= a.max_prompts, f"GenerateRequest.prompts: {num} prompts; the limit is {a.max_prompts} "
                                       f"(--max-prompts)")
         require(sp.n <= a.max_n, f"sampling.n: {sp.n} samples per prompt; the limit is {a.max_n} (--max-n)")
+        require(len(request.request_id) <= limits.MAX_REQUEST_ID_CHARS,
+                f"request_id: {len(request.request_id)} characters; the limit is {limits.MAX_REQUEST_ID_CHARS}")
+        stops = sp.stop_token_ids
+        require(len(stops) <= limits.MAX_STOP_TOKEN_IDS,
+                f"sampling.stop_token_ids: {len(stops)} ids; the limit is {limits.MAX_STOP_TOKEN_IDS}")
+        bad = next((t for t in stops if not 0 <= t < self.s.vocab_size), None)
+        require(bad is None, f"sampling.stop_token_ids holds {bad}, outside the model's vocabulary "
+                             f"[0, {self.s.vocab_size})")
         tokens = num * max(sp.n, 0) * max(sp.max_tokens, 0)
         require(tokens <= a.max_generated_tokens,
                 f"prompts x sampling.n x sampling.max_tokens: {num} x {sp.n} x {sp.max_tokens} = {tokens} tokens; "

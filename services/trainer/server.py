@@ -234,9 +234,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if has_gen:
                 require(len(gen) == len(response),
                         f"row {i}: {len(gen)} gen_logprobs for {len(response)} response_ids (must be equal)")
-                bad = next((t for t, x in enumerate(gen) if not math.isfinite(x)), None)
-                require(bad is None, f"row {i}: gen_logprobs[{bad}] is {gen[bad] if bad is not None else ''}; "
-                                     f"logprobs must be finite")
+                bad = next((t for t, x in enumerate(gen)
+                            if not (math.isfinite(x) and limits.MIN_GEN_LOGPROB <= x <= limits.MAX_GEN_LOGPROB)), None)
+                require(bad is None, f"row {i}: gen_logprobs[{bad}] is {gen[bad] if bad is not None else ''}; a "
+                                     f"sampled token's logprob is finite, <= 0 and >= {limits.MIN_GEN_LOGPROB:g}")
             else:
                 gen = [0.0] * len(response)
             version = r.weight_version if r.HasField("weight_version") else s.trainer.version

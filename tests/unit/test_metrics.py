@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from fp8rl.metrics import RpcMetricsInterceptor, ServiceMetrics, parse_metrics, scrape, serve_metrics
+from fp8rl.metrics import ServiceMetrics, parse_metrics, scrape, serve_metrics
 from fp8rl.rpc import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.rpc.server import ScopedTokens, build_server
@@ -48,7 +48,7 @@ def served(monkeypatch):
         [(controller_pb2_grpc.add_JobServiceServicer_to_server, Jobs()),
          (rollout_pb2_grpc.add_RolloutServiceServicer_to_server, Rollout())],
         port=0, host="127.0.0.1", scoped_tokens=ScopedTokens(service="svc-tok", client="cli-tok"),
-        interceptors=[RpcMetricsInterceptor(m)])
+        observer=m.observe_rpc)
     server.start()
     yield m, f"127.0.0.1:{port}"
     server.stop(None)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fp8rl.config import ConfigError, JobConfig
+from fp8rl.config.fields import short
 from fp8rl.data import ArithDataset, DataRoot, Problem, load_jsonl
 from fp8rl.model.tokenizer import Tokenizer, chat_template_of, load_tokenizer, render_chat_prompt
 from fp8rl.presets import PRESETS, prepare_preset
@@ -59,7 +60,7 @@ def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
     mine, theirs = job.settings(), deployed.settings()
     for key in sorted(theirs, key=lambda k: (k != "policy.model", k)):
         if _bound(key) and mine.get(key) != theirs[key]:
-            return (f"{key}: the job sets {mine.get(key)!r} but the deployed services run {theirs[key]!r}; "
+            return (f"{key}: the job sets {short(mine.get(key))} but the deployed services run {short(theirs[key])}; "
                     f"this setting is fixed when the services start — submit the job with the deployed value, "
                     f"or redeploy the services with this job file")
     return None

@@ -172,6 +172,8 @@ class ProcessGradingPool:
             task = self._queue.get()
             if task is None:
                 break
+            if task.done.is_set():  # its batch was cancelled: nobody waits for it
+                continue
             if worker is None:
                 try:
                     worker = self._start()

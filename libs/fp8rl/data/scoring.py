@@ -49,6 +49,7 @@ from typing import Literal, Protocol, runtime_checkable
 from .grading import extract_boxed, extract_final_number, get_grader
 
 __all__ = [
+    "GradingCancelled",
     "DEFAULT_TIMEOUT_S",
     "STATUSES",
     "GRADED",
@@ -223,6 +224,8 @@ class GradingPool:
                 while not self._queue:
                     self._work_ready.wait()
                 task = self._queue.popleft()
+                if task.done.is_set():  # its batch was cancelled: nobody waits for it
+                    continue
                 task.worker = worker
                 deadline = time.monotonic() + task.timeout_s
                 heapq.heappush(self._deadlines, (deadline, next(self._seq), task))
@@ -281,11 +284,20 @@ def default_pool() -> GradingPool:
         return _DEFAULT_POOL
 
 
+class GradingCancelled(RuntimeError):
+    """:func:`grade_many` stopped because its caller is gone (``should_stop()`` turned True)."""
+
+
+_CANCELLED = GradeResult(0.0, "error", "not graded: the caller cancelled the batch")
+_POLL_S = 0.1  # how often a batch with a should_stop checks it while waiting
+
+
 def grade_many(
     items: Iterable[tuple[str, str, str]],
     timeout_s: float = DEFAULT_TIMEOUT_S,
     *,
     pool: GradingPool | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[GradeResult]:
     """Grades ``(grader_name, response, answer)`` items concurrently, each bounded by ``timeout_s``.
 
@@ -298,12 +310,16 @@ def grade_many(
         timeout_s: per-item wall-clock bound in seconds (> 0).
         pool: the pool to run on (a :class:`GradingPool` or a
             :class:`~fp8rl.data.process_pool.ProcessGradingPool`); None uses :func:`default_pool`.
+        should_stop: polled while the batch waits (every 0.1 s); once True, every item not yet taken by a
+            worker is dropped (no worker grades it) and :class:`GradingCancelled` is raised. Items already
+            running finish within their own time bound. The reward service passes "the caller is gone".
 
     Returns:
         One :class:`GradeResult` per item, in order.
 
     Raises:
         ValueError: an unknown grader name (the message lists the known ones), or a bad timeout.
+        GradingCancelled: ``should_stop()`` turned True before every item was graded.
     """
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
@@ -315,7 +331,14 @@ def grade_many(
     pool = pool if pool is not None else default_pool()
     tasks = [pool.grade(name, response, answer, timeout_s=timeout_s) for name, response, answer in items]
     for task in tasks:
-        task.done.wait()  # always set: by the worker, the watchdog (timeout) or a saturated pool
+        # always set in the end: by the worker, the watchdog (timeout) or a saturated pool
+        while not task.done.wait(None if should_stop is None else _POLL_S):
+            if should_stop():
+                for t in tasks:
+                    t.finish(_CANCELLED)  # a worker skips a task that is already finished
+                dropped = sum(t.result is _CANCELLED for t in tasks)
+                raise GradingCancelled(f"grading stopped: the caller is gone ({dropped} of {len(tasks)} items were "
+                                       f"not graded)")
     return [task.result for task in tasks]
 
 

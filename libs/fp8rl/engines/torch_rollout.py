@@ -60,6 +60,8 @@ def sample_next(
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always survives)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        # a top_p below FP32's smallest value compares as 0 >= 0: keep the top token whatever top_p is
+        drop[..., 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -26,8 +26,16 @@ key                     type         meaning
 ``P job:state``         string       controller's job state (e.g. ``running``)
 ``P job:step``          int          last finished GRPO step
 ``P job:config``        bytes        the job's validated config (YAML/JSON bytes)
+``P reward:graders``    set          grader names the job's reward service grades with (each ``--grader-module``
+                                     included), written when it starts; SubmitJob checks ``reward.grader`` there
 ``fp8rl:jobs``          set          index of job ids
+``fp8rl:jobs:created``  zset         every stored job id, scored by its submission time (ListJobs' order)
+``fp8rl:jobs:state:{s}``  zset       the job ids in state ``s``, scored by submission time (the queue order)
+``fp8rl:jobs:finished`` zset         terminal job ids, scored by when they ended (retention's order)
 ======================  ===========  ======================================================
+
+The ``fp8rl:jobs*`` indexes are the controller's (:mod:`fp8rl.controller.jobstore`); they live outside any
+job's namespace.
 """
 
 from __future__ import annotations
@@ -163,10 +171,33 @@ class Keys:
         """``job:reports`` — list of JSON step reports, index == step."""
         return f"{self.prefix}job:reports"
 
+    # -- reward service -----------------------------------------------------------------------
+    def graders(self) -> str:
+        """``reward:graders`` — the grader names the job's reward service knows."""
+        return f"{self.prefix}reward:graders"
+
+    # -- the controller's job indexes (outside any job's namespace) ----------------------------
     @staticmethod
     def jobs_index() -> str:
         """``fp8rl:jobs`` — the global set of job ids (outside any job's namespace)."""
         return JOBS_INDEX
+
+    @staticmethod
+    def jobs_created() -> str:
+        """``fp8rl:jobs:created`` — every stored job id, scored by submission time."""
+        return f"{JOBS_INDEX}:created"
+
+    @staticmethod
+    def jobs_in_state(state: str) -> str:
+        """``fp8rl:jobs:state:{state}`` — the job ids in ``state``, scored by submission time."""
+        if not re.fullmatch(r"[a-z]{1,16}", state):
+            raise ValueError(f"job state {state[:40]!r} is not a state name")
+        return f"{JOBS_INDEX}:state:{state}"
+
+    @staticmethod
+    def jobs_finished() -> str:
+        """``fp8rl:jobs:finished`` — terminal job ids, scored by when they ended."""
+        return f"{JOBS_INDEX}:finished"
 
     def pattern(self) -> str:
         """SCAN pattern matching every key of this job (``fp8rl:{job}:*``)."""

@@ -429,6 +429,19 @@ class RefitStore:
                 out[rid] = lease
         return out
 
+    def set_graders(self, names: list[str]) -> None:
+        """Record the grader names the job's reward service grades with (replacing any earlier record)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.graders())
+        if names:
+            pipe.sadd(self.keys.graders(), *names)
+        pipe.execute()
+
+    def graders(self) -> set[str] | None:
+        """The grader names the reward service recorded, or None when it has recorded none yet."""
+        names = self.client.smembers(self.keys.graders())
+        return {n.decode() if isinstance(n, bytes) else n for n in names} or None
+
     def endpoint_of(self, role: str) -> ReplicaLease | None:
         """The newest live lease of ``role`` (latest registration), or None when none is live."""
         leases = self.live_replicas(role)

@@ -9,6 +9,7 @@ weights, reward, calibrator, controller. Plumbing every service and client share
 :mod:`fp8rl.rpc.server` (``build_server``, ``set_serving``) and :mod:`fp8rl.rpc.channel`
 (``make_channel``, ``wait_ready``, ``DEFAULT_DEADLINE_S``). Nothing is imported eagerly here.
 
-Invariant: the wire carries no pickles; every message is a proto whose fields are bounded by the server
-(:mod:`fp8rl.rpc.guard`) before a handler sees it.
+Invariant: the wire carries no pickles; every call passes the server's call gate (:mod:`fp8rl.rpc.guard`:
+token from metadata before the message is read, request size per method, a deadline for the message, worker
+slots) before a handler sees it.
 """

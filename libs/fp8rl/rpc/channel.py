@@ -14,8 +14,9 @@ Environment fallbacks (used when the matching argument is None; an empty string 
 ==================== ===========================================================
 
 Which token: an SDK / CLI user sends the *client* token (JobService); a service process sends the
-*service* token on its calls to the other services — the service skeleton makes it this process's
-``$FP8RL_AUTH_TOKEN`` (see :mod:`fp8rl.rpc.server` for the two scopes). ``deploy.launcher up``
+*service* token on its calls to the other services — the service skeleton makes it this process's token
+(:func:`set_process_token`, held in memory: the processes a service starts never inherit it) and removes
+every token variable from its environment (see :mod:`fp8rl.rpc.scopes` for the two scopes). ``deploy.launcher up``
 writes both into ``RUN/secrets/`` (mode 0600).
 
 The token is attached by a client interceptor (not call credentials), so it also works on
@@ -44,6 +45,7 @@ __all__ = [
     "wait_ready",
     "resolve_setting",
     "resolve_token",
+    "set_process_token",
     "read_pem",
     "read_token_file",
 ]
@@ -153,11 +155,27 @@ def read_token_file(path: str | os.PathLike, what: str = "token file") -> str:
     return token
 
 
+_UNSET = object()
+_process_token: object = _UNSET
+
+
+def set_process_token(token: str | None) -> None:
+    """Make ``token`` (None: none) what this process's channels send unless told otherwise.
+
+    A service calls this with its service token instead of exporting it: a token kept in memory is not
+    inherited by the processes it starts (grading workers, engine processes) the way an environment
+    variable is.
+    """
+    global _process_token
+    _process_token = token or None
+
+
 def resolve_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str | None:
     """The bearer token a client sends, or None for none.
 
-    Order: ``token`` (``""`` means none, whatever else is set); ``token_file``; ``$FP8RL_AUTH_TOKEN``
-    when it is set at all (set but empty means none); ``$FP8RL_TOKEN_FILE``.
+    Order: ``token`` (``""`` means none, whatever else is set); ``token_file``; the process token
+    (:func:`set_process_token`) when one was set; ``$FP8RL_AUTH_TOKEN`` when it is set at all (set but
+    empty means none); ``$FP8RL_TOKEN_FILE``.
 
     Raises:
         FileNotFoundError, ValueError: the token file chosen cannot be used (see :func:`read_token_file`).
@@ -166,6 +184,8 @@ def resolve_token(token: str | None = None, token_file: str | os.PathLike | None
         return token or None
     if token_file:
         return read_token_file(token_file)
+    if _process_token is not _UNSET:
+        return _process_token
     if ENV_AUTH_TOKEN in os.environ:
         return os.environ[ENV_AUTH_TOKEN] or None
     env_file = os.environ.get(ENV_TOKEN_FILE)
@@ -221,6 +241,7 @@ def make_channel(
     token: str | None = None,
     tls_ca: str | None = None,
     token_file: str | os.PathLike | None = None,
+    own_connection: bool = False,
 ) -> grpc.Channel:
     """Opens a channel to an fp8rl service.
 
@@ -234,6 +255,9 @@ def make_channel(
         tls_ca: PEM CA file; when set the channel uses TLS and verifies the server against it.
             None reads ``$FP8RL_TLS_CA``; "" (or both unset) means plaintext.
         token_file: file holding the token (used when ``token`` is None).
+        own_connection: open a connection of its own. By default gRPC shares one connection among a process's
+            channels to the same target, and servers see them as one client (e.g. the controller's WatchJob
+            limit per client).
 
     Returns:
         A ``grpc.Channel`` usable with any generated stub in :mod:`fp8rl.rpc`.
@@ -251,6 +275,7 @@ def make_channel(
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 0),  # ping only while a call is open
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging an idle long-lived stream
+        *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
     ]
     ca_path = resolve_setting(tls_ca, ENV_TLS_CA)
     if ca_path is not None:

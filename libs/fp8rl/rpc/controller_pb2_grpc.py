@@ -74,7 +74,8 @@ class JobServiceServicer:
 
     def SubmitJob(self, request, context):
         """Validates and enqueues a job. Errors: INVALID_ARGUMENT naming the bad key of the YAML;
-        ALREADY_EXISTS when job_id is taken.
+        ALREADY_EXISTS when job_id is taken; RESOURCE_EXHAUSTED when the controller stores (or queues)
+        as many jobs as it may.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,7 +98,8 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """Jobs known to the controller, newest first.
+        """Jobs known to the controller, newest first, one page at a time. Finished jobs are kept for the
+        controller's retention (an age and a count), then deleted. Errors: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,27 +1,22 @@
 """Server side of the fp8rl wire: one way to build every service's gRPC server.
 
-:func:`build_server` gives each service the same skeleton: raised message-size limits, the
-standard ``grpc.health.v1`` health service, server reflection, optional bearer-token auth and
-optional TLS. Health starts NOT_SERVING for the whole server and for every registered service;
-the service flips it with :func:`set_serving` once its backend is loaded, and back before it
-stops (so k8s stops routing to it first).
+:func:`build_server` gives each service the same skeleton: the call gate (:mod:`fp8rl.rpc.guard`:
+tokens checked from metadata before a request is read, per-method request limits, a deadline for the
+request message, worker slots), the standard ``grpc.health.v1`` health service, server reflection,
+optional TLS, and connection- and stream-level limits. Health starts NOT_SERVING for the whole server
+and for every registered service; the service flips it with :func:`set_serving` once its backend is
+loaded, and back before it stops (so k8s stops routing to it first).
 
-Auth has two scopes, each with its own bearer token (:class:`ScopedTokens`):
+The server is ``grpc.aio`` on the process's I/O loop (:mod:`fp8rl.rpc.io_loop`) behind a blocking
+facade (:class:`Server`: ``start``, ``stop``, ``wait_for_termination``), and the servicers stay plain
+blocking code run on worker threads (:mod:`fp8rl.rpc.sync_call`). Why: gRPC's thread-per-call server
+gives a call its worker before the request message has arrived, so calls that never send one — with
+or without a token — could hold every worker and starve health; here waiting for bytes costs no
+thread, and health is answered on the loop itself.
 
-* **client** — the controller's ``JobService`` (submit, watch, get, list, cancel): what an SDK / CLI
-  user holds;
-* **service** — every other RPC (TrainStep, ComputeLogprobs, SaveCheckpoint, the WeightStore,
-  Generate, Score, Calibrate, each service's Status): what the services send one another.
-
-A call must carry ``authorization: Bearer <token>`` of its RPC's scope. No token, or one that is
-neither scope's, fails with UNAUTHENTICATED; the *other* scope's token fails with PERMISSION_DENIED
-naming the scope needed (so a client-token holder can neither train nor read weights). A scope with
-no token configured is open. The health service is always open: kubelet's native gRPC probes cannot
-send metadata, and health reveals nothing but SERVING / NOT_SERVING. Reflection is *not* exempt (it
-reveals the API surface): either scope's token opens it.
-
-``build_server(token=T)`` is the one-token form (``T`` for both scopes, ``$FP8RL_AUTH_TOKEN`` when
-None) for single-purpose servers and tests; services pass ``scoped_tokens``.
+Auth has two scopes, each with its own bearer token (:mod:`fp8rl.rpc.scopes`: :class:`ScopedTokens`,
+:func:`rpc_scope`). ``build_server(token=T)`` is the one-token form (``T`` for both scopes,
+``$FP8RL_AUTH_TOKEN`` when None) for single-purpose servers and tests; services pass ``scoped_tokens``.
 
 Environment fallbacks (used when the matching argument is None; an empty string disables):
 
@@ -34,81 +29,42 @@ Environment fallbacks (used when the matching argument is None; an empty string 
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Callable, Iterable, Sequence
-from concurrent import futures
-from dataclasses import dataclass
+import asyncio
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from fp8rl import limits
 from fp8rl.limits import RESERVED_WORKERS
 
-from .channel import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    ENV_AUTH_TOKEN,
-    ENV_TOKEN_FILE,
-    KEEPALIVE_TIME_MS,
-    read_pem,
-    resolve_setting,
+from .channel import DEFAULT_MAX_MESSAGE_BYTES, ENV_AUTH_TOKEN, KEEPALIVE_TIME_MS, read_pem, resolve_setting
+from .guard import CallGate, GateLimits, Observer, request_limit
+from .io_loop import io_loop, run_on_loop
+from .scopes import (
+    CLIENT_SCOPE_SERVICES,
+    SCOPE_CLIENT,
+    SCOPE_SERVICE,
+    ScopedTokens,
+    TokenCheck,
+    rpc_scope,
 )
-from .guard import RequestGuard
 
 __all__ = ["CLIENT_SCOPE_SERVICES", "ENV_TLS_CERT", "ENV_TLS_KEY", "SCOPE_CLIENT", "SCOPE_SERVICE", "HealthServicer",
-           "ScopedTokens", "build_server", "rpc_scope", "set_serving"]
+           "ScopedTokens", "Server", "build_server", "rpc_scope", "set_serving"]
 
 ENV_TLS_CERT = "FP8RL_TLS_CERT"
 ENV_TLS_KEY = "FP8RL_TLS_KEY"
 
-# Services reachable without the bearer token (see the module docstring for why).
-_AUTH_EXEMPT_SERVICES = frozenset({health.SERVICE_NAME})
-
-SCOPE_CLIENT, SCOPE_SERVICE = "client", "service"
-# The services an SDK / CLI user may call (client scope); every other fp8rl service is internal (service scope).
-CLIENT_SCOPE_SERVICES = frozenset({"fp8rl.v1.JobService"})
-_SCOPE_CALLS = {SCOPE_CLIENT: "JobService: submit, watch, get, list and cancel jobs",
-                SCOPE_SERVICE: "the services' internal RPCs"}
+ServicerAdder = tuple[Callable[[Any, Any], None], Any]
 
 
-def rpc_scope(method: str) -> str | None:
-    """The scope whose token ``method`` (``/package.Service/Method``) needs.
-
-    Returns :data:`SCOPE_CLIENT` for :data:`CLIENT_SCOPE_SERVICES`, None for health (open) and
-    reflection (either scope's token), :data:`SCOPE_SERVICE` for everything else.
-    """
-    service = method.lstrip("/").split("/", 1)[0]
-    if service in _AUTH_EXEMPT_SERVICES or service == reflection.SERVICE_NAME:
-        return None
-    return SCOPE_CLIENT if service in CLIENT_SCOPE_SERVICES else SCOPE_SERVICE
-
-
-@dataclass(frozen=True)
-class ScopedTokens:
-    """The bearer token of each scope; None (or "") leaves that scope open.
-
-    Attributes:
-        service: token of the internal RPCs (every service but the controller's JobService).
-        client: token of the JobService (what the SDK / CLI sends).
-    """
-
-    service: str | None = None
-    client: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "service", self.service or None)
-        object.__setattr__(self, "client", self.client or None)
-
-    def get(self, scope: str) -> str | None:
-        """The token of ``scope`` (:data:`SCOPE_SERVICE` or :data:`SCOPE_CLIENT`)."""
-        return self.service if scope == SCOPE_SERVICE else self.client
-
-ServicerAdder = tuple[Callable[[Any, grpc.Server], None], Any]
-
-
-class HealthServicer(health.HealthServicer):
-    """The standard health servicer, plus the names of the services it reports on.
+class HealthServicer:
+    """The standard (asyncio) health servicer behind a blocking face, plus the names of the services it reports on.
 
     Attributes:
         service_names: fully qualified names of the application services on this server
@@ -116,10 +72,18 @@ class HealthServicer(health.HealthServicer):
             the overall status ``""``.
     """
 
-    def __init__(self, service_names: Iterable[str]):
-        super().__init__(experimental_non_blocking=True)  # Watch streams do not pin a worker thread
+    def __init__(self, service_names: Iterable[str], servicer: health.aio.HealthServicer) -> None:
         self.service_names = tuple(service_names)
+        self._servicer = servicer
         set_serving(self, False)
+
+    def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        """Sets one service's status (ignored once graceful shutdown began)."""
+        run_on_loop(self._servicer.set(service, status))
+
+    def enter_graceful_shutdown(self) -> None:
+        """Every status NOT_SERVING, for good."""
+        run_on_loop(self._servicer.enter_graceful_shutdown())
 
 
 def set_serving(health_servicer: HealthServicer, serving: bool) -> None:
@@ -132,84 +96,51 @@ def set_serving(health_servicer: HealthServicer, serving: bool) -> None:
         health_servicer.set(name, status)
 
 
-class _RecordingServer:
-    """Wraps a grpc.Server while generated ``add_*_to_server`` functions run, noting service names."""
+class Server:
+    """A started-or-not gRPC server (the blocking face of a ``grpc.aio`` server on the I/O loop)."""
 
-    def __init__(self, server: grpc.Server):
-        self._server = server
-        self.service_names: list[str] = []
+    def __init__(self, aio_server: aio.Server, gate: CallGate) -> None:
+        self._server, self._gate = aio_server, gate
+        self._stopped = threading.Event()
 
-    def _note(self, name: str) -> None:
-        if name not in self.service_names:
-            self.service_names.append(name)
+    def start(self) -> None:
+        run_on_loop(self._server.start())
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stops taking calls; running ones get ``grace`` seconds (None: none). Returns an event set once stopped."""
+
+        async def stop() -> None:
+            try:
+                await self._server.stop(grace)
+            finally:
+                self._gate.close()
+                self._stopped.set()
+
+        asyncio.run_coroutine_threadsafe(stop(), io_loop())
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Blocks until the server stopped (True) or ``timeout`` passed (False)."""
+        return self._stopped.wait(timeout)
+
+
+class _Registry:
+    """Stands in for the server while generated ``add_*_to_server`` functions run: collects their method handlers."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
 
     def add_generic_rpc_handlers(self, handlers) -> None:
         for h in handlers:
-            if isinstance(h, grpc.ServiceRpcHandler):
-                self._note(h.service_name())
-        self._server.add_generic_rpc_handlers(handlers)
+            methods = getattr(h, "_method_handlers", None)  # grpc.method_handlers_generic_handler's table
+            if not isinstance(methods, dict):
+                raise TypeError(f"{h!r}: only handlers made by grpc.method_handlers_generic_handler are served")
+            for full, handler in methods.items():
+                service, _, name = full.lstrip("/").rpartition("/")
+                self.methods.setdefault(service, {})[name] = handler
 
-    def add_registered_method_handlers(self, service_name: str, handlers) -> None:
-        self._note(service_name)
-        self._server.add_registered_method_handlers(service_name, handlers)
-
-    def __getattr__(self, name: str):
-        return getattr(self._server, name)
-
-
-def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str,
-                  code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that fails with ``code``.
-
-    Requests are left undeserialized: nothing from a caller without the right token is parsed.
-    """
-
-    def deny(_request_or_iterator, context: grpc.ServicerContext):
-        context.abort(code, message)
-
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(deny)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    return grpc.unary_stream_rpc_method_handler(deny)
-
-
-class _BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Checks each call's ``authorization: Bearer <token>`` against its RPC's scope (see the module docstring)."""
-
-    def __init__(self, tokens: ScopedTokens):
-        self._expected = {scope: f"Bearer {t}".encode() for scope in (SCOPE_SERVICE, SCOPE_CLIENT)
-                          if (t := tokens.get(scope)) is not None}
-
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        required = rpc_scope(method)
-        service = method.lstrip("/").split("/", 1)[0]
-        if service in _AUTH_EXEMPT_SERVICES or not self._expected or (
-                required is not None and required not in self._expected):
-            return continuation(handler_call_details)  # health, or a scope left open
-        given = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), None)
-        if isinstance(given, str):
-            given = given.encode()
-        # every scope is compared (constant time each), so timing tells nothing about which one matched
-        held = [s for s, exp in self._expected.items() if given is not None and hmac.compare_digest(given, exp)]
-        if held and (required is None or required in held):
-            return continuation(handler_call_details)
-        code = grpc.StatusCode.UNAUTHENTICATED
-        needed = f"the {required} token" if required else "a token"
-        if held:
-            code = grpc.StatusCode.PERMISSION_DENIED
-            message = (f"{method} needs {needed} ({_SCOPE_CALLS[required]}); the {held[0]} token only grants "
-                       f"{_SCOPE_CALLS[held[0]]}")
-        elif given is None:
-            message = (f"missing bearer token for {method}: this server requires metadata 'authorization: Bearer "
-                       f"<token>' with {needed} (clients made by fp8rl.rpc.make_channel send ${ENV_AUTH_TOKEN} or the "
-                       f"file ${ENV_TOKEN_FILE})")
-        else:
-            message = f"invalid bearer token for {method}: it is not {needed} of this server"
-        return _deny_handler(continuation(handler_call_details), message, code)
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.methods.setdefault(service_name, {}).update(handlers)
 
 
 def _server_credentials(tls_cert: str | None, tls_key: str | None) -> grpc.ServerCredentials | None:
@@ -237,8 +168,9 @@ def build_server(
     host: str = "[::]",
     scoped_tokens: ScopedTokens | None = None,
     reserved_workers: int = RESERVED_WORKERS,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
-) -> tuple[grpc.Server, HealthServicer, int]:
+    observer: Observer | None = None,
+    first_message_s: float = limits.FIRST_MESSAGE_TIMEOUT_S,
+) -> tuple[Server, HealthServicer, int]:
     """Builds (but does not start) a gRPC server hosting the given servicers.
 
     Example::
@@ -250,28 +182,29 @@ def build_server(
         set_serving(health, True)
         ...
         health.enter_graceful_shutdown()
-        server.stop(grace=5)
+        server.stop(grace=5).wait()
 
     Args:
         servicers_adders: ``(add_XServicer_to_server, servicer)`` pairs from the generated
-            ``*_pb2_grpc`` modules.
+            ``*_pb2_grpc`` modules; the servicers' methods are plain blocking functions.
         port: TCP port to listen on; 0 picks a free ephemeral port (returned).
-        max_message_bytes: cap on a single received or sent message; a larger request fails
-            with RESOURCE_EXHAUSTED.
+        max_message_bytes: cap on a sent message and on the request of the batch-carrying RPCs
+            (:data:`fp8rl.limits.BULK_REQUEST_METHODS`); every other method takes far less
+            (:func:`fp8rl.rpc.guard.request_limit`). A larger request fails with RESOURCE_EXHAUSTED.
         token: the one-token form: callers of either scope present it; None reads
             ``$FP8RL_AUTH_TOKEN``; "" means no auth. Ignored when ``scoped_tokens`` is given.
         tls_cert: PEM certificate chain; with ``tls_key`` the port serves TLS only. None reads
             ``$FP8RL_TLS_CERT``; "" means plaintext.
         tls_key: PEM private key; None reads ``$FP8RL_TLS_KEY``.
-        max_workers: handler threads, i.e. RPCs (streams included) served concurrently.
-        reserved_workers: of those, how many long calls may never occupy: at most
-            ``max(1, max_workers - reserved_workers)`` calls other than health / Status run at once, the
-            next gets UNAVAILABLE (:mod:`fp8rl.rpc.guard`, which also answers malformed requests with
-            INVALID_ARGUMENT).
+        max_workers: worker threads, i.e. calls (streams included) running at once.
+        reserved_workers: of those, how many serve only light calls (Status, GetJob, ListJobs): long calls get
+            ``max(1, max_workers - reserved_workers)``, the next is UNAVAILABLE (:mod:`fp8rl.rpc.guard`, which
+            also answers malformed requests with INVALID_ARGUMENT). Health needs no worker.
         host: address to bind; the default listens on every interface (IPv4 and IPv6).
         scoped_tokens: one token per scope (service, client); a scope without one is open.
-        interceptors: run first, outside the token check and the request guard (e.g. the RPC metrics of
-            :mod:`fp8rl.metrics`, which then count refused calls with the code they got).
+        observer: ``observer(method, code, seconds)`` for every call, refused ones included (e.g. the RPC
+            metrics of :mod:`fp8rl.metrics`).
+        first_message_s: seconds a call may take to send its request message after it started.
 
     Returns:
         ``(server, health, bound_port)``: the unstarted server, its health servicer (every
@@ -296,21 +229,10 @@ def build_server(
     else:
         bearer = resolve_setting(token, ENV_AUTH_TOKEN)
         tokens = ScopedTokens(service=bearer, client=bearer)
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared socket
-        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),  # accept clients' keepalives
-        ("grpc.http2.max_ping_strikes", 0),
-    ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fp8rl-grpc"),
-        interceptors=[*interceptors, *([_BearerTokenInterceptor(tokens)] if tokens.service or tokens.client else []),
-                      RequestGuard(max(1, max_workers - reserved_workers))],
-        options=options,
-    )
+    gate_limits = GateLimits(long_calls=max(1, max_workers - reserved_workers), light_calls=max(1, reserved_workers),
+                             first_message_s=first_message_s, bulk_request_bytes=max_message_bytes)
 
-    recorder = _RecordingServer(server)
+    registry = _Registry()
     for pair in servicers_adders:
         try:
             add, servicer = pair
@@ -319,17 +241,43 @@ def build_server(
             raise TypeError(msg) from None
         if not callable(add):
             raise TypeError(f"{add!r} is not callable; expected a generated add_XServicer_to_server function")
-        add(servicer, recorder)
+        add(servicer, registry)
+    service_names = list(registry.methods)
+    # the asyncio reflection servicer, registered like the others so it goes through the gate (the token check)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)), registry)
+    largest_request = max((request_limit(f"/{svc}/{name}", max_message_bytes)
+                           for svc, handlers in registry.methods.items() for name in handlers),
+                          default=limits.MAX_REQUEST_BYTES)
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        # gRPC refuses a bigger message from its length prefix, before buffering it; the gate checks each method's
+        ("grpc.max_receive_message_length", largest_request),
+        ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared socket
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),  # accept clients' keepalives
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.max_concurrent_streams", limits.MAX_STREAMS_PER_CONNECTION),
+        ("grpc.max_allowed_incoming_connections", limits.MAX_CONNECTIONS),
+        ("grpc.server_handshake_timeout_ms", int(limits.HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_metadata_size", limits.MAX_METADATA_BYTES),
+    ]
 
-    health_servicer = HealthServicer(recorder.service_names)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*recorder.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    async def make() -> tuple[aio.Server, CallGate, health.aio.HealthServicer, int]:
+        gate = CallGate(TokenCheck(tokens), gate_limits, observer)
+        server = aio.server(options=options)
+        health_servicer = health.aio.HealthServicer()  # on the loop: it answers without a worker, always
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registry)
+        for service, handlers in registry.methods.items():  # every method through the gate, health included
+            wrapped = {name: gate.wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, wrapped)])
+        address = f"{host}:{port}"
+        try:
+            bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise RuntimeError(f"could not listen on {address}: {e} (port in use, or host not local?)") from e
+        if bound == 0:
+            raise RuntimeError(f"could not listen on {address} (port in use, or host not local?)")
+        return server, gate, health_servicer, bound
 
-    address = f"{host}:{port}"
-    try:
-        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise RuntimeError(f"could not listen on {address}: {e} (port in use, or host not local?)") from e
-    if bound == 0:  # older grpcio reports a failed bind this way
-        raise RuntimeError(f"could not listen on {address} (port in use, or host not local?)")
-    return server, health_servicer, bound
+    aio_server, gate, health_servicer, bound = run_on_loop(make())
+    return Server(aio_server, gate), HealthServicer(service_names, health_servicer), bound

@@ -233,10 +233,16 @@ class Fp8rlClient:
         return _job_info(response.job)
 
     def list_jobs(self, state: str = "", limit: int = 0) -> list[JobInfo]:
-        """Jobs newest first; ``state`` filters ("" = all), ``limit`` caps (0 = server default)."""
-        response = self._call("ListJobs", self._stub.ListJobs, controller_pb2.ListJobsRequest(state=state, limit=limit),
-                              DEFAULT_DEADLINE_S.list_jobs, idempotent=True)
-        return [_job_info(j) for j in response.jobs]
+        """The first page of jobs, newest first; ``state`` filters ("" = all), ``limit`` is the page size
+        (0 = the server's default, 100; at most 1000). :meth:`list_jobs_page` goes on to the next pages."""
+        return self.list_jobs_page(state, limit)[0]
+
+    def list_jobs_page(self, state: str = "", limit: int = 0, page_token: str = "") -> tuple[list[JobInfo], str]:
+        """One page of jobs, newest first, after ``page_token`` ("" = the first page); returns the jobs and the
+        token of the next page ("" after the last)."""
+        request = controller_pb2.ListJobsRequest(state=state, limit=limit, page_token=page_token)
+        response = self._call("ListJobs", self._stub.ListJobs, request, DEFAULT_DEADLINE_S.list_jobs, idempotent=True)
+        return [_job_info(j) for j in response.jobs], response.next_page_token
 
     def cancel_job(self, job_id: str, reason: str = "") -> JobInfo:
         """Stops a job after its current step; a terminal job is returned unchanged. Raises NotFound."""
@@ -252,7 +258,8 @@ class Fp8rlClient:
 
         Finished steps are replayed first. When the stream breaks (UNAVAILABLE: controller
         restarted, network blip) it reopens from the step after the last one yielded, so no step
-        is lost or repeated; it gives up after ``watch_reconnect_s`` without receiving anything.
+        is lost or repeated; so does it, with back-off, while the controller's stream limits are full
+        (RESOURCE_EXHAUSTED); it gives up after ``watch_reconnect_s`` without receiving anything.
         One exception: when the trainer crashes and resumes from an older checkpoint, the job rewinds
         to the step after it and runs the later steps again, so this stream goes on from where it was
         while the job's record holds only the re-run reports (a new watch from step 0 reads that record).
@@ -296,7 +303,10 @@ class Fp8rlClient:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     last_contact = time.monotonic()  # the segment ran out while connected: reopen at once
                     continue
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                # UNAVAILABLE / CANCELLED: the controller restarted or the network blinked; RESOURCE_EXHAUSTED: the
+                # controller's stream limits were full. Each is retried with back-off for watch_reconnect_s.
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED):
                     raise _error(e, "WatchJob", self.target) from None
                 if time.monotonic() - last_contact > self.watch_reconnect_s:
                     raise _error(e, "WatchJob", self.target) from None

@@ -8,9 +8,9 @@ import pytest
 import redis
 
 from fp8rl.config import parse_job_config
-from fp8rl.controller.jobstore import JobExistsError, JobStore
+from fp8rl.controller.jobstore import JOB_STATES, JobExistsError, JobLimitError, JobStore
 from fp8rl.controller.plan import deployment_mismatch, new_job_id, sampling_seed, split_evenly
-from fp8rl.refit.keys import validate_job_id
+from fp8rl.refit.keys import Keys, validate_job_id
 
 pytestmark = pytest.mark.integration
 
@@ -103,3 +103,102 @@ def test_deployment_mismatch_names_the_key():
     why = deployment_mismatch(parse_job_config({"policy": {"model": "/m", "generation": {
         "vllm_cfg": {"kv_cache_dtype": "auto"}}}}), deployed)
     assert "kv_cache_dtype=auto" in why and "kv_cache_dtype=fp8" in why
+
+
+def test_a_long_model_name_is_not_echoed_whole():
+    deployed = parse_job_config({"policy": {"model": "/m"}})
+    why = deployment_mismatch(parse_job_config({"policy": {"model": "/" + "x" * 20_000}}), deployed)
+    assert why.startswith("policy.model:") and len(why) < 600 and "20003 characters" in why  # the repr: 20001 + quotes
+
+
+# -- the indexes, bounds and retention (a database of their own: the global indexes hold only these jobs) -------
+
+@pytest.fixture
+def store(redis_url):
+    client = redis.Redis.from_url(redis_url, db=7)
+    client.flushdb()
+    yield lambda **caps: JobStore(client, **caps)
+    client.flushdb()
+
+
+def _finish(jobs: JobStore, job_id: str, state: str = "succeeded") -> None:
+    assert jobs.transition(job_id, "running", ("pending",))
+    assert jobs.transition(job_id, state, ("running",))
+
+
+def test_pages_walk_every_job_once_newest_first_even_with_equal_times(store, monkeypatch):
+    jobs = store()
+    clock = iter([100.0] * 5 + [float(t) for t in range(101, 200)])  # five jobs share one submission time
+    monkeypatch.setattr("fp8rl.controller.jobstore.time.time", lambda: next(clock))
+    ids = [f"j{i:02d}" for i in range(12)]
+    for j in ids:
+        jobs.create(j, "", 1)
+    seen, token, pages = [], "", 0
+    while True:
+        page, token = jobs.page("", 5, token)
+        seen += [r.job_id for r in page]
+        pages += 1
+        if not token:
+            break
+    assert sorted(seen) == ids and len(seen) == len(set(seen)) and pages == 3
+    created = [jobs.get(j).created_unix for j in seen]
+    assert created == sorted(created, reverse=True)  # newest first, ties in a fixed order
+    assert [r.job_id for r in jobs.page("pending", 3)[0]] == seen[:3]
+    with pytest.raises(ValueError, match="page_token"):
+        jobs.page("", 5, "not-a-token")
+
+
+def test_state_indexes_follow_every_change_and_the_queue_head_is_the_oldest(store):
+    jobs = store()
+    for j in ("a", "b", "c"):
+        jobs.create(j, "", 2)
+    assert jobs.first_in_state("pending").job_id == "a" and jobs.first_in_state("running") is None
+    _finish(jobs, "a", "failed")
+    assert jobs.transition("b", "running", ("pending",))
+    jobs.append_report("b", {"step": 0}, "running", next_version=1)
+    jobs.append_report("b", {"step": 1}, "succeeded", next_version=2)
+    assert [jobs.count(s) for s in ("pending", "running", "succeeded", "failed")] == [1, 0, 1, 1]
+    assert jobs.first_in_state("pending").job_id == "c" and jobs.count() == 3
+
+
+def test_caps_refuse_new_jobs_and_create_nothing(store):
+    jobs = store(max_jobs=3, max_queued=2)
+    jobs.create("a", "", 1)
+    jobs.create("b", "", 1)
+    with pytest.raises(JobLimitError, match="2 jobs are pending"):
+        jobs.create("c", "", 1)
+    assert jobs.get("c") is None
+    _finish(jobs, "a")
+    jobs.create("c", "", 1)
+    with pytest.raises(JobLimitError, match="3 jobs are stored"):
+        jobs.create("d", "", 1)
+    assert jobs.get("d") is None and jobs.count() == 3
+
+
+def test_retention_deletes_old_and_surplus_finished_jobs_with_every_key(store):
+    jobs = store()
+    for j in ("old", "mid", "new", "live"):
+        jobs.create(j, "job: {}\n", 1)
+    for j in ("old", "mid", "new"):
+        _finish(jobs, j, "cancelled" if j == "mid" else "succeeded")
+    assert jobs.delete("live") is False and jobs.get("live") is not None  # a live job is never deleted
+    client = jobs.client
+    finished = {j: client.zscore(Keys.jobs_finished(), j) for j in ("old", "mid", "new")}
+    now = max(finished.values())
+    assert jobs.prune(max_age_s=1e9, max_finished=2, now=now) == 1  # the oldest beyond 2
+    assert jobs.get("old") is None and not client.keys("fp8rl:old:*")
+    assert jobs.prune(max_age_s=0.0, max_finished=10, now=now + 1) == 2  # every finished job is past 0 s
+    assert [r.job_id for r in jobs.list()] == ["live"]
+    assert client.scard(Keys.jobs_index()) == 1 and client.zcard(Keys.jobs_finished()) == 0
+    jobs.create("old", "", 1)  # a deleted job's id is free again
+
+
+def test_jobs_of_an_older_controller_are_indexed_once(store):
+    jobs = store()
+    jobs.create("a", "", 1)
+    _finish(jobs, "a")
+    client = jobs.client
+    for key in (Keys.jobs_created(), Keys.jobs_finished(), *(Keys.jobs_in_state(s) for s in JOB_STATES)):
+        client.delete(key)  # what a controller before the indexes left: the set and the job's own keys
+    assert jobs.list() == [] and jobs.ensure_indexes() == 1 and jobs.ensure_indexes() == 0
+    assert [r.job_id for r in jobs.list("succeeded")] == ["a"] and jobs.prune(0.0, 10) == 1

@@ -295,17 +295,24 @@ def test_long_calls_filling_the_workers_never_starve_health_or_status(svc):
 
 def test_too_many_watch_streams_are_resource_exhausted_and_get_job_still_answers(svc):
     job_id = submit(svc, tiny_job(svc, job={"steps": 50, "checkpoint_every": 0})).job_id
-    streams = [svc.jobs().WatchJob(controller_pb2.WatchJobRequest(job_id=job_id), timeout=120)
-               for _ in range(limits.MAX_WATCH_STREAMS)]
+    per_client = limits.MAX_WATCH_STREAMS_PER_CLIENT
+    clients = [make_channel(svc.stack.target, token=svc.stack.client_token, tls_ca="", own_connection=True)
+               for _ in range(limits.MAX_WATCH_STREAMS // per_client)]
+    streams = [controller_pb2_grpc.JobServiceStub(c).WatchJob(controller_pb2.WatchJobRequest(job_id=job_id),
+                                                              timeout=120) for c in clients for _ in range(per_client)]
     try:
         time.sleep(1.0)  # let the streams start on the server
         refused(lambda: list(svc.jobs().WatchJob(controller_pb2.WatchJobRequest(job_id=job_id), timeout=10)),
                 EXHAUSTED, match=f"{limits.MAX_WATCH_STREAMS} WatchJob streams are open")
+        refused(lambda: list(controller_pb2_grpc.JobServiceStub(clients[0]).WatchJob(
+            controller_pb2.WatchJobRequest(job_id=job_id), timeout=10)), EXHAUSTED, match="the limit per client")
         svc.healthy("controller")
         assert svc.jobs().GetJob(controller_pb2.GetJobRequest(job_id=job_id), timeout=FAST_S).job.job_id == job_id
     finally:
         for s in streams:
             s.cancel()
+        for c in clients:
+            c.close()
     cancelled = svc.jobs().CancelJob(controller_pb2.CancelJobRequest(job_id=job_id), timeout=60).job
     assert cancelled.state == "cancelled", cancelled
     deadline = time.monotonic() + 10  # closed streams give their slots back

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.rpc import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.channel import make_channel
-from fp8rl.rpc.guard import RequestGuard, is_light
+from fp8rl.rpc.guard import GateLimits, is_light, request_limit
 from fp8rl.rpc.server import build_server, set_serving
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -120,5 +120,11 @@ def test_light_methods_and_bad_limits():
     assert is_light("/grpc.health.v1.Health/Check") and is_light("/fp8rl.v1.TrainerService/Status")
     assert is_light("/fp8rl.v1.JobService/GetJob") and not is_light("/fp8rl.v1.JobService/WatchJob")
     assert not is_light("/fp8rl.v1.RolloutService/Generate")
-    with pytest.raises(ValueError, match="max_concurrent must be >= 1, got 0"):
-        RequestGuard(0)
+    with pytest.raises(ValueError, match="long_calls must be >= 1, got 0"):
+        GateLimits(long_calls=0, light_calls=1)
+    with pytest.raises(ValueError, match="first_message_s must be > 0"):
+        GateLimits(long_calls=1, light_calls=1, first_message_s=0)
+    # the batch-carrying RPCs take the bulk limit; a job YAML fits SubmitJob; everything else is small
+    assert request_limit("/fp8rl.v1.TrainerService/TrainStep", 123) == 123
+    assert request_limit("/fp8rl.v1.JobService/SubmitJob", 123) > 64 * 1024
+    assert request_limit("/fp8rl.v1.JobService/ListJobs", 1 << 30) == 64 * 1024

@@ -53,13 +53,14 @@ class FakeController(controller_pb2_grpc.JobServiceServicer):
         self.calls: collections.Counter[str] = collections.Counter()
         self.fail_next: collections.Counter[str] = collections.Counter()
         self.delay_s = 0.0
+        self.fail_code = grpc.StatusCode.UNAVAILABLE  # what fail_next answers
 
     def _enter(self, method: str, context) -> None:
         self.calls[method] += 1
         time.sleep(self.delay_s)
         if self.fail_next[method] > 0:
             self.fail_next[method] -= 1
-            context.abort(grpc.StatusCode.UNAVAILABLE, "injected outage")
+            context.abort(self.fail_code, "injected outage")
 
     def _job(self, job_id: str, context) -> controller_pb2.JobInfo:
         if job_id not in self.jobs:
@@ -278,6 +279,15 @@ def test_watch_reopens_expired_segments_and_honours_its_own_timeout(served):
         calls_before = served.fake.calls["WatchJob"]
         assert [r.step for r in c.watch(job)] == [0]  # every call has a deadline; the watch outlives them
         assert served.fake.calls["WatchJob"] - calls_before >= 2
+
+
+def test_watch_backs_off_and_retries_while_the_stream_limits_are_full(client, served):
+    job = client.submit_job(GOOD_JOB)
+    served.fake.add_step(job, "succeeded")
+    served.fake.fail_code = grpc.StatusCode.RESOURCE_EXHAUSTED  # what the controller answers past its watch limits
+    served.fake.fail_next["WatchJob"] = 3
+    assert [r.step for r in client.watch(job)] == [0]
+    assert served.fake.calls["WatchJob"] == 4  # three refusals, then the stream
 
 
 def test_idempotent_calls_retry_and_submit_does_not(client, served):

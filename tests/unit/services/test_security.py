@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from fp8rl.rpc import channel
 from fp8rl.rpc.server import SCOPE_CLIENT, SCOPE_SERVICE
 from services.common import security
 
@@ -21,6 +22,7 @@ def _no_env(monkeypatch):
     for var in VARS:
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
+    monkeypatch.setattr(channel, "_process_token", channel._UNSET)  # what apply_security_args sets, restored after
 
 
 def _args(*argv: str, host: str = "127.0.0.1") -> argparse.Namespace:
@@ -82,12 +84,17 @@ def test_the_service_token_becomes_the_outgoing_one(monkeypatch, tmp_path):
     monkeypatch.setenv("FP8RL_AUTH_TOKEN", "client-token-of-a-user")
     monkeypatch.setenv("FP8RL_TOKEN_FILE", _file(tmp_path, "c", "client-from-file"))
     args = _args("--service-token", "S", "--tls-ca", "/ca.pem")
+    monkeypatch.setenv("FP8RL_SERVICE_TOKEN_FILE", _file(tmp_path, "s", "unused-because-the-flag-wins"))
     security.apply_security_args(args)
     assert args.tokens.service == "S"
-    assert os.environ["FP8RL_AUTH_TOKEN"] == "S" and "FP8RL_TOKEN_FILE" not in os.environ
+    assert channel.resolve_token() == "S"  # what this process's channels send
+    # no token variable is left for the processes a service starts (grading workers parse untrusted output)
+    assert not [v for v in security.SECRET_ENV if v in os.environ]
     assert os.environ["FP8RL_TLS_CA"] == "/ca.pem"
+    monkeypatch.setenv("FP8RL_AUTH_TOKEN", "client-token-of-a-user")
     security.apply_security_args(_args())
-    assert os.environ["FP8RL_AUTH_TOKEN"] == ""  # no service token: send none, never the client's
+    assert channel.resolve_token() is None  # no service token: send none, never the client's
+    assert channel.resolve_token("explicit") == "explicit"
 
 
 def test_tls_half_configured_is_refused():
