@@ -12,10 +12,11 @@ default ``--workers 8``) and measures, loopback only:
    token (sampled every 20 ms); ``ratio rss_after/rss_before``.
 3. **Controller with ``--jobs`` stored jobs** (written through the job store as finished jobs, the retention
    raised to keep them): ListJobs latency for ``limit=1`` and ``limit=100`` (median of 20), a walk through every
-   page of 1000, and the idle controller's CPU share over 10 s, against the same with no jobs stored
+   page of 1000, and the idle controller's CPU share over 20 s, against the same with no jobs stored
    (``ratio idle_cpu_jobs/idle_cpu_empty``).
 4. **Score behind cancelled callers**: 16 items of a grader that sleeps 2 s each, on 2 grading workers, with a
-   1 s deadline; then a normal 8-item Score, timed (``ratio score_after_cancel/score_alone``).
+   1 s deadline; then a normal 8-item Score, timed against one slow item's 2 s (``ratio
+   score_after_cancel/one_slow_item``: at most 1 when the cancelled batch's queued items are dropped).
 
 Needs ``redis-server`` (or ``$FP8RL_REDIS_SERVER``) and the tiny-arith warm start (cached after the first run).
 """
@@ -185,16 +186,20 @@ def main() -> None:
             time.sleep(seconds)
             return (cpu_s(cpid) - c0) / (time.monotonic() - t0)
 
-        empty = idle_cpu()
+        empty = idle_cpu(20.0)
         store = JobStore(redis.Redis.from_url(info["redis_url"]))
         t0 = time.perf_counter()
         for i in range(a.jobs):
             j = f"bench-{i:06d}"
-            store.create(j, "job: {}\n", 1)
+            store.create(j, "job: {steps: 1}\n", 1)
             store.transition(j, "succeeded", ("pending",))
         print(f"stored {a.jobs} finished jobs in {time.perf_counter() - t0:.1f} s")
         jobs = controller_pb2_grpc.JobServiceStub(make_channel(info["controller"], token=tokens["client_token"],
                                                                tls_ca=""))
+        for rec in store.in_state("running"):  # one the runner took before it was marked finished: stop it
+            jobs.CancelJob(controller_pb2.CancelJobRequest(job_id=rec.job_id), timeout=120)
+        while store.count("running"):
+            time.sleep(0.5)
         for limit in (1, 100):
             lat = []
             for _ in range(20):
@@ -211,7 +216,8 @@ def main() -> None:
             if not token:
                 break
         print(f"every page of 1000: {n} jobs in {time.perf_counter() - t:.2f} s")
-        full = idle_cpu()
+        time.sleep(5.0)  # the paging above is over
+        full = idle_cpu(20.0)
         print(f"idle controller CPU: {full:.2%} with {a.jobs} jobs, {empty:.2%} with none")
         print(f"ratio idle_cpu_jobs/idle_cpu_empty {full / max(empty, 1e-4):.2f}")
         # 4. Score behind cancelled callers
@@ -230,7 +236,9 @@ def main() -> None:
         score(normal, timeout=60)
         behind = time.perf_counter() - t
         print(f"Score of 8 items: {alone:.2f} s alone, {behind:.2f} s behind 16 cancelled 2 s items")
-        print(f"ratio score_after_cancel/score_alone {behind / alone:.1f}")
+        # the bound: the 2 items grading when the caller left finish (<= 2 s); the 14 queued ones are dropped (the
+        # old behaviour graded all 16 first: 15 s on 2 workers)
+        print(f"ratio score_after_cancel/one_slow_item {behind / 2.0:.2f}")
     finally:
         subprocess.run([sys.executable, "-m", "deploy.launcher", "down", "--run-dir", str(run_dir)], cwd=REPO,
                        env=env, capture_output=True, text=True)
