@@ -76,6 +76,8 @@ LOOP_FLAGS: dict[str, str] = {
     "batch_invariant": "policy.numerics.batch_invariant",
     "auto_bf16_layers": "policy.numerics.auto_bf16_layers",
     "auto_bf16_target": "policy.numerics.auto_bf16_target",
+    "router_replay": "policy.router_replay.enabled",
+    "router_aux_loss_coef": "loss.router_aux_loss_coef",
 }
 
 
@@ -137,9 +139,12 @@ class GRPOLoop:
         if job.policy.numerics.auto_bf16_layers:
             job = self.job = self._auto_bf16_layers(job, policy)
         self.rollout_recipe = job.fp8_recipe("rollout")
+        # (L, K, E) when the rollout's routes go to the trainer (routing replay on a mixture-of-experts model)
+        self.route_shape = policy.config.route_shape if job.policy.router_replay.enabled else None
         self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=stop_token_ids(self.tok),
-                                          pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256)
+                                          pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256,
+                                          record_routes=job.policy.router_replay.enabled)
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
         cal = job.calibration
         self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id, percentile=cal.percentile,
@@ -281,7 +286,8 @@ class _InProcess:
         if loop.trainer.version != version:
             raise RuntimeError(f"step {step} expects the trainer at version {version}, it holds {loop.trainer.version}")
         batch = build_train_batch([s for _, s, _ in rows], None, loop.plan.group, loop.tok.pad_id,
-                                  advantages=torch.tensor([a for _, _, a in rows], dtype=torch.float64))
+                                  advantages=torch.tensor([a for _, _, a in rows], dtype=torch.float64),
+                                  route_shape=loop.route_shape)
         if getattr(loop.trainer, "needs_qkv_scales", False):  # the rollout's scales of the version it recomputes
             loop.trainer.load_qkv_scales(self._trainer_scales.pop(version))
         out = train_on_batch(loop.trainer, batch, max_weight_lag=max_weight_lag)

@@ -78,7 +78,7 @@ class GrpcStep:
     def train(self, version, step, rows, *, max_weight_lag=0):
         req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag, rows=[
             trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a,
-                                 weight_version=s.weight_version)
+                                 weight_version=s.weight_version, routes=s.routes if s.HasField("routes") else None)
             for p, s, a in rows])
         resp = self.rpc("train", "trainer", "TrainStep", req, DL.train_step)
         pt = resp.phase_times

@@ -37,6 +37,7 @@ from fp8rl.model.tokenizer import load_tokenizer, stop_token_ids
 from fp8rl.presets import PRESETS, load_policy, prepare_preset
 from fp8rl.refit import RefitFollower
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from fp8rl.rpc.routes import routes_to_proto
 from services.common.compute import OnComputeThread
 from services.common.refit import build_subscriber
 from services.common.runtime import (
@@ -185,6 +186,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             yield rollout_pb2.GenerateResponse(request_id=request.request_id, sample=rollout_pb2.Sample(
                 prompt_index=smp.prompt_index, sample_index=index, token_ids=smp.token_ids, logprobs=smp.logprobs,
                 finish_reason=smp.finish_reason, weight_version=smp.weight_version,
+                routes=None if smp.routes is None else routes_to_proto(smp.routes),
             ))
 
     @rpc_method

@@ -56,10 +56,10 @@ __all__ = ["CommandChannel", "LeaderTrainer", "follow", "SHARED_ERRORS", "EXIT_G
 SHARED_ERRORS = (Cancelled, FloatingPointError, StaleSampleError, ValueError)
 EXIT_GROUP_FAILED = 1
 MAX_HEADER_BYTES = 1 << 20
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.int64, torch.int32, torch.float32, torch.float64,
-                                                     torch.bfloat16, torch.uint8, torch.bool)}
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.int64, torch.int32, torch.int16, torch.float32,
+                                                     torch.float64, torch.bfloat16, torch.uint8, torch.bool)}
 BATCH_FIELDS = ("input_ids", "attention_mask", "loss_mask", "advantages", "gen_logprobs", "prev_logprobs",
-                "ref_logprobs", "versions")
+                "ref_logprobs", "versions", "routes")
 DEFAULT_KEEPALIVE_S = 30.0
 
 

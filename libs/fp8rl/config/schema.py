@@ -14,7 +14,7 @@ from .fields import ConfigError, Section, section, setting
 __all__ = [
     "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
     "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RewardConfig",
-    "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
+    "RouterReplayConfig", "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
 ]
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
@@ -125,6 +125,20 @@ class NumericsConfig(Section):
 
 
 @dataclass(frozen=True)
+class RouterReplayConfig(Section):
+    KEY = "policy.router_replay"
+    enabled: bool = setting(False, "Mixture-of-experts models: rollout routing replay (R3). The rollout records the "
+                            "experts every token used in every layer and ships them with the sample; the trainer's "
+                            "logprob and training passes use those experts (gates from its own router scores, so "
+                            "the router still learns). Batch-invariant numerics need no replay (routing already "
+                            "agrees bitwise); replay is for engines that are not (vLLM, or invariance off). The "
+                            "torch rollout engine only.")
+    measure_unreplayed: bool = setting(True, "With replay: the trainer's logprob pass also runs once without it and "
+                                       "reports that mismatch (moe/unreplayed/*); one extra no-grad forward per "
+                                       "step.")
+
+
+@dataclass(frozen=True)
 class PolicyConfig(Section):
     KEY = "policy"
     model: str = setting("tiny-arith", "A preset name (tiny-arith, smollm2-135m-instruct) or a local HF checkpoint "
@@ -133,6 +147,8 @@ class PolicyConfig(Section):
     training: TrainingConfig = section(TrainingConfig, "The trainer.")
     numerics: NumericsConfig = section(NumericsConfig, "How the engines compute (batch invariance, automatic bf16 "
                                        "layers).")
+    router_replay: RouterReplayConfig = section(RouterReplayConfig, "Mixture-of-experts routing replay (NeMo RL's "
+                                                "key).")
 
 
 @dataclass(frozen=True)
@@ -159,6 +175,10 @@ class LossSection(Section):
     dual_clip_c: float | None = setting(None, "Dual-clip bound for negative advantages (null: off).", kind=float,
                                         optional=True)
     kl_coef: float = setting(0.0, "k3 KL coefficient to the initial policy (0: no reference model).", ge=0.0)
+    router_aux_loss_coef: float = setting(0.0, "Mixture-of-experts models: weight of the load-balancing loss "
+                                          "(transformers' load_balancing_loss_func) added to the policy loss; 0 "
+                                          "reports it (moe/aux_loss) without training on it. A checkpoint's own "
+                                          "router_aux_loss_coef (pretraining's) is not used.", ge=0.0)
     importance_sampling: ImportanceSamplingConfig = section(ImportanceSamplingConfig, "Off-policy correction.")
 
 

@@ -38,7 +38,7 @@ CORRECT_REWARD = 0.5
 # batch shape, sampling length, data, grader, checkpoint cadence) is the controller's, per job.
 DEPLOYMENT_KEYS = (
     "policy.model", "policy.generation.backend", "policy.generation.temperature", "policy.generation.vllm_cfg",
-    "policy.training", "loss", "calibration",
+    "policy.training", "policy.numerics", "policy.router_replay", "loss", "calibration",
 )
 
 

@@ -115,6 +115,9 @@ class Sample:
         logprobs: the engine's logprob of each generated token (``gen_logprobs``), same length.
         finish_reason: ``"stop"`` or ``"length"``.
         weight_version: the weight version that produced it.
+        routes: mixture-of-experts models with routing replay: the experts every token the engine *fed* used
+            in every mixture-of-experts layer, ``(len(prompt_ids) + len(token_ids) - 1, L, K)`` uint8 (int16 past
+            256 experts) — the prompt's prefill, then each generated token but the last (never fed). None otherwise.
     """
 
     prompt_index: int
@@ -123,6 +126,7 @@ class Sample:
     logprobs: tuple[float, ...]
     finish_reason: str
     weight_version: int
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -141,6 +145,8 @@ class TrainBatch:
         ref_logprobs: ``(B, T)`` reference-policy logprobs for the KL term, or None.
         versions: ``(B,)`` int64 weight version that generated each row (the behaviour policy), or None
             (every row from the version the trainer holds).
+        routes: ``(B, T, L, K)`` int16 experts the rollout used at each position and mixture-of-experts layer
+            (-1 where it has none: padding, a row's last token), replayed by the trainer; or None.
     """
 
     input_ids: torch.Tensor
@@ -151,9 +157,12 @@ class TrainBatch:
     prev_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
+        if self.routes is not None and (self.routes.dim() != 4 or tuple(self.routes.shape[:2]) != (b, t)):
+            raise ValueError(f"TrainBatch.routes has shape {tuple(self.routes.shape)}, expected ({b}, {t}, L, K)")
         for name in ("attention_mask", "loss_mask", "gen_logprobs", "prev_logprobs", "ref_logprobs"):
             val = getattr(self, name)
             if val is not None and tuple(val.shape) != (b, t):
@@ -176,7 +185,7 @@ class TrainBatch:
         return TrainBatch(
             self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
             self.advantages[start:stop], self.gen_logprobs[start:stop], cut(self.prev_logprobs),
-            cut(self.ref_logprobs), cut(self.versions),
+            cut(self.ref_logprobs), cut(self.versions), cut(self.routes),
         )
 
 

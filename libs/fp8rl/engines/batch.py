@@ -17,17 +17,20 @@ from fp8rl.rl import grpo_advantages, mismatch_metrics
 
 from .base import ShouldStop, TrainBatch, TrainerBackend
 
-__all__ = ["StaleSampleError", "TrainOutcome", "build_train_batch", "check_lag", "lag_metrics", "train_on_batch"]
+__all__ = ["StaleSampleError", "TrainOutcome", "batch_routes", "build_train_batch", "check_lag", "lag_metrics",
+           "train_on_batch"]
 
 
 def build_train_batch(
     samples: Sequence, rewards: torch.Tensor | None, group_size: int, pad_id: int, *,
-    advantages: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None, route_shape: tuple[int, int, int] | None = None,
 ) -> TrainBatch:
     """Right-padded :class:`TrainBatch` from prompt-major samples (``prompt_ids``, ``token_ids``, ``logprobs``).
 
     Advantages are the GRPO advantages of ``rewards`` (groups of ``group_size`` consecutive
     samples), or given directly with ``advantages`` (e.g. already computed by a controller).
+    ``route_shape`` ``(L, K, E)`` (routing replay on a mixture-of-experts model) takes every sample's
+    ``routes`` into the batch (:func:`batch_routes`).
     """
     if (rewards is None) == (advantages is None):
         raise ValueError("build_train_batch needs exactly one of rewards or advantages")
@@ -47,7 +50,39 @@ def build_train_batch(
     adv = grpo_advantages(rewards, group_size).float() if advantages is None else advantages.float()
     known = [getattr(s, "weight_version", None) for s in samples]
     versions = torch.tensor(known, dtype=torch.long) if all(v is not None for v in known) else None
-    return TrainBatch(ids, attn, loss_mask, adv, gen, versions=versions)
+    return TrainBatch(ids, attn, loss_mask, adv, gen, versions=versions,
+                      routes=batch_routes(samples, T, route_shape))
+
+
+def batch_routes(samples: Sequence, T: int, route_shape: tuple[int, int, int] | None) -> torch.Tensor | None:
+    """``(B, T, L, K)`` int16 routes of right-padded rows (-1 where none), or None when ``route_shape`` is None.
+
+    ``route_shape`` is ``(L, K, E)``: mixture-of-experts layers, experts per token, experts per layer. Every sample
+    must then carry ``routes`` of ``(prompt + response - 1, L, K)`` ids in ``[0, E)``, ``K`` distinct per token.
+
+    Raises:
+        ValueError: a sample's routes are missing or malformed (the message names the sample and what is wrong).
+    """
+    if route_shape is None:
+        return None
+    L, K, E = route_shape
+    out = torch.full((len(samples), T, L, K), -1, dtype=torch.int16)
+    for b, s in enumerate(samples):
+        r = getattr(s, "routes", None)
+        n = len(s.prompt_ids) + len(s.token_ids) - 1
+        if r is None:
+            raise ValueError(f"sample {b}: routing replay is on, but the sample carries no routes (the rollout engine "
+                             f"must record them)")
+        if tuple(r.shape) != (n, L, K):
+            raise ValueError(f"sample {b}: routes have shape {tuple(r.shape)}, expected ({n}, {L}, {K}) (prompt + "
+                             f"response - 1 tokens, {L} mixture-of-experts layers, top-{K})")
+        r = r.long()
+        if bool(((r < 0) | (r >= E)).any()):
+            raise ValueError(f"sample {b}: routes hold expert ids outside [0, {E})")
+        if K > 1 and bool((r.sort(-1).values.diff(dim=-1) == 0).any()):
+            raise ValueError(f"sample {b}: routes name one expert twice for a token (top-{K} experts are distinct)")
+        out[b, :n] = r.to(torch.int16)
+    return out
 
 
 @dataclass(frozen=True)
@@ -110,6 +145,9 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
     mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
     mismatch.update(lag_metrics(batch, trainer.version, mismatch))
+    route_metrics = getattr(trainer, "routing_metrics", None)  # mixture-of-experts trainers: moe/* of that pass
+    if route_metrics is not None:
+        mismatch.update(route_metrics())
     t_logprobs, t = time.perf_counter() - t, time.perf_counter()
     train = trainer.train_step(batch, should_stop=should_stop)
     return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, t_logprobs,

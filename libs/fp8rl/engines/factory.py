@@ -37,6 +37,10 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
     if backend == "torch":
         return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common, parallel=parallel)
     if backend == "megatron":
+        if policy.num_moe_layers:
+            raise ValueError(f"policy.training.backend: 'megatron' runs no mixture-of-experts model yet (this "
+                             f"{policy.config.architecture} has {policy.config.num_experts} experts per layer); use "
+                             f"backend 'torch'")
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise ValueError("policy.training.backend: 'megatron' needs megatron-core, which is not installed: "
                              "pip install 'fp8rl[megatron]' (or `make test-megatron`, which installs it into .venv)")
@@ -68,7 +72,7 @@ def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: li
             raise ValueError("policy.generation.backend: 'torch' runs on the loaded policy; none was given")
         return TorchRolloutEngine(policy, job.fp8_recipe("rollout"), eos_token_ids=eos_token_ids,
                                   pad_token_id=pad_token_id, initial_version=None, max_batch_size=max_batch_size,
-                                  seed=job.job.seed)
+                                  seed=job.job.seed, record_routes=job.policy.router_replay.enabled)
     if backend == "vllm":  # imported here: vLLM is an optional install
         from .vllm.rollout import VllmRolloutEngine
 

@@ -37,7 +37,7 @@ from fp8rl.fp8 import (
     convert_model,
     load_qkv_scales,
 )
-from fp8rl.model import CausalLM, KVCache
+from fp8rl.model import CausalLM, KVCache, Routing, routing
 
 from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
 
@@ -80,6 +80,8 @@ class TorchRolloutEngine(RolloutEngine):
         max_batch_size: rows decoded together (prompts × n are chunked to this).
         pad_token_id: filler for left padding.
         seed: seeds the engine's RNG for requests without their own seed.
+        record_routes: a mixture-of-experts model's samples carry the experts every fed token used
+            (:attr:`Sample.routes`: what routing replay gives the trainer).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class TorchRolloutEngine(RolloutEngine):
         max_batch_size: int = 64,
         pad_token_id: int = 0,
         seed: int = 0,
+        record_routes: bool = False,
     ) -> None:
         self.recipe = recipe
         self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
@@ -105,6 +108,9 @@ class TorchRolloutEngine(RolloutEngine):
         self._lock = threading.RLock()
         self._rng = torch.Generator().manual_seed(seed)
         self.max_len = model.config.max_position_embeddings
+        self.record_routes = record_routes and self.model.num_moe_layers > 0
+        # expert ids as uint8 while they fit (at most 256 experts), else int16
+        self._route_dtype = torch.uint8 if model.config.num_experts <= 256 else torch.int16
 
     # ------------------------------------------------------------------ versions and refit
     @property
@@ -168,7 +174,8 @@ class TorchRolloutEngine(RolloutEngine):
             ids[b, P - len(p):] = torch.tensor(p)
             mask[b, P - len(p):] = 1
         cache = KVCache.for_model(self.model, B, P + params.max_tokens)
-        logits = self.model(ids, attention_mask=mask[:, :P], kv_cache=cache)[:, -1]  # (B, V)
+        routes: list[torch.Tensor] = []  # per forward: (B, T, L, K) experts used (record_routes)
+        logits = self._forward(ids, mask[:, :P], cache, routes)[:, -1]  # (B, V)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
         tokens = torch.zeros(B, params.max_tokens, dtype=torch.long)
         logps = torch.zeros(B, params.max_tokens)
@@ -184,7 +191,8 @@ class TorchRolloutEngine(RolloutEngine):
             if bool(done.all()) or t == params.max_tokens - 1:
                 break
             mask[:, P + t] = 1
-            logits = self.model(tok[:, None], attention_mask=mask[:, :P + t + 1], kv_cache=cache)[:, -1]
+            logits = self._forward(tok[:, None], mask[:, :P + t + 1], cache, routes)[:, -1]
+        fed = torch.cat(routes, dim=1) if routes else None  # (B, P + steps, L, K): slot order
         samples = []
         for b, (pi, p) in enumerate(rows):
             n = int(lengths[b])
@@ -193,5 +201,17 @@ class TorchRolloutEngine(RolloutEngine):
                 logprobs=tuple(logps[b, :n].tolist()),
                 finish_reason="stop" if bool(done[b]) else "length",
                 weight_version=version,
+                # the row's prompt (left padding dropped) and its generated tokens but the last (never fed)
+                routes=None if fed is None else fed[b, P - len(p):P + n - 1].clone(),
             ))
         return samples
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor]):
+        """One prefill or decode forward; with ``record_routes`` its ``(B, T, L, K)`` experts appended to ``routes``."""
+        if not self.record_routes:
+            return self.model(ids, attention_mask=mask, kv_cache=cache)
+        with routing(self.model, Routing(self.model.num_moe_layers, record=True)) as plan:
+            logits = self.model(ids, attention_mask=mask, kv_cache=cache)
+        used = plan.routes()  # (N, L, K)
+        routes.append(used.view(*ids.shape, *used.shape[1:]).to(self._route_dtype))
+        return logits

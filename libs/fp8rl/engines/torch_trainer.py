@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
-from fp8rl.model import CausalLM
-from fp8rl.rl import LossConfig, policy_loss
+from fp8rl.model import CausalLM, routing
+from fp8rl.rl import LossConfig, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
 from .parallel import DataParallel, full_tensor
+from .routing_stats import RouteStats, plan_for
 
 __all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs", "token_logprobs"]
 
@@ -57,6 +58,11 @@ class TrainerConfig:
         temperature: sampling temperature of the rollout; logprobs use ``logits / temperature``
             (0 means greedy sampling, whose logprobs are temperature-1).
         loss: policy-loss settings (clipping, KL, importance-sampling correction).
+        router_replay: mixture-of-experts models: the policy's passes use the experts the rollout recorded
+            (``TrainBatch.routes``) instead of routing again; gates come from this trainer's router scores.
+        router_aux_loss_coef: weight of the load-balancing loss added to the policy loss (0: reported only).
+        measure_unreplayed: with ``router_replay``, the logprob pass also runs once without replay and reports
+            that mismatch (``moe/unreplayed/*``: what replay removed). One extra no-grad forward per step.
     """
 
     lr: float = 1e-5
@@ -67,6 +73,9 @@ class TrainerConfig:
     num_minibatches: int = 1
     temperature: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
+    router_replay: bool = False
+    router_aux_loss_coef: float = 0.0
+    measure_unreplayed: bool = True
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -126,6 +135,8 @@ class TorchTrainer(TrainerBackend):
         self.recipe = recipe
         self.config = config
         self.parallel = parallel
+        self._moe_layers = model.num_moe_layers  # 0: dense (no routing plans, no moe/* metrics)
+        self._route_metrics: dict[str, float] = {}
         self.model = self._build_policy(model, recipe).train()
         # Trainer-side FP8 KV (batch-invariant recipes): the quantizers stay off the model except during this
         # trainer's own passes, which need the QKV scales the rollout used for the version they recompute; a
@@ -243,17 +254,45 @@ class TorchTrainer(TrainerBackend):
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
+        """The policy's logprobs (routes replayed with ``router_replay``); a mixture-of-experts model's routing
+        metrics of this pass are kept for :meth:`routing_metrics`."""
+        replay = self.config.router_replay and batch.routes is not None  # rows without routes: its own routing
+        stats = RouteStats(self._moe_layers)
         with self._fp8_kv():
-            return self._logprobs_of(self.model, batch, should_stop)
+            out = self._logprobs_of(self.model, batch, should_stop, replay=replay, stats=stats)
+            unreplayed = None
+            if replay and self._moe_layers and self.config.measure_unreplayed:
+                unreplayed = self._logprobs_of(self.model, batch, should_stop, replay=False)
+        self._route_metrics = stats.metrics(self.parallel.sum if self.parallel is not None else None) \
+            if self._moe_layers else {}
+        if unreplayed is not None:
+            m = mismatch_metrics(unreplayed, batch.gen_logprobs, batch.loss_mask)
+            self._route_metrics.update({f"moe/unreplayed/{k}": m[k] for k in ("token_mult_prob_error", "gen_kl_k3")})
+        return out
+
+    def routing_metrics(self) -> dict[str, float]:
+        """The ``moe/*`` metrics of the last :meth:`compute_logprobs` (:mod:`fp8rl.engines.routing_stats`); empty
+        for a dense model."""
+        return dict(self._route_metrics)
 
     @torch.no_grad()
-    def _logprobs_of(self, model: CausalLM, batch: TrainBatch, should_stop: ShouldStop | None = None) -> torch.Tensor:
+    def _logprobs_of(self, model: CausalLM, batch: TrainBatch, should_stop: ShouldStop | None = None, *,
+                     replay: bool = False, stats: RouteStats | None = None) -> torch.Tensor:
         p, t = self.parallel, self.config.temperature
+
+        def logprobs(mb: TrainBatch) -> torch.Tensor:
+            plan = plan_for(self._moe_layers, mb, replay=replay, record=stats is not None, aux=stats is not None)
+            if plan is None:
+                return sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
+            with routing(model, plan):
+                out = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
+            if stats is not None:
+                stats.add(plan)
+            return out
+
         if p is None:
-            return torch.cat([sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
-                              for _, mb in self._micro_batches(batch, should_stop)], dim=0)
-        return self._rows_of(batch, ((i, sequence_logprobs(model, mb.input_ids, mb.attention_mask, t))
-                                     for i, mb in self._micro_batches(batch, should_stop)))
+            return torch.cat([logprobs(mb) for _, mb in self._micro_batches(batch, should_stop)], dim=0)
+        return self._rows_of(batch, ((i, logprobs(mb)) for i, mb in self._micro_batches(batch, should_stop)))
 
     def _rows_of(self, batch: TrainBatch, rounds) -> torch.Tensor:
         """The ``(B, T)`` logprobs of ``batch`` on every rank of the group, from ``rounds``: ``(round, (rows, T)
@@ -333,8 +372,13 @@ class TorchTrainer(TrainerBackend):
         for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             if mb.num_tokens == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue
-            curr = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.config.temperature)
+            coef = self.config.router_aux_loss_coef
+            plan = plan_for(self._moe_layers, mb, replay=self.config.router_replay, aux=coef > 0)
+            with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
+                curr = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.config.temperature)
             loss, m = self._loss(curr, mb, num_tokens)
+            if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
+                loss = loss + coef * plan.aux_loss * (mb.num_tokens / num_tokens)
             loss.backward()
             _add_metrics(totals, weights, float(loss.detach()), m, mb.num_tokens)
         return totals, weights

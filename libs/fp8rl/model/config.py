@@ -1,14 +1,20 @@
-"""Model configuration for the Llama / Qwen2 / Qwen3 decoder-only family, and its HF config.json mapping.
+"""Model configuration for the Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder-only family, and its HF config.json mapping.
 
-One :class:`ModelConfig` describes every architecture we run. The three families differ only in
-a few switches, which the architecture pins down (HF hard-codes them, so a config that disagrees
-with its architecture could not round-trip through ``config.json``):
+One :class:`ModelConfig` describes every architecture we run. The families differ only in a few
+switches, which the architecture pins down (HF hard-codes them, so a config that disagrees with its
+architecture could not round-trip through ``config.json``):
 
-| architecture | q/k/v bias            | o_proj bias           | QK-norm |
-|--------------|-----------------------|-----------------------|---------|
-| llama        | ``attention_bias``    | ``attention_bias``    | no      |
-| qwen2        | always                | never                 | no      |
-| qwen3        | ``attention_bias``    | ``attention_bias``    | yes     |
+| architecture | q/k/v bias         | o_proj bias        | QK-norm | MLP of layer ``i``                         |
+|--------------|--------------------|--------------------|---------|--------------------------------------------|
+| llama        | ``attention_bias`` | ``attention_bias`` | no      | dense                                      |
+| qwen2        | always             | never              | no      | dense                                      |
+| qwen3        | ``attention_bias`` | ``attention_bias`` | yes     | dense                                      |
+| qwen3_moe    | ``attention_bias`` | ``attention_bias`` | yes     | experts when :meth:`ModelConfig.is_moe_layer` |
+
+Mixture-of-experts keys keep HF's names (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``, ``router_aux_loss_coef``); transformers 5
+*writes* ``num_local_experts`` instead of ``num_experts`` (its ``attribute_map``), so both are read and both
+are written (a reader of either generation sees the same number of experts).
 
 ``from_hf_dict`` reads both the transformers-4 layout (``rope_theta`` + ``rope_scaling``) and
 the transformers-5 layout (``rope_parameters``); ``to_hf_dict`` writes both so that readers of
@@ -21,25 +27,31 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["MOE_ARCHITECTURES", "ModelConfig", "SUPPORTED_ARCHITECTURES"]
 
 # architecture -> HF class name written into config.json "architectures"
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe"})
+MOE_ARCHITECTURES = frozenset({"qwen3_moe"})
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF config defaults for keys a config.json may omit (values of the transformers classes).
-_HF_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_HF_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
+# transformers 5's Qwen3MoeConfig defaults, for the keys a config.json may omit
+_QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                       "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001}
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder-only causal LM (HF Llama / Qwen2 / Qwen3 compatible).
+    """Shape and numerics of a decoder-only causal LM (HF Llama / Qwen2 / Qwen3 / Qwen3-MoE compatible).
 
     Attributes:
-        architecture: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
+        architecture: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"qwen3_moe"``.
         vocab_size: rows of the embedding and of ``lm_head``.
         hidden_size: model width.
         intermediate_size: SwiGLU inner width.
@@ -59,6 +71,14 @@ class ModelConfig:
             value (qwen3: True, others: False).
         bos_token_id, eos_token_id, pad_token_id: special token ids (eos may be a list).
         initializer_range: std of the normal init used when a model is built from scratch.
+        num_experts: routed experts of a mixture-of-experts layer (0: every layer dense). Only ``qwen3_moe``.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: SwiGLU inner width of one expert.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1.
+        decoder_sparse_step: layer ``i`` is a mixture-of-experts layer when ``(i + 1) % decoder_sparse_step == 0``
+            (and it is not in ``mlp_only_layers``).
+        mlp_only_layers: layer indices kept dense whatever ``decoder_sparse_step`` says.
+        router_aux_loss_coef: weight of the load-balancing loss added to the training loss (0: none).
     """
 
     architecture: str
@@ -80,6 +100,13 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     initializer_range: float = 0.02
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] | tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -124,18 +151,39 @@ class ModelConfig:
             self.attention_bias = self.architecture == "qwen2"
         if self.architecture == "qwen2" and not self.attention_bias:
             raise ValueError("qwen2 always has q/k/v biases (HF Qwen2Attention); attention_bias must be True")
-        want_qk_norm = self.architecture == "qwen3"
+        want_qk_norm = self.architecture in QK_NORM_ARCHITECTURES
         if self.qk_norm is None:
             self.qk_norm = want_qk_norm
         if self.qk_norm != want_qk_norm:
             raise ValueError(
-                f"qk_norm={self.qk_norm} contradicts architecture {self.architecture!r} (only qwen3 has q_norm/k_norm)"
+                f"qk_norm={self.qk_norm} contradicts architecture {self.architecture!r} (only "
+                f"{'/'.join(sorted(QK_NORM_ARCHITECTURES))} have q_norm/k_norm)"
             )
+        self._check_moe()
         eos = self.eos_token_id
         if eos is not None and not isinstance(eos, int):
             if not (isinstance(eos, list | tuple) and all(isinstance(e, int) for e in eos)):
                 raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
             self.eos_token_id = list(eos)
+
+    def _check_moe(self) -> None:
+        self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers or ())
+        if self.architecture not in MOE_ARCHITECTURES:
+            if self.num_experts:
+                raise ValueError(f"num_experts={self.num_experts} on architecture {self.architecture!r}: only "
+                                 f"{'/'.join(sorted(MOE_ARCHITECTURES))} have experts")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int for {self.architecture}, got {val!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {self.router_aux_loss_coef}")
 
     def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -161,6 +209,23 @@ class ModelConfig:
     def o_proj_bias(self) -> bool:
         """o_proj carries a bias: Llama and Qwen3 tie it to ``attention_bias``; Qwen2 never has one."""
         return bool(self.attention_bias) and self.architecture != "qwen2"
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` holds experts: HF's rule — not in ``mlp_only_layers``, experts configured,
+        and ``(i + 1) % decoder_sparse_step == 0``."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The indices of the layers with experts, in order (a route's layer axis follows it)."""
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def route_shape(self) -> tuple[int, int, int] | None:
+        """``(L, K, E)`` of a route: mixture-of-experts layers, experts per token, experts per layer (None: dense)."""
+        layers = self.moe_layers
+        return (len(layers), self.num_experts_per_tok, self.num_experts) if layers else None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -220,11 +285,12 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", _HF_MAX_POS_DEFAULT[arch]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
+            **(_moe_from_hf(d) if arch in MOE_ARCHITECTURES else {}),
         )
 
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -266,11 +332,33 @@ class ModelConfig:
             d["use_sliding_window"] = False  # q/k/v bias is implied by the class, no key for it
         else:
             d["attention_bias"] = bool(self.attention_bias)
-        if self.architecture == "qwen3":
+        if self.architecture in QK_NORM_ARCHITECTURES:
             d["use_sliding_window"] = False
+        if self.architecture in MOE_ARCHITECTURES:
+            d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers), router_aux_loss_coef=self.router_aux_loss_coef,
+                     output_router_logits=False)
         if self.architecture == "llama":
             d["mlp_bias"] = False
         return d
+
+
+def _moe_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts keys of a qwen3_moe ``config.json`` (``num_experts`` or transformers 5's
+    ``num_local_experts``; the class defaults for keys it omits)."""
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if d.get("num_experts") is not None and d.get("num_local_experts") is not None \
+            and d["num_experts"] != d["num_local_experts"]:
+        raise ValueError(f"config.json says num_experts={d['num_experts']} but num_local_experts="
+                         f"{d['num_local_experts']}")
+    get = {k: d.get(k) if d.get(k) is not None else v for k, v in _QWEN3_MOE_DEFAULTS.items()}
+    return dict(num_experts=experts if experts is not None else get["num_experts"],
+                num_experts_per_tok=get["num_experts_per_tok"], moe_intermediate_size=get["moe_intermediate_size"],
+                norm_topk_prob=bool(get["norm_topk_prob"]), decoder_sparse_step=get["decoder_sparse_step"],
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                router_aux_loss_coef=float(get["router_aux_loss_coef"]))
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -6,7 +6,11 @@ state-dict keys of :class:`~fp8rl.model.CausalLM`, so loading is a strict name c
 ``load_state_dict``. Two HF conventions are honoured:
 
 * tied embeddings: ``lm_head.weight`` is absent from saved files (and ignored if present);
-* legacy ``*.rotary_emb.inv_freq`` buffers found in old checkpoints are ignored (we recompute RoPE).
+* legacy ``*.rotary_emb.inv_freq`` buffers found in old checkpoints are ignored (we recompute RoPE);
+* experts: saved per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers writes by
+  default); the fused form a ``save_pretrained(save_original_format=False)`` leaves (``mlp.experts.gate_up_proj``
+  ``(E, 2F, C)`` with the gate rows first, ``mlp.experts.down_proj`` ``(E, C, F)``) is split on load — pure
+  index moves, exact.
 
 Saving writes only the HF tensors: an installed ``kv_quant`` (FP8 KV scales, recalibrated every
 step) is runtime state, not checkpoint state, and is skipped.
@@ -58,6 +62,24 @@ def _read_tensors(path: Path, device: str | torch.device) -> dict[str, torch.Ten
     return tensors
 
 
+def _unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused expert tensors (transformers 5's in-memory form) split into the per-expert names; others as they are."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if leaf == "gate_up_proj" and t.dim() == 3:  # (E, 2F, C): gate rows, then up rows
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = t[e, :f]
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = t[e, f:]
+        elif leaf == "down_proj" and t.dim() == 3:  # (E, C, F)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
     """HF tensor name -> shape for ``config`` (built on the meta device: no memory, no init)."""
     with torch.device("meta"):
@@ -95,7 +117,7 @@ def load_hf_checkpoint(
     config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
     tensors = _read_tensors(path, device)
 
-    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    tensors = _unfuse_experts({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")})
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     expected = _expected_shapes(config)

@@ -1,12 +1,16 @@
-"""Decoder-only causal LM of the Llama / Qwen2 / Qwen3 families (one implementation for all three).
+"""Decoder-only causal LM of the Llama / Qwen2 / Qwen3 / Qwen3-MoE families (one implementation for all).
 
 The rollout engine (incremental decoding with a :class:`~fp8rl.model.kv_cache.KVCache`) and the
 trainer (full sequences) run *this* module, so their numerics are shared by construction.
 
 Contracts other packages rely on:
 
-* Parameter names equal Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``, ...), so HF
-  checkpoints load with a plain ``load_state_dict``.
+* Parameter names equal Hugging Face's on-disk names (``model.layers.{i}.self_attn.q_proj.weight``,
+  ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...), so HF checkpoints load with a plain
+  ``load_state_dict`` (:mod:`fp8rl.model.moe` says why experts keep their per-expert names).
+* A mixture-of-experts layer's ``mlp`` is a :class:`~fp8rl.model.moe.SparseMoeBlock` whose router
+  (``mlp.gate``) is FP32 and not an ``nn.Linear``: never FP8. What a forward does with routing (record,
+  replay, load statistics) is a :class:`~fp8rl.model.router.Routing` plan installed around it.
 * Every projection is an ``nn.Linear`` attribute called as a module (``self.q_proj(x)``), so
   ``fp8rl.fp8.convert_model`` can swap it for an FP8 linear by name in ``self_attn`` / ``mlp``.
 * ``self_attn.qkv_point`` sees Q ``(B, H, T, D)`` and K/V ``(B, Hkv, T, D)`` after QK-norm and
@@ -32,6 +36,8 @@ from fp8rl.fp8.quant import E4M3
 from .config import ModelConfig
 from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attention
 from .kv_cache import KVCache
+from .moe import ExpertMLP, SparseMoeBlock
+from .router import TopKRouter, routers
 
 __all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm", "QKVPoint", "rope_inv_freq"]
 
@@ -218,17 +224,11 @@ class Attention(nn.Module):
         return cache.update(self.layer_idx, k.to(stored), v.to(stored))
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+class MLP(ExpertMLP):
+    """A dense layer's SwiGLU ``down(silu(gate(x)) * up(x))`` of width ``intermediate_size``."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class DecoderLayer(nn.Module):
@@ -239,7 +239,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(
         self,
@@ -266,7 +266,7 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 causal LM with HF parameter names.
+    """Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM with HF parameter names.
 
     Args:
         config: the architecture; weights are initialised N(0, ``initializer_range``) (biases 0,
@@ -284,6 +284,8 @@ class CausalLM(nn.Module):
         self._inv_freq = rope_inv_freq(config)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
         self.batch_invariance: BatchInvariance | None = None
+        for j, router in enumerate(routers(self)):  # its place on a route's layer axis
+            router.moe_index = j
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module) -> None:
@@ -293,7 +295,7 @@ class CausalLM(nn.Module):
                 m.weight.normal_(0.0, std)
                 if m.bias is not None:
                     m.bias.zero_()
-            elif isinstance(m, nn.Embedding):
+            elif isinstance(m, nn.Embedding | TopKRouter):
                 m.weight.normal_(0.0, std)
 
     def tie_weights(self) -> None:
@@ -304,6 +306,11 @@ class CausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with experts (the layer axis of a route); 0 for a dense model."""
+        return len(self.config.moe_layers)
 
     # -----------------------------------------------------------------------------------------
     # FP8 KV cache / FP8 attention

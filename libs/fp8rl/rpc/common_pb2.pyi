@@ -51,3 +51,15 @@ class TokenSequence(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Routes(_message.Message):
+    __slots__ = ("ids", "dtype", "layers", "top_k")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    dtype: str
+    layers: int
+    top_k: int
+    def __init__(self, ids: _Optional[bytes] = ..., dtype: _Optional[str] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
