@@ -6,6 +6,7 @@
     OUT/summary.md                   headline table: first/last reward and accuracy, mean
                                      token_mult_prob_error, calibrate share of step time, phase means
     OUT/reward.png accuracy.png token_mult_prob_error.png phase_times.png (stacked per phase)
+    OUT/expert_load.png             mixture-of-experts models: each layer's expert load (mean over steps)
     OUT/tensorboard/events.out.tfevents.*   every numeric column as a scalar, x = step
     OUT/observatory.md .json .png    with ``observatory=``: the mismatch observatory's tables and bars
                                      (:mod:`fp8rl.observatory`), its tables also appended to summary.md
@@ -91,6 +92,9 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "step_seconds_mean": _mean(rows, "time/total"),
     }
     out.update({f"phase_seconds/{p}": _mean(rows, f"time/{p}") for p in PHASES})
+    for key in ("moe/router_agreement", "moe/unreplayed/token_mult_prob_error", "moe/load_max_over_mean",
+                "moe/aux_loss"):  # mixture-of-experts models only (NaN otherwise)
+        out[key] = _mean(rows, key)
     return out
 
 
@@ -113,9 +117,34 @@ def _summary_md(s: dict[str, float], title: str, notes: list[str]) -> str:
         sec, total = s[f"phase_seconds/{p}"], s["step_seconds_mean"]
         share = 100 * sec / total if math.isfinite(sec) and total and math.isfinite(total) else math.nan
         lines.append(f"| {p} | {_fmt(sec, '.3f')} | {_fmt(share, '.1f', ' %')} |")
+    if math.isfinite(s.get("moe/load_max_over_mean", math.nan)):  # a mixture-of-experts model
+        lines += ["", "| mixture of experts (mean over steps) | value |", "|---|---|"]
+        for key, label in (("moe/router_agreement", "router agreement (trainer's own top-k = the rollout's)"),
+                           ("moe/unreplayed/token_mult_prob_error", "token_mult_prob_error without replay"),
+                           ("moe/load_max_over_mean", "expert load, busiest / mean (worst layer)"),
+                           ("moe/aux_loss", "load-balancing loss")):
+            if math.isfinite(s.get(key, math.nan)):
+                lines.append(f"| {label} | {_fmt(s[key], '.4f')} |")
+        lines.append("")
+        lines.append("Expert load per layer: `expert_load.png`.")
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
+
+
+def _expert_load(rows: list[dict]) -> list[list[float]] | None:
+    """The mean share of each (layer, expert) over the steps (``moe/load/{layer}/{expert}`` metrics), or None."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        for key, v in r.items():
+            if key.startswith("moe/load/") and _finite([v]):
+                layer, expert = (int(x) for x in key.split("/")[2:4])
+                cells.setdefault((layer, expert), []).append(float(v))
+    if not cells:
+        return None
+    n_l, n_e = max(k[0] for k in cells) + 1, max(k[1] for k in cells) + 1
+    return [[sum(cells.get((i, e), [0.0])) / max(1, len(cells.get((i, e), []))) for e in range(n_e)]
+            for i in range(n_l)]
 
 
 def _plots(rows: list[dict], out: Path) -> None:
@@ -146,6 +175,16 @@ def _plots(rows: list[dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "phase_times.png", dpi=100)
     plt.close(fig)
+    load = _expert_load(rows)
+    if load is not None:  # a mixture-of-experts model: which experts take the tokens, layer by layer
+        fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(load[0]) + 2), max(2.5, 0.45 * len(load) + 1.5)))
+        im = ax.imshow(load, aspect="auto", cmap="viridis")
+        ax.set(xlabel="expert", ylabel="mixture-of-experts layer", title="share of routed tokens (mean over steps)",
+               xticks=range(len(load[0])), yticks=range(len(load)))
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(out / "expert_load.png", dpi=100)
+        plt.close(fig)
 
 
 def _tensorboard(rows: list[dict], out: Path) -> None:

@@ -83,6 +83,12 @@ class SparseMoeBlock(nn.Module):
         out = y[:, 0] * weights[:, :1]
         for k in range(1, K):  # slot order, FP32: the same sum for a token whatever else is in the batch
             out = out + y[:, k] * weights[:, k:k + 1]
+        unused = [e for e, n in enumerate(counts) if not n]
+        if unused and torch.is_grad_enabled():
+            # Data-parallel trainers reduce every parameter's gradient: an expert no token of this rank chose must
+            # still get one (exactly 0), or the ranks' gradient collectives would differ in size (FSDP2, DDP).
+            touch = sum(p.reshape(-1)[:1].sum() for e in unused for p in self.experts[e].parameters())
+            out = out + 0.0 * touch
         return out.to(x.dtype).view(B, T, C)
 
     def extra_repr(self) -> str:

