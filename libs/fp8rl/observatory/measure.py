@@ -161,19 +161,24 @@ class Probe:
         """Sample the prompts with the rollout engine under the recipe with ``first`` / ``last`` bf16 layers."""
         cfg = self.cfg
         engine = TorchRolloutEngine(self.model, cfg.recipe_for("rollout", first, last), eos_token_ids=self.eos,
-                                    pad_token_id=self.pad, max_batch_size=max(1, len(self.prompts) * cfg.n))
+                                    pad_token_id=self.pad, max_batch_size=max(1, len(self.prompts) * cfg.n),
+                                    record_routes=True)  # a mixture-of-experts model's routes: the routing source
         if self.scales is not None:
             engine.load_scales(self.scales)
         samples = engine.generate(self.prompts, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                                                n=cfg.n, seed=cfg.seed))
-        batch = build_train_batch(samples, None, cfg.n, self.pad, advantages=torch.zeros(len(samples)))
+        batch = build_train_batch(samples, None, cfg.n, self.pad, advantages=torch.zeros(len(samples)),
+                                  route_shape=self.model.config.route_shape)
         return engine, batch
 
-    def trainer_logprobs(self, batch: TrainBatch, first: int | None = None, last: int | None = None) -> torch.Tensor:
-        """The trainer's recompute of ``batch`` under the recipe with ``first`` / ``last`` bf16 layers."""
+    def trainer_logprobs(self, batch: TrainBatch, first: int | None = None, last: int | None = None, *,
+                         replay: bool = False) -> torch.Tensor:
+        """The trainer's recompute of ``batch`` under the recipe with ``first`` / ``last`` bf16 layers (with
+        ``replay``, using the experts the rollout routed each token to)."""
         cfg = self.cfg
         trainer = TorchTrainer(self.model, cfg.recipe_for("trainer", first, last),
-                               TrainerConfig(micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature))
+                               TrainerConfig(micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
+                                             router_replay=replay, measure_unreplayed=False))
         if trainer.needs_qkv_scales:  # batch-invariant FP8 KV: the rollout's scales
             trainer.load_qkv_scales(self.scales)
         return trainer.compute_logprobs(batch)
@@ -215,8 +220,8 @@ class Probe:
 
     def sources(self, engine: TorchRolloutEngine, batch: TrainBatch, total: SourceRow,
                 ref: CausalLM, lin: CausalLM) -> tuple[list[SourceRow], torch.Tensor]:
-        """Per-source rows (``linear``, ``qkv``, ``probs``, ``decode``, ``rollout_numerics``, ``total``) and the
-        high-precision logprobs of ``batch``."""
+        """Per-source rows (``linear``, ``qkv``, ``probs``, ``decode``, ``rollout_numerics``, for a mixture-of-experts
+        model ``routing``, then ``total``) and the high-precision logprobs of ``batch``."""
         rr, mask = engine.recipe, batch.loss_mask
         ref_lp = self.logprobs(ref, batch)
         hp = "high-precision full forward"
@@ -235,6 +240,11 @@ class Probe:
                             batch.gen_logprobs, rollout_ff, mask))
         rows.append(compare("rollout_numerics", True, f"rollout recipe, full forward vs {hp}", rollout_ff, ref_lp,
                             mask))
+        if batch.routes is not None:  # a mixture-of-experts model: what routing flips alone cost the trainer
+            rows.append(compare("routing", True, "trainer recompute, its own routing vs the rollout's experts "
+                                "(replayed)", self.trainer_logprobs(batch), self.trainer_logprobs(batch, replay=True),
+                                mask))
+            self.say("  source routing done")
         rows.append(total)
         return rows, ref_lp
 

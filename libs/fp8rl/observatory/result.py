@@ -27,7 +27,8 @@ class SourceRow:
     """One divergence source: ``token_mult_prob_error`` (1.0 = equal) of ``logprobs`` against ``baseline``.
 
     Attributes:
-        name: ``linear``, ``qkv``, ``probs``, ``decode``, ``rollout_numerics`` or ``total``.
+        name: ``linear``, ``qkv``, ``probs``, ``decode``, ``rollout_numerics``, ``routing`` (mixture-of-experts
+            models: the trainer's own routing against the rollout's experts replayed) or ``total``.
         on: whether the observed rollout recipe uses this source (an off source measures exactly 1.0).
         compared: what was compared with what, in words (the table's second column).
         token_mult_prob_error: mean over generated tokens of ``exp(|Δlogp|)``.

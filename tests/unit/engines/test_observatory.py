@@ -225,3 +225,20 @@ def test_loop_flag_runs_the_observatory_and_builds_both_engines_with_its_choice(
     assert (summary["auto_bf16/num_first_layers_in_bf16"], summary["auto_bf16/num_last_layers_in_bf16"]) == (
         s.first, s.last)
     assert "## Mismatch observatory" in (tmp_path / "report" / "summary.md").read_text()
+
+
+def test_a_moe_models_routing_flips_are_a_source_of_their_own(model, prompts):
+    """Mixture-of-experts models get a ``routing`` row (the trainer's own routing against the rollout's experts
+    replayed); under batch invariance routing agrees bitwise, so the row is exactly 1.0. Dense models have none."""
+    import torch
+
+    from .conftest import tiny_config
+
+    torch.manual_seed(0)
+    moe = CausalLM(tiny_config(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=128, initializer_range=0.08)).eval()
+    assert all(r.name != "routing" for r in _observe(model, prompts, recipe="bf16", kv_cache_dtype="auto").sources)
+    exact = _observe(moe, prompts, recipe="fp8_e2e", kv_cache_dtype="fp8", batch_invariant=True).source("routing")
+    assert exact.on and exact.token_mult_prob_error == 1.0 and exact.max_abs_dlogp == 0.0
+    row = _observe(moe, prompts, recipe="fp8_e2e", kv_cache_dtype="fp8").source("routing")
+    assert row.on and row.token_mult_prob_error >= 1.0
