@@ -1,7 +1,7 @@
 """One GRPO trainer step in FP8 against BF16 on the CPU reference path: same model, same batch, one run.
 
     python bench/fp8_step.py [--hidden 768 --layers 6 --vocab 8000 --rows 32 --seq 96 --mb 8 --minibatches 2
-                              --steps 3]
+                              --steps 3] [--experts 16 --top-k 4 --moe-width 256]
 
 A seeded Llama-shaped model (``--hidden`` need not be a multiple of 128: the FP8 blocks are padded, as on a
 real checkpoint whose width is not) and one seeded batch. Each recipe runs :func:`fp8rl.engines.train_on_batch`
@@ -13,6 +13,9 @@ times after a warm-up; the median step time is reported. Three trainers:
   (:class:`fp8rl.fp8.linear.WeightCache`);
 * ``fp8_e2e_per_call``: the same with the cache off — every micro-batch forward (and the logprob pass)
   quantizes and dequantizes every weight again, what the trainer did before.
+
+With ``--experts E`` the model is a Qwen3-MoE of the same shape whose every layer routes each token to ``--top-k``
+of ``E`` experts of width ``--moe-width`` (the router FP32, each expert's linears FP8 per the recipe).
 
 Prints ``ratio fp8_step/bf16_step`` (target ≤ 1.3), ``ratio fp8_per_call_step/bf16_step`` and
 ``ratio fp8_step/fp8_per_call_step``.
@@ -34,10 +37,13 @@ from fp8rl.model import CausalLM, ModelConfig
 def model(args) -> CausalLM:
     torch.manual_seed(0)
     heads = max(args.hidden // 64, 1)
-    cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, hidden_size=args.hidden,
+    moe = dict(architecture="qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k,
+               moe_intermediate_size=args.moe_width, norm_topk_prob=True) if args.experts else {"architecture": "llama"}
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.layers,
                       num_attention_heads=heads, num_key_value_heads=max(heads // 3, 1), head_dim=64,
-                      max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                      max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      **moe)
     return CausalLM(cfg)
 
 
@@ -71,13 +77,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mb", type=int, default=8)
     ap.add_argument("--minibatches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: dense)")
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--moe-width", type=int, default=256)
     args = ap.parse_args(argv)
     policy = model(args)
     cfg = TrainerConfig(lr=1e-5, micro_batch_size=args.mb, num_minibatches=args.minibatches)
+    experts = f", {args.experts} experts top-{args.top_k} of width {args.moe_width}" if args.experts else ""
     print(f"one trainer step, torch {torch.__version__}, threads={torch.get_num_threads()}: "
           f"{sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} "
-          f"layers), batch {args.rows} x {args.seq}, micro-batch {args.mb}, {args.minibatches} updates per step, "
-          f"median of {args.steps}")
+          f"layers{experts}), batch {args.rows} x {args.seq}, micro-batch {args.mb}, {args.minibatches} updates "
+          f"per step, median of {args.steps}")
     res = {}
     for name, recipe, cache in (("bf16", "bf16", True), ("fp8_e2e", "fp8_e2e", True),
                                 ("fp8_e2e_per_call", "fp8_e2e", False)):

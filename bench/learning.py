@@ -1,13 +1,15 @@
 """Does a recipe learn? The e2e learning judge, run for several recipes on the tiny-arith task.
 
     python bench/learning.py [--steps 32] [--runs bf16 fp8_e2e:fp8 fp8_e2e:fp8:invariant] [--seed 0]
+                             [--model tiny-arith-moe --runs bf16 fp8_e2e:fp8:replay]
 
 Each run is the in-process loop (``fp8rl.loop``) with the settings of the e2e learning test
 (``tests/e2e/test_loop.py``: 16 prompts x 8 samples, lr 1e-4, 4 mini-batches, two-operand arithmetic up to 9), a
-run spec ``RECIPE[:KV][:invariant]`` choosing the recipe, the KV cache dtype (default ``auto``) and batch-invariant
-numerics. The statistic is the test's: the rollout engine's expected reward over every distinct problem of the
-task (126), ``EVAL_SAMPLES`` samples each at temperature 1, before step 0 and after the last step; the gain and its
-standard error (:func:`fp8rl.rl.metrics.expected_reward_gain`). Besides it each run reports the median and worst
+run spec ``RECIPE[:KV][:invariant][:replay]`` choosing the recipe, the KV cache dtype (default ``auto``),
+batch-invariant numerics and (mixture-of-experts models, ``--model tiny-arith-moe``) routing replay. The statistic
+is the test's: the rollout engine's expected reward over every distinct problem of the task (126), ``EVAL_SAMPLES``
+samples each at temperature 1, before step 0 and after the last step; the gain and its standard error
+(:func:`fp8rl.rl.metrics.expected_reward_gain`). Besides it each run reports the median and worst
 ``token_mult_prob_error`` over its steps and the mean step time.
 
 Prints one ``ratio gain/<run>_vs_<first> VALUE`` per run after the first (the first is the baseline: bf16 by
@@ -21,7 +23,7 @@ import statistics
 import time
 
 from fp8rl.loop import GRPOLoop, LoopConfig, run
-from fp8rl.presets import prepare_tiny_arith
+from fp8rl.presets import prepare_preset
 from fp8rl.rl.metrics import expected_reward_gain
 
 TASK = {"max_operand": 9, "num_terms": 2, "ops": ("+", "-"), "word_problems": False}
@@ -37,14 +39,16 @@ def _spec(spec: str) -> dict:
             out["kv_cache_dtype"] = p
         elif p == "invariant":
             out["batch_invariant"] = True
+        elif p == "replay":
+            out["router_replay"] = True
         else:
-            raise SystemExit(f"run spec {spec!r}: unknown part {p!r} (RECIPE[:auto|fp8][:invariant])")
+            raise SystemExit(f"run spec {spec!r}: unknown part {p!r} (RECIPE[:auto|fp8][:invariant][:replay])")
     return out
 
 
-def one(spec: str, steps: int, seed: int) -> dict:
-    cfg = LoopConfig.from_flags(steps=steps, prompts_per_step=16, group_size=8, lr=1e-4, num_minibatches=4,
-                                eval_size=64, seed=seed, arith=TASK, **_spec(spec))
+def one(spec: str, steps: int, seed: int, model: str = "tiny-arith") -> dict:
+    cfg = LoopConfig.from_flags(model=model, steps=steps, prompts_per_step=16, group_size=8, lr=1e-4,
+                                num_minibatches=4, eval_size=64, seed=seed, arith=TASK, **_spec(spec))
     loop = GRPOLoop(cfg)
     problems = loop.task_problems()
     before = loop.solve_rates(problems, n=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED)
@@ -70,13 +74,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--runs", nargs="+", default=["bf16", "fp8_e2e:fp8", "fp8_e2e:fp8:invariant"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny-arith", choices=("tiny-arith", "tiny-arith-moe"))
     args = ap.parse_args(argv)
     for spec in args.runs:
         _spec(spec)  # refuse a bad spec before the first run
-    prepare_tiny_arith(progress=False)
-    print(f"learning on tiny-arith ({args.steps} steps per run, seed {args.seed}); the judge's statistic: expected "
+    prepare_preset(args.model, progress=False)
+    print(f"learning on {args.model} ({args.steps} steps per run, seed {args.seed}); the judge's statistic: expected "
           f"reward over the task's problems, {EVAL_SAMPLES} samples each", flush=True)
-    results = [one(spec, args.steps, args.seed) for spec in args.runs]
+    results = [one(spec, args.steps, args.seed, args.model) for spec in args.runs]
     base = results[0]
     for r in results[1:]:
         print(f"ratio gain/{r['run']}_vs_{base['run']} {r['gain'] / base['gain']:.4f}" if base["gain"] else

@@ -150,3 +150,27 @@ def test_replay_needs_the_torch_engines_and_megatron_refuses_moe(moe):
     job = parse_job_config({"policy": {"training": {"backend": "megatron"}}})
     with pytest.raises(ValueError, match="'megatron' runs no mixture-of-experts model yet .* 8 experts"):
         make_trainer_backend(job, moe)
+
+
+def test_routes_ride_with_the_samples_through_the_asynchronous_loop(tmp_path):
+    """The in-process loop at max_weight_lag 1 (rollouts of step s+1 generated while step s trains): every step
+    trains with the rollout's routes replayed and reports the routing metrics."""
+    from fp8rl.loop import LoopConfig, run
+    from fp8rl.model import save_hf_checkpoint
+    from fp8rl.model.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    cfg = tiny_config(architecture="qwen3_moe", vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=128, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                      pad_token_id=tok.pad_id, initializer_range=0.05)
+    save_hf_checkpoint(CausalLM(cfg), cfg, tmp_path)
+    tok.save(tmp_path)
+    steps = run(LoopConfig.from_flags(model=str(tmp_path), recipe="fp8_e2e", kv_cache_dtype="fp8", router_replay=True,
+                                      max_weight_lag=1, steps=3, prompts_per_step=4, group_size=2, max_tokens=6,
+                                      micro_batch_size=8, calibration_max_sequences=4, eval_size=2, seed=0),
+                progress=False)["steps"]
+    assert len(steps) == 3
+    for h in steps:
+        assert 0.0 <= h["moe/router_agreement"] <= 1.0 and h["moe/unreplayed/token_mult_prob_error"] >= 1.0

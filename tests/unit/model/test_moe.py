@@ -222,3 +222,23 @@ def test_routes_on_the_wire():
     msg.dtype = "float32"
     with pytest.raises(ValueError, match="row 7: routes dtype 'float32' is not uint8 or int16"):
         routes_from_proto(msg, "row 7")
+
+
+def test_grouped_fp8_experts_equal_a_per_token_reference():
+    """The block's dispatch (tokens sorted by expert, one GEMM per expert) and its slot-order combine against an
+    independent per-token loop over the same FP8 expert linears. The reference FP8 GEMM multiplies dequantized FP32
+    operands, so a row's result does not depend on the rows beside it except through the BLAS's summation order:
+    FP32 noise of O(1) activations."""
+    torch.manual_seed(6)
+    model = _ours(num_experts=8, num_experts_per_tok=2)
+    convert_model(model, Fp8Recipe(linear="fp8"), mode="inference")
+    block = model.model.layers[0].mlp
+    x = torch.randn(3, 7, BASE["hidden_size"])
+    with torch.no_grad():
+        got = block(x)
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = block.gate(flat)
+        want = torch.stack([sum(weights[n, k] * block.experts[int(ids[n, k])](flat[n:n + 1])[0].float()
+                                for k in range(ids.shape[1])) for n in range(flat.shape[0])]).view_as(x)
+    assert all(type(e.gate_proj) is Fp8InferenceLinear for e in block.experts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
