@@ -346,9 +346,10 @@ class MegatronTrainer(TorchTrainer):
     # --- pipeline parallel: every pass through Megatron's schedule ------------------------------
 
     @torch.no_grad()
-    def _logprobs_of(self, model, batch: TrainBatch, should_stop: ShouldStop | None = None) -> torch.Tensor:
+    def _logprobs_of(self, model, batch: TrainBatch, should_stop: ShouldStop | None = None, **routing) -> torch.Tensor:
+        # ``routing`` (replay, stats): mixture-of-experts only, which this backend refuses (the factory): no plans here
         if self.pp == 1:
-            return super()._logprobs_of(model, batch, should_stop)
+            return super()._logprobs_of(model, batch, should_stop, **routing)
         rounds = list(self._micro_batches(batch, should_stop))  # the stop agreed by every rank, round by round
         store = self._schedule(model, [mb for _, mb in rounds], forward_only=True)
         last = self._pp_rank == self.pp - 1
