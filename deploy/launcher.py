@@ -359,7 +359,8 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     """up → submit → watch (progress bar) → report → down. Returns the exit status."""
     from tqdm import tqdm
 
-    from fp8rl.report import write_report
+    from fp8rl.config import load_job_config
+    from fp8rl.report import job_facts, write_report
     from fp8rl.sdk import Fp8rlClient
 
     stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics)
@@ -378,7 +379,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
                 reports.append(_report_dict(r))
                 err = r.token_mult_prob_error
                 fields = {"reward": f"{r.reward_mean:.3f}", "acc": f"{r.accuracy:.3f}",
-                          "mult_err": "n/a" if err is None else f"{err:.4f}"}
+                          "mult_err": "n/a" if err is None else f"{err:.6f}"}
                 bar.update(1)
                 bar.set_postfix(fields)
                 if plain:
@@ -400,7 +401,8 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
         client.close()
         try:
             if reports:
-                out = write_report(reports, stack.run_dir / "report", title=f"job {job_id}")
+                out = write_report(reports, stack.run_dir / "report", title=f"job {job_id}",
+                                   facts=job_facts(load_job_config(job_path)))
                 print(f"report: {out / 'summary.md'}", file=sys.stderr)
         finally:
             down(stack=stack)

@@ -167,7 +167,7 @@ class GRPOLoop:
         g, v, num = job.policy.generation, job.policy.generation.vllm_cfg, job.policy.numerics
         plan = JobPlan("loop", job)
         cfg = ObservatoryConfig(recipe=job.recipe, kv_cache_dtype=v.kv_cache_dtype, fp8_attention=v.fp8_attention,
-                                batch_invariant=num.batch_invariant, n=plan.group, max_tokens=g.max_new_tokens,
+                                batch_invariant=job.batch_invariant, n=plan.group, max_tokens=g.max_new_tokens,
                                 temperature=g.temperature, seed=sampling_seed(job.job.seed, 0, 0),
                                 micro_batch_size=job.policy.training.micro_batch_size, target=num.auto_bf16_target,
                                 max_bf16_layers=num.auto_bf16_max_layers)
@@ -372,10 +372,10 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
                     summary["token_mult_prob_error_median"], cfg.recipe, cfg.kv_cache_dtype, promise)
     result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
     if cfg.out_dir:
-        from fp8rl.report import write_report  # matplotlib/tensorboard only when a report is asked for
+        from fp8rl.report import job_facts, write_report  # matplotlib/tensorboard only when a report is asked for
 
         out = write_report(history, cfg.out_dir, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}",
-                           observatory=loop.observatory)
+                           observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True))
         (out / "summary.json").write_text(json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                       "validation": val}, indent=2))
     return result
@@ -405,8 +405,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, key in LOOP_FLAGS.items():
         f = docs[key]
         kind, choices = f.metadata["kind"], f.metadata["choices"]
-        if kind is bool:  # a switch: present sets the key true
-            ap.add_argument(f"--{flag.replace('_', '-')}", action="store_true", default=None,
+        if kind is bool:  # a switch: --x sets the key true, --no-x false, neither leaves the job's
+            ap.add_argument(f"--{flag.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
                             help=f"{f.metadata['doc']} (job key {key}; default {f.default})")
             continue
         ap.add_argument(f"--{flag.replace('_', '-')}", type=None if kind is str else kind, choices=choices,

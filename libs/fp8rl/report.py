@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -89,6 +89,9 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "token_mult_prob_error_mean": _mean(rows, "token_mult_prob_error"),
         "token_mult_prob_error_median": statistics.median(errs) if errs else math.nan,
         "calibrate_share": sum(_finite(r.get("time/calibrate") for r in rows)) / total if total > 0 else math.nan,
+        # steps whose trainer logprobs were bitwise the rollout's (token_mult_prob_error exactly 1.0)
+        "exact_steps": float(sum(e == 1.0 for e in errs)), "measured_steps": float(len(errs)),
+        "token_mult_prob_error_max": max(errs) if errs else math.nan,
         "step_seconds_mean": _mean(rows, "time/total"),
     }
     out.update({f"phase_seconds/{p}": _mean(rows, f"time/{p}") for p in PHASES})
@@ -102,15 +105,28 @@ def _fmt(x: float, spec: str = ".4f", unit: str = "") -> str:
     return "n/a" if not math.isfinite(x) else format(x, spec) + unit
 
 
-def _summary_md(s: dict[str, float], title: str, notes: list[str]) -> str:
+def _exactness(s: dict[str, float]) -> str:
+    """One line: did the trainer recompute the rollout's logprobs bitwise on every step?"""
+    n, exact = int(s["measured_steps"]), int(s["exact_steps"])
+    if n == 0:
+        return "no step measured the train/rollout mismatch"
+    if exact == n:
+        return f"**exact**: the trainer's logprobs were bitwise the rollout's on all {n} steps (1.000000)"
+    return (f"**not exact**: trainer and rollout logprobs differed on {n - exact} of {n} steps "
+            f"(token_mult_prob_error up to {s['token_mult_prob_error_max']:.6f})")
+
+
+def _summary_md(s: dict[str, float], title: str, notes: list[str], facts: Sequence[tuple[str, str]] = ()) -> str:
     lines = [f"# {title}", "", f"{int(s['steps'])} steps.", "", "| metric | value |", "|---|---|",
+             f"| train/rollout numerics | {_exactness(s)} |", *[f"| {k} | {v} |" for k, v in facts],
              f"| reward (first → last {int(s['window'])} steps) | {_fmt(s['reward_first'], '.3f')} → "
              f"{_fmt(s['reward_last'], '.3f')} |",
              f"| accuracy (first → last {int(s['window'])} steps) | {_fmt(s['accuracy_first'], '.3f')} → "
              f"{_fmt(s['accuracy_last'], '.3f')} |",
              f"| token_mult_prob_error median / mean over steps | "
-             f"{_fmt(s['token_mult_prob_error_median'], '.5f')} / {_fmt(s['token_mult_prob_error_mean'], '.5f')} |",
-             f"| calibrate share of step time | {_fmt(100 * s['calibrate_share'], '.2f', ' %')} (target ≤ 2 %) |",
+             f"{_fmt(s['token_mult_prob_error_median'], '.6f')} / {_fmt(s['token_mult_prob_error_mean'], '.6f')} |",
+             f"| calibrate share of step time (on the step's critical path) | "
+             f"{_fmt(100 * s['calibrate_share'], '.2f', ' %')} (target ≤ 1 %) |",
              f"| mean step time | {_fmt(s['step_seconds_mean'], '.2f', ' s')} |",
              "", "| phase | mean seconds | share of step |", "|---|---|---|"]
     for p in PHASES:
@@ -201,8 +217,11 @@ def _tensorboard(rows: list[dict], out: Path) -> None:
 
 
 def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, title: str = "GRPO run",
-                 observatory: ReportSection | None = None) -> Path:
+                 observatory: ReportSection | None = None, facts: Sequence[tuple[str, str]] = ()) -> Path:
     """Write the report directory of ``steps`` (see the module docstring) into ``out_dir``; returns it.
+
+    ``facts`` are ``(label, value)`` rows of the run's set-up printed under the exactness line (the job's
+    numerics and where its calibration ran: :func:`job_facts`).
 
     ``python -m fp8rl.loop --out DIR`` can call ``write_report(result["steps"], DIR)``; ``observatory`` (the
     loop's ``auto_bf16_layers`` measurement) adds its files and appends its tables to ``summary.md``.
@@ -222,11 +241,22 @@ def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, tit
         except ImportError as exc:
             log.warning("report: no %s (%s); pip install %s", what, exc, package)
             notes.append(f"{what} skipped: `{package}` is not installed (`pip install {package}`)")
-    summary = _summary_md(summarize(rows), title, notes)
+    summary = _summary_md(summarize(rows), title, notes, facts)
     if observatory is not None:
         summary += "\n" + observatory.write(out)
     (out / "summary.md").write_text(summary)
     return out
+
+
+def job_facts(job, *, in_process: bool = False) -> list[tuple[str, str]]:
+    """The report's set-up rows of a :class:`fp8rl.config.JobConfig`: numerics mode and calibration site."""
+    on, why = job.batch_invariance
+    facts = [("batch-invariant numerics", why)]
+    if job.kv_cache_dtype == "fp8":
+        where = "trainer's weights, right after each optimizer step (in-process loop)" if in_process \
+            else job.calibration_site[1]
+        facts.append(("QKV scale calibration", where))
+    return facts
 
 
 def main(argv: list[str] | None = None) -> int:

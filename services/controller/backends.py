@@ -82,10 +82,13 @@ class GrpcStep:
             for p, s, a in rows])
         resp = self.rpc("train", "trainer", "TrainStep", req, DL.train_step)
         pt = resp.phase_times
+        # calibrate: the trainer's own calibration of the new version (calibration.site trainer), else 0
         return Trained(resp.new_version, dict(resp.metrics),
-                       {"logprobs": pt.logprobs, "train": pt.train, "publish": pt.publish})
+                       {"logprobs": pt.logprobs, "train": pt.train, "publish": pt.publish, "calibrate": pt.calibrate})
 
     def calibrate(self, version, sequences):
+        if version > 0 and self.plan.job.calibration_site[0] == "trainer":
+            return  # the trainer published v's scales with its weights (TrainStep); version 0 is the calibrator's
         self.rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
             version=version, sequences=[common_pb2.TokenSequence(token_ids=q) for q in sequences]), DL.calibrate)
 

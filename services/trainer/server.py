@@ -36,6 +36,7 @@ import torch
 from fp8rl import limits
 from fp8rl.engines import (
     Cancelled,
+    QKVCalibrator,
     Sample,
     StaleSampleError,
     TrainBatch,
@@ -43,9 +44,9 @@ from fp8rl.engines import (
     make_trainer_backend,
     train_on_batch,
 )
-from fp8rl.fp8 import fp8_linear_names
+from fp8rl.fp8 import QKVScales, fp8_linear_names
 from fp8rl.presets import load_policy
-from fp8rl.refit import StaleVersionError
+from fp8rl.refit import RefitError, StaleVersionError
 from fp8rl.refit.transport.grpc import DEFAULT_CHUNK_BYTES, WeightStoreServicer
 from fp8rl.refit.transport.shm import ShmUnavailableError
 from fp8rl.rl import mismatch_metrics
@@ -134,6 +135,18 @@ class TrainerService(Service):
         self.published: int | None = None
         self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
         self.scales_version: int | None = None  # trainer-side FP8 KV: the version whose QKV scales it holds
+        # calibration.site trainer: v+1's QKV scales computed here after each optimizer step, on the weights
+        # already in memory, and published right after the version's manifest (pending until then)
+        self.calibrator: QKVCalibrator | None = None
+        self.pending_scales: QKVScales | None = None
+        site, why = job.calibration_site
+        if job.kv_cache_dtype == "fp8":
+            if site == "trainer":
+                cal = job.calibration
+                self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=tok.pad_id,
+                                                percentile=cal.percentile, margin=cal.margin,
+                                                max_sequences=cal.max_sequences)
+            log.info("QKV scales of each new version: %s", why)
         self.ready = False
 
     def load_held_scales(self, wait_s: float = 60.0) -> None:
@@ -196,6 +209,18 @@ class TrainerService(Service):
         self.ready = True
         ctx.set_serving(True)
 
+    def _put_pending_scales(self) -> None:
+        """The held version's QKV scales this trainer calibrated, into the refit store once its manifest is there
+        (a put the calibrator service made first is the same set, or refused: the stored set stands)."""
+        pending = self.pending_scales
+        if pending is None or pending.version != self.published:
+            return
+        try:
+            self.ctx.store.put_scales(pending)
+        except RefitError as exc:
+            log.warning("weight version %d already has other QKV scales (%s); those stand", pending.version, exc)
+        self.pending_scales = None
+
     def publish(self) -> float:
         """Publish the held version unless already done (on the compute thread); returns the seconds it took."""
         return self.ctx.compute(self._publish_held)
@@ -210,6 +235,7 @@ class TrainerService(Service):
         manifest = self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
                                           fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2)
         self.published = v
+        self._put_pending_scales()
         took = time.perf_counter() - t0
         log.info("published weight version %d in %.3f s", v, took)
         self.ctx.metrics.observe_refit("publish", v, manifest.total_bytes, took)
@@ -312,9 +338,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 raise Abort(grpc.StatusCode.CANCELLED, f"step {request.step}: {exc}") from None
             s.trained_from = {s.trainer.version: request.expected_version}
             s.ctx.metrics.train_steps.inc()
+            t_calibrate = 0.0
+            if s.calibrator is not None:  # v+1's QKV scales where v+1's weights are: no transfer, one forward
+                t = time.perf_counter()
+                s.pending_scales = s.ctx.compute(s.calibrator.calibrate, s.trainer.version,
+                                                 [list(x.prompt_ids) + list(x.token_ids) for x in samples])
+                t_calibrate = time.perf_counter() - t
             t_publish = self._publish()
         phases = common_pb2.PhaseTimes(logprobs=out.logprobs_s, train=out.train_s, publish=t_publish,
-                                       total=time.perf_counter() - t0)
+                                       calibrate=t_calibrate, total=time.perf_counter() - t0)
         log.info("step %d: weight version %d -> %d, loss %.4f, token_mult_prob_error %.4f", request.step,
                  request.expected_version, s.trainer.version, out.metrics.get("train/loss", float("nan")),
                  out.metrics["token_mult_prob_error"])

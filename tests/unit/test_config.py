@@ -154,19 +154,49 @@ def test_batch_invariance_needs_the_embedded_engines_and_reaches_both_roles():
     rollout, trainer = job.fp8_recipe("rollout"), job.fp8_recipe("trainer")
     assert rollout.batch_invariant and trainer.batch_invariant
     assert trainer.fp8_kv == rollout.fp8_kv  # the trainer recomputes the rollout's FP8 attention
-    assert not JobConfig().fp8_recipe("trainer").fp8_kv  # without it the trainer's attention stays high precision
+    off = JobConfig().with_settings({"policy.numerics.batch_invariant": False})
+    assert not off.fp8_recipe("trainer").fp8_kv  # without it the trainer's attention stays high precision
+    assert off.batch_invariance == (False, "off: policy.numerics.batch_invariant=false")
     for key in ("policy.generation.backend", "policy.training.backend"):
         other = "vllm" if "generation" in key else "megatron"
         with pytest.raises(ConfigError, match=f"batch_invariant=true needs {key}=torch"):
             JobConfig().with_settings({"policy.numerics.batch_invariant": True, key: other})
 
 
-def test_loop_flag_batch_invariant_is_a_switch():
+def test_batch_invariance_is_the_default_with_the_embedded_engines_and_off_with_a_reason_otherwise():
+    from fp8rl.config import JobConfig
+
+    job = JobConfig()
+    assert job.policy.numerics.batch_invariant is None  # unset: resolved per engines
+    assert job.batch_invariance == (True, "on by default: both engines are the embedded torch ones")
+    assert job.fp8_recipe("rollout").batch_invariant and job.fp8_recipe("trainer").batch_invariant
+    for key, other in (("policy.generation.backend", "vllm"), ("policy.training.backend", "megatron")):
+        on, why = JobConfig().with_settings({key: other}).batch_invariance
+        assert not on and why.startswith(f"off by default with {key}={other}") and "\n" not in why
+        assert not JobConfig().with_settings({key: other}).fp8_recipe("rollout").batch_invariant
+
+
+def test_loop_flag_batch_invariant_is_a_switch_both_ways():
     from fp8rl.loop import LoopConfig, _parser
 
     args = _parser().parse_args(["--batch-invariant"])
     assert args.batch_invariant is True and _parser().parse_args([]).batch_invariant is None
+    assert _parser().parse_args(["--no-batch-invariant"]).batch_invariant is False
     assert LoopConfig.from_flags(batch_invariant=True).job.policy.numerics.batch_invariant
+    assert LoopConfig.from_flags(batch_invariant=False).job.batch_invariance[0] is False
+
+
+def test_calibration_site_resolves_to_the_trainer_for_synchronous_one_process_jobs():
+    from fp8rl.config import JobConfig
+
+    assert JobConfig().calibration_site[0] == "trainer"
+    for settings in ({"grpo.async_grpo.enabled": True}, {"policy.training.dp_size": 2},
+                     {"policy.training.backend": "megatron"}):
+        site, why = JobConfig().with_settings(settings).calibration_site
+        assert site == "calibrator" and "calibration.site auto" in why, settings
+    assert JobConfig().with_settings({"calibration.site": "calibrator"}).calibration_site[0] == "calibrator"
+    with pytest.raises(ConfigError, match="calibration.site=trainer needs a one-process torch trainer"):
+        JobConfig().with_settings({"calibration.site": "trainer", "policy.training.dp_size": 2})
 
 
 def test_model_parallel_keys_are_checked_against_the_backend():

@@ -69,11 +69,15 @@ class JobConfig(Section):
         self._check_model_parallel()
         if self.policy.numerics.batch_invariant:
             # the embedded engines own both sides' kernels; vLLM's and Megatron's choose theirs by shape
-            for key, val in (("policy.generation.backend", self.policy.generation.backend),
-                             ("policy.training.backend", self.policy.training.backend)):
+            for key, val in self._engine_backends():
                 if val != "torch":
                     raise ConfigError(f"policy.numerics.batch_invariant=true needs {key}=torch (got {val}): only "
                                       "the embedded engines compute a token the same way whatever the batch")
+        if self.calibration.site == "trainer" and (self.policy.training.backend != "torch"
+                                                   or self.policy.training.dp_size > 1):
+            raise ConfigError("calibration.site=trainer needs a one-process torch trainer (policy.training.backend "
+                              f"torch, dp_size 1; got {self.policy.training.backend}, dp_size "
+                              f"{self.policy.training.dp_size}): use calibration.site auto or calibrator")
         if self.policy.router_replay.enabled:
             gen = self.policy.generation.backend
             if gen != "torch":
@@ -157,6 +161,44 @@ class JobConfig(Section):
         """Processes the trainer runs as (what torchrun starts): ``dp_size`` x :attr:`trainer_model_parallel`."""
         return self.policy.training.dp_size * self.trainer_model_parallel
 
+    def _engine_backends(self) -> tuple[tuple[str, str], ...]:
+        return (("policy.generation.backend", self.policy.generation.backend),
+                ("policy.training.backend", self.policy.training.backend))
+
+    @property
+    def batch_invariance(self) -> tuple[bool, str]:
+        """Whether both engines run batch-invariant numerics (``policy.numerics.batch_invariant`` resolved), and
+        why, in one line (the services log it, the report prints it)."""
+        chosen = self.policy.numerics.batch_invariant
+        if chosen is not None:
+            return chosen, f"{'on' if chosen else 'off'}: policy.numerics.batch_invariant={str(chosen).lower()}"
+        others = [f"{key}={val}" for key, val in self._engine_backends() if val != "torch"]
+        if others:
+            return False, (f"off by default with {', '.join(others)}: vLLM and Megatron choose their kernels by "
+                           "shape and have no batch-invariant mode on CPU")
+        return True, "on by default: both engines are the embedded torch ones"
+
+    @property
+    def calibration_site(self) -> tuple[str, str]:
+        """Where the services calibrate v+1's QKV scales (``calibration.site`` resolved: ``trainer`` or
+        ``calibrator``), and why, in one line."""
+        site = self.calibration.site
+        reasons = []
+        if self.policy.training.backend != "torch" or self.policy.training.dp_size > 1:
+            reasons.append("the trainer is not one torch process")
+        if self.grpo.async_grpo.enabled:
+            reasons.append("asynchronous GRPO calibrates off the critical path")
+        if site == "auto":
+            if reasons:
+                return "calibrator", f"calibrator service (calibration.site auto: {'; '.join(reasons)})"
+            return "trainer", "trainer, right after each optimizer step (calibration.site auto)"
+        return site, f"{site} (calibration.site {site})"
+
+    @property
+    def batch_invariant(self) -> bool:
+        """:attr:`batch_invariance` without the reason."""
+        return self.batch_invariance[0]
+
     @property
     def kv_cache_dtype(self) -> str:
         return self.policy.generation.vllm_cfg.kv_cache_dtype
@@ -171,7 +213,7 @@ class JobConfig(Section):
             num_first_layers_in_bf16=v.num_first_layers_in_bf16, num_last_layers_in_bf16=v.num_last_layers_in_bf16,
             pow2_weight_scaling_factors=v.pow2_weight_scaling_factors,
             pow2_activation_scaling_factors=v.pow2_activation_scaling_factors,
-            batch_invariant=self.policy.numerics.batch_invariant,
+            batch_invariant=self.batch_invariant,
         )
 
     def loss_config(self):

@@ -108,10 +108,15 @@ class TrainingConfig(Section):
 @dataclass(frozen=True)
 class NumericsConfig(Section):
     KEY = "policy.numerics"
-    batch_invariant: bool = setting(False, "Batch-invariant numerics in both embedded engines (GEMMs in fixed row "
-                                    "tiles, split-KV attention with a fixed chunk): the rollout's logprobs are "
-                                    "bitwise the trainer's, in bf16 and fp8_e2e, with an FP8 KV cache too (the "
-                                    "trainer then quantizes Q/K/V with the rollout's scales). Torch engines only.")
+    batch_invariant: bool | None = setting(None, "Batch-invariant numerics in both embedded engines (every GEMM "
+                                           "over whole row tiles, split-KV attention over fixed key chunks, "
+                                           "row-aligned KV cache): the rollout's logprobs are bitwise the "
+                                           "trainer's (token_mult_prob_error exactly 1.0), in every recipe, with "
+                                           "an FP8 KV cache too (the trainer then quantizes Q/K/V with the "
+                                           "rollout's scales). Unset (the default): on when both engines are the "
+                                           "embedded torch ones, off with vLLM or Megatron (they choose kernels "
+                                           "by shape and have no batch-invariant mode on CPU); true with them is "
+                                           "refused.", kind=bool, optional=True)
     auto_bf16_layers: bool = setting(False, "In-process loop only: before step 0, the mismatch observatory "
                                      "(fp8rl.observatory) samples the first batch's prompts and sets "
                                      "vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16 of both engines to "
@@ -259,6 +264,14 @@ class CalibrationConfig(Section):
     percentile: float = setting(99.9, "Percentile of |Q|, |K|, |V| taken as the amax.")
     max_sequences: int = setting(16, "Sequences per calibration (an evenly spaced subset of the step's).", gt=0,
                                  le=limits.MAX_BATCH_ROWS)
+    site: str = setting("auto", "Where the services compute each new version's Q/K/V scales: trainer (in the "
+                        "trainer service right after its optimizer step, on the step's sequences, where v+1's weights "
+                        "already are: one forward of max_sequences sequences, no weight transfer; published with "
+                        "the weights), calibrator (the calibrator service, which first pulls v+1's weights; "
+                        "asynchronous GRPO overlaps it with the next rollout), or auto: trainer for synchronous "
+                        "GRPO on a one-process torch trainer, calibrator otherwise. The calibrator service still "
+                        "calibrates version 0. The in-process loop always calibrates on its trainer's weights.",
+                        choices=("auto", "trainer", "calibrator"))
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ class Pipeline:
                     self._cv.notify_all()
                 self._refits.put((new, None if self.calibrate_inline else partial["sequences"]))
                 busy = time.perf_counter() - t0
-                times = {**partial["phase_times"], "calibrate": calibrate_s, "refit": 0.0}
+                times = {**partial["phase_times"], "refit": 0.0,
+                         "calibrate": partial["phase_times"].get("calibrate", 0.0) + calibrate_s}
                 if not record(partial, times, self._metrics(ro, idle, busy)):
                     break
             self.wait_held(last)

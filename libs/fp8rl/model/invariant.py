@@ -10,26 +10,29 @@ quantization steps that 30 layers compound (issue 18: 1.13 token_mult_prob_error
 
 With :class:`BatchInvariance` on, both engines run the same arithmetic for a token whatever the batch:
 
-* **Linears** (:func:`tiled_mm`): the rows are cut into tiles of exactly ``row_tile`` rows (the last
-  zero-padded) and multiplied by one batched GEMM whose every matrix is ``(row_tile, K) @ (K, N)``, so
-  the kernel, hence the reduction order over ``K``, is the same for a decode step of 3 rows and a
-  training forward of 3000. A row's result does not depend on its place in the tile (checked by the
-  tests, which fail if a BLAS ever breaks that).
+* **Linears** (:func:`tiled_mm`): the rows are zero-padded to whole tiles of ``row_tile`` rows and
+  multiplied by one plain GEMM, so the BLAS never sees a small or ragged ``M`` and sums every row over
+  ``K`` in the same order for a decode step of 3 rows and a training forward of 3000. A row's result
+  depends neither on the number of rows nor on its place among them (checked by the tests over the
+  model's shapes, 1–4 threads and AVX2 / AVX-512 kernels; they fail if a BLAS ever breaks it).
 * **Attention** (:func:`split_kv_attention`): keys are laid out per row from that row's first visible
-  key (left padding of the rollout and right padding of the trainer both vanish), cut into chunks of
-  ``kv_chunk`` keys (the last zero-padded), scores and ``P @ V`` computed per chunk with fixed-shape
-  tiled GEMMs, and the per-chunk partial sums added in chunk order. Keys a query cannot see get
+  key (left padding of the rollout and right padding of the trainer both vanish) over a whole number of
+  chunks of ``kv_chunk`` keys; scores are one GEMM per kv head (query rows in whole tiles, keys in whole
+  chunks, reduction over the head dim), ``P @ V`` one batched GEMM of chunks (reduction over exactly
+  ``kv_chunk`` keys each), and the per-chunk partial sums are added in chunk order. Keys a query cannot see get
   probability exactly 0, so trailing chunks add exact zeros and decode (``t + 1`` keys) and the full
   forward (``T`` keys) produce bitwise the same output.
 * Everything else (norms, RoPE, softmax over the vocabulary, FP8 quantization) is per row already.
 
-Cost: the padding of small decode batches to ``row_tile`` rows and the per-chunk attention; measured
-in ``bench/fp8_step.py`` and ``bench/RESULTS.md``. Backward passes are not made invariant (nothing
+Cost: the padding of decode batches to whole tiles and of keys to whole chunks, the per-chunk partial
+sums of attention, and the gather of left-padded rows' keys in decode; measured by
+``bench/batch_invariance.py`` (``bench/RESULTS.md``). Backward passes are not made invariant (nothing
 compares gradients across engines); they use plain GEMMs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +49,13 @@ class BatchInvariance:
     """Shapes that fix the kernels of batch-invariant numerics.
 
     Attributes:
-        row_tile: rows per GEMM matrix. At least 8: MKL's small-``M`` path (``M < 8``) sums in
-            another order, so a tile must stay clear of it; 16 keeps decode padding waste modest.
+        row_tile: every GEMM's row count is a multiple of it. At least 8: MKL's small-``M`` path
+            (``M < 8``) sums in another order, and so do the ragged edge rows a thread is given (``M = 9``
+            on 2 threads); 16 keeps every thread's share whole and decode padding waste modest.
         kv_chunk: keys per attention chunk (split-KV); partial sums are added chunk by chunk.
     """
 
-    row_tile: int = 16
+    row_tile: int = 8
     kv_chunk: int = 32
 
     def __post_init__(self) -> None:
@@ -61,29 +65,13 @@ class BatchInvariance:
             raise ValueError(f"BatchInvariance.kv_chunk must be >= 1, got {self.kv_chunk}")
 
 
-class _TiledLinearFn(torch.autograd.Function):
-    """Forward in fixed-shape row tiles; backward with plain GEMMs (gradients are not compared)."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, row_tile):
-        ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
-        out = tiled_mm(x2d, weight.t(), row_tile)
-        return out + bias if bias is not None else out
-
-    @staticmethod
-    def backward(ctx, g):
-        x2d, weight = ctx.saved_tensors
-        grad_x = g @ weight if ctx.needs_input_grad[0] else None
-        grad_w = g.t() @ x2d if ctx.needs_input_grad[1] else None
-        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
-
-
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int) -> torch.Tensor:
-    """``F.linear`` with a batch-invariant forward (:func:`tiled_mm`)."""
+    """``F.linear`` with a batch-invariant forward (:func:`tiled_mm`); autograd differentiates it as written
+    (the backward's GEMMs are plain: nothing compares gradients across engines)."""
     lead = x.shape[:-1]
-    out = _TiledLinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, row_tile)
+    out = tiled_mm(x.reshape(-1, x.shape[-1]), weight.t(), row_tile)
+    if bias is not None:
+        out = out + bias
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -124,13 +112,19 @@ class KeyLayout:
         visible: ``(B, 1, T, Sc)`` query ``i`` may attend canonical key ``j``: ``present`` and
             ``j <= (L + i) - offset[b]`` (causal, counted from the row's first key).
         inv: the tile and chunk sizes.
+        offset: ``(B,)`` each row's first unmasked slot.
     """
 
     index: torch.Tensor
     present: torch.Tensor
     visible: torch.Tensor
     inv: BatchInvariance
+    offset: torch.Tensor
     shift: int | None = None
+
+    def row_aligned(self) -> KeyLayout:
+        """This layout over keys already stored in canonical order (a row-aligned KV cache): a slice, no gather."""
+        return dataclasses.replace(self, shift=0)
 
     @classmethod
     def build(cls, key_mask: torch.Tensor, past: int, num_new: int, inv: BatchInvariance) -> KeyLayout:
@@ -150,7 +144,7 @@ class KeyLayout:
         qpos = torch.arange(past, past + num_new, device=device)[None, :] - offset[:, None]  # (B, T)
         visible = (j[None, None, :] <= qpos[:, :, None]) & present[:, None, :]  # (B, T, Sc)
         lo, hi = int(offset.min()), int(offset.max())
-        return cls(index, present, visible[:, None], inv, lo if lo == hi else None)
+        return cls(index, present, visible[:, None], inv, offset, lo if lo == hi else None)
 
 
 def split_kv_attention(
@@ -182,17 +176,19 @@ def split_kv_attention(
     # exactly 0 adds exact zeros whatever the value.
     if layout.shift is not None:  # one offset for every row (the trainer's right padding: 0): a slice
         o = layout.shift
-        kc, vc = (F.pad(t[:, :, o:o + sc].float(), (0, 0, 0, max(0, sc - (t.shape[2] - o)))) for t in (k, v))
+        kc, vc = (t[:, :, o:o + sc].float() for t in (k, v))
+        short = sc - kc.shape[2]  # past the last key: zeros (a cache view that reaches far enough is not copied)
+        if short:
+            kc, vc = (F.pad(t, (0, 0, 0, short)) for t in (kc, vc))
     else:
         gather = layout.index[:, None, :, None].expand(B, Hkv, sc, D)
         kc, vc = k.float().gather(2, gather), v.float().gather(2, gather)
-    kc, vc = kc.reshape(G, n_c, C, D), vc.reshape(G, n_c, C, D)
-    # query rows of one kv head, (rep, T) order, in tiles of R: (G, nT, R, D)
-    qt = pad_rows(q.float().reshape(G, M, D), R).view(G, -1, R, D)
-    n_t = qt.shape[1]
-    # scores: one (R, D) @ (D, C) GEMM per (tile, chunk) -> (G, nT, nC, R, C)
-    s = torch.matmul(qt[:, :, None], kc.transpose(-1, -2)[:, None])
-    s = s.permute(0, 1, 3, 2, 4).reshape(G, n_t * R, sc)[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5)
+    kc, vc = kc.reshape(G, sc, D), vc.reshape(G, n_c, C, D)
+    # scores: the query rows of one kv head ((rep, T) order) in whole tiles of R rows against the keys in whole
+    # chunks of C: one GEMM per kv head, reduction over D, a row's and a key's numbers the same whatever else
+    # is in the product (tiled_mm's property, in both dimensions)
+    qp = pad_rows(q.float().reshape(G, M, D), R)  # (G, Mp, D)
+    s = torch.bmm(qp, kc.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5)
     s = s.masked_fill(~layout.visible[:, :, None], torch.finfo(torch.float32).min)  # (B, Hkv, rep, T, Sc)
     e = torch.exp(s - s.amax(-1, keepdim=True))  # invisible keys: exactly 0
     parts = e.view(B, Hkv, rep, T, n_c, C).sum(-1)  # per-chunk sums of C terms
@@ -202,9 +198,10 @@ def split_kv_attention(
     p = e / denom[..., None]
     if round_probs is not None:
         p = round_probs(p)
-    pt = pad_rows(p.reshape(G, M, sc), R).view(G, n_t, R, n_c, C).permute(0, 1, 3, 2, 4)  # (G, nT, nC, R, C)
-    o = torch.matmul(pt, vc[:, None])  # (G, nT, nC, R, D): one (R, C) @ (C, D) GEMM each
-    out = o[:, :, 0]
+    # P @ V chunk by chunk (reduction over exactly C keys each, one batched GEMM), partial sums in chunk order
+    pc = pad_rows(p.reshape(G, M, sc), R).view(G, -1, n_c, C).transpose(1, 2)  # (G, nC, Mp, C)
+    o = torch.matmul(pc, vc)  # (G, nC, Mp, D)
+    out = o[:, 0]
     for c in range(1, n_c):
-        out = out + o[:, :, c]
-    return out.reshape(G, n_t * R, D)[:, :M].reshape(B, H, T, D)
+        out = out + o[:, c]
+    return out[:, :M].reshape(B, H, T, D)

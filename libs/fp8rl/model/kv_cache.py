@@ -1,10 +1,17 @@
 """A static, preallocated KV cache for :class:`fp8rl.model.CausalLM`.
 
-Layout: per layer one K and one V tensor of shape ``(B, Hkv, max_len, D)``. Slots are *time*
+Layout: per layer one K and one V tensor of shape ``(B, Hkv, max_len + 1, D)``. Slots are *time*
 indices shared by every row of the batch: one forward of ``T`` tokens writes slots
 ``[length, length + T)`` of every layer and then advances ``length`` by ``T`` once. Rows of
 different prompt lengths are left-padded and their pad slots are hidden by the key-padding
 ``attention_mask`` of the forward, never by a per-row length.
+
+Row-aligned storage (batch-invariant numerics): after :meth:`KVCache.align_rows` with each row's first
+key slot ``offset[b]``, row ``b``'s slot ``s`` is stored at position ``s - offset[b]`` (its left padding is
+never stored), so every row's keys start at position 0 — the canonical order split-KV attention reads —
+and a decode step attends over a slice of the cache instead of gathering every key into that order.
+Slots, ``length`` and the views :meth:`update` returns still count time slots; a returned view covers
+positions ``[0, length + T - min(offset))``.
 
 A layer whose attention carries a ``kv_quant`` (:class:`fp8rl.fp8.kv.QKVQuantizer`) stores its
 K/V as ``torch.float8_e4m3fn`` (scaled per tensor, ``x ≈ q.float() * k_scale``); other layers
@@ -56,12 +63,15 @@ class KVCache:
         dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
         if len(dtypes) != num_layers:
             raise ValueError(f"KVCache got {len(dtypes)} dtypes for {num_layers} layers")
-        shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, Hkv, max_len, D)
+        # one more position than slots: row-aligned writes of left padding land there, and nothing reads it
+        shape = (batch_size, num_kv_heads, max_len + 1, head_dim)  # (B, Hkv, max_len + 1, D)
         self.k = [torch.zeros(shape, dtype=dt, device=device) for dt in dtypes]
         self.v = [torch.zeros(shape, dtype=dt, device=device) for dt in dtypes]
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
+        self.offsets: torch.Tensor | None = None  # row-aligned storage (align_rows), else slot order
+        self._written_from: dict[int, int] = {}  # per layer: the lowest position the last update wrote
         # Reference-path read cache of E4M3 layers: the dequantized K/V of slots [0, _deq_len[i]),
         # filled incrementally so a decode step dequantizes only its new slots. Dequantization is
         # elementwise, so these are exactly the numbers a full re-dequantize would give.
@@ -113,13 +123,16 @@ class KVCache:
                 f"> max_len={self.max_len}; build the cache with a larger max_len or reset() it"
             )
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, reach: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` ``(B, Hkv, T, D)`` at slots ``[length, length + T)`` of one layer.
 
         Does not advance ``length`` (the model calls :meth:`advance` once per forward).
 
         Returns:
-            Views of slots ``[0, length + T)``: ``(B, Hkv, length + T, D)`` each, storage dtype.
+            Views of slots ``[0, length + T)``: ``(B, Hkv, length + T, D)`` each, storage dtype; row-aligned,
+            of positions ``[0, aligned_span(T, reach))``.
         """
         t = k.shape[2]
         self.check_room(k.shape[0], t)
@@ -127,9 +140,44 @@ class KVCache:
         if k.dtype != kc.dtype:
             raise TypeError(f"KVCache layer {layer_idx} stores {kc.dtype}, got K/V of dtype {k.dtype}")
         end = self.length + t
-        kc[:, :, self.length : end] = k
-        vc[:, :, self.length : end] = v
-        return kc[:, :, :end], vc[:, :, :end]
+        if self.offsets is None:
+            kc[:, :, self.length : end] = k
+            vc[:, :, self.length : end] = v
+            self._written_from[layer_idx] = self.length
+            return kc[:, :, :end], vc[:, :, :end]
+        pos = torch.arange(self.length, end, device=kc.device)[None, :] - self.offsets[:, None]  # (B, T)
+        pos = torch.where(pos >= 0, pos, self.max_len)  # left padding: the unread spare position
+        index = pos[:, None, :, None].expand_as(k)
+        for store, new in ((kc, k), (vc, v)):
+            if store.dtype == E4M3:  # scatter has no FP8 kernel: move the bytes
+                store, new = store.view(torch.uint8), new.view(torch.uint8)
+            store.scatter_(2, index, new)
+        self._written_from[layer_idx] = max(0, self.length - int(self.offsets.max()))
+        span = self.aligned_span(t, reach)
+        return kc[:, :, :span], vc[:, :, :span]
+
+    def aligned_span(self, num_new: int, reach: int = 0) -> int:
+        """Positions a row-aligned view covers after ``num_new`` more slots: the longest row's, or ``reach``
+        where the storage has room (positions no row has written yet hold finite zeros; attention that
+        pads its keys to whole chunks then reads a view instead of copying the cache into a padded one)."""
+        return max(self.length + num_new - int(self.offsets.min()), min(reach, self.max_len))
+
+    def align_rows(self, offsets: torch.Tensor) -> None:
+        """Store row ``b``'s slot ``s`` at position ``s - offsets[b]`` from now on (module docstring).
+
+        Set before the first write; later calls must give the same offsets (a row's first key does not move).
+        """
+        offsets = offsets.to(device=self.k[0].device, dtype=torch.long)
+        if tuple(offsets.shape) != (self.batch_size,) or bool((offsets < 0).any()):
+            raise ValueError(f"KVCache.align_rows takes {self.batch_size} non-negative offsets, got {offsets.tolist()}")
+        if self.offsets is not None and torch.equal(self.offsets, offsets):
+            return
+        if self.length > 0:
+            raise RuntimeError(
+                f"KVCache rows were {'aligned differently' if self.offsets is not None else 'stored in slot order'} "
+                f"for {self.length} slots; align_rows before the first write (a row's first key never moves)"
+            )
+        self.offsets = offsets
 
     def read_dequantized(
         self, layer_idx: int, end: int, dequantize, dtype: torch.dtype
@@ -141,16 +189,18 @@ class KVCache:
         """
         kc, vc = self.k[layer_idx], self.v[layer_idx]
         if layer_idx not in self._deq:
-            self._deq[layer_idx] = (torch.empty(kc.shape, dtype=dtype, device=kc.device),
-                                    torch.empty(vc.shape, dtype=dtype, device=vc.device))
+            # zeros: a row-aligned view reaches positions other rows have not written yet (finite, never seen)
+            self._deq[layer_idx] = (torch.zeros(kc.shape, dtype=dtype, device=kc.device),
+                                    torch.zeros(vc.shape, dtype=dtype, device=vc.device))
             self._deq_len[layer_idx] = 0
         kd, vd = self._deq[layer_idx]
-        start = self._deq_len[layer_idx]
+        # slot order: the new slots; row-aligned: every row's new positions (re-dequantizing a few old ones)
+        start = min(self._deq_len[layer_idx], self._written_from.get(layer_idx, self._deq_len[layer_idx]))
         if end > start:
             k_new, v_new = dequantize(kc[:, :, start:end], vc[:, :, start:end], dtype)
             kd[:, :, start:end] = k_new
             vd[:, :, start:end] = v_new
-            self._deq_len[layer_idx] = end
+            self._deq_len[layer_idx] = max(end, self._deq_len[layer_idx])
         return kd[:, :, :end], vd[:, :, :end]
 
     def advance(self, num_new: int) -> None:
@@ -162,11 +212,13 @@ class KVCache:
     def reset(self) -> None:
         """Forget every slot (the storage is reused; old values are overwritten before use)."""
         self.length = 0
+        self.offsets = None
         self._deq_len.clear()
+        self._written_from.clear()
 
     def __repr__(self) -> str:
-        b, h, m, d = self.k[0].shape
+        b, h, _, d = self.k[0].shape
         return (
-            f"KVCache(layers={self.num_layers}, batch={b}, kv_heads={h}, max_len={m}, head_dim={d}, "
+            f"KVCache(layers={self.num_layers}, batch={b}, kv_heads={h}, max_len={self.max_len}, head_dim={d}, "
             f"dtype={self.k[0].dtype}, length={self.length})"
         )

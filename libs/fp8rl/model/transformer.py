@@ -187,7 +187,8 @@ class Attention(nn.Module):
             q = quant.fake_quantize_q(q)
         if kv_cache is not None:
             k_st, v_st = quant.quantize_kv(k, v) if quant is not None else (k, v)  # E4M3: what an FP8 cache stores
-            k_st, v_st = self._through_cache(kv_cache, k_st, v_st)  # (B, Hkv, S, D)
+            reach = layout.index.shape[1] if layout is not None else 0  # split-KV reads whole chunks
+            k_st, v_st = self._through_cache(kv_cache, k_st, v_st, reach)  # (B, Hkv, S, D)
             if quant is not None:
                 k_att, v_att = kv_cache.read_dequantized(self.layer_idx, k_st.shape[2], quant.dequantize_kv, dtype)
             else:
@@ -213,7 +214,9 @@ class Attention(nn.Module):
         out = out.view(B, H, T, D).to(dtype).transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
 
-    def _through_cache(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _through_cache(
+        self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, reach: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         stored = cache.dtype(self.layer_idx)
         if (self.kv_quant is not None) != (stored == E4M3):
             raise RuntimeError(
@@ -221,7 +224,7 @@ class Attention(nn.Module):
                 f"{'has' if self.kv_quant is not None else 'has no'} FP8 kv_quant; rebuild the cache "
                 f"with KVCache.for_model after enable_fp8_kv()/disable_fp8_kv()"
             )
-        return cache.update(self.layer_idx, k.to(stored), v.to(stored))
+        return cache.update(self.layer_idx, k.to(stored), v.to(stored), reach)
 
 
 class MLP(ExpertMLP):
@@ -426,6 +429,9 @@ class CausalLM(nn.Module):
         if self.batch_invariance is not None:  # split-KV attention reads the key layout, not an additive mask
             keys = attention_mask if attention_mask is not None else torch.ones(B, S, dtype=torch.long, device=device)
             layout = KeyLayout.build(keys, L, T, self.batch_invariance)
+            if kv_cache is not None:  # every row's keys from cache position 0: attention slices, never gathers
+                kv_cache.align_rows(layout.offset)
+                layout = layout.row_aligned()
         else:
             # Additive mask (B|1, 1, T, S): query i sits at time slot L + i and sees slots <= L + i.
             q_slot = torch.arange(L, S, device=device)

@@ -104,7 +104,7 @@ def _print_table(jobs: Sequence[JobInfo]) -> None:
 def _step_fields(r: StepReport) -> dict[str, str]:
     fields = {"reward": f"{r.reward_mean:.3f}", "acc": f"{r.accuracy:.3f}"}
     if r.token_mult_prob_error is not None:
-        fields["mult_err"] = f"{r.token_mult_prob_error:.4f}"
+        fields["mult_err"] = f"{r.token_mult_prob_error:.6f}"
     return fields
 
 

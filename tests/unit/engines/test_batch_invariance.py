@@ -124,6 +124,51 @@ def test_tiled_mm_gives_a_row_the_same_bits_whatever_the_rows_around_it(k, n):
     assert bool(((full.double() - ref).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_tiled_mm_rows_are_invariant_over_every_tile_count_of_the_real_models_shapes(threads):
+    """The padded plain GEMM's property over what the engines multiply: SmolLM2-135M's and tiny-arith's (K, N),
+    every whole-tile row count from one decode tile to a training forward's 150 tiles, several thread counts
+    (MKL splits rows between threads). Fails on a BLAS whose summation order over K depends on M."""
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k, n in ((576, 1536), (1536, 576), (576, 192), (256, 768), (768, 256), (64, 64)):
+            x, w = torch.randn(1200, k, generator=g), torch.randn(n, k, generator=g)
+            full = tiled_mm(x, w.t(), INV.row_tile)
+            for m in [*range(1, 3 * INV.row_tile + 1), *range(INV.row_tile * 4, 1200, INV.row_tile * 7), 1199]:
+                assert torch.equal(tiled_mm(x[:m], w.t(), INV.row_tile), full[:m]), (k, n, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_row_aligned_cache_holds_each_row_from_its_first_key_and_matches_slot_order():
+    """align_rows: a left-padded row's keys start at position 0 (no gather in decode); the views read the same K/V
+    a slot-ordered cache holds, shifted; FP8 storage too (scatter of the bytes)."""
+    from fp8rl.model import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 3, 5])
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        plain, aligned = (KVCache(1, 3, 2, 12, 4, dtype=dtype) for _ in range(2))
+        aligned.align_rows(offsets)
+        for t in (6, 1, 1):  # a prefill of 6 slots, then two decode steps
+            k, v = (torch.randn(3, 2, t, 4, generator=g).to(dtype) for _ in range(2))
+            kp, _ = plain.update(0, k, v)
+            ka, va = aligned.update(0, k, v, reach=10)
+            assert ka.shape[2] == 10  # reaches the chunk the attention reads: a view, not a padded copy
+            for b, off in enumerate(offsets.tolist()):
+                n = kp.shape[2] - off
+                assert torch.equal(ka[b, :, :n].float(), kp[b, :, off:].float())
+            plain.advance(t)
+            aligned.advance(t)
+        with pytest.raises(RuntimeError, match="align_rows before the first write"):
+            aligned.align_rows(torch.tensor([1, 1, 1]))
+        aligned.align_rows(offsets)  # the same offsets again: fine
+    with pytest.raises(ValueError, match="non-negative offsets"):
+        KVCache(1, 3, 2, 12, 4).align_rows(torch.tensor([0, -1, 2]))
+
+
 def test_plain_gemm_rows_are_not_invariant_here_negative_control():
     """Why the tiles exist: a plain (M, K) GEMM of a few rows sums in another order than a big one (MKL's
     small-M path). Skipped on a BLAS where that does not happen — then the tiles cost little and change nothing."""
