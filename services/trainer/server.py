@@ -344,6 +344,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 s.pending_scales = s.ctx.compute(s.calibrator.calibrate, s.trainer.version,
                                                  [list(x.prompt_ids) + list(x.token_ids) for x in samples])
                 t_calibrate = time.perf_counter() - t
+                s.ctx.metrics.calibrations.inc()
             t_publish = self._publish()
         phases = common_pb2.PhaseTimes(logprobs=out.logprobs_s, train=out.train_s, publish=t_publish,
                                        calibrate=t_calibrate, total=time.perf_counter() - t0)

@@ -53,8 +53,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _write_job(path: Path, model_dir: Path, job_id: str, **generation) -> Path:
-    """A tiny fp8_e2e job with an FP8 KV cache; ``generation`` overrides ``policy.generation`` keys."""
+def _write_job(path: Path, model_dir: Path, job_id: str, calibration: dict | None = None, **generation) -> Path:
+    """A tiny fp8_e2e job with an FP8 KV cache; ``generation`` overrides ``policy.generation`` keys; ``calibration`` the
+    calibration keys (its site defaults to the calibrator service, which these tests drive)."""
     job = {
         "job": {"name": job_id, "seed": 0},
         "policy": {
@@ -64,7 +65,7 @@ def _write_job(path: Path, model_dir: Path, job_id: str, **generation) -> Path:
             "training": {"lr": 0.02, "micro_batch_size": 8, "megatron_cfg": {"fp8_cfg": {"enabled": True}}},
         },
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-        "calibration": {"max_sequences": 4},
+        "calibration": calibration or {"max_sequences": 4, "site": "calibrator"},
     }
     path.write_text(yaml.safe_dump(job))
     return path
@@ -72,7 +73,8 @@ def _write_job(path: Path, model_dir: Path, job_id: str, **generation) -> Path:
 
 @pytest.fixture(scope="session")
 def write_job():
-    """``write_job(path, model_dir, job_id, **generation)``: writes a tiny job YAML, returns its path."""
+    """``write_job(path, model_dir, job_id, calibration=None, **generation)``: writes a tiny job YAML, returns its
+    path."""
     return _write_job
 
 

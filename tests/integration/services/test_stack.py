@@ -20,7 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.config import load_job_config
-from fp8rl.engines import SamplingParams, TorchRolloutEngine
+from fp8rl.engines import CalibrationModel, QKVCalibrator, SamplingParams, TorchRolloutEngine
 from fp8rl.presets import load_policy
 from fp8rl.refit import RefitStore, assemble, connect, decode_scales
 from fp8rl.refit.transport.grpc import GrpcShardSource
@@ -206,6 +206,45 @@ def test_train_step_publishes_and_the_replica_refits_to_v1(stack: Stack, tiny_ch
 
     ck = st.train().SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=T)
     assert ck.version == 1 and (Path(ck.path) / "trainer-v000001.pt").is_file()
+
+
+def test_a_trainer_that_calibrates_publishes_each_version_with_its_scales(spawner, tiny_checkpoint, module_job_id,
+                                                                         redis_url, write_job, tmp_path):
+    """calibration.site trainer: TrainStep computes v1's QKV scales on the weights it just stepped to and stores them
+    beside v1's manifest, so a replica moves to v1 with no Calibrate call; they are the scales the calibrator's own
+    model computes on v1's published bytes over the same sequences (bitwise: batch-invariant numerics, the default)."""
+    job_id = module_job_id + "-tc"
+    cfg = write_job(tmp_path / "job.yaml", tiny_checkpoint, job_id, calibration={"max_sequences": 4, "site": "trainer"})
+    procs = [spawner.start("trainer", cfg, "trainer-0", "--checkpoint-dir", str(tmp_path / "ckpt")),
+             spawner.start("calibrator", cfg, "calibrator-0"), spawner.start("rollout", cfg, "rollout-0")]
+    for p in procs:
+        p.wait_listening()
+    st = Stack(cfg, *procs, RefitStore(connect(redis_url), job_id), tmp_path / "ckpt")
+    st.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=0, sequences=[common_pb2.TokenSequence(
+        token_ids=list(p)) for p in PROMPTS]), timeout=T)  # version 0's scales: the calibrator's, as the controller asks
+    wait_until(lambda: (s := st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5)).ready
+               and s.weight_version == 0, "rollout serving v0", proc=st.rollout)
+    rows = rows_from(generate(st, PROMPTS, 0, n=2, seed=5, max_tokens=6), [1.0, -1.0, 0.5, -0.5])
+    resp = st.train().TrainStep(trainer_pb2.TrainStepRequest(expected_version=0, rows=rows, step=0), timeout=T)
+    assert resp.new_version == 1 and resp.phase_times.calibrate > 0
+    scales = st.store.get_scales(1)  # there as soon as TrainStep returns: no Calibrate call for v1
+    assert scales is not None and scales.version == 1
+    rs = wait_until(lambda: (s := st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5)).weight_version == 1
+                    and s, "rollout at v1", proc=st.rollout)
+    assert rs.scales_version == 1 and rs.ready
+    assert "QKV scales of each new version: trainer (calibration.site trainer)" in st.trainer.log_path.read_text()
+
+    manifest = st.store.get_manifest(1)
+    src = GrpcShardSource()
+    tensors = assemble(manifest, [src.fetch(manifest, i) for i in range(manifest.num_shards)])
+    src.close()
+    job = load_job_config(cfg)
+    policy, tok, _ = load_policy(str(tiny_checkpoint))
+    target = CalibrationModel(policy, job.fp8_recipe("calibrator"))
+    target.load_weights(1, tensors)
+    want = QKVCalibrator(target.model, pad_token_id=tok.pad_id, max_sequences=4).calibrate(
+        1, [list(r.prompt_ids) + list(r.response_ids) for r in rows])
+    assert (scales.q, scales.k, scales.v) == (want.q, want.k, want.v)  # FP32 values, compared exactly
 
 
 def test_request_pinned_to_an_old_version_is_refused(stack: Stack):
