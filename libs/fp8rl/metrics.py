@@ -27,7 +27,7 @@ family                                 who moves it            what
 ``fp8rl_refit_seconds_total``          (same)                  their seconds
 ``fp8rl_train_steps_total``            trainer                 optimizer steps taken
 ``fp8rl_graded_total``                 reward                  responses graded
-``fp8rl_calibrations_total``           calibrator, trainer     QKV scale calibrations done (the trainer's: calibration.site trainer)
+``fp8rl_calibrations_total``           calibrator, trainer     QKV scale calibrations done (trainer: site trainer)
 =====================================  ======================  ==================================================
 
 Each process has its own registry (several services can live in one test process); the exporter is

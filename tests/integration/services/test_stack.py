@@ -220,8 +220,9 @@ def test_a_trainer_that_calibrates_publishes_each_version_with_its_scales(spawne
     for p in procs:
         p.wait_listening()
     st = Stack(cfg, *procs, RefitStore(connect(redis_url), job_id), tmp_path / "ckpt")
+    # version 0's scales: the calibrator's, as the controller asks for them
     st.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=0, sequences=[common_pb2.TokenSequence(
-        token_ids=list(p)) for p in PROMPTS]), timeout=T)  # version 0's scales: the calibrator's, as the controller asks
+        token_ids=list(p)) for p in PROMPTS]), timeout=T)
     wait_until(lambda: (s := st.roll().Status(rollout_pb2.RolloutStatusRequest(), timeout=5)).ready
                and s.weight_version == 0, "rollout serving v0", proc=st.rollout)
     rows = rows_from(generate(st, PROMPTS, 0, n=2, seed=5, max_tokens=6), [1.0, -1.0, 0.5, -0.5])
