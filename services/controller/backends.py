@@ -76,7 +76,8 @@ class GrpcStep:
         return self._grade(self.plan, pairs)
 
     def train(self, version, step, rows, *, max_weight_lag=0):
-        req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag, rows=[
+        req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag,
+                                           calibrate_scales=self.plan.fp8_kv and self.calibrates_in_trainer, rows=[
             trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a,
                                  weight_version=s.weight_version, routes=s.routes if s.HasField("routes") else None)
             for p, s, a in rows])
@@ -86,8 +87,13 @@ class GrpcStep:
         return Trained(resp.new_version, dict(resp.metrics),
                        {"logprobs": pt.logprobs, "train": pt.train, "publish": pt.publish, "calibrate": pt.calibrate})
 
+    @property
+    def calibrates_in_trainer(self) -> bool:
+        """calibration.site resolved for this job: the trainer calibrates each new version inside TrainStep."""
+        return self.plan.job.calibration_site[0] == "trainer"
+
     def calibrate(self, version, sequences):
-        if version > 0 and self.plan.job.calibration_site[0] == "trainer":
+        if version > 0 and self.calibrates_in_trainer:
             return  # the trainer published v's scales with its weights (TrainStep); version 0 is the calibrator's
         self.rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
             version=version, sequences=[common_pb2.TokenSequence(token_ids=q) for q in sequences]), DL.calibrate)

@@ -135,18 +135,19 @@ class TrainerService(Service):
         self.published: int | None = None
         self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
         self.scales_version: int | None = None  # trainer-side FP8 KV: the version whose QKV scales it holds
-        # calibration.site trainer: v+1's QKV scales computed here after each optimizer step, on the weights
-        # already in memory, and published right after the version's manifest (pending until then)
+        # calibration.site trainer (TrainStepRequest.calibrate_scales, per job): v+1's QKV scales computed here
+        # after the optimizer step, on the weights already in memory, published right after the version's manifest
         self.calibrator: QKVCalibrator | None = None
+        self.calibrator_unavailable: str | None = None  # why this trainer cannot calibrate, or None
+        if job.kv_cache_dtype != "fp8":
+            self.calibrator_unavailable = "this deployment's KV cache is not FP8 (no QKV scales to calibrate)"
+        elif parallel is not None or self.backend != "torch":
+            self.calibrator_unavailable = "calibration.site trainer needs a one-process torch trainer"
+        else:
+            cal = job.calibration
+            self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
+                                            margin=cal.margin, max_sequences=cal.max_sequences)
         self.pending_scales: QKVScales | None = None
-        site, why = job.calibration_site
-        if job.kv_cache_dtype == "fp8":
-            if site == "trainer":
-                cal = job.calibration
-                self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=tok.pad_id,
-                                                percentile=cal.percentile, margin=cal.margin,
-                                                max_sequences=cal.max_sequences)
-            log.info("QKV scales of each new version: %s", why)
         self.ready = False
 
     def load_held_scales(self, wait_s: float = 60.0) -> None:
@@ -325,6 +326,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             require(bad is None, f"row {bad}: advantage must be finite")
             batch = self._batch(samples, advantages)
             require(0 <= request.max_weight_lag <= 16, f"max_weight_lag must be in 0..16, got {request.max_weight_lag}")
+            require(not request.calibrate_scales or s.calibrator is not None,
+                    f"calibrate_scales: {s.calibrator_unavailable}", grpc.StatusCode.FAILED_PRECONDITION)
             s.load_held_scales()
             try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
                 out = s.ctx.compute(train_on_batch, s.trainer, batch, should_stop=stop,
@@ -339,7 +342,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             s.trained_from = {s.trainer.version: request.expected_version}
             s.ctx.metrics.train_steps.inc()
             t_calibrate = 0.0
-            if s.calibrator is not None:  # v+1's QKV scales where v+1's weights are: no transfer, one forward
+            if request.calibrate_scales:  # v+1's QKV scales where v+1's weights are: no transfer, one forward
                 t = time.perf_counter()
                 s.pending_scales = s.ctx.compute(s.calibrator.calibrate, s.trainer.version,
                                                  [list(x.prompt_ids) + list(x.token_ids) for x in samples])

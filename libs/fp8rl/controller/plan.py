@@ -42,8 +42,12 @@ DEPLOYMENT_KEYS = (
 )
 
 
+# ... except these, which the controller passes per call (calibration.site: TrainStepRequest.calibrate_scales)
+PER_JOB_KEYS = ("calibration.site",)
+
+
 def _bound(key: str) -> bool:
-    return any(key == p or key.startswith(f"{p}.") for p in DEPLOYMENT_KEYS)
+    return key not in PER_JOB_KEYS and any(key == p or key.startswith(f"{p}.") for p in DEPLOYMENT_KEYS)
 
 
 def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:

@@ -46,7 +46,8 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
-def tiny_job(model_dir: Path, max_weight_lag: int | None = None, max_new_tokens: int = 4, **job) -> dict:
+def tiny_job(model_dir: Path, max_weight_lag: int | None = None, max_new_tokens: int = 4,
+             calibration_site: str = "auto", **job) -> dict:
     """A 2-step fp8_e2e job with an FP8 KV cache on ``model_dir``; ``job`` overrides ``job.*`` keys;
     ``max_weight_lag`` (when given) makes it asynchronous GRPO with that bound."""
     grpo = {"num_prompts_per_step": 4, "num_generations_per_prompt": 2}
@@ -59,7 +60,7 @@ def tiny_job(model_dir: Path, max_weight_lag: int | None = None, max_new_tokens:
                                   "vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
                    "training": {"lr": 0.01, "micro_batch_size": 8, "megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
         "grpo": grpo,
-        "calibration": {"max_sequences": 4},
+        "calibration": {"max_sequences": 4, "site": calibration_site},
     }
 
 
@@ -109,7 +110,7 @@ class Stack:
         return Path(self.info["secrets"]["service_token_file"]).read_text().strip()
 
     def job_yaml(self, max_weight_lag: int | None = None, **job) -> str:
-        return yaml.safe_dump(tiny_job(self.model_dir, max_weight_lag, **job))
+        return yaml.safe_dump(tiny_job(self.model_dir, max_weight_lag, **job))  # calibration_site= among job
 
     def jobs(self) -> JobStore:
         return JobStore(redis.Redis.from_url(self.info["redis_url"]))

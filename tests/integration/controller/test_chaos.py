@@ -135,7 +135,9 @@ LONG_GENERATE_TOKENS = 40
 
 @pytest.mark.parametrize("role", ["reward", "calibrator"])
 def test_a_stateless_role_killed_mid_job_is_found_on_its_new_port_and_the_step_is_retried(stack, role):
-    job_id = _submit(stack, f"chaos-{role}")
+    # the calibrator is on every step's path only where it calibrates (calibration.site auto puts a synchronous
+    # job's calibration in the trainer)
+    job_id = _submit(stack, f"chaos-{role}", calibration_site="calibrator")
     _wait_steps(stack, job_id, 2)
     offset = _log_size(stack, "controller")
     old_port = _kill(stack, role)

@@ -103,6 +103,11 @@ def test_deployment_mismatch_names_the_key():
     why = deployment_mismatch(parse_job_config({"policy": {"model": "/m", "generation": {
         "vllm_cfg": {"kv_cache_dtype": "auto"}}}}), deployed)
     assert "kv_cache_dtype=auto" in why and "kv_cache_dtype=fp8" in why
+    # calibration.site is the job's (the controller passes it per TrainStep); the other calibration keys are not
+    assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, "calibration": {"site": "calibrator"}}),
+                               deployed) is None
+    why = deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, "calibration": {"margin": 1.2}}), deployed)
+    assert why.startswith("calibration.margin:")
 
 
 def test_a_long_model_name_is_not_echoed_whole():
