@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fp8rl.fp8 import Fp8Recipe, QKVScales, convert_model
+from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
 from fp8rl.model import CausalLM, routing
 from fp8rl.rl import LossConfig, mismatch_metrics, policy_loss
 
@@ -359,6 +359,10 @@ class TorchTrainer(TrainerBackend):
             self._zero_grads()
             raise FloatingPointError(f"non-finite gradient norm {float(gn)} at version {self._version}; step skipped")
         self.optimizer.step()
+        # this version's FP8 weights belong to the step that made them (the next pass, whichever it is, reuses them)
+        for m in self.model.modules():
+            if isinstance(m, Fp8Linear):
+                m.refresh_weight_cache()
         totals["grad_norm"] = float(gn)
         return totals
 

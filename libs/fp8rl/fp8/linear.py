@@ -266,6 +266,13 @@ class Fp8Linear(nn.Linear):
             weight_cache=self.weight_cache, row_tile=self.row_tile,
         )
 
+    def refresh_weight_cache(self) -> None:
+        """Quantize the weight now (after an optimizer step) rather than in the next forward: the same numbers,
+        computed once per version either way (no-op without a cache)."""
+        if self.weight_cache is not None:
+            with torch.no_grad():
+                self.weight_cache.get(self.weight, self.pow2_weight_scale)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8=blockwise, pow2_w={self.pow2_weight_scale}"
 
