@@ -290,7 +290,12 @@ class _InProcess:
                                   route_shape=loop.route_shape)
         if getattr(loop.trainer, "needs_qkv_scales", False):  # the rollout's scales of the version it recomputes
             loop.trainer.load_qkv_scales(self._trainer_scales.pop(version))
-        out = train_on_batch(loop.trainer, batch, max_weight_lag=max_weight_lag)
+        from_logprobs = loop.rollout_recipe.fp8_kv and loop.job.calibration_site[0] == "logprobs"
+        out = train_on_batch(loop.trainer, batch, max_weight_lag=max_weight_lag,
+                             record_qkv=loop.calibrator if from_logprobs else None)
+        if out.qkv_scales is not None:  # the new version's scales, from the logprob pass: calibrate() keeps them
+            self._scales[out.qkv_scales.version] = out.qkv_scales
+            self.hold_scales(out.qkv_scales)
         t = time.perf_counter()
         if loop.plan.async_grpo:  # "publish": the refit thread loads this copy while the trainer moves on
             self._weights[loop.trainer.version] = {k: v.detach().clone() for k, v in loop.trainer.state_dict().items()}
@@ -298,6 +303,8 @@ class _InProcess:
                                                            "publish": time.perf_counter() - t})
 
     def calibrate(self, version, sequences):
+        if version in self._scales:  # recorded in the step's logprob pass (calibration.site logprobs)
+            return
         self._scales[version] = self.loop.calibrator.calibrate(version, sequences)
         self.hold_scales(self._scales[version])
 

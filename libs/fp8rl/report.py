@@ -253,8 +253,9 @@ def job_facts(job, *, in_process: bool = False) -> list[tuple[str, str]]:
     on, why = job.batch_invariance
     facts = [("batch-invariant numerics", why)]
     if job.kv_cache_dtype == "fp8":
-        where = "trainer's weights, right after each optimizer step (in-process loop)" if in_process \
-            else job.calibration_site[1]
+        where = job.calibration_site[1]
+        if in_process and job.calibration_site[0] != "logprobs":
+            where = "the trainer's weights, right after each optimizer step (in-process loop)"
         facts.append(("QKV scale calibration", where))
     return facts
 

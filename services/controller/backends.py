@@ -77,7 +77,8 @@ class GrpcStep:
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag,
-                                           calibrate_scales=self.plan.fp8_kv and self.calibrates_in_trainer, rows=[
+                                           calibrate_scales=self.plan.fp8_kv and self.site == "trainer",
+                                           scales_from_logprobs=self.plan.fp8_kv and self.site == "logprobs", rows=[
             trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a,
                                  weight_version=s.weight_version, routes=s.routes if s.HasField("routes") else None)
             for p, s, a in rows])
@@ -88,13 +89,15 @@ class GrpcStep:
                        {"logprobs": pt.logprobs, "train": pt.train, "publish": pt.publish, "calibrate": pt.calibrate})
 
     @property
-    def calibrates_in_trainer(self) -> bool:
-        """calibration.site resolved for this job: the trainer calibrates each new version inside TrainStep."""
-        return self.plan.job.calibration_site[0] == "trainer"
+    def site(self) -> str:
+        """calibration.site resolved for this job (``logprobs`` / ``trainer``: TrainStep stores the new version's
+        scales; ``calibrator``: the Calibrate call does)."""
+        return self.plan.job.calibration_site[0]
 
     def calibrate(self, version, sequences):
-        if version > 0 and self.calibrates_in_trainer:
-            return  # the trainer published v's scales with its weights (TrainStep); version 0 is the calibrator's
+        if version > 0 and self.site != "calibrator" and self.r.refit.get_scales(version) is not None:
+            return  # the trainer stored v's scales with its weights (TrainStep); version 0, or a version some other
+            # TrainStep made without them (a step trained before a controller restart), is the calibrator's
         self.rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
             version=version, sequences=[common_pb2.TokenSequence(token_ids=q) for q in sequences]), DL.calibrate)
 

@@ -135,8 +135,8 @@ class TrainerService(Service):
         self.published: int | None = None
         self.trained_from: dict[int, int] = {}  # held version -> the version its optimizer step started from
         self.scales_version: int | None = None  # trainer-side FP8 KV: the version whose QKV scales it holds
-        # calibration.site trainer (TrainStepRequest.calibrate_scales, per job): v+1's QKV scales computed here
-        # after the optimizer step, on the weights already in memory, published right after the version's manifest
+        # calibration.site trainer / logprobs (TrainStepRequest.calibrate_scales / scales_from_logprobs, per job):
+        # v+1's QKV scales computed here, published right after the version's manifest
         self.calibrator: QKVCalibrator | None = None
         self.calibrator_unavailable: str | None = None  # why this trainer cannot calibrate, or None
         if job.kv_cache_dtype != "fp8":
@@ -326,12 +326,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             require(bad is None, f"row {bad}: advantage must be finite")
             batch = self._batch(samples, advantages)
             require(0 <= request.max_weight_lag <= 16, f"max_weight_lag must be in 0..16, got {request.max_weight_lag}")
-            require(not request.calibrate_scales or s.calibrator is not None,
-                    f"calibrate_scales: {s.calibrator_unavailable}", grpc.StatusCode.FAILED_PRECONDITION)
+            for key, asked in (("calibrate_scales", request.calibrate_scales),
+                               ("scales_from_logprobs", request.scales_from_logprobs)):
+                require(not asked or s.calibrator is not None, f"{key}: {s.calibrator_unavailable}",
+                        grpc.StatusCode.FAILED_PRECONDITION)
+            require(not (request.calibrate_scales and request.scales_from_logprobs),
+                    "calibrate_scales and scales_from_logprobs are exclusive: one source of the new version's scales")
             s.load_held_scales()
             try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
                 out = s.ctx.compute(train_on_batch, s.trainer, batch, should_stop=stop,
-                                    max_weight_lag=request.max_weight_lag)
+                                    max_weight_lag=request.max_weight_lag,
+                                    record_qkv=s.calibrator if request.scales_from_logprobs else None)
             except StaleSampleError as exc:  # refused before any work: weights and version unchanged
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step}: {exc}") from None
             except FloatingPointError as exc:  # step skipped, version unchanged: the batch's values overflowed
@@ -342,6 +347,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             s.trained_from = {s.trainer.version: request.expected_version}
             s.ctx.metrics.train_steps.inc()
             t_calibrate = 0.0
+            if out.qkv_scales is not None:  # recorded in the logprob pass: stored with the manifest below
+                s.pending_scales = out.qkv_scales
+                s.ctx.metrics.calibrations.inc()
             if request.calibrate_scales:  # v+1's QKV scales where v+1's weights are: no transfer, one forward
                 t = time.perf_counter()
                 s.pending_scales = s.ctx.compute(s.calibrator.calibrate, s.trainer.version,

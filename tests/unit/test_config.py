@@ -186,17 +186,19 @@ def test_loop_flag_batch_invariant_is_a_switch_both_ways():
     assert LoopConfig.from_flags(batch_invariant=False).job.batch_invariance[0] is False
 
 
-def test_calibration_site_resolves_to_the_trainer_for_synchronous_one_process_jobs():
+def test_calibration_site_resolves_to_the_logprob_pass_on_a_one_process_torch_trainer():
     from fp8rl.config import JobConfig
 
-    assert JobConfig().calibration_site[0] == "trainer"
-    for settings in ({"grpo.async_grpo.enabled": True}, {"policy.training.dp_size": 2},
-                     {"policy.training.backend": "megatron"}):
+    assert JobConfig().calibration_site[0] == "logprobs"
+    assert JobConfig().with_settings({"grpo.async_grpo.enabled": True}).calibration_site[0] == "logprobs"
+    for settings in ({"policy.training.dp_size": 2}, {"policy.training.backend": "megatron"}):
         site, why = JobConfig().with_settings(settings).calibration_site
         assert site == "calibrator" and "calibration.site auto" in why, settings
-    assert JobConfig().with_settings({"calibration.site": "calibrator"}).calibration_site[0] == "calibrator"
-    with pytest.raises(ConfigError, match="calibration.site=trainer needs a one-process torch trainer"):
-        JobConfig().with_settings({"calibration.site": "trainer", "policy.training.dp_size": 2})
+    for site in ("calibrator", "trainer"):
+        assert JobConfig().with_settings({"calibration.site": site}).calibration_site[0] == site
+    for site in ("trainer", "logprobs"):
+        with pytest.raises(ConfigError, match=f"calibration.site={site} needs a one-process torch trainer"):
+            JobConfig().with_settings({"calibration.site": site, "policy.training.dp_size": 2})
 
 
 def test_model_parallel_keys_are_checked_against_the_backend():

@@ -73,9 +73,10 @@ class JobConfig(Section):
                 if val != "torch":
                     raise ConfigError(f"policy.numerics.batch_invariant=true needs {key}=torch (got {val}): only "
                                       "the embedded engines compute a token the same way whatever the batch")
-        if self.calibration.site == "trainer" and (self.policy.training.backend != "torch"
-                                                   or self.policy.training.dp_size > 1):
-            raise ConfigError("calibration.site=trainer needs a one-process torch trainer (policy.training.backend "
+        if self.calibration.site in ("trainer", "logprobs") and (self.policy.training.backend != "torch"
+                                                                 or self.policy.training.dp_size > 1):
+            raise ConfigError(f"calibration.site={self.calibration.site} needs a one-process torch trainer "
+                              "(policy.training.backend "
                               f"torch, dp_size 1; got {self.policy.training.backend}, dp_size "
                               f"{self.policy.training.dp_size}): use calibration.site auto or calibrator")
         if self.policy.router_replay.enabled:
@@ -180,19 +181,15 @@ class JobConfig(Section):
 
     @property
     def calibration_site(self) -> tuple[str, str]:
-        """Where the services calibrate v+1's QKV scales (``calibration.site`` resolved: ``trainer`` or
-        ``calibrator``), and why, in one line."""
+        """Where each new version's QKV scales come from (``calibration.site`` resolved: ``logprobs``, ``trainer``
+        or ``calibrator``), and why, in one line."""
         site = self.calibration.site
-        reasons = []
+        if site != "auto":
+            return site, f"{site} (calibration.site {site})"
         if self.policy.training.backend != "torch" or self.policy.training.dp_size > 1:
-            reasons.append("the trainer is not one torch process")
-        if self.grpo.async_grpo.enabled:
-            reasons.append("asynchronous GRPO calibrates off the critical path")
-        if site == "auto":
-            if reasons:
-                return "calibrator", f"calibrator service (calibration.site auto: {'; '.join(reasons)})"
-            return "trainer", "trainer, right after each optimizer step (calibration.site auto)"
-        return site, f"{site} (calibration.site {site})"
+            return "calibrator", "calibrator service (calibration.site auto: the trainer is not one torch process)"
+        return "logprobs", ("the trainer's logprob pass over the whole batch, published as the next version's "
+                            "(calibration.site auto)")
 
     @property
     def batch_invariant(self) -> bool:

@@ -264,14 +264,15 @@ class CalibrationConfig(Section):
     percentile: float = setting(99.9, "Percentile of |Q|, |K|, |V| taken as the amax.")
     max_sequences: int = setting(16, "Sequences per calibration (an evenly spaced subset of the step's).", gt=0,
                                  le=limits.MAX_BATCH_ROWS)
-    site: str = setting("auto", "Where the services compute each new version's Q/K/V scales: trainer (in the "
-                        "trainer service right after its optimizer step, on the step's sequences, where v+1's weights "
-                        "already are: one forward of max_sequences sequences, no weight transfer; published with "
-                        "the weights), calibrator (the calibrator service, which first pulls v+1's weights; "
-                        "asynchronous GRPO overlaps it with the next rollout), or auto: trainer for synchronous "
-                        "GRPO on a one-process torch trainer, calibrator otherwise. The calibrator service still "
-                        "calibrates version 0. The in-process loop always calibrates on its trainer's weights.",
-                        choices=("auto", "trainer", "calibrator"))
+    site: str = setting("auto", "Where each new version's Q/K/V scales come from: logprobs (the trainer records "
+                        "the Q/K/V amax of the step's logprob pass — version v's weights over every sequence of the "
+                        "batch — and publishes them as v+1's: no forward of their own, one step stale), trainer "
+                        "(the trainer runs a forward of max_sequences of the step's sequences on v+1's weights right "
+                        "after its optimizer step), calibrator (the calibrator service pulls v+1's weights and does "
+                        "that; asynchronous GRPO overlaps it with the next rollout), or auto: logprobs on a "
+                        "one-process torch trainer, calibrator otherwise. Version 0 is always calibrated on its own "
+                        "weights (the calibrator service; the loop's trainer).",
+                        choices=("auto", "logprobs", "trainer", "calibrator"))
 
 
 @dataclass(frozen=True)

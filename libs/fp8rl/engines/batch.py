@@ -7,15 +7,22 @@ tokens the rollout engine sampled, before the update.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl.rl import grpo_advantages, mismatch_metrics
 
 from .base import ShouldStop, TrainBatch, TrainerBackend
+
+if TYPE_CHECKING:
+    from fp8rl.fp8 import QKVScales
+
+    from .calibrator import QKVCalibrator
 
 __all__ = ["StaleSampleError", "TrainOutcome", "batch_routes", "build_train_batch", "check_lag", "lag_metrics",
            "train_on_batch"]
@@ -92,6 +99,8 @@ class TrainOutcome:
     metrics: dict[str, float]
     logprobs_s: float
     train_s: float
+    # calibration.site logprobs: the scales recorded in the logprob pass, labelled with the new version
+    qkv_scales: QKVScales | None = None
 
 
 class StaleSampleError(ValueError):
@@ -131,10 +140,15 @@ def lag_metrics(batch: TrainBatch, held: int, overall: dict[str, float]) -> dict
 
 
 def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: ShouldStop | None = None,
-                   max_weight_lag: int = 0) -> TrainOutcome:
+                   max_weight_lag: int = 0, record_qkv: QKVCalibrator | None = None) -> TrainOutcome:
     """The trainer's logprobs of the sampled tokens at the weights it holds (``batch.prev_logprobs``, the
     proximal policy), the train/rollout mismatch against the batch's generation logprobs (split into
     numeric and stale parts by :func:`lag_metrics`), then one optimizer step.
+
+    ``record_qkv`` (calibration.site logprobs): that calibrator records the Q/K/V amax of the logprob pass — the
+    held version's weights over every sequence of the batch — and the outcome carries them as the new version's
+    scales (no forward of their own; one step stale, measured as close to the new weights' whole-batch amax as a
+    fresh calibration on a subset: ``bench/RESULTS.md``).
 
     Raises :class:`StaleSampleError` (before any work) for a row outside the lag bound, and whatever the
     backend raises (``FloatingPointError`` for an overflowing batch, ``Cancelled`` when ``should_stop``
@@ -142,7 +156,8 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     """
     check_lag(batch.versions, trainer.version, max_weight_lag)
     t = time.perf_counter()
-    batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
+    with record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:
+        batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
     mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
     mismatch.update(lag_metrics(batch, trainer.version, mismatch))
     route_metrics = getattr(trainer, "routing_metrics", None)  # mixture-of-experts trainers: moe/* of that pass
@@ -151,4 +166,4 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     t_logprobs, t = time.perf_counter() - t, time.perf_counter()
     train = trainer.train_step(batch, should_stop=should_stop)
     return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, t_logprobs,
-                        time.perf_counter() - t)
+                        time.perf_counter() - t, recorded.scales(trainer.version) if recorded is not None else None)

@@ -9,19 +9,75 @@ scales (high percentile × margin / 448). Deterministic given weights and sequen
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from fp8rl.fp8 import QKVScales, scales_from_amax_history, transformer_layers
 from fp8rl.model import CausalLM
 
-__all__ = ["QKVCalibrator"]
+__all__ = ["QKVCalibrator", "QKVRecording"]
 
 
 class _PassDone(Exception):
     """Raised by the last layer's Q/K/V hook: the rest of the forward pass is not needed."""
+
+
+def _amax_hook(hist: dict[str, list[list[float]]], valid: list[torch.Tensor], cut_after: int | None):
+    """``make_hook(i)``: a forward hook for layer ``i``'s ``qkv_point`` appending the pass's Q/K/V amax over the real
+    tokens (``valid[0]``, ``(B, T)``) to ``hist``; with ``cut_after`` the layer of that index ends the pass."""
+
+    def make_hook(i: int):
+        def hook(_mod, _inputs, outputs):
+            m = valid[0]  # (B, T)
+            for name, t in zip(("q", "k", "v"), outputs, strict=True):  # (B, H, T, D)
+                per_tok = t.detach().abs().amax(dim=(1, 3)).float()  # (B, T)
+                hist[name][i].append(float(per_tok.masked_fill(~m, 0.0).max()))
+            if i == cut_after:  # nothing after the last layer's Q/K/V is read: cut the pass here
+                raise _PassDone
+        return hook
+
+    return make_hook
+
+
+class QKVRecording:
+    """Q/K/V amax of every forward of a model while it is open (:meth:`QKVCalibrator.recording`): each forward is
+    one pass over the tokens its ``attention_mask`` keeps, the statistic :meth:`QKVCalibrator.calibrate` takes
+    over its own passes. :meth:`scales` turns them into a version's scales."""
+
+    def __init__(self, calibrator: QKVCalibrator) -> None:
+        self.calibrator = calibrator
+        layers = transformer_layers(calibrator.model)
+        self.hist: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in ("q", "k", "v")}
+        self._valid: list[torch.Tensor] = []
+        make_hook = _amax_hook(self.hist, self._valid, cut_after=None)  # the caller needs the whole forward
+        self._handles = [calibrator.model.register_forward_pre_hook(self._pass_mask, with_kwargs=True)]
+        self._handles += [layer.self_attn.qkv_point.register_forward_hook(make_hook(i))
+                          for i, layer in enumerate(layers)]
+
+    def _pass_mask(self, _mod, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        self._valid[:] = [mask.bool() if mask is not None else torch.ones(ids.shape, dtype=torch.bool,
+                                                                            device=ids.device)]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def passes(self) -> int:
+        return len(self.hist["q"][0]) if self.hist["q"] else 0
+
+    def scales(self, version: int) -> QKVScales:
+        """The scales of what was recorded, labelled ``version``."""
+        if self.passes == 0:
+            raise ValueError("no forward pass was recorded: nothing to calibrate on")
+        c = self.calibrator
+        return scales_from_amax_history(version, self.hist, percentile=c.percentile, margin=c.margin)
 
 
 class QKVCalibrator:
@@ -56,6 +112,16 @@ class QKVCalibrator:
             return list(sequences)
         return [sequences[(i * n) // self.max_sequences] for i in range(self.max_sequences)]
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[QKVRecording]:
+        """Record the Q/K/V amax of the model's forwards inside the block (:class:`QKVRecording`) — e.g. the
+        trainer's logprob pass over a whole step, whose statistic then costs no forward of its own."""
+        rec = QKVRecording(self)
+        try:
+            yield rec
+        finally:
+            rec.close()
+
     @torch.no_grad()
     def calibrate(self, version: int, sequences: Sequence[Sequence[int]]) -> QKVScales:
         """Scales for weight ``version`` from forward passes over ``sequences`` (prompts + responses)."""
@@ -66,19 +132,7 @@ class QKVCalibrator:
         layers = transformer_layers(self.model)
         hist: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in ("q", "k", "v")}
         valid: list[torch.Tensor] = []  # (B, T) of the pass in flight
-
-        last = len(layers) - 1
-
-        def make_hook(i: int):
-            def hook(_mod, _inputs, outputs):
-                m = valid[0]  # (B, T)
-                for name, t in zip(("q", "k", "v"), outputs, strict=True):  # (B, H, T, D)
-                    per_tok = t.detach().abs().amax(dim=(1, 3)).float()  # (B, T)
-                    hist[name][i].append(float(per_tok.masked_fill(~m, 0.0).max()))
-                if i == last:  # nothing after the last layer's Q/K/V is read: cut the pass here
-                    raise _PassDone
-            return hook
-
+        make_hook = _amax_hook(hist, valid, cut_after=len(layers) - 1)
         handles = [layer.self_attn.qkv_point.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
         was_training = self.model.training
         self.model.eval()

@@ -24,18 +24,20 @@ class Sequence(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., weight_version: _Optional[int] = ..., routes: _Optional[_Union[_common_pb2.Routes, _Mapping]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("expected_version", "rows", "step", "max_weight_lag", "calibrate_scales")
+    __slots__ = ("expected_version", "rows", "step", "max_weight_lag", "calibrate_scales", "scales_from_logprobs")
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_LAG_FIELD_NUMBER: _ClassVar[int]
     CALIBRATE_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FROM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     expected_version: int
     rows: _containers.RepeatedCompositeFieldContainer[Sequence]
     step: int
     max_weight_lag: int
     calibrate_scales: bool
-    def __init__(self, expected_version: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., step: _Optional[int] = ..., max_weight_lag: _Optional[int] = ..., calibrate_scales: _Optional[bool] = ...) -> None: ...
+    scales_from_logprobs: bool
+    def __init__(self, expected_version: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., step: _Optional[int] = ..., max_weight_lag: _Optional[int] = ..., calibrate_scales: _Optional[bool] = ..., scales_from_logprobs: _Optional[bool] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("new_version", "metrics", "phase_times")

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.config import load_job_config
 from fp8rl.engines import CalibrationModel, QKVCalibrator, SamplingParams, TorchRolloutEngine
+from fp8rl.fp8.payload import load_qkv_scales
 from fp8rl.presets import load_policy
 from fp8rl.refit import RefitStore, assemble, connect, decode_scales
 from fp8rl.refit.transport.grpc import GrpcShardSource
@@ -247,6 +248,24 @@ def test_a_trainer_that_calibrates_publishes_each_version_with_its_scales(spawne
     want = QKVCalibrator(target.model, pad_token_id=tok.pad_id, max_sequences=4).calibrate(
         1, [list(r.prompt_ids) + list(r.response_ids) for r in rows])
     assert (scales.q, scales.k, scales.v) == (want.q, want.k, want.v)  # FP32 values, compared exactly
+
+    # calibration.site logprobs: v2's scales are the Q/K/V amax of v1's logprob pass over the step's rows (one pass of
+    # the trainer's 8-row micro-batch) — a pass that, batch-invariant, recomputes the rollout's FP8 attention with
+    # v1's scales, so the reference runs v1's model with that attention too — stored beside v2's manifest; the two
+    # sources are exclusive
+    code, details = code_of(lambda: st.train().TrainStep(trainer_pb2.TrainStepRequest(
+        expected_version=1, rows=rows, calibrate_scales=True, scales_from_logprobs=True), timeout=T))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "exclusive" in details
+    rows1 = rows_from(generate(st, PROMPTS, 1, n=2, seed=6, max_tokens=6), [1.0, -1.0, 0.5, -0.5])
+    resp = st.train().TrainStep(trainer_pb2.TrainStepRequest(expected_version=1, rows=rows1, step=1,
+                                                             scales_from_logprobs=True), timeout=T)
+    assert resp.new_version == 2 and st.store.get_scales(2) is not None
+    got = st.store.get_scales(2)
+    target.model.enable_fp8_kv()
+    load_qkv_scales(target.model, scales)
+    want = QKVCalibrator(target.model, pad_token_id=tok.pad_id, micro_batch_size=8).calibrate(
+        2, [list(r.prompt_ids) + list(r.response_ids) for r in rows1])
+    assert (got.q, got.k, got.v) == (want.q, want.k, want.v)
 
 
 def test_request_pinned_to_an_old_version_is_refused(stack: Stack):
