@@ -88,13 +88,11 @@ def fp8_gemm(
 
     ``w_dequantized`` lets a frozen layer pass its cached FP32 ``dequantize_blockwise(w_q, w_scale)``
     to the reference path (same numbers, computed once per weight version instead of per call).
-    ``row_tile`` (batch-invariant numerics) runs the reference GEMM as :func:`tiled_mm`; it needs the
-    reference backend (the fast path's kernels choose their tiling by shape).
+    ``row_tile`` (batch-invariant numerics) runs the reference GEMM as :func:`tiled_mm` on every backend (the fast
+    path's kernels choose their tiling by shape).
     """
     backend = select_backend(x_q.device)
-    if backend == "scaled_mm":
-        if row_tile is not None:
-            raise RuntimeError("batch-invariant numerics run the reference FP8 GEMM; set FP8RL_FP8_BACKEND=reference")
+    if backend == "scaled_mm" and row_tile is None:  # batch-invariant numerics take the reference (fixed order)
         return _gemm_scaled_mm(x_q, x_scale, w_q, w_scale, out_dtype)
     x = dequantize_per_token_group(x_q, x_scale)
     w = w_dequantized if w_dequantized is not None else dequantize_blockwise(w_q, w_scale)
