@@ -64,7 +64,7 @@ def tiled_mm(x: torch.Tensor, wt: torch.Tensor, row_tile: int) -> torch.Tensor:
     Batch-invariant numerics (:mod:`fp8rl.model.invariant`): ``x`` is zero-padded to a whole number of
     ``row_tile``-row tiles and multiplied by one plain GEMM. The BLAS's kernel choice, hence its summation
     order over ``K``, then never sees a small or ragged ``M`` (MKL sums rows of an ``M < 8`` product, and the
-    ragged edge rows a thread gets, in another order); over whole tiles of 16 rows every row's numbers are
+    ragged edge rows a thread gets, in another order); over whole tiles (8 rows by default) every row's numbers are
     the same for a decode step of 3 rows and a training forward of 3000 — checked for the model's shapes,
     1 to 4 threads and AVX2 / AVX-512 kernels by ``tests/unit/model/test_invariant.py``, which fails if a BLAS
     ever breaks it. The weight is packed once per GEMM, as in a plain linear (the earlier form, a batched

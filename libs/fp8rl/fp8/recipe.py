@@ -40,7 +40,7 @@ class Fp8Recipe:
         pow2_activation_scaling_factors: same for activation (and gradient) group scales.
         kv_cache_dtype: ``"fp8"`` stores K/V in E4M3 with calibrated per-tensor scales.
         fp8_attention: with an FP8 KV cache, also round Q and the softmax probabilities to E4M3.
-        batch_invariant: GEMMs in fixed-shape row tiles and split-KV attention with a fixed chunk
+        batch_invariant: GEMMs over whole row tiles and split-KV attention with a fixed chunk
             (:mod:`fp8rl.model.invariant`), so a token's numbers do not depend on the batch, on decode
             vs full forward or on padding: the rollout's and the trainer's logprobs are bitwise equal.
     """

@@ -21,7 +21,7 @@ Compute (shapes: C hidden, F expert width, E experts, K top-k, N tokens, R = N·
 3. **combine** — each token sums its ``K`` expert outputs times their FP32 routing weights in **slot
    order** (not by atomics or an expert-order ``index_add_``), in FP32, then casts back.
 
-Batch invariance: with :mod:`fp8rl.model.invariant` on, every expert GEMM runs in fixed row tiles and the
+Batch invariance: with :mod:`fp8rl.model.invariant` on, every expert GEMM runs over whole row tiles and the
 router's logits too, and the combine is per token in a fixed order, so a token's output does not depend on
 which (or how many) other tokens share its experts — rollout and trainer route and compute it bitwise alike.
 """

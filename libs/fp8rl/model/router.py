@@ -43,7 +43,7 @@ class TopKRouter(nn.Module):
     """``mlp.gate``: FP32 softmax top-k routing over ``num_experts`` (see the module docstring).
 
     Attributes:
-        row_tile: batch-invariant numerics (:mod:`fp8rl.model.invariant`): the logits GEMM in fixed row tiles.
+        row_tile: batch-invariant numerics (:mod:`fp8rl.model.invariant`): the logits GEMM over whole row tiles.
         plan: the :class:`Routing` of the forward in progress (set by :func:`routing`), or None.
         moe_index: this router's place among the model's mixture-of-experts layers (a route's layer axis).
     """

@@ -354,7 +354,7 @@ class CausalLM(nn.Module):
         self.set_batch_invariance(inv or BatchInvariance())
 
     def set_batch_invariance(self, inv: BatchInvariance | None) -> None:
-        """Run every GEMM in fixed-shape row tiles and attention split-KV (:mod:`fp8rl.model.invariant`).
+        """Run every GEMM over whole row tiles and attention split-KV (:mod:`fp8rl.model.invariant`).
 
         Plain ``nn.Linear`` modules (the output head included) become :class:`TiledLinear` on the same
         parameters; FP8 linears (anything with a ``row_tile`` attribute) get the tile size. Call it after
