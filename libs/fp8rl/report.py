@@ -82,6 +82,8 @@ def summarize(rows: list[dict]) -> dict[str, float]:
     head, tail = done[:k], done[-k:]
     total = sum(_finite(r.get("time/total") for r in rows))
     errs = _finite(r.get("token_mult_prob_error") for r in rows)
+    numeric = _finite(r.get("numeric/token_mult_prob_error", r.get("token_mult_prob_error")) for r in rows
+                      if r.get("stale_fraction", 0.0) < 1.0)
     out = {
         "steps": float(len(rows)), "window": float(k),
         "reward_first": _mean(head, "reward_mean"), "reward_last": _mean(tail, "reward_mean"),
@@ -89,9 +91,13 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "token_mult_prob_error_mean": _mean(rows, "token_mult_prob_error"),
         "token_mult_prob_error_median": statistics.median(errs) if errs else math.nan,
         "calibrate_share": sum(_finite(r.get("time/calibrate") for r in rows)) / total if total > 0 else math.nan,
-        # steps whose trainer logprobs were bitwise the rollout's (token_mult_prob_error exactly 1.0)
-        "exact_steps": float(sum(e == 1.0 for e in errs)), "measured_steps": float(len(errs)),
-        "token_mult_prob_error_max": max(errs) if errs else math.nan,
+        # steps whose trainer logprobs were bitwise the rollout's on the rows of the trainer's own version
+        # (asynchronous GRPO: older-version rows differ by their weights, not by numerics; a step with only those
+        # measures no numerics)
+        "exact_steps": float(sum(e == 1.0 for e in numeric)), "measured_steps": float(len(numeric)),
+        "stale_only_steps": float(len(rows) - len(numeric) - sum(1 for r in rows if not _finite(
+            [r.get("token_mult_prob_error")]))),
+        "token_mult_prob_error_max": max(numeric) if numeric else math.nan,
         "step_seconds_mean": _mean(rows, "time/total"),
     }
     out.update({f"phase_seconds/{p}": _mean(rows, f"time/{p}") for p in PHASES})
@@ -107,13 +113,16 @@ def _fmt(x: float, spec: str = ".4f", unit: str = "") -> str:
 
 def _exactness(s: dict[str, float]) -> str:
     """One line: did the trainer recompute the rollout's logprobs bitwise on every step?"""
-    n, exact = int(s["measured_steps"]), int(s["exact_steps"])
+    n, exact, stale = int(s["measured_steps"]), int(s["exact_steps"]), int(s.get("stale_only_steps", 0))
+    also = (f"; {stale} steps trained only on rows of older versions, which differ by their weights "
+            "(asynchronous GRPO: stale/* metrics)") if stale else ""
     if n == 0:
-        return "no step measured the train/rollout mismatch"
+        return "no step measured the train/rollout numerics" + also
     if exact == n:
-        return f"**exact**: the trainer's logprobs were bitwise the rollout's on all {n} steps (1.000000)"
-    return (f"**not exact**: trainer and rollout logprobs differed on {n - exact} of {n} steps "
-            f"(token_mult_prob_error up to {s['token_mult_prob_error_max']:.6f})")
+        return (f"**exact**: the trainer's logprobs were bitwise the rollout's on all {n} steps with rows of its own "
+                f"version (1.000000){also}")
+    return (f"**not exact**: trainer and rollout logprobs of the same version differed on {n - exact} of {n} steps "
+            f"(token_mult_prob_error up to {s['token_mult_prob_error_max']:.6f}){also}")
 
 
 def _summary_md(s: dict[str, float], title: str, notes: list[str], facts: Sequence[tuple[str, str]] = ()) -> str:

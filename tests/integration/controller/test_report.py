@@ -52,3 +52,26 @@ def test_loop_rows_are_understood():
     s = summarize([row])
     assert s["calibrate_share"] == pytest.approx(0.125) and s["reward_first"] == s["reward_last"] == 0.5
     assert math.isnan(s["phase_seconds/publish"])  # the loop has no publish phase
+
+
+def test_the_report_says_whether_the_job_ran_exact_counting_only_same_version_rows(tmp_path):
+    """The first row: exact when every step's same-version rows were bitwise (1.0); asynchronous steps with only
+    older-version rows measure no numerics and are named apart; one differing step makes it "not exact"."""
+    from fp8rl.report import _exactness
+
+    def row(err, numeric=None, stale=None):
+        r = {"token_mult_prob_error": err}
+        if numeric is not None:
+            r.update({"numeric/token_mult_prob_error": numeric, "stale_fraction": stale})
+        return r
+
+    exact = summarize([row(1.0), row(1.0), row(1.3, numeric=1.0, stale=0.5), row(1.2, numeric=1.0, stale=1.0)])
+    line = _exactness(exact)
+    assert line.startswith("**exact**") and "all 3 steps" in line and "1 steps trained only on rows of older" in line
+    differs = _exactness(summarize([row(1.0), row(1.02)]))
+    assert differs.startswith("**not exact**") and "on 1 of 2 steps" in differs and "1.020000" in differs
+    assert "older versions" not in differs
+    write_report([{"step": 0, "metrics": {"token_mult_prob_error": 1.0}, "phase_times": {"total": 1.0}}], tmp_path,
+                 facts=[("batch-invariant numerics", "on by default")])
+    md = (tmp_path / "summary.md").read_text()
+    assert "| train/rollout numerics | **exact**" in md and "| batch-invariant numerics | on by default |" in md
