@@ -95,8 +95,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         # (asynchronous GRPO: older-version rows differ by their weights, not by numerics; a step with only those
         # measures no numerics)
         "exact_steps": float(sum(e == 1.0 for e in numeric)), "measured_steps": float(len(numeric)),
-        "stale_only_steps": float(len(rows) - len(numeric) - sum(1 for r in rows if not _finite(
-            [r.get("token_mult_prob_error")]))),
+        "stale_only_steps": float(sum(r.get("stale_fraction", 0.0) >= 1.0 for r in rows)),
         "token_mult_prob_error_max": max(numeric) if numeric else math.nan,
         "step_seconds_mean": _mean(rows, "time/total"),
     }

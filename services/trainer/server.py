@@ -142,7 +142,7 @@ class TrainerService(Service):
         if job.kv_cache_dtype != "fp8":
             self.calibrator_unavailable = "this deployment's KV cache is not FP8 (no QKV scales to calibrate)"
         elif parallel is not None or self.backend != "torch":
-            self.calibrator_unavailable = "calibration.site trainer needs a one-process torch trainer"
+            self.calibrator_unavailable = "calibrating in the trainer needs a one-process torch trainer"
         else:
             cal = job.calibration
             self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
@@ -229,6 +229,7 @@ class TrainerService(Service):
     def _publish_held(self) -> float:
         v = self.trainer.version
         if self.published == v:
+            self._put_pending_scales()  # its scales, where an earlier put failed (Redis away)
             return 0.0
         t0 = time.perf_counter()
         if v in self.trained_from:  # the lineage first: whoever sees v in weights:latest can read where it came from

@@ -73,8 +73,7 @@ class JobConfig(Section):
                 if val != "torch":
                     raise ConfigError(f"policy.numerics.batch_invariant=true needs {key}=torch (got {val}): only "
                                       "the embedded engines compute a token the same way whatever the batch")
-        if self.calibration.site in ("trainer", "logprobs") and (self.policy.training.backend != "torch"
-                                                                 or self.policy.training.dp_size > 1):
+        if self.calibration.site in ("trainer", "logprobs") and not self._one_torch_process_trains:
             raise ConfigError(f"calibration.site={self.calibration.site} needs a one-process torch trainer "
                               "(policy.training.backend "
                               f"torch, dp_size 1; got {self.policy.training.backend}, dp_size "
@@ -162,6 +161,11 @@ class JobConfig(Section):
         """Processes the trainer runs as (what torchrun starts): ``dp_size`` x :attr:`trainer_model_parallel`."""
         return self.policy.training.dp_size * self.trainer_model_parallel
 
+    @property
+    def _one_torch_process_trains(self) -> bool:
+        """The trainer is one torch process (it can calibrate on the weights it holds)."""
+        return self.policy.training.backend == "torch" and self.policy.training.dp_size == 1
+
     def _engine_backends(self) -> tuple[tuple[str, str], ...]:
         return (("policy.generation.backend", self.policy.generation.backend),
                 ("policy.training.backend", self.policy.training.backend))
@@ -186,7 +190,7 @@ class JobConfig(Section):
         site = self.calibration.site
         if site != "auto":
             return site, f"{site} (calibration.site {site})"
-        if self.policy.training.backend != "torch" or self.policy.training.dp_size > 1:
+        if not self._one_torch_process_trains:
             return "calibrator", "calibrator service (calibration.site auto: the trainer is not one torch process)"
         return "logprobs", ("the trainer's logprob pass over the whole batch, published as the next version's "
                             "(calibration.site auto)")

@@ -24,8 +24,11 @@ With :class:`BatchInvariance` on, both engines run the same arithmetic for a tok
   forward (``T`` keys) produce bitwise the same output.
 * Everything else (norms, RoPE, softmax over the vocabulary, FP8 quantization) is per row already.
 
-Cost: the padding of decode batches to whole tiles and of keys to whole chunks, the per-chunk partial
-sums of attention, and the gather of left-padded rows' keys in decode; measured by
+The rollout's KV cache is row-aligned (:meth:`fp8rl.model.KVCache.align_rows`): it stores each row from its
+first key, so decode reads the canonical layout as a slice; only a cache-less forward of left-padded rows gathers.
+
+Cost: the padding of decode batches to whole tiles and of keys to whole chunks, and the per-chunk partial
+sums of attention; measured by
 ``bench/batch_invariance.py`` (``bench/RESULTS.md``). Backward passes are not made invariant (nothing
 compares gradients across engines); they use plain GEMMs.
 """
