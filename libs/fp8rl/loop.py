@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -31,6 +32,7 @@ from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_setting
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, eval_problems, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
+from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import ArithDataset, get_grader
 from fp8rl.engines import (
     QKVCalibrator,
@@ -41,6 +43,7 @@ from fp8rl.engines import (
     train_on_batch,
 )
 from fp8rl.fp8 import RECIPES
+from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
 from fp8rl.presets import load_policy
@@ -71,6 +74,12 @@ LOOP_FLAGS: dict[str, str] = {
     "calibration_max_sequences": "calibration.max_sequences",
     "eval_every": "job.eval_every",
     "eval_size": "job.eval_size",
+    "eval_k": "eval.k",
+    "eval_temperature": "eval.temperature",
+    "loss_agg_mode": "loss.loss_agg_mode",
+    "normalize_rewards": "grpo.normalize_rewards",
+    "dynamic_sampling": "grpo.use_dynamic_sampling",
+    "overlong_filtering": "grpo.overlong_filtering",
     "seed": "job.seed",
     "max_weight_lag": "grpo.async_grpo.max_weight_lag",  # giving it also sets grpo.async_grpo.enabled
     "batch_invariant": "policy.numerics.batch_invariant",
@@ -89,7 +98,8 @@ class LoopConfig:
     Attributes:
         job: every setting of the run; the loop reads the keys that shape a step exactly as the
             controller and the services do (``policy.generation.backend`` is always the embedded engine).
-        out_dir: if set, a report (metrics.jsonl, summary.md, plots, TensorBoard) and summary.json go there.
+        out_dir: if set, a report (metrics.jsonl, summary.md, plots, TensorBoard), summary.json and the trained
+            policy as an HF model directory (``policy/``) go there.
     """
 
     job: JobConfig = field(default_factory=JobConfig)
@@ -135,6 +145,7 @@ class GRPOLoop:
         job = cfg.job
         torch.manual_seed(job.job.seed)
         policy, self.tok, self.model_path = load_policy(job.policy.model)
+        self.model_config, self.model_name = policy.config, policy.name_or_path
         self.observatory: ObservatoryResult | None = None
         if job.policy.numerics.auto_bf16_layers:
             job = self.job = self._auto_bf16_layers(job, policy)
@@ -188,16 +199,31 @@ class GRPOLoop:
                                   "policy.generation.vllm_cfg.num_last_layers_in_bf16": s.last,
                                   "policy.numerics.auto_bf16_layers": False})
 
+    def export_policy(self, out: str | Path, *, fmt: str = "hf") -> Path:
+        """The trainer's current weights as an HF model directory ``out`` (:func:`fp8rl.export.save_policy_hf`:
+        safetensors, config, tokenizer with its chat template, generation config; ``fmt`` ``hf-fp8``: the Hub's
+        blockwise FP8 layout of the trainer's recipe); replaced when it exists."""
+        from fp8rl.export import save_policy_hf  # safetensors writing only when a policy is written
+
+        policy = model_from_tensors(self.model_config, {k: v for k, v in self.trainer.state_dict().items()
+                                                         if ".kv_quant." not in k})
+        policy.name_or_path = self.model_name
+        return save_policy_hf(policy, self.model_path, out, fmt=fmt, recipe=self.job.fp8_recipe("trainer"),
+                              force=True).out
+
     def eval_due(self, step: int, steps: int) -> bool:
         """Whether a validation runs after ``step`` (every ``job.eval_every`` steps; the last is measured by
         :func:`run` itself)."""
         every = self.job.job.eval_every
         return bool(every) and (step + 1) % every == 0 and step + 1 < steps
 
-    def evaluate(self) -> float:
-        """Greedy accuracy of the rollout engine (deployed numerics) on the validation set."""
-        rates = self.solve_rates(self.eval_set, n=1, temperature=0.0)
-        return sum(rates) / len(rates)
+    def evaluate(self) -> ValidationResult:
+        """Validation of the version the rollout engine holds (deployed numerics) on the validation set: greedy
+        accuracy, and with ``eval.k`` samples per problem pass@j and mean@k (:func:`fp8rl.controller.validation.
+        validate`, the controller's)."""
+        e = self.job.eval
+        return validate(self.backends, self.eval_set, self.plan.prompts(self.eval_set), self.rollout.weight_version,
+                        k=e.k, temperature=e.temperature)
 
     def task_problems(self, limit: int = 4096) -> list:
         """The task's distinct problems: every one its generator draws in ``limit`` draws, deduplicated by prompt
@@ -250,7 +276,7 @@ class GRPOLoop:
             t_prev[0] = now
             if self.eval_due(partial["step"], steps):
                 pipe.wait_held(partial["new_version"])
-                row["val_accuracy"] = self.evaluate()
+                row.update(self.evaluate().metrics())
             on_step(row)
             return True
 
@@ -326,10 +352,13 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
     elif loop.cfg != cfg:
         raise ValueError("run(cfg, loop=...) needs the loop built from the same cfg")
     history: list[dict] = []
-    val = {0: loop.evaluate()}
+    val = {0: loop.evaluate().metrics()}  # steps done -> the validation's metrics
+
     def done(m: dict) -> None:
+        if not history:  # the report plots the validation before training at step 0
+            m["validation_start"] = val[0]
         if "val_accuracy" in m:
-            val[m["step"] + 1] = m["val_accuracy"]
+            val[m["step"] + 1] = {k: v for k, v in m.items() if k == "val_accuracy" or k.startswith("val/")}
         history.append(m)
         bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}")
         bar.update()
@@ -344,17 +373,20 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         for step in range(cfg.steps):
             m = loop.step(step)
             if loop.eval_due(step, cfg.steps):
-                m["val_accuracy"] = loop.evaluate()
+                m.update(loop.evaluate().metrics())
             done(m)
     wall = time.perf_counter() - t_run
     bar.close()
-    val[cfg.steps] = loop.evaluate()
+    val[cfg.steps] = loop.evaluate().metrics()
+    history[-1].update(val[cfg.steps])  # the last step's row carries the final validation
     k = max(1, min(5, cfg.steps // 3))
     summary = {
         "recipe": cfg.recipe, "kv_cache_dtype": cfg.kv_cache_dtype, "steps": cfg.steps,
         "reward_first": statistics.fmean(h["reward_mean"] for h in history[:k]),
         "reward_last": statistics.fmean(h["reward_mean"] for h in history[-k:]),
-        "val_accuracy_start": val[0], "val_accuracy_end": val[cfg.steps],
+        "val_accuracy_start": val[0]["val_accuracy"], "val_accuracy_end": val[cfg.steps]["val_accuracy"],
+        **{f"{k}_start": v for k, v in val[0].items() if k.startswith("val/")},
+        **{f"{k}_end": v for k, v in val[cfg.steps].items() if k.startswith("val/")},
         "token_mult_prob_error_mean": statistics.fmean(h["token_mult_prob_error"] for h in history),
         # the mean is dominated by single-token spikes (FP8-KV saturation on off-distribution
         # samples); the reference gates recipes on the median over steps
@@ -385,6 +417,8 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
                            observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True))
         (out / "summary.json").write_text(json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                       "validation": val}, indent=2))
+        policy = loop.export_policy(out / "policy")  # the trained policy, as transformers and vLLM load it
+        log.info("the trained policy (version %d) is an HF model directory: %s", loop.trainer.version, policy)
     return result
 
 

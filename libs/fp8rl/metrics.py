@@ -72,6 +72,10 @@ class ServiceMetrics:
                               "last step (1.0 = none)", registry=r)
         self.lag = Gauge("fp8rl_policy_lag_versions", "mean weight versions a sample was behind the trainer, last step",
                          registry=r)
+        self.validation = Gauge("fp8rl_validation", "the last validation of the job: greedy accuracy "
+                                "(metric=\"accuracy\"), pass@j and mean@k", ["metric"], registry=r)
+        self.entropy = Gauge("fp8rl_policy_entropy", "the trainer's token-mean policy entropy, last step",
+                             registry=r)
         self.tokens_per_second = Gauge("fp8rl_tokens_per_second", "generated tokens per rollout second, last step",
                                        registry=r)
         self.generated_tokens = Counter("fp8rl_generated_tokens", "tokens decoded", registry=r)
@@ -113,9 +117,13 @@ class ServiceMetrics:
             if _finite(value):
                 gauge.set(value)
         metrics = report.get("metrics", {}) or {}
-        for gauge, key in ((self.mismatch, "token_mult_prob_error"), (self.lag, "weight_lag_mean")):
+        for gauge, key in ((self.mismatch, "token_mult_prob_error"), (self.lag, "weight_lag_mean"),
+                           (self.entropy, "train/entropy")):
             if _finite(metrics.get(key)):
                 gauge.set(metrics[key])
+        for key, value in metrics.items():  # val_accuracy, val/pass@1, val/pass@4, val/mean@4 on validation steps
+            if (key == "val_accuracy" or key.startswith("val/")) and _finite(value):
+                self.validation.labels(metric="accuracy" if key == "val_accuracy" else key[4:]).set(value)
         tokens, rollout_s = metrics.get("num_tokens"), times.get("rollout")
         if _finite(tokens) and _finite(rollout_s) and rollout_s > 0:
             self.tokens_per_second.set(tokens / rollout_s)

@@ -6,6 +6,7 @@
     OUT/summary.md                   headline table: first/last reward and accuracy, mean
                                      token_mult_prob_error, calibrate share of step time, phase means
     OUT/reward.png accuracy.png token_mult_prob_error.png phase_times.png (stacked per phase)
+    OUT/validation.png               runs that validated: greedy accuracy, pass@j, mean@k over steps trained
     OUT/expert_load.png             mixture-of-experts models: each layer's expert load (mean over steps)
     OUT/tensorboard/events.out.tfevents.*   every numeric column as a scalar, x = step
     OUT/observatory.md .json .png    with ``observatory=``: the mismatch observatory's tables and bars
@@ -103,7 +104,25 @@ def summarize(rows: list[dict]) -> dict[str, float]:
     for key in ("moe/router_agreement", "moe/unreplayed/token_mult_prob_error", "moe/load_max_over_mean",
                 "moe/aux_loss"):  # mixture-of-experts models only (NaN otherwise)
         out[key] = _mean(rows, key)
+    out["entropy_first"], out["entropy_last"] = _mean(head, "train/entropy"), _mean(tail, "train/entropy")
+    for key in ("dynamic_sampling/rounds", "dynamic_sampling/groups_dropped", "dynamic_sampling/filled",
+                "overlong/truncated_fraction", "overlong/filtered_samples", "data/dropped_prompts/train",
+                "data/dropped_prompts/validation"):
+        out[key] = _mean(rows, key)
+    for key in sorted({k for r in rows for k in r if k == "val_accuracy" or k.startswith("val/")}, key=_val_order):
+        start = (rows[0].get("validation_start") or {}).get(key) if rows else None  # before training (the loop)
+        vals = [v for v in [start, *(r.get(key) for r in rows)] if _finite([v])]
+        if vals:
+            out[f"{key}:first"], out[f"{key}:last"] = vals[0], vals[-1]
     return out
+
+
+def _val_order(key: str) -> tuple[int, int]:
+    """val_accuracy, then val/pass@1, @2, ..., then val/mean@k."""
+    if key == "val_accuracy":
+        return (0, 0)
+    kind, _, j = key[4:].partition("@")
+    return (1 if kind == "pass" else 2, int(j) if j.isdigit() else 0)
 
 
 def _fmt(x: float, spec: str = ".4f", unit: str = "") -> str:
@@ -141,6 +160,7 @@ def _summary_md(s: dict[str, float], title: str, notes: list[str], facts: Sequen
         sec, total = s[f"phase_seconds/{p}"], s["step_seconds_mean"]
         share = 100 * sec / total if math.isfinite(sec) and total and math.isfinite(total) else math.nan
         lines.append(f"| {p} | {_fmt(sec, '.3f')} | {_fmt(share, '.1f', ' %')} |")
+    lines += _extra_rows(s)
     if math.isfinite(s.get("moe/load_max_over_mean", math.nan)):  # a mixture-of-experts model
         lines += ["", "| mixture of experts (mean over steps) | value |", "|---|---|"]
         for key, label in (("moe/router_agreement", "router agreement (trainer's own top-k = the rollout's)"),
@@ -154,6 +174,35 @@ def _summary_md(s: dict[str, float], title: str, notes: list[str], facts: Sequen
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
+
+
+def _extra_rows(s: dict[str, float]) -> list[str]:
+    """summary.md tables of what only some runs have: validation (first → last), entropy, DAPO's counts."""
+    lines = []
+    vals = [k[:-len(":first")] for k in s if k.endswith(":first")]
+    if vals:
+        lines += ["", "| validation (first → last) | value |", "|---|---|"]
+        for key in vals:
+            label = "greedy accuracy" if key == "val_accuracy" else key[4:]
+            lines.append(f"| {label} | {_fmt(s[f'{key}:first'], '.3f')} → {_fmt(s[f'{key}:last'], '.3f')} |")
+        lines += ["", "Validation over steps: `validation.png`."]
+    rows = []
+    if math.isfinite(s.get("entropy_first", math.nan)):
+        rows.append(f"| policy entropy (first → last {int(s['window'])} steps) | {_fmt(s['entropy_first'])} → "
+                    f"{_fmt(s['entropy_last'])} |")
+    for key, label in (("dynamic_sampling/rounds", "dynamic sampling: generation rounds per step (mean)"),
+                       ("dynamic_sampling/groups_dropped", "dynamic sampling: groups dropped per step (mean)"),
+                       ("dynamic_sampling/filled", "dynamic sampling: share of steps filled"),
+                       ("overlong/truncated_fraction", "truncated responses (share, mean over steps)"),
+                       ("overlong/filtered_samples", "overlong filtering: samples left out per step (mean)")):
+        if math.isfinite(s.get(key, math.nan)):
+            rows.append(f"| {label} | {_fmt(s[key], '.3f')} |")
+    train, val = s.get("data/dropped_prompts/train", math.nan), s.get("data/dropped_prompts/validation", math.nan)
+    if math.isfinite(train) and (train or val):
+        rows.append(f"| prompts dropped by data.max_prompt_tokens | train {train:.0f}, validation {val:.0f} |")
+    if rows:
+        lines += ["", "| training signal | value |", "|---|---|", *rows]
+    return lines
 
 
 def _expert_load(rows: list[dict]) -> list[list[float]] | None:
@@ -187,6 +236,7 @@ def _plots(rows: list[dict], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
         plt.close(fig)
+    _validation_plot(rows, out, plt)
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows]
     bottom = [0.0] * len(rows)
@@ -209,6 +259,27 @@ def _plots(rows: list[dict], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / "expert_load.png", dpi=100)
         plt.close(fig)
+
+
+def _validation_plot(rows: list[dict], out: Path, plt) -> None:
+    """validation.png: greedy accuracy, pass@j and mean@k against steps trained (a row's validation measured the
+    version its step made: x = step + 1; a ``validation_start`` row field, x = 0)."""
+    keys = sorted({k for r in rows for k in r if k == "val_accuracy" or k.startswith("val/")}, key=_val_order)
+    if not keys:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in keys:
+        pts = [(0, r["validation_start"][key]) for r in rows[:1] if _finite([(r.get("validation_start") or {})
+                                                                               .get(key)])]
+        pts += [(r["step"] + 1, r[key]) for r in rows if _finite([r.get(key)])]
+        ax.plot(*zip(*pts, strict=True), marker="o", markersize=3,
+                label="greedy accuracy" if key == "val_accuracy" else key[4:])
+    ax.set(xlabel="steps trained", ylabel="share of problems", title="validation", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "validation.png", dpi=100)
+    plt.close(fig)
 
 
 def _tensorboard(rows: list[dict], out: Path) -> None:

@@ -73,11 +73,11 @@ from fp8rl.controller.plan import (
     check_data,
     check_deployment,
     new_job_id,
-    reward_summary,
 )
 from fp8rl.controller.pool import RolloutPool
 from fp8rl.controller.reconcile import Lineage, reconcile
 from fp8rl.controller.step import PHASES, finish, first_half
+from fp8rl.controller.validation import validate
 from fp8rl.data import GRADERS, DataFileError, DataRoot
 from fp8rl.refit import RefitStore
 from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
@@ -441,8 +441,8 @@ class JobRunner:
         times["outage"] = self._faults["outage"]
         times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES) + times["outage"])
         metrics = {**partial["metrics"], **extra, "retries": float(self._faults["retries"])}
-        if plan.eval_every and (step + 1) % plan.eval_every == 0:
-            metrics["val_accuracy"] = self._evaluate(plan, v1)
+        if plan.eval_every and ((step + 1) % plan.eval_every == 0 or step + 1 >= plan.total):
+            metrics.update(self._evaluate(plan, v1))
         rec = self.get(plan.job_id)
         state = ("succeeded" if step + 1 >= plan.total and final else "cancelled" if rec.cancel_requested
                  else "running")
@@ -483,9 +483,10 @@ class JobRunner:
             self.refit.fence(rid, version)
         return missing
 
-    def _evaluate(self, plan: JobPlan, v: int) -> float:
-        """Greedy accuracy of the deployed rollout numerics on the job's validation set."""
-        g = GrpcStep(self, plan)
-        samples = g.generate(plan.prompts(plan.eval_set), v, step=0, n=1, temperature=0.0)
-        return reward_summary(g.score([(plan.eval_set[i], s) for i, s in samples]))["accuracy"]
+    def _evaluate(self, plan: JobPlan, v: int) -> dict[str, float]:
+        """Validation of the deployed rollout numerics at ``v`` on the job's validation set: greedy accuracy, pass@j
+        and mean@k (:func:`fp8rl.controller.validation.validate`) as report metrics."""
+        e = plan.job.eval
+        return validate(GrpcStep(self, plan), plan.eval_set, plan.prompts(plan.eval_set), v, k=e.k,
+                        temperature=e.temperature).metrics()
 

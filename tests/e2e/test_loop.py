@@ -24,6 +24,7 @@ CPU kernels round differently, so nothing here depends on exact numbers):
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -217,3 +218,52 @@ def test_async_lag_one_overlaps_and_every_sample_has_its_versions_scales(preset)
     assert max(lags) <= 1 and lags[1:] == [1.0] * (len(lags) - 1)
     assert all(w == s and versions <= {w} for w, s, versions in seen)
     assert "stale/token_mult_prob_error" in res["steps"][-1] and res["summary"]["weight_lag_max"] == 1.0
+
+
+@pytest.mark.parametrize("lag", [None, 1])
+def test_dapo_and_dr_grpo_keys_run_in_the_loop_with_their_counts_and_pass_at_k(preset, tmp_path, lag):
+    """A job with every GRPO variant key (Dr. GRPO's aggregation and unnormalised advantages, DAPO's dynamic
+    sampling, overlong shaping and filtering), synchronous and asynchronous: each step reports its counts and the
+    policy entropy, and the validations report pass@j and mean@k into metrics.jsonl and the report."""
+    extra = {} if lag is None else {"max_weight_lag": lag}
+    cfg = _small(loss_agg_mode="seq-mean-token-sum-norm", normalize_rewards=False, dynamic_sampling=True,
+                 overlong_filtering=True, eval_k=2, eval_every=2, **extra)
+    cfg = LoopConfig(cfg.job.with_settings({"grpo.reward_shaping.enabled": True,
+                                            "grpo.reward_shaping.overlong_buffer_length": 2}), str(tmp_path))
+    res = run(cfg, progress=False)
+    for row in res["steps"]:
+        assert 1 <= row["dynamic_sampling/rounds"] <= cfg.job.grpo.dynamic_sampling_max_gen_batches
+        assert row["dynamic_sampling/groups_kept"] <= 4 and row["train/entropy"] > 0
+        assert 0 <= row["overlong/truncated_fraction"] <= 1 and "overlong/filtered_samples" in row
+    assert sorted(res["validation"]) == [0, 2, 3]  # the start, step 2 (eval_every) and the end
+    for v in res["validation"].values():
+        assert set(v) == {"val_accuracy", "val/pass@1", "val/pass@2", "val/mean@2"}
+        assert v["val/pass@1"] <= v["val/pass@2"] and v["val/pass@1"] == v["val/mean@2"]
+    assert res["summary"]["val/pass@2_end"] == res["validation"][3]["val/pass@2"]
+    assert (tmp_path / "validation.png").is_file() and "pass@2" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_loop_writes_its_trained_policy_as_an_hf_directory_transformers_loads(preset, tmp_path):
+    """With --out, the loop's final policy is an HF directory: its weights are the trainer's own after the last
+    step (bitwise), and transformers' model on it gives our model's logits (ATOL_HF, the model tests' tolerance)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fp8rl.model import CausalLM
+    from tests.unit.model.test_transformer import ATOL_HF
+
+    cfg = replace(_config(1, prompts_per_step=4, group_size=4, num_minibatches=1, eval_size=4), out_dir=str(tmp_path))
+    loop = GRPOLoop(cfg)
+    start = {k: v.clone() for k, v in loop.trainer.state_dict().items()}
+    run(cfg, progress=False, loop=loop)
+    trained = loop.trainer.state_dict()
+    saved = load_file(str(tmp_path / "policy" / "model.safetensors"))
+    assert set(saved) == {k for k in trained if ".kv_quant." not in k}
+    assert all(torch.equal(saved[k], trained[k]) for k in saved)
+    assert any(not torch.equal(start[k], trained[k]) for k in saved)  # the step changed them: a real check
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32).eval()
+    ours = CausalLM(loop.model_config)
+    ours.load_state_dict({**saved, "lm_head.weight": saved.get("lm_head.weight", saved["model.embed_tokens.weight"])})
+    ids = torch.tensor([loop.tok.encode("12+7=")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=ATOL_HF, rtol=0)

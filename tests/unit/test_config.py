@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -137,8 +138,6 @@ def test_with_settings_validates_again_and_round_trips():
 
 
 def test_every_key_is_documented_and_docs_config_md_is_current():
-    from pathlib import Path
-
     from fp8rl.config import JobConfig, reference, walk
 
     keys = list(walk(JobConfig))
@@ -218,3 +217,11 @@ def test_model_parallel_keys_are_checked_against_the_backend():
                                      "policy.training.megatron_cfg.tensor_model_parallel_size": 2,
                                      "policy.training.megatron_cfg.pipeline_model_parallel_size": 2})
     assert (job.trainer_model_parallel, job.trainer_ranks) == (4, 8)
+
+
+def test_every_job_file_in_deploy_parses():
+    """The example jobs users copy (deploy/*-job.yaml) are valid job files, whatever key they show."""
+    files = sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*-job.yaml"))
+    assert len(files) >= 6 and any(f.name == "user-job.yaml" for f in files)
+    for f in files:
+        load_job_config(f)

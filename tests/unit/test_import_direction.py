@@ -1,8 +1,8 @@
 """The dependency direction of the code base (docs/ARCHITECTURE.md), checked on every import statement.
 
-fp8 ← rl, model ← engines ← presets ← controller / observatory ← loop; data and limits at the bottom; refit never
-imports engines or services; rpc ← sdk, services; services never import each other except ``services.common``;
-nothing in ``libs`` imports ``services``. Lazy imports inside functions count too.
+fp8 ← rl, model ← engines ← presets ← controller / observatory / export ← loop; data and limits at the bottom;
+refit never imports engines or services; rpc ← sdk, services; services never import each other except
+``services.common``; nothing in ``libs`` imports ``services``. Lazy imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ LIBS = {
     "fp8rl.refit": {"fp8rl.fp8", "fp8rl.rpc", "fp8rl.limits"},
     "fp8rl.presets": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.data"},
     "fp8rl.config": {"fp8rl.limits", "fp8rl.fp8", "fp8rl.rl", "fp8rl.data", "fp8rl.engines"},
-    "fp8rl.sdk": {"fp8rl.rpc", "fp8rl.config", "fp8rl.limits"},
+    # export, eval: the local commands `fp8rl export` / `fp8rl eval`, imported when run
+    "fp8rl.sdk": {"fp8rl.rpc", "fp8rl.config", "fp8rl.limits", "fp8rl.export", "fp8rl.eval"},
     "fp8rl.controller": {"fp8rl.config", "fp8rl.data", "fp8rl.model", "fp8rl.presets", "fp8rl.rl", "fp8rl.refit",
                          "fp8rl.rpc", "fp8rl.limits"},
     "fp8rl.observatory": {"fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.rl", "fp8rl.presets", "fp8rl.data"},
     "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.presets",
-                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory"},
+                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory", "fp8rl.export"},
     "fp8rl.report": {"fp8rl.limits"},
+    "fp8rl.export": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.presets"},
+    "fp8rl.eval": {"fp8rl.config", "fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.export", "fp8rl.fp8",
+                   "fp8rl.model", "fp8rl.presets"},
 }
 
 

@@ -135,3 +135,15 @@ def test_the_exporter_serves_metrics_over_http_and_refuses_a_taken_port():
             serve_metrics(ServiceMetrics("other"), srv.port, "127.0.0.1")
     finally:
         srv.close()
+
+
+def test_a_validation_step_sets_the_validation_and_entropy_gauges():
+    m = ServiceMetrics("controller")
+    m.observe_report({"step": 1, "metrics": {"val_accuracy": 0.25, "val/pass@1": 0.2, "val/pass@4": 0.6,
+                                             "val/mean@4": 0.2, "train/entropy": 0.75}, "phase_times": {}})
+    m.observe_report({"step": 2, "metrics": {"train/entropy": 0.5}, "phase_times": {}})  # no validation this step
+    s = _samples(m)
+    assert s[("fp8rl_validation", (("metric", "accuracy"),))] == 0.25
+    assert s[("fp8rl_validation", (("metric", "pass@4"),))] == 0.6
+    assert s[("fp8rl_validation", (("metric", "mean@4"),))] == 0.2
+    assert s[("fp8rl_policy_entropy", ())] == 0.5

@@ -25,6 +25,7 @@ from .schema import (
     AsyncGrpoConfig,
     CalibrationConfig,
     DataConfig,
+    EvalSection,
     Fp8Cfg,
     GenerationConfig,
     GrpoConfig,
@@ -35,6 +36,7 @@ from .schema import (
     PolicyConfig,
     RefitConfig,
     RewardConfig,
+    RewardShapingConfig,
     TrainingConfig,
     VllmCfg,
 )
@@ -42,9 +44,9 @@ from .schema import (
 __all__ = [
     "ConfigError", "JobConfig", "load_job_config", "parse_job_config", "recipe_settings", "RECIPE_SETTINGS",
     "reference",
-    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
-    "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RefitConfig",
-    "RewardConfig", "TrainingConfig", "VllmCfg",
+    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "EvalSection", "Fp8Cfg", "GenerationConfig",
+    "GrpoConfig", "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RefitConfig",
+    "RewardConfig", "RewardShapingConfig", "TrainingConfig", "VllmCfg",
 ]
 
 

@@ -23,6 +23,7 @@ from .fields import ConfigError, Section, from_mapping, section, to_dict, walk
 from .schema import (
     CalibrationConfig,
     DataConfig,
+    EvalSection,
     GrpoConfig,
     JobSection,
     LossSection,
@@ -60,6 +61,7 @@ class JobConfig(Section):
     grpo: GrpoConfig = section(GrpoConfig, "Batch shape and advantages.")
     data: DataConfig = section(DataConfig, "Where prompts come from.")
     reward: RewardConfig = section(RewardConfig, "How responses are graded.")
+    eval: EvalSection = section(EvalSection, "Validation: greedy accuracy, pass@k and mean@k.")
     calibration: CalibrationConfig = section(CalibrationConfig, "The per-step Q/K/V scale calibration.")
     refit: RefitConfig = section(RefitConfig, "How each new version's weights reach the replicas.")
 
@@ -88,6 +90,11 @@ class JobConfig(Section):
             if self.policy.training.backend != "torch":
                 raise ConfigError("policy.router_replay.enabled=true needs policy.training.backend=torch: the "
                                   "megatron backend runs no mixture-of-experts model yet")
+        shaping, max_new = self.grpo.reward_shaping, self.policy.generation.max_new_tokens
+        if shaping.enabled and shaping.overlong_buffer_length >= max_new:
+            raise ConfigError(f"grpo.reward_shaping.overlong_buffer_length: {shaping.overlong_buffer_length} must be "
+                              f"below policy.generation.max_new_tokens ({max_new}): the penalty ramps up over the "
+                              f"last overlong_buffer_length tokens of the budget")
         if self.policy.numerics.auto_bf16_layers:
             if self.policy.training.backend != "torch":  # the observatory measures the embedded trainer's numbers
                 raise ConfigError(f"policy.numerics.auto_bf16_layers=true needs policy.training.backend=torch (got "
@@ -135,6 +142,11 @@ class JobConfig(Section):
         if rows * max_new > limits.MAX_GENERATED_TOKENS:
             raise ConfigError(f"policy.generation.max_new_tokens: {rows} rows x {max_new} tokens = {rows * max_new} "
                               f"generated tokens per step; the limit is {limits.MAX_GENERATED_TOKENS} (one Generate)")
+        val_rows = self.job.eval_size * self.eval.k
+        if val_rows * max_new > limits.MAX_GENERATED_TOKENS:
+            raise ConfigError(f"eval.k: job.eval_size x eval.k = {self.job.eval_size} x {self.eval.k} = {val_rows} "
+                              f"validation samples x {max_new} tokens = {val_rows * max_new} generated tokens; the "
+                              f"limit is {limits.MAX_GENERATED_TOKENS} (one Generate)")
 
     # -- derived views ------------------------------------------------------------------------------
     @property
@@ -218,8 +230,15 @@ class JobConfig(Section):
         )
 
     def loss_config(self):
-        """The :class:`fp8rl.rl.LossConfig` of this job."""
-        return loss_config(self.loss)
+        """The :class:`fp8rl.rl.LossConfig` of this job (Dr. GRPO's constant defaults to the generation budget)."""
+        return loss_config(self.loss, self.policy.generation.max_new_tokens)
+
+    @property
+    def loss_agg_norm_tokens(self) -> int | None:
+        """The constant of ``seq-mean-token-sum-norm`` this job trains with (None in the other modes)."""
+        if self.loss.loss_agg_mode != "seq-mean-token-sum-norm":
+            return None
+        return self.loss.loss_agg_norm_tokens or self.policy.generation.max_new_tokens
 
     def trainer_config(self):
         """The :class:`fp8rl.engines.TrainerConfig` of this job."""

@@ -13,7 +13,8 @@ from .fields import ConfigError, Section, section, setting
 
 __all__ = [
     "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
-    "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig", "RewardConfig",
+    "EvalSection", "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig",
+    "RewardConfig", "RewardShapingConfig",
     "RouterReplayConfig", "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
 ]
 
@@ -28,7 +29,9 @@ class JobSection(Section):
     seed: int = setting(0, "Seeds data order, sampling and initialisation.", ge=0, le=limits.MAX_JOB_SEED)
     checkpoint_every: int = setting(10, "Save a trainer checkpoint every N steps and at the end (0: never).",
                                     ge=0, le=limits.MAX_JOB_STEPS)
-    eval_every: int = setting(0, "Greedy validation accuracy every N steps (0: none during the job).",
+    eval_every: int = setting(0, "Validation (greedy accuracy and the eval section's pass@k) every N steps and at "
+                              "the end (0: none during the job; the in-process loop validates at the start and "
+                              "the end anyway).",
                               ge=0, le=limits.MAX_JOB_STEPS)
     eval_size: int = setting(128, "Validation problems per evaluation.", gt=0, le=limits.MAX_GENERATE_PROMPTS)
 
@@ -180,6 +183,15 @@ class LossSection(Section):
     dual_clip_c: float | None = setting(None, "Dual-clip bound for negative advantages (null: off).", kind=float,
                                         optional=True)
     kl_coef: float = setting(0.0, "k3 KL coefficient to the initial policy (0: no reference model).", ge=0.0)
+    loss_agg_mode: str = setting("token-mean", "How token losses make the step's loss (verl's names): token-mean "
+                                 "(every generated token of the batch weighs the same; DAPO), seq-mean-token-mean "
+                                 "(each sequence's token mean, averaged over sequences; GRPO as published) or "
+                                 "seq-mean-token-sum-norm (each sequence's token sum over loss_agg_norm_tokens, "
+                                 "averaged over sequences; Dr. GRPO).",
+                                 choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    loss_agg_norm_tokens: int | None = setting(None, "seq-mean-token-sum-norm: the constant each sequence's token "
+                                               "sum is divided by (Dr. GRPO: the generation budget). Unset: "
+                                               "policy.generation.max_new_tokens.", kind=int, optional=True, gt=0)
     router_aux_loss_coef: float = setting(0.0, "Mixture-of-experts models: weight of the load-balancing loss "
                                           "(transformers' load_balancing_loss_func) added to the policy loss; 0 "
                                           "reports it (moe/aux_loss) without training on it. A checkpoint's own "
@@ -198,12 +210,47 @@ class AsyncGrpoConfig(Section):
 
 
 @dataclass(frozen=True)
+class RewardShapingConfig(Section):
+    KEY = "grpo.reward_shaping"
+    enabled: bool = setting(False, "DAPO's soft overlong penalty: a response longer than max_new_tokens - "
+                            "overlong_buffer_length tokens loses overlong_buffer_penalty x (excess / "
+                            "overlong_buffer_length) of reward (the whole penalty at max_new_tokens).")
+    overlong_buffer_length: int = setting(4, "Tokens before policy.generation.max_new_tokens where the penalty "
+                                          "ramps up (must be below max_new_tokens).", gt=0)
+    overlong_buffer_penalty: float = setting(1.0, "The penalty at max_new_tokens.", ge=0.0)
+
+
+@dataclass(frozen=True)
+class EvalSection(Section):
+    KEY = "eval"
+    k: int = setting(4, "Validation samples per problem at eval.temperature, besides the greedy answer: pass@j "
+                     "(the unbiased estimator, for j = 1, 2, 4, ... up to k) and mean@k. 0: greedy accuracy only.",
+                     ge=0, le=limits.MAX_SAMPLES_PER_PROMPT)
+    temperature: float = setting(1.0, "Sampling temperature of the k validation samples.", gt=0.0,
+                                 le=limits.MAX_TEMPERATURE)
+
+
+@dataclass(frozen=True)
 class GrpoConfig(Section):
     KEY = "grpo"
     num_prompts_per_step: int = setting(16, "Distinct prompts per step.", gt=0, le=limits.MAX_GENERATE_PROMPTS)
     num_generations_per_prompt: int = setting(8, "Samples per prompt (the group size G), at least 2.",
                                               le=limits.MAX_SAMPLES_PER_PROMPT)
     leave_one_out: bool = setting(True, "Baseline of a sample: the mean of the other G-1 (else of all G).")
+    normalize_rewards: bool = setting(True, "Divide each advantage by its group's reward std (GRPO); false keeps "
+                                      "the plain difference to the baseline (Dr. GRPO; verl's "
+                                      "norm_adv_by_std_in_grpo).")
+    use_dynamic_sampling: bool = setting(False, "DAPO's dynamic sampling: groups whose rewards are all equal (no "
+                                         "learning signal) are dropped and more prompts drawn and sampled until "
+                                         "num_prompts_per_step groups remain or dynamic_sampling_max_gen_batches "
+                                         "rounds ran (then the step trains on the groups it has); the rounds and "
+                                         "counts are reported (dynamic_sampling/*).")
+    dynamic_sampling_max_gen_batches: int = setting(4, "Dynamic sampling: most generation rounds per step (the "
+                                                    "first included).", gt=0, le=64)
+    overlong_filtering: bool = setting(False, "DAPO's overlong filtering: truncated responses (max_new_tokens "
+                                       "reached without a stop token) are left out of the loss (their rewards "
+                                       "still count in their group's baseline).")
+    reward_shaping: RewardShapingConfig = section(RewardShapingConfig, "DAPO's overlong reward shaping.")
     async_grpo: AsyncGrpoConfig = section(AsyncGrpoConfig, "Asynchronous GRPO with bounded staleness.")
 
     def check(self) -> None:
@@ -224,29 +271,73 @@ class ArithSection(Section):
 @dataclass(frozen=True)
 class DataConfig(Section):
     KEY = "data"
-    task: str = setting("arith", "arith (generated problems) or jsonl (a file of prompt/answer rows).",
-                        choices=("arith", "jsonl"))
-    path: str | None = setting(None, "jsonl: the data file, under the services' data root.", kind=str,
-                               optional=True)
-    chat_template: bool = setting(False, "Render each prompt as a user message with the tokenizer's own chat "
-                                  "template (generation prompt added) before tokenizing; the tokenizer must have one.")
-    system_prompt: str | None = setting(None, "With chat_template: a system message put before each prompt (None: "
-                                        "the template's default).", kind=str, optional=True)
+    task: str = setting("arith", "arith (generated problems), dataset (a local data file of prompt/answer rows: JSON "
+                        "lines .jsonl/.json, .parquet, or an Arrow dataset directory written by datasets' "
+                        "save_to_disk or an .arrow file; the format is told by the name) or jsonl (a JSON-lines file "
+                        "whatever its name, in file order unless shuffle).", choices=("arith", "jsonl", "dataset"))
+    path: str | None = setting(None, "jsonl, dataset: the training data, under the services' data root (relative "
+                               "paths are relative to it).", kind=str, optional=True)
+    validation_path: str | None = setting(None, "jsonl, dataset: held-out data (any format dataset reads) the "
+                                          "validation problems come from, its first job.eval_size rows; unset: the "
+                                          "first rows of path.", kind=str, optional=True)
+    prompt_key: str | None = setting(None, "jsonl, dataset: dotted path of the prompt in a row (prompt, "
+                                     "extra_info.question, ...): text, or a list of {role, content} chat messages "
+                                     "(rendered by the tokenizer's chat template, generation prompt added). Unset: "
+                                     "the known row shapes, {prompt, answer}, {problem, expected_answer}, verl's "
+                                     "{prompt, reward_model.ground_truth} and GSM8K's {question, answer}.", kind=str,
+                                     optional=True)
+    answer_key: str | None = setting(None, "jsonl, dataset: dotted path of the reference answer in a row "
+                                     "(reward_model.ground_truth, extra_info.answer, ...), a string or a number; a "
+                                     "GSM8K solution ending in '#### 72' is graded on 72. Unset: the known row "
+                                     "shapes.", kind=str, optional=True)
+    max_prompt_tokens: int | None = setting(None, "jsonl, dataset: prompts longer than this many tokens (as the "
+                                            "policy sees them, chat template included) are dropped from the training "
+                                            "and validation problems; the counts are logged and reported. Unset: "
+                                            "none dropped.", kind=int, optional=True, gt=0)
+    shuffle: bool | None = setting(None, "jsonl, dataset: visit the training rows in a new seeded permutation every "
+                                   "epoch (a pure function of job.seed and the epoch: a restarted controller draws "
+                                   "the same batches); false: file order, epoch after epoch. Unset: true for "
+                                   "dataset, false for jsonl.", kind=bool, optional=True)
+    chat_template: bool = setting(False, "Render each text prompt as a user message with the tokenizer's own chat "
+                                  "template (generation prompt added) before tokenizing; the tokenizer must have one. "
+                                  "Chat-message prompts are rendered with it whatever this says.")
+    system_prompt: str | None = setting(None, "With chat_template: a system message put before each prompt that has "
+                                        "none of its own (None: the template's default).", kind=str, optional=True)
     arith: ArithSection = section(ArithSection, "The arithmetic task's difficulty.")
 
     def __post_init__(self) -> None:
-        p = self.path  # checked first: a clearer message than the generic "expected str"
-        if p is not None and not (isinstance(p, str) and 0 < len(p) <= MAX_PATH_CHARS and "\0" not in p):
-            from .fields import short
+        for name in ("path", "validation_path"):  # checked first: a clearer message than the generic "expected str"
+            p = getattr(self, name)
+            if p is not None and not (isinstance(p, str) and 0 < len(p) <= MAX_PATH_CHARS and "\0" not in p):
+                from .fields import short
 
-            raise ConfigError(f"data.path: expected a file path of 1-{MAX_PATH_CHARS} characters, got {short(p)}")
+                raise ConfigError(f"data.{name}: expected a file path of 1-{MAX_PATH_CHARS} characters, got "
+                                  f"{short(p)}")
         super().__post_init__()
 
     def check(self) -> None:
-        if self.task == "jsonl" and not self.path:
-            raise ConfigError("data.path: required when data.task is 'jsonl'")
+        from fp8rl.data.keys import KeyPathError, parse_key
+
+        if self.task != "arith" and not self.path:
+            raise ConfigError(f"data.path: required when data.task is {self.task!r}")
+        if self.task == "arith":
+            for name in ("validation_path", "prompt_key", "answer_key", "max_prompt_tokens", "shuffle"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"data.{name}: only used with data.task jsonl or dataset (arith generates its "
+                                      f"problems)")
+        for name in ("prompt_key", "answer_key"):
+            if getattr(self, name) is not None:
+                try:
+                    parse_key(getattr(self, name))
+                except KeyPathError as e:
+                    raise ConfigError(f"data.{name}: {e}") from None
         if self.system_prompt is not None and not self.chat_template:
             raise ConfigError("data.system_prompt: only used with data.chat_template: true")
+
+    @property
+    def shuffled(self) -> bool:
+        """Whether the training rows are visited in a seeded permutation per epoch (``shuffle``, resolved)."""
+        return self.shuffle if self.shuffle is not None else self.task == "dataset"
 
 
 @dataclass(frozen=True)

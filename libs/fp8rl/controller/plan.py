@@ -8,26 +8,32 @@ restarted mid-job draws exactly the batches it would have drawn (DESIGN §3). Th
 
 from __future__ import annotations
 
+import logging
 import re
 import statistics
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fp8rl.config import ConfigError, JobConfig
+from fp8rl.config import ConfigError, DataConfig, JobConfig
 from fp8rl.config.fields import short
-from fp8rl.data import ArithDataset, DataRoot, Problem, load_jsonl
+from fp8rl.data import ArithDataset, DataRoot, EpochBatches, Problem, check_data_path, read_problems
 from fp8rl.model.tokenizer import Tokenizer, chat_template_of, load_tokenizer, render_chat_prompt
 from fp8rl.presets import PRESETS, prepare_preset
 from fp8rl.rl import grpo_advantages
+from fp8rl.rl.shaping import overlong_penalty
 
 __all__ = [
-    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "check_data", "check_deployment",
-    "deployment_mismatch", "eval_problems", "group_advantages", "load_job_tokenizer", "new_job_id", "problem_source",
+    "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "Split", "check_data",
+    "check_deployment", "deployment_mismatch", "encode_prompt", "eval_problems", "group_advantages", "load_split",
+    "load_job_tokenizer", "new_job_id", "problem_source",
     "reward_summary", "sampling_seed", "split_evenly",
 ]
+
+log = logging.getLogger(__name__)
 
 # A sample counts as correct when its reward exceeds this (graders return 0/1; partial credit is < 1).
 CORRECT_REWARD = 0.5
@@ -67,6 +73,10 @@ def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
             return (f"{key}: the job sets {short(mine.get(key))} but the deployed services run {short(theirs[key])}; "
                     f"this setting is fixed when the services start — submit the job with the deployed value, "
                     f"or redeploy the services with this job file")
+    if job.loss_agg_norm_tokens != deployed.loss_agg_norm_tokens:  # unset, it follows max_new_tokens (per job)
+        return (f"loss.loss_agg_norm_tokens: the job's seq-mean-token-sum-norm constant is "
+                f"{job.loss_agg_norm_tokens} but the deployed trainer divides by {deployed.loss_agg_norm_tokens} "
+                f"(unset, it is policy.generation.max_new_tokens); set loss.loss_agg_norm_tokens to the deployed value")
     return None
 
 
@@ -82,37 +92,110 @@ def check_deployment(job: JobConfig, deployed: JobConfig) -> None:
 
 
 def check_data(job: JobConfig, data: DataRoot) -> None:
-    """Refuse (:class:`fp8rl.data.DataFileError`) a ``jsonl`` job whose ``data.path`` is outside ``data``'s
-    root, not a regular file or over its byte limit — without reading it (rows are counted when the job runs)."""
-    if job.data.task == "jsonl":
-        data.check(job.data.path)
+    """Refuse (:class:`fp8rl.data.DataFileError`) a ``jsonl`` or ``dataset`` job whose ``data.path`` or
+    ``data.validation_path`` is outside ``data``'s root, of no known format, not a regular file (an Arrow dataset:
+    a directory of them) or over its byte limit — without reading rows (they are read when the job runs)."""
+    d = job.data
+    if d.task == "arith":
+        return
+    fmt = "jsonl" if d.task == "jsonl" else None  # jsonl: JSON lines whatever the name
+    check_data_path(data, d.path, "data.path", fmt)
+    if d.validation_path is not None:
+        check_data_path(data, d.validation_path, "data.validation_path", fmt)
 
 
-def problem_source(job: JobConfig, data: DataRoot | None = None) -> Callable[[int], list[Problem]]:
+def encode_prompt(tok: Tokenizer, problem: Problem, data: DataConfig) -> list[int]:
+    """Prompt token ids (without EOS) of one problem, the one tokenization rule: a chat-message prompt, or any
+    prompt with ``data.chat_template``, is rendered by the tokenizer's chat template (system prompt
+    ``data.system_prompt``, generation prompt added) and encoded without an extra BOS (the template writes its own
+    specials); a text prompt otherwise is BOS + the text."""
+    if problem.is_chat or data.chat_template:
+        return tok.encode(render_chat_prompt(tok, problem.prompt, data.system_prompt), add_bos=False)
+    return tok.encode(problem.prompt)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A data file's problems after ``data.max_prompt_tokens``, and how many of the rows read it dropped."""
+
+    problems: list[Problem]
+    dropped: int
+
+
+def load_split(job: JobConfig, split: str, data: DataRoot | None = None, tok: Tokenizer | None = None) -> Split:
+    """The ``train`` or ``validation`` problems of a ``jsonl`` / ``dataset`` job, in file order.
+
+    ``train`` is every row of ``data.path``; ``validation`` the first ``job.eval_size`` rows of
+    ``data.validation_path`` (unset: of ``data.path``). Paths are under ``data``'s root (default: the working
+    directory), within its byte and row limits. With ``data.max_prompt_tokens`` prompts longer than that (as
+    :func:`encode_prompt` encodes them with ``tok``, default the job's tokenizer) are dropped and counted.
+
+    Raises:
+        ConfigError: chat-message prompts, but ``tok`` (when given or needed) has no chat template.
+        ValueError: a bad file or row (:func:`fp8rl.data.load_problems`), or no problem left.
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"load_split: split must be 'train' or 'validation', got {split!r}")
+    d = data or DataRoot()
+    cfg = job.data
+    key = "data.validation_path" if split == "validation" and cfg.validation_path is not None else "data.path"
+    path = cfg.validation_path if key == "data.validation_path" else cfg.path
+    limit = job.job.eval_size if split == "validation" else None
+    cap = cfg.max_prompt_tokens
+    problems = read_problems(d, path, key=key, fmt="jsonl" if cfg.task == "jsonl" else None,
+                             prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, limit=None if cap else limit)
+    if cap is not None:
+        tok = tok or load_job_tokenizer(job)
+    if tok is not None and chat_template_of(tok) is None:
+        first = next((i for i, p in enumerate(problems) if p.is_chat), None)
+        if first is not None:
+            raise ConfigError(f"{key}: the prompts of {path!r} are chat messages (problem {first} is), but the "
+                              f"tokenizer of policy.model {job.policy.model!r} has no chat template: name a text "
+                              f"field with data.prompt_key, or use a model with a chat template")
+    dropped = 0
+    if cap is not None:
+        kept = []
+        for p in problems:
+            if limit is not None and len(kept) >= limit:
+                break
+            if len(encode_prompt(tok, p, cfg)) <= cap:
+                kept.append(p)
+            else:
+                dropped += 1
+        problems = kept
+    if not problems:
+        why = f" ({dropped} longer than data.max_prompt_tokens={cap} tokens were dropped)" if dropped else ""
+        raise ValueError(f"{key}: {path!r} holds no problems{why}")
+    return Split(problems, dropped)
+
+
+def _epoch_batches(job: JobConfig, problems: list[Problem]) -> EpochBatches:
+    return EpochBatches(problems, job.grpo.num_prompts_per_step, job.job.seed, job.data.shuffled)
+
+
+def problem_source(job: JobConfig, data: DataRoot | None = None,
+                   tok: Tokenizer | None = None) -> Callable[[int], list[Problem]]:
     """``batch(step)`` → the step's ``grpo.num_prompts_per_step`` problems; deterministic in (job, step).
 
-    ``data.task: arith`` draws from :class:`ArithDataset` (seeded by ``job.seed``); ``jsonl`` cycles
-    through the file in order — ``data.path`` under ``data``'s root (default: the working directory),
-    within its byte and row limits.
+    ``data.task: arith`` draws from :class:`ArithDataset` (seeded by ``job.seed``); ``jsonl`` and ``dataset``
+    visit :func:`load_split`'s ``train`` problems epoch by epoch (:class:`fp8rl.data.EpochBatches`): each epoch
+    a fresh permutation seeded by (``job.seed``, epoch) when ``data.shuffle`` (unset: ``dataset`` only), else
+    file order.
     """
     n = job.grpo.num_prompts_per_step
     if job.data.task == "arith":
         arith = ArithDataset(job.arith_config(), seed=job.job.seed)
         return lambda step: arith.batch(step, n)
-    data = data or DataRoot()
-    problems = load_jsonl(data.resolve(job.data.path), max_rows=data.max_rows, max_bytes=data.max_bytes)
-    if not problems:
-        raise ValueError(f"data.path: {job.get('data.path')} holds no problems")
-    return lambda step: [problems[(step * n + i) % len(problems)] for i in range(n)]
+    return _epoch_batches(job, load_split(job, "train", data, tok).problems)
 
 
-def eval_problems(job: JobConfig, data: DataRoot | None = None) -> list[Problem]:
-    """``job.eval_size`` validation problems (arith: the eval seed stream; jsonl: the file's first rows)."""
+def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer | None = None) -> list[Problem]:
+    """``job.eval_size`` validation problems (arith: the eval seed stream; jsonl, dataset: :func:`load_split`'s
+    ``validation``, the first rows of ``data.validation_path`` or else of ``data.path``)."""
     size = job.job.eval_size
     if job.data.task == "arith":
         return ArithDataset(job.arith_config(), seed=job.job.seed).eval_set(size)
-    data = data or DataRoot()
-    return load_jsonl(data.resolve(job.data.path), limit=size, max_bytes=data.max_bytes)
+    return load_split(job, "validation", data, tok).problems
 
 
 def load_job_tokenizer(job: JobConfig) -> Tokenizer:
@@ -139,9 +222,12 @@ def sampling_seed(job_seed: int, step: int, first_prompt: int) -> int:
     return job_seed * 1_000_003 + step + 7919 * first_prompt
 
 
-def group_advantages(rewards: Sequence[float], group_size: int, leave_one_out: bool = True) -> list[float]:
-    """GRPO advantages of prompt-major rewards (``group_size`` samples per prompt), as floats."""
-    adv = grpo_advantages(torch.tensor(list(rewards), dtype=torch.float64), group_size, leave_one_out=leave_one_out)
+def group_advantages(rewards: Sequence[float], group_size: int, leave_one_out: bool = True,
+                     normalize_std: bool = True) -> list[float]:
+    """GRPO advantages of prompt-major rewards (``group_size`` samples per prompt), as floats; ``normalize_std``
+    divides by the group's reward std (``grpo.normalize_rewards``)."""
+    adv = grpo_advantages(torch.tensor(list(rewards), dtype=torch.float64), group_size, leave_one_out=leave_one_out,
+                          normalize_std=normalize_std)
     return [float(a) for a in adv]
 
 
@@ -175,8 +261,11 @@ class JobPlan:
         tok: the policy's tokenizer.
         batch: ``batch(step)`` → the step's problems (see :func:`problem_source`).
         eval_every, eval_set: validation cadence and problems (empty when ``job.eval_every`` is 0).
+        dropped_prompts: ``{"train": n, "validation": m}``, the problems ``data.max_prompt_tokens`` dropped from
+            the training data and from the rows the validation set was taken from (0 when none, for arith, or
+            when no validation set is loaded).
 
-    ``data`` confines and bounds a ``jsonl`` job's data file (see :class:`fp8rl.data.DataRoot`).
+    ``data`` confines and bounds a ``jsonl`` / ``dataset`` job's data files (see :class:`fp8rl.data.DataRoot`).
     """
 
     def __init__(self, job_id: str, job: JobConfig, data: DataRoot | None = None) -> None:
@@ -184,6 +273,12 @@ class JobPlan:
         self.total = job.job.steps
         self.group = job.grpo.num_generations_per_prompt
         self.leave_one_out = job.grpo.leave_one_out
+        self.normalize_rewards = job.grpo.normalize_rewards
+        # DAPO: generation rounds per step (1: no dynamic sampling), overlong filtering and reward shaping
+        self.max_gen_rounds = job.grpo.dynamic_sampling_max_gen_batches if job.grpo.use_dynamic_sampling else 1
+        self.overlong_filtering = job.grpo.overlong_filtering
+        self.max_new_tokens = job.policy.generation.max_new_tokens
+        self.reward_shaping = job.grpo.reward_shaping
         self.temperature = job.policy.generation.temperature
         a = job.grpo.async_grpo
         self.async_grpo = a.enabled
@@ -193,19 +288,40 @@ class JobPlan:
         if job.data.chat_template and chat_template_of(self.tok) is None:
             raise ConfigError(f"data.chat_template: true, but the tokenizer of policy.model {job.policy.model!r} "
                               f"has no chat template (set data.chat_template: false)")
-        self.batch = problem_source(job, data)
         self.eval_every = job.job.eval_every
-        self.eval_set = eval_problems(job, data) if self.eval_every else []
+        self.dropped_prompts = {"train": 0, "validation": 0}
+        if job.data.task == "arith":
+            self.batch = problem_source(job, data)
+            self.eval_set = eval_problems(job, data) if self.eval_every else []
+        else:
+            train = load_split(job, "train", data, self.tok)
+            self.batch = _epoch_batches(job, train.problems)
+            val = load_split(job, "validation", data, self.tok) if self.eval_every else Split([], 0)
+            self.eval_set = val.problems
+            self.dropped_prompts = {"train": train.dropped, "validation": val.dropped}
+            log.info("job %s: %d training problems from %s (%s; one epoch = %.1f steps), %d validation problems; "
+                     "dropped over data.max_prompt_tokens=%s: %d training, %d validation", job_id,
+                     len(train.problems), job.data.path, "shuffled per epoch" if job.data.shuffled else "file order",
+                     len(train.problems) / job.grpo.num_prompts_per_step, len(val.problems),
+                     job.data.max_prompt_tokens, train.dropped, val.dropped)
+
+    def shaped_rewards(self, rewards: Sequence[float], samples: Sequence) -> list[float]:
+        """The rewards advantages are computed from: the graded ``rewards`` of ``samples`` (``(prompt index,
+        sample)``), plus DAPO's overlong penalty when ``grpo.reward_shaping.enabled``."""
+        rs = self.reward_shaping
+        if not rs.enabled:
+            return list(rewards)
+        return [r + overlong_penalty(len(s.token_ids), self.max_new_tokens, rs.overlong_buffer_length,
+                                     rs.overlong_buffer_penalty) for r, (_, s) in zip(rewards, samples, strict=True)]
+
+    def refill_index(self, step: int, round_: int) -> int:
+        """The batch index dynamic sampling draws round ``round_`` (>= 1) of step ``step`` from: past every
+        step's own batch (``job.steps``), one block of rounds per step — a pure function of (job, step, round), so
+        a step run again draws the same prompts (and, used as the sampling step, the same samples)."""
+        return self.total + step * (self.max_gen_rounds - 1) + round_ - 1
 
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:
-        """Prompt token ids (without EOS) of ``problems``: the one place prompts are tokenized.
-
-        With ``data.chat_template`` each prompt is first rendered by the tokenizer's chat template
-        (:func:`fp8rl.model.tokenizer.render_chat_prompt`, system prompt ``data.system_prompt``) and encoded
-        without an extra BOS (the template writes its own specials); otherwise BOS + the prompt text.
-        """
-        d = self.job.data
-        if d.chat_template:
-            return [self.tok.encode(render_chat_prompt(self.tok, p.prompt, d.system_prompt), add_bos=False)
-                    for p in problems]
-        return [self.tok.encode(p.prompt) for p in problems]
+        """Prompt token ids (without EOS) of ``problems``: the one place prompts are tokenized (by
+        :func:`encode_prompt`: chat-message prompts, and every prompt with ``data.chat_template``, through the
+        tokenizer's chat template; other text prompts as BOS + the text)."""
+        return [encode_prompt(self.tok, p, self.job.data) for p in problems]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fp8rl.data import Problem
+from fp8rl.rl.shaping import truncated
 
 from .plan import group_advantages, reward_summary
 
@@ -44,12 +45,20 @@ class StepPlan(Protocol):
     group: int  # G, samples per prompt
     fp8_kv: bool  # whether every version needs calibrated QKV scales
     leave_one_out: bool  # GRPO baseline without the sample itself
+    normalize_rewards: bool  # advantages divided by the group's reward std
     temperature: float  # sampling temperature of the step's rollouts
     max_weight_lag: int  # how many versions a trained sample may be older than the trainer's (0: synchronous)
+    max_gen_rounds: int  # dynamic sampling: most generation rounds per step (1: off)
+    overlong_filtering: bool  # truncated responses left out of the loss
+    dropped_prompts: dict[str, int]  # problems data.max_prompt_tokens dropped: {"train": n, "validation": m}
 
     def batch(self, step: int) -> list[Problem]: ...
 
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]: ...
+
+    def shaped_rewards(self, rewards: Sequence[float], samples: Sequence) -> list[float]: ...
+
+    def refill_index(self, step: int, round_: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -84,23 +93,69 @@ class StepBackends(Protocol):
         """Until the rollout side holds ``version``; returns metrics of the refit (e.g. replicas fenced)."""
 
 
-def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
-                  check: Callable[[], None] = lambda: None) -> dict:
-    """rollout → reward of step ``step``, every sample pinned to ``version``: ``{"step", "problems", "prompts",
-    "samples", "rewards", "phase_times", "started_unix"}`` (held in memory, not saved)."""
-    t0, times = time.time(), {}
+def _sample_round(plan: StepPlan, b: StepBackends, index: int, version: int, times: dict,
+                  check: Callable[[], None]) -> tuple[list[Problem], list[list[int]], list, list[float]]:
+    """Generate and grade batch ``index`` (a step's own, or a dynamic-sampling refill) at ``version``:
+    ``(problems, prompts, samples, rewards)``; the time spent is added to ``times``."""
     check()
-    problems = plan.batch(step)
+    problems = plan.batch(index)
     prompts = plan.prompts(problems)
     t = time.perf_counter()
-    samples = b.generate(prompts, version, step=step, n=plan.group, temperature=plan.temperature)
-    times["rollout"] = time.perf_counter() - t
+    samples = b.generate(prompts, version, step=index, n=plan.group, temperature=plan.temperature)
+    times["rollout"] = times.get("rollout", 0.0) + time.perf_counter() - t
     check()
     t = time.perf_counter()
     rewards = b.score([(problems[i], s) for i, s in samples])
-    times["reward"] = time.perf_counter() - t
+    times["reward"] = times.get("reward", 0.0) + time.perf_counter() - t
+    return problems, prompts, samples, rewards
+
+
+def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
+                  check: Callable[[], None] = lambda: None) -> dict:
+    """rollout → reward of step ``step``, every sample pinned to ``version``: ``{"step", "problems", "prompts",
+    "samples", "rewards", "shaped", "summary", "stats", "phase_times", "started_unix"}`` (held in memory, not
+    saved).
+
+    ``rewards`` are the graded rewards, ``shaped`` the ones advantages are computed from (plus DAPO's overlong
+    penalty when the job shapes rewards). With dynamic sampling (``plan.max_gen_rounds > 1``) groups whose shaped
+    rewards are all equal are dropped and refill batches (:meth:`StepPlan.refill_index`) drawn, round by round,
+    until the step's number of groups is kept or the rounds run out; the record then holds the kept groups only
+    (the first ones, in draw order; all of the first round's when none was kept, so the step still trains, on zero
+    advantages). ``summary`` (reward_mean, accuracy) is over the step's own batch, the first round.
+    """
+    t0, times = time.time(), {}
+    problems, prompts, samples, rewards = _sample_round(plan, b, step, version, times, check)
+    shaped = plan.shaped_rewards(rewards, samples)
+    summary, stats = reward_summary(rewards), {}
+    if plan.max_gen_rounds > 1:
+        want, g = len(problems), plan.group
+        rounds = [(problems, prompts, samples, rewards, shaped)]
+        kept = _informative_groups(shaped, g)
+        drawn = len(problems)
+        while len(kept) < want and len(rounds) < plan.max_gen_rounds:
+            more = _sample_round(plan, b, plan.refill_index(step, len(rounds)), version, times, check)
+            rounds.append((*more, plan.shaped_rewards(more[3], more[2])))
+            base = drawn
+            kept += [base + k for k in _informative_groups(rounds[-1][4], g)]
+            drawn += len(more[0])
+        chosen = kept[:want] or list(range(len(problems)))
+        flat = [tuple(x for r in rounds for x in r[j]) for j in range(5)]  # problems, prompts, samples, ... of all
+        problems = [flat[0][k] for k in chosen]
+        prompts = [flat[1][k] for k in chosen]
+        samples = [(new, flat[2][k * g + j][1]) for new, k in enumerate(chosen) for j in range(g)]
+        rewards = [flat[3][k * g + j] for k in chosen for j in range(g)]
+        shaped = [flat[4][k * g + j] for k in chosen for j in range(g)]
+        stats = {"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups_drawn": float(drawn),
+                 "dynamic_sampling/groups_kept": float(len(kept[:want])),
+                 "dynamic_sampling/groups_dropped": float(drawn - len(kept)),
+                 "dynamic_sampling/filled": float(len(kept) >= want)}
     return {"step": step, "problems": problems, "prompts": prompts, "samples": samples, "rewards": rewards,
-            "phase_times": times, "started_unix": t0}
+            "shaped": shaped, "summary": summary, "stats": stats, "phase_times": times, "started_unix": t0}
+
+
+def _informative_groups(shaped: Sequence[float], group: int) -> list[int]:
+    """Indices of the groups (``group`` consecutive rewards each) whose rewards are not all equal."""
+    return [k for k in range(len(shaped) // group) if len(set(shaped[k * group:(k + 1) * group])) > 1]
 
 
 def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
@@ -108,14 +163,27 @@ def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
     """train on a :func:`rollout_phase` record with the trainer at ``version``. Returns the step's record so
     far: JSON-able, with the step's ``sequences`` for calibration."""
     check()
-    step, prompts, samples, rewards = rollout["step"], rollout["prompts"], rollout["samples"], rollout["rewards"]
-    adv = group_advantages(rewards, plan.group, plan.leave_one_out)
-    trained = b.train(version, step, [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True)],
-                      max_weight_lag=plan.max_weight_lag)
+    step, prompts, samples = rollout["step"], rollout["prompts"], rollout["samples"]
+    shaped = rollout.get("shaped", rollout["rewards"])
+    adv = group_advantages(shaped, plan.group, plan.leave_one_out, plan.normalize_rewards)
+    rows = [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True)]
+    stats = dict(rollout.get("stats", {}))
+    stats.update({f"data/dropped_prompts/{split}": float(n) for split, n in plan.dropped_prompts.items()})
+    cut = [truncated(s.finish_reason) for _, s in samples]
+    stats["overlong/truncated_fraction"] = sum(cut) / len(cut) if cut else 0.0
+    if plan.overlong_filtering:  # out of the loss, after their rewards shaped their groups' baselines
+        kept = [r for r, c in zip(rows, cut, strict=True) if not c]
+        stats["overlong/filtered_samples"] = float(len(rows) - len(kept))
+        # every response cut off: train on all of them with zero advantage (no policy gradient; the step still
+        # makes its version)
+        rows = kept or [(p, s, 0.0) for p, s, _ in rows]
+    trained = b.train(version, step, rows, max_weight_lag=plan.max_weight_lag)
     times = {**rollout["phase_times"], **trained.times}
     served = {s.weight_version for _, s in samples}
-    return {"step": step, "weight_version": version, "new_version": trained.new_version, **reward_summary(rewards),
-            "metrics": {**trained.metrics, "response_len": statistics.fmean(len(s.token_ids) for _, s in samples)},
+    summary = rollout.get("summary") or reward_summary(rollout["rewards"])
+    return {"step": step, "weight_version": version, "new_version": trained.new_version, **summary,
+            "metrics": {**trained.metrics, **stats,
+                        "response_len": statistics.fmean(len(s.token_ids) for _, s in samples)},
             "served_version": min(served) if len(served) == 1 else -1, "rollout_version": min(served, default=-1),
             "phase_times": times, "started_unix": rollout["started_unix"],
             "sequences": [prompts[i] + list(s.token_ids) for i, s in samples]}

@@ -3,6 +3,10 @@
 Contract of every grader (DESIGN §2, reward phase): ``grader(response, answer) -> float`` in
 ``[0, 1]`` and it never raises — a garbled, truncated or non-string response scores 0.0, so one
 bad sample can never crash a step. Graders are looked up by name with :func:`get_grader`.
+
+GSM8K's ``#### 42`` is understood on both sides: a reference answer holding ``####`` (GSM8K's published
+answers are worked solutions ending in ``#### 72``) is the text after the last one
+(:func:`reference_answer`), and a response's ``#### N`` is its answer when it has no ``\\boxed{}``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ __all__ = [
     "exact_match_grader",
     "extract_boxed",
     "extract_final_number",
+    "extract_hash_answer",
     "get_grader",
     "normalize_answer",
+    "reference_answer",
     "register_grader",
+    "response_answer",
 ]
 
 Grader = Callable[[str, str], float]
@@ -31,6 +38,10 @@ _NUMBER = r"(?:(?<![\d)\]])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 _NUMBER_RE = re.compile(_NUMBER)
 _WHOLE_NUMBER_RE = re.compile(rf"\s*(?:{_NUMBER})\s*")
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
+_HASH_MARK = "####"  # GSM8K's final-answer marker
+# A number leading the text after ####, ended by the line, a space or punctuation ("42 apples", "$1,234.") —
+# but not one that starts an expression ("3/4", "2^10").
+_HASH_NUMBER_RE = re.compile(rf"\$?\s*({_NUMBER})\s*\$?(?=$|\s|[.,;:!?)](?:\s|$))")
 
 
 def extract_final_number(text: str) -> str | None:
@@ -74,6 +85,48 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def extract_hash_answer(text: str) -> str | None:
+    """The answer after the last ``####`` in ``text`` (GSM8K's marker): the number that leads the rest of that
+    line, grouping commas removed (``"#### 1,234."`` and ``"#### $1,234 in total"`` give ``"1234"``), else
+    that rest of the line, stripped (``"#### \\frac{3}{4}"``).
+
+    None when there is no ``####``, nothing follows the last one on its line, or ``text`` is not a string.
+    """
+    if not isinstance(text, str):
+        return None
+    at = text.rfind(_HASH_MARK)
+    if at < 0:
+        return None
+    line = text[at + len(_HASH_MARK):].split("\n", 1)[0].strip()
+    number = _HASH_NUMBER_RE.match(line)
+    if number:
+        return number.group(1).replace(",", "")
+    return line or None
+
+
+def reference_answer(answer: str) -> str:
+    """The part of a reference answer graders compare against: the text after its last ``####``
+    (:func:`extract_hash_answer`) when it holds one — GSM8K's worked solutions — else ``answer`` itself."""
+    if isinstance(answer, str) and _HASH_MARK in answer:
+        return extract_hash_answer(answer) or answer
+    return answer
+
+
+def response_answer(response: str) -> str | None:
+    """The answer a response gives, for :func:`exact_match_grader`: its last ``\\boxed{}``'s content; else the
+    text after its last ``####`` (the last number in it when that text is not itself a number); else its last
+    number. None when it has none of them."""
+    boxed = extract_boxed(response)
+    if boxed is not None:
+        return boxed
+    hashed = extract_hash_answer(response)
+    if hashed is not None:
+        if isinstance(normalize_answer(hashed), Decimal):
+            return hashed
+        return extract_final_number(hashed) or hashed
+    return extract_final_number(response)
+
+
 def normalize_answer(text: str) -> Decimal | str | None:
     """Canonical form of an answer for comparison.
 
@@ -101,18 +154,18 @@ def normalize_answer(text: str) -> Decimal | str | None:
 def exact_match_grader(response: str, answer: str) -> float:
     """1.0 when the response's answer equals the reference after normalisation, else 0.0.
 
-    The response's answer is the content of its last ``\\boxed{}`` when it has one, otherwise its
-    last number (:func:`extract_final_number`). Both sides go through :func:`normalize_answer`;
-    numbers compare by value, other text by its whitespace-free form. Never raises.
+    The response's answer is the content of its last ``\\boxed{}`` when it has one, otherwise what follows
+    its last ``####``, otherwise its last number (:func:`response_answer`); the reference is
+    :func:`reference_answer` of ``answer`` (GSM8K's ``... #### 72`` is ``72``). Both sides go through
+    :func:`normalize_answer`; numbers compare by value, other text by its whitespace-free form. Never raises.
     """
     try:
         if not isinstance(response, str) or not isinstance(answer, str):
             return 0.0
-        reference = normalize_answer(answer)
+        reference = normalize_answer(reference_answer(answer))
         if reference is None:
             return 0.0
-        boxed = extract_boxed(response)
-        candidate = boxed if boxed is not None else extract_final_number(response)
+        candidate = response_answer(response)
         if candidate is None:
             return 0.0
         return 1.0 if normalize_answer(candidate) == reference else 0.0

@@ -1,12 +1,10 @@
 """Problems from JSON-lines files, plus the chain-of-thought prompt used for real math data.
 
-Two row shapes are understood out of the box (auto-detected per row):
-
-* ``{"prompt": ..., "answer": ...}`` — this project's own shape;
-* ``{"problem": ..., "expected_answer": ...}`` — the OpenMathInstruct-2 shape.
-
-Other shapes load with explicit ``prompt_key`` / ``answer_key``. The prompt text is taken as is;
-wrap raw math problems with :func:`wrap_math_prompt` before sending them to a policy.
+Rows are read by :func:`fp8rl.data.rows.problem_from_row`: the known shapes (this project's
+``{"prompt", "answer"}``, OpenMathInstruct-2's ``{"problem", "expected_answer"}``, verl's and GSM8K's) are
+auto-detected per row; other shapes load with explicit (dotted) ``prompt_key`` / ``answer_key``. A prompt is
+text, taken as is, or a list of chat messages; wrap raw math problems with :func:`wrap_math_prompt` before
+sending them to a policy.
 """
 
 from __future__ import annotations
@@ -18,11 +16,9 @@ from fp8rl.limits import MAX_DATA_BYTES
 
 from .files import DataFileError, open_regular_file, read_lines
 from .problem import Problem
+from .rows import KNOWN_SHAPES, problem_from_row
 
 __all__ = ["KNOWN_SHAPES", "load_jsonl", "wrap_math_prompt"]
-
-# (prompt_key, answer_key) pairs tried in order when the caller names no keys.
-KNOWN_SHAPES: tuple[tuple[str, str], ...] = (("prompt", "answer"), ("problem", "expected_answer"))
 
 
 def load_jsonl(
@@ -33,6 +29,7 @@ def load_jsonl(
     limit: int | None = None,
     max_rows: int | None = None,
     max_bytes: int = MAX_DATA_BYTES,
+    key: str = "data.path",
 ) -> list[Problem]:
     """Reads one :class:`Problem` per non-blank line of a UTF-8 JSON-lines file.
 
@@ -41,13 +38,14 @@ def load_jsonl(
 
     Args:
         path: the ``.jsonl`` file.
-        prompt_key: field holding the prompt text. Give both keys or neither; with neither,
-            each row must match one of :data:`KNOWN_SHAPES`.
-        answer_key: field holding the reference answer. Strings are kept (stripped); ints and
+        prompt_key: dotted path of the prompt (text or chat messages); None: from :data:`KNOWN_SHAPES`
+            (see :func:`fp8rl.data.rows.problem_from_row`).
+        answer_key: dotted path of the reference answer. Strings are kept (stripped); ints and
             floats are converted with ``str``.
         limit: stop after this many problems (the rest of the file is not read); None reads all.
         max_rows: refuse a file holding more problems than this (None: no bound but ``max_bytes``).
         max_bytes: refuse a file larger than this.
+        key: the job key naming the file, first in a :class:`DataFileError`'s message.
 
     Returns:
         The problems in file order.
@@ -57,22 +55,17 @@ def load_jsonl(
         DataFileError: ``path`` is not a regular file (a device, FIFO, directory), or it holds more than
             ``max_bytes`` bytes, a line over the line limit or more than ``max_rows`` problems.
         ValueError: bad arguments, or a line that is not UTF-8 JSON, a row that is not an
-            object, lacks a key, has a non-string or empty prompt, or an answer that is not a
-            string or number — the message names the file and the 1-based line number.
+            object, lacks a key, has an empty prompt or one that is neither text nor chat messages, or an
+            answer that is not a string or number — the message names the file and the 1-based line number.
     """
-    if (prompt_key is None) != (answer_key is None):
-        raise ValueError(
-            f"load_jsonl: give both prompt_key and answer_key or neither "
-            f"(got prompt_key={prompt_key!r}, answer_key={answer_key!r})"
-        )
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"load_jsonl: limit must be a non-negative int or None, got {limit!r}")
     path = Path(path)
     problems: list[Problem] = []
     if limit == 0:
         return problems
-    with open_regular_file(path, max_bytes) as f:  # bytes, so a bad encoding is reported with its line number
-        for lineno, raw in read_lines(f, str(path), max_bytes):
+    with open_regular_file(path, max_bytes, key) as f:  # bytes, so a bad encoding is reported with its line number
+        for lineno, raw in read_lines(f, str(path), max_bytes, key=key):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -80,7 +73,7 @@ def load_jsonl(
             if not line.strip():
                 continue
             if max_rows is not None and len(problems) >= max_rows:
-                raise DataFileError(f"data.path: {path} holds more than {max_rows} problems (the limit); "
+                raise DataFileError(f"{key}: {path} holds more than {max_rows} problems (the limit); "
                                     f"line {lineno} is past it")
             problems.append(_parse_row(line, path, lineno, prompt_key, answer_key))
             if limit is not None and len(problems) >= limit:
@@ -96,26 +89,7 @@ def _parse_row(line: str, path: Path, lineno: int, prompt_key: str | None, answe
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if prompt_key is None or answer_key is None:
-        shape = next((s for s in KNOWN_SHAPES if s[0] in row and s[1] in row), None)
-        if shape is None:
-            shapes = " or ".join(f"{{{p!r}, {a!r}}}" for p, a in KNOWN_SHAPES)
-            raise ValueError(f"{where}: row has keys {sorted(row)}; expected {shapes}")
-        prompt_key, answer_key = shape
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise ValueError(f"{where}: missing key {key!r} (row has keys {sorted(row)})")
-    prompt = row[prompt_key]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string, got {prompt!r:.80}")
-    answer = row[answer_key]
-    # bool is an int subclass, but "True" is never a meaningful math answer.
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise ValueError(f"{where}: {answer_key!r} must be a string or number, got {answer!r:.80}")
-    answer = answer.strip() if isinstance(answer, str) else str(answer)
-    if not answer:
-        raise ValueError(f"{where}: {answer_key!r} is empty")
-    return Problem(prompt=prompt, answer=answer)
+    return problem_from_row(row, where, prompt_key, answer_key)
 
 
 def wrap_math_prompt(problem_text: str) -> str:

@@ -4,7 +4,9 @@ Reward is binary, as in the reference recipe (REFERENCE.md, GRPO): the reference
 wrapped as ``\\boxed{answer}`` (unless it already holds a ``\\boxed{}``) and parsed as LaTeX; the
 response is parsed with HuggingFace ``math_verify`` (its last ``\\boxed{}`` first, then LaTeX
 and plain expressions), and :func:`math_verify.verify` decides equivalence, so ``\\frac{1}{2}``,
-``1/2`` and ``0.5`` all match, as do ``\\{1,2\\}`` and ``\\{2,1\\}``.
+``1/2`` and ``0.5`` all match, as do ``\\{1,2\\}`` and ``\\{2,1\\}``. GSM8K's marker is understood on
+both sides: a reference holding ``####`` is the text after the last one (``... #### 72`` is ``72``), and a
+response with no ``\\boxed{}`` but a ``#### N`` is graded on ``N`` (:mod:`fp8rl.data.grading`).
 
 Threads and time: ``math_verify`` bounds its own time with ``signal.alarm``, which only works in
 the main thread, so this grader always passes ``parsing_timeout=None`` / ``timeout_seconds=None``
@@ -24,7 +26,7 @@ import logging
 import threading
 from typing import Any
 
-from .grading import register_grader
+from .grading import extract_boxed, extract_hash_answer, reference_answer, register_grader
 from .scoring import GradeResult
 
 __all__ = ["MathVerifyGrader", "math_verify_grader"]
@@ -56,10 +58,20 @@ def _math_verify() -> Any:
 def _parse_reference(answer: str) -> tuple:
     """Parsed reference answer, cached: every sample of one prompt (G of them) shares it."""
     mv = _math_verify()
-    text = answer.strip()
+    text = reference_answer(answer).strip()
     if "\\boxed" not in text:
         text = "\\boxed{" + text + "}"
     return tuple(mv.parse(text, extraction_config=[mv.LatexExtractionConfig()], parsing_timeout=None))
+
+
+def _parse_hash_answer(mv: Any, response: str) -> list:
+    """The parsed ``#### N`` answer of a response without a ``\\boxed{}`` (GSM8K's format), else ``[]``."""
+    if extract_boxed(response) is not None:
+        return []
+    hashed = extract_hash_answer(response)
+    if hashed is None:
+        return []
+    return mv.parse("\\boxed{" + hashed + "}", extraction_config=[mv.LatexExtractionConfig()], parsing_timeout=None)
 
 
 def _is_math(parsed: Any) -> bool:
@@ -96,11 +108,13 @@ class MathVerifyGrader:
             gold = _parse_reference(answer)
             if not gold:
                 return GradeResult(0.0, "error", f"reference answer {answer!r} could not be parsed")
-            pred = mv.parse(
-                response,
-                extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
-                parsing_timeout=None,
-            )
+            pred = _parse_hash_answer(mv, response)
+            if not any(_is_math(p) for p in pred):
+                pred = mv.parse(
+                    response,
+                    extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
+                    parsing_timeout=None,
+                )
             if not pred:
                 return GradeResult(0.0, "unparsable", "no answer found in the response")
             if mv.verify(list(gold), pred, timeout_seconds=None):

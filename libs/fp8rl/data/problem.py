@@ -2,21 +2,80 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Problem"]
+__all__ = ["Message", "Messages", "Problem", "as_messages"]
+
+Message = tuple[str, str]  # (role, content), e.g. ("user", "What is 6*7?")
+Messages = tuple[Message, ...]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One task instance.
+    """One task instance; frozen, hashable, and JSON-able (``dataclasses.asdict`` gives strings and lists).
 
     Attributes:
-        prompt: the exact text fed to the policy; the response is generated right after it, so a
-            prompt carries its own trailing separator (e.g. ``"Q: ...\\nA: "``).
+        prompt: either the exact text fed to the policy — the response is generated right after it, so a text
+            prompt carries its own trailing separator (e.g. ``"Q: ...\\nA: "``) — or a chat: a tuple of
+            ``(role, content)`` messages, which the job renders with the tokenizer's chat template (generation
+            prompt added; :meth:`fp8rl.controller.plan.JobPlan.prompts`). Lists of pairs or of
+            ``{"role", "content"}`` mappings are turned into that tuple on construction.
         answer: the reference answer as a string; graders compare a response against it
             (:mod:`fp8rl.data.grading`). Never empty for problems built by this package.
     """
 
-    prompt: str
+    prompt: str | Messages
     answer: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            object.__setattr__(self, "prompt", as_messages(self.prompt))
+
+    @property
+    def is_chat(self) -> bool:
+        """True when :attr:`prompt` is a list of chat messages rather than text."""
+        return not isinstance(self.prompt, str)
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat prompt as ``[{"role": ..., "content": ...}, ...]`` (what chat templates take).
+
+        Raises:
+            ValueError: the prompt is text.
+        """
+        if isinstance(self.prompt, str):
+            raise ValueError("Problem.messages: this problem's prompt is text, not chat messages")
+        return [{"role": role, "content": content} for role, content in self.prompt]
+
+
+def as_messages(value: Any) -> Messages:
+    """``value`` — a non-empty list of ``{"role", "content"}`` mappings or of ``(role, content)`` pairs — as
+    :data:`Messages`.
+
+    Raises:
+        ValueError: it is empty or not a list, a message lacks ``role`` or ``content``, a role is not a
+            non-empty string, or a content is not a string (multimodal content parts are not supported).
+    """
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"expected a non-empty list of chat messages, got {value!r:.80}")
+    out = []
+    for i, msg in enumerate(value):
+        if isinstance(msg, Mapping):
+            if "role" not in msg or "content" not in msg:
+                raise ValueError(f"message {i} has keys {sorted(map(str, msg))}; a chat message needs 'role' and "
+                                 f"'content'")
+            role, content = msg["role"], msg["content"]
+        elif isinstance(msg, list | tuple) and len(msg) == 2:
+            role, content = msg
+        else:
+            raise ValueError(f"message {i} is {msg!r:.80}; expected {{'role': ..., 'content': ...}}")
+        if not isinstance(role, str) or not role.strip():
+            raise ValueError(f"message {i}: 'role' must be a non-empty string, got {role!r:.80}")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i}: 'content' must be a string, got {content!r:.80} (content parts such "
+                             f"as images are not supported)")
+        out.append((role, content))
+    if not any(content.strip() for _, content in out):
+        raise ValueError("every message's content is empty")
+    return tuple(out)

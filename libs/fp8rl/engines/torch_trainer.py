@@ -5,7 +5,8 @@ kept; forward and both backward GEMMs in block-scaled FP8); ``bf16`` and ``fp8_g
 in high precision. Loss aggregation is token-level over the global batch: micro-batch losses are
 divided by the *global* number of generated tokens, so gradient accumulation sums to exactly the
 full-batch gradient. Checkpoints hold weights, optimizer state, RNG state and the version, and
-resume bit-identically. A ``should_stop`` check runs before every micro-batch; a step it stops leaves
+resume bit-identically; they also record their model (config, preset or directory, recipe) for
+:mod:`fp8rl.export`. A ``should_stop`` check runs before every micro-batch; a step it stops leaves
 weights, optimizer and version as they were.
 
 With a :class:`~fp8rl.engines.parallel.DataParallel` group (``policy.training.dp_size`` > 1, under torchrun)
@@ -22,7 +23,7 @@ import copy
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
 from fp8rl.model import CausalLM, routing
-from fp8rl.rl import LossConfig, mismatch_metrics, policy_loss
+from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
 from .parallel import DataParallel, full_tensor
@@ -98,11 +99,24 @@ def sequence_logprobs(
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``(B, T)`` logprob of each token of ``input_ids`` under the ``(B, T, V)`` FP32 ``logits`` of its sequence
     (:func:`sequence_logprobs` once the model has run)."""
+    return token_logprobs_and_entropy(logits, input_ids, temperature)[0]
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                               entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs`, and with ``entropy`` the ``(B, T)`` entropy of the sampling distribution each token
+    was drawn from (``-sum_v p log p`` of ``logits / temperature`` at the position before it; 0 at t = 0; no
+    gradient), else None."""
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens 1..T-1
     tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    return F.pad(tok, (1, 0))  # (B, T)
+    ent = None
+    if entropy:
+        with torch.no_grad():  # a row at a time: one (T, V) temporary, not another (B, T, V)
+            lp = logp.detach()
+            ent = F.pad(torch.stack([-(row.exp() * row).sum(dim=-1) for row in lp]), (1, 0))  # (B, T)
+    return F.pad(tok, (1, 0)), ent  # (B, T)
 
 
 class TorchTrainer(TrainerBackend):
@@ -157,6 +171,11 @@ class TorchTrainer(TrainerBackend):
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self._version = initial_version
+        # which model a checkpoint belongs to (fp8rl.export reads it): its config, the preset or directory
+        # load_policy loaded it from (None for a model built in memory), the whole recipe
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self._model_record = {"model_config": model.config.to_hf_dict(torch_dtype=dtype),
+                              "model_source": getattr(model, "name_or_path", None), "recipe": asdict(recipe)}
         torch.manual_seed(seed)
 
     def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> torch.nn.Module:
@@ -344,7 +363,8 @@ class TorchTrainer(TrainerBackend):
     def _update(self, batch: TrainBatch, should_stop: ShouldStop | None = None) -> dict[str, float]:
         """One optimizer update on ``batch`` (token-level mean over its generated tokens)."""
         self._zero_grads()
-        totals, weights = self._backward(batch, max(batch.num_tokens, 1), should_stop)
+        norm = LossNorm.of(batch.loss_mask)
+        totals, weights = self._backward(batch, LossNorm(max(norm.tokens, 1), max(norm.sequences, 1)), should_stop)
         if self.parallel is not None:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
             self._reduce_grads()
             keys, wkeys = sorted(totals), sorted(weights)
@@ -366,10 +386,11 @@ class TorchTrainer(TrainerBackend):
         totals["grad_norm"] = float(gn)
         return totals
 
-    def _backward(self, batch: TrainBatch, num_tokens: int, should_stop: ShouldStop | None = None
+    def _backward(self, batch: TrainBatch, norm: LossNorm, should_stop: ShouldStop | None = None
                   ) -> tuple[dict[str, float], dict[str, float]]:
-        """Forward and backward over this rank's micro-batches of ``batch`` (losses over ``num_tokens``, the
-        update's global token count), gradients accumulated; this rank's metric sums and their token weights."""
+        """Forward and backward over this rank's micro-batches of ``batch`` (losses over ``norm``, the update's
+        global token and sequence counts), gradients accumulated; this rank's metric sums and their token
+        weights."""
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grouped = self.parallel is not None
@@ -379,18 +400,22 @@ class TorchTrainer(TrainerBackend):
             coef = self.config.router_aux_loss_coef
             plan = plan_for(self._moe_layers, mb, replay=self.config.router_replay, aux=coef > 0)
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
-                curr = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.config.temperature)
-            loss, m = self._loss(curr, mb, num_tokens)
+                logits = self.model(mb.input_ids, attention_mask=mb.attention_mask)
+            curr, ent = token_logprobs_and_entropy(logits, mb.input_ids, self.config.temperature, entropy=True)
+            del logits
+            loss, m = self._loss(curr, mb, norm, ent)
             if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
-                loss = loss + coef * plan.aux_loss * (mb.num_tokens / num_tokens)
+                loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)
             loss.backward()
             _add_metrics(totals, weights, float(loss.detach()), m, mb.num_tokens)
         return totals, weights
 
-    def _loss(self, curr: torch.Tensor, mb: TrainBatch, num_tokens: int):
-        """The policy loss of micro-batch ``mb`` at current logprobs ``curr`` (over ``num_tokens``) and its metrics."""
+    def _loss(self, curr: torch.Tensor, mb: TrainBatch, norm: LossNorm, entropy: torch.Tensor | None = None):
+        """The policy loss of micro-batch ``mb`` at current logprobs ``curr`` (over ``norm``, the update's global
+        counts) and its metrics (with the policy's token-mean ``entropy`` when given)."""
         return policy_loss(curr, mb.prev_logprobs, mb.gen_logprobs, mb.advantages, mb.loss_mask, self.config.loss,
-                           ref_logprobs=mb.ref_logprobs, num_tokens=num_tokens)
+                           ref_logprobs=mb.ref_logprobs, num_tokens=norm.tokens, num_sequences=norm.sequences,
+                           entropy=entropy)
 
     def _clip_grads(self) -> torch.Tensor:
         """Clip the gradients to ``grad_clip`` by their global norm (0: no clipping); the norm."""
@@ -442,6 +467,7 @@ class TorchTrainer(TrainerBackend):
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
             "recipe_linear": self.recipe.linear,
+            **self._model_record,
         }
 
     def _restore_checkpoint_state(self, state: dict) -> None:
@@ -511,7 +537,7 @@ class TorchTrainer(TrainerBackend):
         dcp.save({"model": msd, "optim": osd, "rng": torch.get_rng_state()}, checkpoint_id=str(tmp))
         if self._leads():
             meta = {"format": self.CHECKPOINT_FORMAT, "version": self._version, "recipe_linear": self.recipe.linear,
-                    "world_size": 1 if self.parallel is None else self.parallel.world}
+                    "world_size": 1 if self.parallel is None else self.parallel.world, **self._model_record}
             (tmp / self.DCP_META).write_text(json.dumps(meta))
             old = target.with_name(target.name + ".old")
             if target.exists():  # a named checkpoint saved again

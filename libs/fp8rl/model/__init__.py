@@ -8,9 +8,10 @@ trainer backends, refit and vLLM without a rename table.
 """
 
 from .config import ModelConfig
-from .hf_io import load_hf_checkpoint, save_hf_checkpoint
+from .hf_io import load_hf_checkpoint, model_from_tensors, save_hf_checkpoint
 from .kv_cache import KVCache
 from .router import Routing, routing
 from .transformer import CausalLM
 
-__all__ = ["ModelConfig", "CausalLM", "KVCache", "Routing", "load_hf_checkpoint", "routing", "save_hf_checkpoint"]
+__all__ = ["ModelConfig", "CausalLM", "KVCache", "Routing", "load_hf_checkpoint", "model_from_tensors", "routing",
+           "save_hf_checkpoint"]

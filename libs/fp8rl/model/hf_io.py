@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig
 from .transformer import CausalLM
 
-__all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["load_hf_checkpoint", "model_from_tensors", "save_hf_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -136,7 +136,17 @@ def load_hf_checkpoint(
                 f"config.json implies {tuple(shape)}"
             )
 
-    state = {k: v.to(dtype=dtype) for k, v in tensors.items()}
+    return model_from_tensors(config, {k: v.to(dtype=dtype) for k, v in tensors.items()}), config
+
+
+def model_from_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> CausalLM:
+    """A :class:`CausalLM` of ``config`` in eval mode holding ``tensors`` (HF names; ``lm_head.weight`` may be left
+    out when the embeddings are tied) themselves — adopted, not copied.
+
+    Raises:
+        RuntimeError: a missing or unexpected key, or a shape that does not fit ``config`` (``load_state_dict``).
+    """
+    state = dict(tensors)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
@@ -144,7 +154,7 @@ def load_hf_checkpoint(
     # assign=True adopts the loaded tensors instead of copying into (meta) placeholders
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign replaced the shared Parameter with two; share it again
-    return model.eval(), config
+    return model.eval()
 
 
 def save_hf_checkpoint(model: CausalLM, config: ModelConfig, path: str | Path) -> None:

@@ -6,8 +6,8 @@
   with ``local_files_only=True``: a model directory is always local, never fetched from a hub.
 * :func:`load_tokenizer` — picks the right one for a directory.
 * :func:`render_chat_prompt` — a prompt as the tokenizer's own chat template renders it (one user
-  turn, optional system turn, the assistant's generation prompt); encode the result with
-  ``add_bos=False``: the template writes its own special tokens.
+  turn or a given list of messages, optional system turn, the assistant's generation prompt); encode
+  the result with ``add_bos=False``: the template writes its own special tokens.
 
 Invariants both keep: ``encode`` never adds EOS unless asked (SFT appends it to targets; prompts
 for generation must not end in it), and ``decode(encode(t))`` round-trips text the vocabulary
@@ -297,9 +297,11 @@ def chat_template_of(tok: Tokenizer) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
-def render_chat_prompt(tok: Tokenizer, prompt: str, system_prompt: str | None = None) -> str:
-    """``prompt`` as one user turn (after a system turn when ``system_prompt`` is given), rendered by the
-    tokenizer's own chat template with the assistant's generation prompt appended.
+def render_chat_prompt(tok: Tokenizer, prompt: str | Sequence[tuple[str, str]],
+                       system_prompt: str | None = None) -> str:
+    """``prompt`` rendered by the tokenizer's own chat template with the assistant's generation prompt appended:
+    text as one user turn, or a sequence of ``(role, content)`` messages as they are; ``system_prompt`` (when
+    given) is a system turn put first unless the messages open with one of their own.
 
     The text equals ``AutoTokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``;
     it already holds the template's special tokens, so encode it with ``add_bos=False``.
@@ -309,7 +311,11 @@ def render_chat_prompt(tok: Tokenizer, prompt: str, system_prompt: str | None = 
     """
     if chat_template_of(tok) is None:
         raise ValueError(f"tokenizer {type(tok).__name__} has no chat template")
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    messages.append({"role": "user", "content": prompt})
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [{"role": role, "content": content} for role, content in prompt]
+    if system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
     return tok.hf_tokenizer.apply_chat_template(  # type: ignore[attr-defined]
         messages, add_generation_prompt=True, tokenize=False)

@@ -35,7 +35,11 @@ def prepare_preset(name: str, *, progress: bool = True) -> Path:
 
 
 def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, Tokenizer, Path]:
-    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory."""
+    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory.
+
+    The model's ``name_or_path`` is the preset name or the directory's absolute path (as HF's): trainer
+    checkpoints record it, so :mod:`fp8rl.export` finds the tokenizer without being told.
+    """
     if name_or_path in PRESETS:
         path = prepare_preset(name_or_path)
     else:
@@ -45,4 +49,5 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tup
                 f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory"
             )
     model, _ = load_hf_checkpoint(path, dtype=dtype)
+    model.name_or_path = name_or_path if name_or_path in PRESETS else str(path.resolve())
     return model, load_tokenizer(path), path

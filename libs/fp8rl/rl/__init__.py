@@ -4,8 +4,9 @@ Pure PyTorch, no other fp8rl imports: engines and the loop call in, never the re
 
 - :mod:`fp8rl.rl.advantages` — :func:`grpo_advantages` (leave-one-out baseline by default).
 - :mod:`fp8rl.rl.loss` — :class:`LossConfig`, :func:`importance_weights` (IS modes ``none``,
-  ``token``, ``tis``, ``icepop``, ``seq_mask_tis``) and :func:`policy_loss` (token-level
-  aggregation over the global batch).
+  ``token``, ``tis``, ``icepop``, ``seq_mask_tis``) and :func:`policy_loss` (token-mean,
+  seq-mean-token-mean or Dr. GRPO's seq-mean-token-sum-norm aggregation over the global batch).
+- :mod:`fp8rl.rl.shaping` — DAPO's overlong handling: the soft length penalty and which samples were truncated.
 - :mod:`fp8rl.rl.metrics` — :func:`token_mult_prob_error` and :func:`mismatch_metrics` comparing
   trainer and rollout logprobs of the generated tokens.
 
@@ -13,13 +14,15 @@ Invariant: every function is a pure function of its tensors (no engine state, no
 """
 
 from fp8rl.rl.advantages import grpo_advantages
-from fp8rl.rl.loss import IS_MODES, LossConfig, importance_weights, policy_loss
+from fp8rl.rl.loss import IS_MODES, LOSS_AGG_MODES, LossConfig, LossNorm, importance_weights, policy_loss
 from fp8rl.rl.metrics import MISMATCH_PROMISE, mismatch_metrics, mismatch_promise, token_mult_prob_error
 
 __all__ = [
     "IS_MODES",
+    "LOSS_AGG_MODES",
     "MISMATCH_PROMISE",
     "LossConfig",
+    "LossNorm",
     "grpo_advantages",
     "importance_weights",
     "mismatch_metrics",

@@ -13,8 +13,16 @@ Per token, with ``r = exp(curr - prev)`` and advantage ``A``::
     pg  *= w                          # IS correction, w from exp(prev - gen), no gradient
     loss_t = pg + kl_coef * (exp(ref - curr) - (ref - curr) - 1)    # k3 KL to the reference
 
-and ``loss = sum(mask * loss_t) / num_tokens`` — token-level aggregation over the *global*
-batch (every token weighs the same, whatever its sequence's length).
+and the tokens are aggregated per ``loss_agg_mode`` (verl's names) over the *global* batch:
+
+- ``token-mean`` (default): ``sum(mask * loss_t) / num_tokens`` — every token weighs the same, whatever its
+  sequence's length;
+- ``seq-mean-token-mean``: each sequence's token mean, averaged over the sequences (GRPO as published: a
+  token of a short response weighs more);
+- ``seq-mean-token-sum-norm`` (Dr. GRPO): each sequence's token *sum* divided by a constant
+  ``loss_agg_norm_tokens`` (the generation budget), averaged over the sequences — no length bias either way.
+
+Sequences count when they hold at least one generated token.
 
 Why ``prev`` and ``gen`` both exist: FP8 rollout and BF16/FP8 training disagree slightly on every
 token, so the batch is off-policy for the trainer even before the first update. The clipped ratio
@@ -32,9 +40,24 @@ import torch
 
 from fp8rl.rl.metrics import masked_log_ratio, raw_importance_weights, validate_token_tensors
 
-__all__ = ["IS_MODES", "LossConfig", "importance_weights", "policy_loss"]
+__all__ = ["IS_MODES", "LOSS_AGG_MODES", "LossConfig", "LossNorm", "importance_weights", "policy_loss"]
 
 IS_MODES = ("none", "token", "tis", "icepop", "seq_mask_tis")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """The denominators of one optimizer update's loss, counted over its *global* batch (every micro-batch and
+    rank passes the same): generated tokens, and sequences holding at least one."""
+
+    tokens: int
+    sequences: int
+
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor) -> LossNorm:
+        """The counts of a ``(B, T)`` 0/1 loss mask."""
+        return cls(tokens=int(loss_mask.sum()), sequences=int((loss_mask.sum(dim=-1) > 0).sum()))
 
 
 def _check_number(name: str, value: object) -> float:
@@ -73,8 +96,21 @@ class LossConfig:
     """``seq_mask_tis`` mode: sequences whose geometric-mean ratio is below this are dropped; ``(0, 1]``."""
     seq_mask_hi: float = 1.002
     """``seq_mask_tis`` mode: sequences whose geometric-mean ratio is above this are dropped; ``>= 1``."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses make the loss: one of :data:`LOSS_AGG_MODES` (see the module doc)."""
+    loss_agg_norm_tokens: int | None = None
+    """``seq-mean-token-sum-norm``: the constant a sequence's token sum is divided by (> 0, required there)."""
 
     def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"LossConfig.loss_agg_mode must be one of {list(LOSS_AGG_MODES)}, "
+                             f"got {self.loss_agg_mode!r}")
+        n = self.loss_agg_norm_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"LossConfig.loss_agg_norm_tokens must be a positive int or None, got {n!r}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and n is None:
+            raise ValueError("LossConfig.loss_agg_mode 'seq-mean-token-sum-norm' needs loss_agg_norm_tokens (the "
+                             "generation budget each sequence's token sum is divided by)")
         lo = _check_number("clip_eps_low", self.clip_eps_low)
         if not 0.0 <= lo < 1.0:
             raise ValueError(f"LossConfig.clip_eps_low must be in [0, 1), got {lo}")
@@ -170,17 +206,26 @@ def importance_weights(
     return _corrected_weights(prev_logprobs, gen_logprobs, m, cfg)[0]
 
 
-def _resolve_num_tokens(num_tokens: int | float | torch.Tensor | None, local: int) -> float:
-    """The loss denominator: this call's token count, or the caller's global count (validated)."""
-    if num_tokens is None:
+def _resolve_count(name: str, what: str, value: int | float | torch.Tensor | None, local: int) -> float:
+    """A loss denominator: this call's count ``local``, or the caller's global count ``value`` (validated)."""
+    if value is None:
         return float(local)
-    n = float(num_tokens.item()) if isinstance(num_tokens, torch.Tensor) else float(num_tokens)
+    n = float(value.item()) if isinstance(value, torch.Tensor) else float(value)
     if not math.isfinite(n) or n < local:
-        raise ValueError(
-            f"num_tokens must be the finite global count of generated tokens, >= this call's "
-            f"{local} masked tokens; got {n}"
-        )
+        raise ValueError(f"{name} must be the finite global count of {what}, >= this call's {local}; got {n}")
     return n
+
+
+def _token_scale(m: torch.Tensor, cfg: LossConfig, num_sequences, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, T)`` weight of each token's loss under the sequence-mean modes (0 off-mask)."""
+    per_seq = m.sum(dim=-1)  # (B,)
+    seqs = _resolve_count("num_sequences", "sequences with generated tokens", num_sequences, int((per_seq > 0).sum()))
+    if cfg.loss_agg_mode == "seq-mean-token-mean":
+        row = 1.0 / (per_seq.clamp(min=1).to(dtype) * max(seqs, 1.0))  # (B,)
+    else:  # seq-mean-token-sum-norm
+        row = torch.full(per_seq.shape, 1.0 / (cfg.loss_agg_norm_tokens * max(seqs, 1.0)), dtype=dtype,
+                         device=m.device)
+    return torch.where(m, row.unsqueeze(-1).expand_as(m), torch.zeros((), dtype=dtype, device=m.device))
 
 
 def policy_loss(
@@ -193,13 +238,17 @@ def policy_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: int | float | torch.Tensor | None = None,
+    num_sequences: int | float | torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped, IS-corrected policy-gradient loss, token-mean over the global batch.
+    """Clipped, IS-corrected policy-gradient loss, aggregated per ``cfg.loss_agg_mode`` over the global batch.
 
     Micro-batching: pass the *global* generated-token count of the whole batch as ``num_tokens``
-    to every micro-batch call. Each call then returns ``sum(mask * loss_t) / global_count``, so the
-    sum of the micro-batch losses (and of their gradients, when accumulated) equals the full-batch
-    loss. Left ``None``, the denominator is this call's ``mask.sum()``.
+    (and, for the sequence-mean modes, its count of sequences with generated tokens as ``num_sequences``;
+    :class:`LossNorm` counts both) to every micro-batch call. Each call then returns its share of the
+    full-batch loss (token-mean: ``sum(mask * loss_t) / global_count``), so the sum of the micro-batch losses
+    (and of their gradients, when accumulated) equals the full-batch loss. Left ``None``, the counts are
+    this call's.
 
     Args:
         curr_logprobs: ``(B, T)`` trainer logprobs under the weights being optimised (grad flows).
@@ -211,6 +260,9 @@ def policy_loss(
         cfg: loss configuration.
         ref_logprobs: ``(B, T)`` reference-policy logprobs; required when ``cfg.kl_coef > 0``.
         num_tokens: global generated-token count (see above); must be >= this call's count.
+        num_sequences: global count of sequences with generated tokens (sequence-mean modes only).
+        entropy: ``(B, T)`` the policy's entropy at each token's position (no gradient), reported as the
+            token mean ``entropy``; None leaves it out.
 
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-dim tensor connected to ``curr_logprobs``'s graph
@@ -219,7 +271,7 @@ def policy_loss(
         mean k3, 0 when not computed), and over this call's generated tokens: ``clip_fraction``
         (PPO clip active: the token's gradient is 0), ``dual_clip_fraction``, ``ratio_mean``,
         ``is_weight_mean`` (after the mode's correction), ``is_masked_fraction`` (tokens zeroed
-        by icepop / seq_mask_tis), ``num_tokens`` (this call's count).
+        by icepop / seq_mask_tis), ``num_tokens`` (this call's count), and ``entropy`` when given.
 
     Raises:
         ValueError: a shape mismatch (names the tensors and shapes), non-0/1 mask, non-finite
@@ -276,10 +328,20 @@ def policy_loss(
         per_token = per_token + cfg.kl_coef * k3
 
     local = int(m.sum())
-    denom = _resolve_num_tokens(num_tokens, local)
-    total = torch.where(m, per_token, zero).sum()
-    # No tokens: multiply by 0 rather than return a fresh constant, so backward() still works.
-    loss = total / denom if denom > 0 else total * 0.0
+    denom = _resolve_count("num_tokens", "generated tokens", num_tokens, local)
+    if cfg.loss_agg_mode == "token-mean":
+        total = torch.where(m, per_token, zero).sum()
+        # No tokens: multiply by 0 rather than return a fresh constant, so backward() still works.
+        loss = total / denom if denom > 0 else total * 0.0
+
+        def share(x: torch.Tensor) -> float:  # this call's share of the batch value of a per-token term
+            return float(torch.where(m, x, zero).sum()) / denom if denom > 0 else 0.0
+    else:
+        scale = _token_scale(m, cfg, num_sequences, dtype)  # (B, T), 0 off-mask
+        loss = torch.where(m, per_token * scale, zero).sum()
+
+        def share(x: torch.Tensor) -> float:
+            return float(torch.where(m, x * scale, zero).sum())
 
     with torch.no_grad():
 
@@ -290,8 +352,8 @@ def policy_loss(
             return float((flags & m).sum()) / local if local else 0.0
 
         metrics = {
-            "pg_loss": masked_sum(pg) / denom if denom > 0 else 0.0,
-            "kl": masked_sum(k3) / denom if (k3 is not None and denom > 0) else 0.0,
+            "pg_loss": share(pg),
+            "kl": share(k3) if k3 is not None else 0.0,
             "clip_fraction": frac(clip_active),
             "dual_clip_fraction": frac(dual_active),
             "ratio_mean": masked_sum(ratio) / local if local else 1.0,
@@ -299,4 +361,6 @@ def policy_loss(
             "is_masked_fraction": frac(dropped),
             "num_tokens": float(local),
         }
+        if entropy is not None:
+            metrics["entropy"] = masked_sum(entropy.detach().to(dtype)) / local if local else 0.0
     return loss, metrics

@@ -9,6 +9,10 @@ Usage::
     fp8rl status [JOB_ID] [--state S] [--limit N]   a table of jobs (or of one job)
     fp8rl cancel JOB_ID [--reason TEXT]             stop a job after its current step
     fp8rl up|down [ARGS ...]                        start/stop the local stack (delegates to deploy.launcher)
+    fp8rl export CHECKPOINT --out DIR [--format hf|hf-fp8] [--model M]
+                                                    a checkpoint as an HF directory (delegates to fp8rl.export)
+    fp8rl eval MODEL --data FILE [--k K] [--config JOB.yaml]
+                                                    pass@k of a preset, HF directory or checkpoint (fp8rl.eval)
 
 The target comes from ``--target``, else ``$FP8RL_TARGET``, else ``localhost:50050``; the client
 token (the JobService scope) from ``--token``, else ``--token-file``, else ``$FP8RL_AUTH_TOKEN``, else the
@@ -82,6 +86,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     for name, what in (("up", "start the local stack"), ("down", "stop the local stack")):
         sub.add_parser(name, help=f"{what} (delegates to {LAUNCHER_MODULE}; further arguments are passed on)")
+    # its own parser (python -m fp8rl.export) reads every argument after the word, --help included
+    sub.add_parser("export", add_help=False, help="export a trainer checkpoint as a Hugging Face directory "
+                   "(fp8rl export --help)")
+    sub.add_parser("eval", add_help=False, help="score a preset, HF directory or checkpoint on a data file: greedy "
+                   "accuracy, pass@k, mean@k (fp8rl eval --help)")
     return p
 
 
@@ -158,6 +167,14 @@ def _launcher(command: str, args: list[str]) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command in ("up", "down"):
         return _launcher(args.command, args.args)
+    if args.command == "export":  # local: no controller, no token
+        from fp8rl.export.__main__ import main as export_main
+
+        return export_main(args.args, prog="fp8rl export")
+    if args.command == "eval":  # local too
+        from fp8rl.eval.__main__ import main as eval_main
+
+        return eval_main(args.args, prog="fp8rl eval")
     if args.command == "submit":
         load_job_text(args.job_file)  # validate before even opening a channel
     with Fp8rlClient(args.target, token=args.token, token_file=args.token_file, tls_ca=args.tls_ca,
@@ -183,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if extra and args.command not in ("up", "down"):
+        if extra and args.command not in ("up", "down", "export", "eval"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)

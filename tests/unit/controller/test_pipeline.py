@@ -20,10 +20,13 @@ class _Sample:
     token_ids: tuple
     logprobs: tuple
     weight_version: int
+    finish_reason: str = "stop"
 
 
 class _Plan:
     group, fp8_kv, leave_one_out, temperature = 2, True, True, 1.0
+    normalize_rewards, max_gen_rounds, overlong_filtering = True, 1, False
+    dropped_prompts = {"train": 0, "validation": 0}
 
     def __init__(self, k: int) -> None:
         self.max_weight_lag = k
@@ -33,6 +36,12 @@ class _Plan:
 
     def prompts(self, problems):
         return [[1, 2] for _ in problems]
+
+    def shaped_rewards(self, rewards, samples):
+        return list(rewards)
+
+    def refill_index(self, step, round_):
+        raise AssertionError("no dynamic sampling here")
 
 
 class _Backends:

@@ -6,7 +6,15 @@ from decimal import Decimal
 
 import pytest
 
-from fp8rl.data import GRADERS, exact_match_grader, extract_boxed, extract_final_number, get_grader
+from fp8rl.data import (
+    GRADERS,
+    exact_match_grader,
+    extract_boxed,
+    extract_final_number,
+    extract_hash_answer,
+    get_grader,
+    reference_answer,
+)
 from fp8rl.data.grading import normalize_answer, register_grader
 
 
@@ -137,3 +145,49 @@ def test_register_grader_adds_and_refuses_clashes():
     finally:
         GRADERS.pop("test_half", None)
     assert "test_half" not in GRADERS
+
+
+# -- GSM8K's "#### N" -------------------------------------------------------------------------------------------
+
+GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("#### 72", "72"),
+    ("####72", "72"),
+    ("so #### 1,234.", "1234"),
+    ("#### $1,234 in total", "1234"),
+    ("#### -5\nThat is all, 17 ways.", "-5"),  # the marker's own line only
+    ("#### 42 then 7", "42"),  # the leading number
+    ("#### 3/4", "3/4"),  # an expression stays whole
+    ("#### \\frac{3}{4}", "\\frac{3}{4}"),
+    ("#### 1 #### 2", "2"),  # the last marker
+    ("the answer is ####", None),
+    ("no marker 5", None),
+    (None, None),
+])
+def test_extract_hash_answer(text, expected):
+    assert extract_hash_answer(text) == expected
+
+
+@pytest.mark.parametrize(("response", "answer", "reward"), [
+    ("#### 72", GSM8K_ANSWER, 1.0),  # the reference is the text after its last ####
+    ("She sold 72 clips.", GSM8K_ANSWER, 1.0),
+    ("She sold 71 clips.", GSM8K_ANSWER, 0.0),
+    ("48 + 24 = 72\n#### 72", "72", 1.0),
+    ("#### 1,234", "1234", 1.0),
+    ("#### 72\nchecked 3 times", "72", 1.0),  # #### wins over a later number
+    ("#### 71\nor 72", "72", 0.0),
+    ("#### The answer is 72.", "#### 72", 1.0),  # text after ####: its last number
+    ("\\boxed{5} #### 72", "5", 1.0),  # a boxed answer wins over ####
+    ("#### ", "0", 0.0),
+])
+def test_exact_match_understands_gsm8k_hashes(response, answer, reward):
+    assert exact_match_grader(response, answer) == reward
+
+
+def test_reference_answer_without_hash_is_unchanged():
+    assert reference_answer(GSM8K_ANSWER) == "72"
+    assert reference_answer(" 1,234 ") == " 1,234 "
+    assert reference_answer("####") == "####"  # nothing after it: kept, and grades nothing

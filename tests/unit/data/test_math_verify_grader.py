@@ -169,3 +169,20 @@ def test_unknown_grader_and_bad_timeout_raise():
     with pytest.raises(ValueError, match="timeout_s"):
         grade_with_status("exact_match", "1", "1", 0)
     assert grade_many([], 5.0) == []
+
+
+GSM8K_ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nSo 48+24 = <<48+24=72>>72 in all.\n#### 72"
+
+
+@pytest.mark.parametrize(("response", "answer", "reward"), [
+    ("#### 72", GSM8K_ANSWER, 1.0),  # the reference's worked solution is read after its last ####
+    ("\\boxed{72}", GSM8K_ANSWER, 1.0),
+    ("\\boxed{71}", GSM8K_ANSWER, 0.0),
+    ("so 3 + 4 = 7\n#### 7\nand 9 more words", "7", 1.0),  # the #### answer, not the last number
+    ("#### 1,234", "1234", 1.0),  # grouping commas are not a tuple
+    ("#### 3/4", "0.75", 1.0),
+    ("#### The answer is 42.", "42", 1.0),  # not math after ####: the whole response is parsed as before
+    ("#### 41", "#### 42", 0.0),
+])
+def test_gsm8k_hash_answers(response, answer, reward):
+    assert grade_with_status("math_verify", response, answer, 10.0) == (reward, "ok")

@@ -60,10 +60,11 @@ import torch.distributed as dist
 
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig
+from fp8rl.rl import LossNorm
 
 from ..base import ShouldStop, TrainBatch
 from ..parallel import DataParallel
-from ..torch_trainer import TorchTrainer, TrainerConfig, _add_metrics, token_logprobs
+from ..torch_trainer import TorchTrainer, TrainerConfig, _add_metrics, token_logprobs_and_entropy
 from . import shims
 from .convert import hf_to_megatron, megatron_to_hf
 from .model import MegatronCausalLM, build_gpt_model, stage_layers, use_te
@@ -357,11 +358,11 @@ class MegatronTrainer(TorchTrainer):
                for k, (_, mb) in enumerate(rounds)]
         return self._rows_of(batch, ((i, lp) for (i, _), lp in zip(rounds, lps, strict=True)))
 
-    def _backward(self, batch: TrainBatch, num_tokens: int, should_stop: ShouldStop | None = None):
+    def _backward(self, batch: TrainBatch, norm: LossNorm, should_stop: ShouldStop | None = None):
         if self.pp == 1:
-            return super()._backward(batch, num_tokens, should_stop)
+            return super()._backward(batch, norm, should_stop)
         mbs = [mb for _, mb in self._micro_batches(batch, should_stop)]
-        store = self._schedule(self.model, mbs, forward_only=False, num_tokens=num_tokens)
+        store = self._schedule(self.model, mbs, forward_only=False, norm=norm)
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         for loss, m, n_mb in store:  # the last stage's; empty elsewhere
@@ -369,19 +370,20 @@ class MegatronTrainer(TorchTrainer):
         return self._json_from_last_stage([totals, weights])
 
     def _schedule(self, model: MegatronCausalLM, mbs: list[TrainBatch], forward_only: bool,
-                  num_tokens: int = 1) -> list:
+                  norm: LossNorm | None = None) -> list:
         """Megatron's pipeline schedule over micro-batches ``mbs``: forward only (the last stage's list holds each
-        one's ``(rows, T)`` logprobs) or forward and backward of the policy loss over ``num_tokens`` (gradients
-        accumulated; the last stage's list holds ``(loss, metrics, tokens)`` per micro-batch)."""
+        one's ``(rows, T)`` logprobs) or forward and backward of the policy loss over ``norm`` (the update's
+        global counts; gradients accumulated; the last stage's list holds ``(loss, metrics, tokens)`` per
+        micro-batch)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         temperature = self.config.temperature
 
         def loss_func(mb: TrainBatch, logits: torch.Tensor, non_loss_data: bool = False):
-            curr = token_logprobs(logits, mb.input_ids, temperature)
+            curr, ent = token_logprobs_and_entropy(logits, mb.input_ids, temperature, entropy=not non_loss_data)
             if non_loss_data:
                 return curr
-            loss, m = self._loss(curr, mb, num_tokens)
+            loss, m = self._loss(curr, mb, norm, ent)
             return loss, torch.tensor(mb.num_tokens, dtype=torch.int), (float(loss.detach()), m, mb.num_tokens)
 
         def forward_step(data_iterator, gpt):

@@ -1,0 +1,72 @@
+"""fp8rl.data.keys, .rows and .problem: dotted key paths, the known row shapes, text or chat-message prompts, and
+the Problem record staying frozen, hashable and JSON-able."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fp8rl.data import Problem
+from fp8rl.data.keys import KeyPathError, lookup, parse_key
+from fp8rl.data.rows import problem_from_row, shape_columns
+
+VERL = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7?"}],
+        "reward_model": {"style": "rule", "ground_truth": 42}, "extra_info": {"answer": "6*7=42\n#### 42"}}
+
+
+def test_dotted_paths_read_nested_mappings_and_list_items():
+    assert lookup(VERL, "reward_model.ground_truth") == 42
+    assert lookup(VERL, "prompt.1.content") == "6*7?"
+    assert parse_key("extra_info.answer") == ("extra_info", "answer")
+    for bad in ("", "a..b", ".a", "a.", " a", "x" * 300, None):
+        with pytest.raises(KeyPathError):
+            parse_key(bad)
+    with pytest.raises(KeyPathError, match=r"missing key 'reward_model.truth': no 'truth' under 'reward_model' "
+                                           r"\(keys there: \['ground_truth', 'style'\]\)"):
+        lookup(VERL, "reward_model.truth")
+    with pytest.raises(KeyPathError, match=r"'prompt' has 2 items, no item 5"):
+        lookup(VERL, "prompt.5.content")
+    with pytest.raises(KeyPathError, match=r"'reward_model.ground_truth' is a int, not a mapping with 'x'"):
+        lookup(VERL, "reward_model.ground_truth.x")
+
+
+@pytest.mark.parametrize(("row", "want"), [
+    ({"prompt": "1+1=", "answer": 2}, Problem("1+1=", "2")),
+    ({"problem": "p", "expected_answer": " 3 "}, Problem("p", "3")),
+    (VERL, Problem((("system", "Be brief."), ("user", "6*7?")), "42")),
+    ({"question": "q", "answer": "work\n#### 7"}, Problem("q", "work\n#### 7")),  # graders read the #### part
+])
+def test_the_known_shapes_are_detected(row, want):
+    assert problem_from_row(row, "f:1") == want
+
+
+def test_one_key_given_takes_the_other_from_the_known_shapes():
+    assert problem_from_row(VERL, "f:1", answer_key="extra_info.answer").answer == "6*7=42\n#### 42"
+    assert problem_from_row({"q": "x", "answer": 1}, "f:1", prompt_key="q") == Problem("x", "1")
+    with pytest.raises(ValueError, match=r"^f:1: row has keys \['q'\]; none of \['answer', "):
+        problem_from_row({"q": "x"}, "f:1", prompt_key="q")
+    assert shape_columns("prompt.0.content", "reward_model.ground_truth") == {"prompt", "reward_model"}
+    assert "question" in shape_columns("prompt", None)
+
+
+def test_chat_prompts_are_checked():
+    for prompt, message in (([], "non-empty list"), ([{"role": "user"}], "needs 'role' and 'content'"),
+                            ([{"role": "user", "content": [{"type": "image"}]}], "content parts such as images"),
+                            ([{"role": "user", "content": " "}], "every message's content is empty"),
+                            (["hi"], "expected {'role': ..., 'content': ...}")):
+        with pytest.raises(ValueError, match=rf"^f:2: 'prompt' is a list but not chat messages: .*{message}"):
+            problem_from_row({"prompt": prompt, "answer": "1"}, "f:2")
+
+
+def test_a_problem_with_a_chat_prompt_is_frozen_hashable_and_json_able():
+    p = Problem([{"role": "user", "content": "6*7?"}], "42")  # lists of mappings become a tuple of pairs
+    assert p.prompt == (("user", "6*7?"),) and p.is_chat and not Problem("x", "1").is_chat
+    assert p.messages() == [{"role": "user", "content": "6*7?"}]
+    assert len({p, Problem((("user", "6*7?"),), "42")}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.answer = "1"  # type: ignore[misc]
+    assert Problem(**json.loads(json.dumps(dataclasses.asdict(p)))) == p  # what a recorded problem reads back as
+    with pytest.raises(ValueError, match="prompt is text"):
+        Problem("x", "1").messages()
