@@ -225,3 +225,11 @@ def test_every_job_file_in_deploy_parses():
     assert len(files) >= 6 and any(f.name == "user-job.yaml" for f in files)
     for f in files:
         load_job_config(f)
+
+
+def test_a_stack_validation_must_fit_one_generate_and_one_score():
+    """eval.k x job.eval_size is bounded where the stack validates (eval_every > 0), not when it never does."""
+    parse_job_config({"job": {"eval_size": 4096, "eval_every": 0}})
+    with pytest.raises(ConfigError, match=r"eval.k: job.eval_size x eval.k = 4096 x 4 = 16384"):
+        parse_job_config({"job": {"eval_size": 4096, "eval_every": 1}})
+    parse_job_config({"job": {"eval_size": 4096, "eval_every": 1}, "eval": {"k": 2}})

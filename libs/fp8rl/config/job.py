@@ -142,11 +142,15 @@ class JobConfig(Section):
         if rows * max_new > limits.MAX_GENERATED_TOKENS:
             raise ConfigError(f"policy.generation.max_new_tokens: {rows} rows x {max_new} tokens = {rows * max_new} "
                               f"generated tokens per step; the limit is {limits.MAX_GENERATED_TOKENS} (one Generate)")
-        val_rows = self.job.eval_size * self.eval.k
-        if val_rows * max_new > limits.MAX_GENERATED_TOKENS:
+        # the stack validates (job.eval_every > 0) in one Generate and one Score call per pass; the in-process loop
+        # has no such bound
+        val_rows = self.job.eval_size * max(self.eval.k, 1)
+        if self.job.eval_every and (val_rows > min(limits.MAX_BATCH_ROWS, limits.MAX_SCORE_ITEMS)
+                                    or val_rows * max_new > limits.MAX_GENERATED_TOKENS):
             raise ConfigError(f"eval.k: job.eval_size x eval.k = {self.job.eval_size} x {self.eval.k} = {val_rows} "
-                              f"validation samples x {max_new} tokens = {val_rows * max_new} generated tokens; the "
-                              f"limit is {limits.MAX_GENERATED_TOKENS} (one Generate)")
+                              f"validation samples of up to {max_new} tokens; one validation pass may hold "
+                              f"{min(limits.MAX_BATCH_ROWS, limits.MAX_SCORE_ITEMS)} samples and "
+                              f"{limits.MAX_GENERATED_TOKENS} generated tokens (one Generate, one Score)")
 
     # -- derived views ------------------------------------------------------------------------------
     @property

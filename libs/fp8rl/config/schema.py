@@ -240,8 +240,10 @@ class GrpoConfig(Section):
     normalize_rewards: bool = setting(True, "Divide each advantage by its group's reward std (GRPO); false keeps "
                                       "the plain difference to the baseline (Dr. GRPO; verl's "
                                       "norm_adv_by_std_in_grpo).")
-    use_dynamic_sampling: bool = setting(False, "DAPO's dynamic sampling: groups whose rewards are all equal (no "
-                                         "learning signal) are dropped and more prompts drawn and sampled until "
+    use_dynamic_sampling: bool = setting(False, "DAPO's dynamic sampling: groups whose rewards (after "
+                                         "reward_shaping's penalty, the ones advantages come from) are all equal "
+                                         "(no learning signal) are dropped and more prompts drawn (a seeded draw "
+                                         "outside the step's own batch) and sampled until "
                                          "num_prompts_per_step groups remain or dynamic_sampling_max_gen_batches "
                                          "rounds ran (then the step trains on the groups it has); the rounds and "
                                          "counts are reported (dynamic_sampling/*).")

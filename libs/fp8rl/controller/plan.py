@@ -48,8 +48,9 @@ DEPLOYMENT_KEYS = (
 )
 
 
-# ... except these, which the controller passes per call (calibration.site: TrainStepRequest.calibrate_scales)
-PER_JOB_KEYS = ("calibration.site",)
+# ... except these: the controller passes calibration.site per call (TrainStepRequest.calibrate_scales), and
+# loss.loss_agg_norm_tokens is compared by its effective value (unset, it is policy.generation.max_new_tokens)
+PER_JOB_KEYS = ("calibration.site", "loss.loss_agg_norm_tokens")
 
 
 def _bound(key: str) -> bool:
@@ -76,7 +77,8 @@ def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
     if job.loss_agg_norm_tokens != deployed.loss_agg_norm_tokens:  # unset, it follows max_new_tokens (per job)
         return (f"loss.loss_agg_norm_tokens: the job's seq-mean-token-sum-norm constant is "
                 f"{job.loss_agg_norm_tokens} but the deployed trainer divides by {deployed.loss_agg_norm_tokens} "
-                f"(unset, it is policy.generation.max_new_tokens); set loss.loss_agg_norm_tokens to the deployed value")
+                f"(unset, it is policy.generation.max_new_tokens); set loss.loss_agg_norm_tokens: "
+                f"{deployed.loss_agg_norm_tokens}")
     return None
 
 
@@ -314,10 +316,18 @@ class JobPlan:
         return [r + overlong_penalty(len(s.token_ids), self.max_new_tokens, rs.overlong_buffer_length,
                                      rs.overlong_buffer_penalty) for r, (_, s) in zip(rewards, samples, strict=True)]
 
+    def refill(self, step: int, round_: int) -> list[Problem]:
+        """The problems dynamic sampling draws in round ``round_`` (>= 1) of step ``step``: a data file's seeded draw
+        outside the step's own batch (:meth:`fp8rl.data.EpochBatches.refill`); the arithmetic task's batch at
+        :meth:`refill_index` (every index draws fresh problems)."""
+        if isinstance(self.batch, EpochBatches):
+            return self.batch.refill(step, round_)
+        return self.batch(self.refill_index(step, round_))
+
     def refill_index(self, step: int, round_: int) -> int:
-        """The batch index dynamic sampling draws round ``round_`` (>= 1) of step ``step`` from: past every
-        step's own batch (``job.steps``), one block of rounds per step — a pure function of (job, step, round), so
-        a step run again draws the same prompts (and, used as the sampling step, the same samples)."""
+        """The index of round ``round_`` (>= 1) of step ``step``'s dynamic sampling: its sampling seed's step (and the
+        arithmetic task's batch): past every step's own (``job.steps``), one block of rounds per step — a pure
+        function of (job, step, round), so a step run again draws the same prompts and samples."""
         return self.total + step * (self.max_gen_rounds - 1) + round_ - 1
 
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:

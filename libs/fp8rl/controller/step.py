@@ -58,6 +58,8 @@ class StepPlan(Protocol):
 
     def shaped_rewards(self, rewards: Sequence[float], samples: Sequence) -> list[float]: ...
 
+    def refill(self, step: int, round_: int) -> list[Problem]: ...
+
     def refill_index(self, step: int, round_: int) -> int: ...
 
 
@@ -93,12 +95,11 @@ class StepBackends(Protocol):
         """Until the rollout side holds ``version``; returns metrics of the refit (e.g. replicas fenced)."""
 
 
-def _sample_round(plan: StepPlan, b: StepBackends, index: int, version: int, times: dict,
+def _sample_round(plan: StepPlan, b: StepBackends, problems: list[Problem], index: int, version: int, times: dict,
                   check: Callable[[], None]) -> tuple[list[Problem], list[list[int]], list, list[float]]:
-    """Generate and grade batch ``index`` (a step's own, or a dynamic-sampling refill) at ``version``:
-    ``(problems, prompts, samples, rewards)``; the time spent is added to ``times``."""
+    """Generate and grade ``problems`` (a step's own batch, or a dynamic-sampling refill) at ``version``, seeded
+    as step ``index``: ``(problems, prompts, samples, rewards)``; the time spent is added to ``times``."""
     check()
-    problems = plan.batch(index)
     prompts = plan.prompts(problems)
     t = time.perf_counter()
     samples = b.generate(prompts, version, step=index, n=plan.group, temperature=plan.temperature)
@@ -124,7 +125,7 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
     advantages). ``summary`` (reward_mean, accuracy) is over the step's own batch, the first round.
     """
     t0, times = time.time(), {}
-    problems, prompts, samples, rewards = _sample_round(plan, b, step, version, times, check)
+    problems, prompts, samples, rewards = _sample_round(plan, b, plan.batch(step), step, version, times, check)
     shaped = plan.shaped_rewards(rewards, samples)
     summary, stats = reward_summary(rewards), {}
     if plan.max_gen_rounds > 1:
@@ -133,7 +134,8 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
         kept = _informative_groups(shaped, g)
         drawn = len(problems)
         while len(kept) < want and len(rounds) < plan.max_gen_rounds:
-            more = _sample_round(plan, b, plan.refill_index(step, len(rounds)), version, times, check)
+            r = len(rounds)
+            more = _sample_round(plan, b, plan.refill(step, r), plan.refill_index(step, r), version, times, check)
             rounds.append((*more, plan.shaped_rewards(more[3], more[2])))
             base = drawn
             kept += [base + k for k in _informative_groups(rounds[-1][4], g)]
@@ -145,9 +147,11 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
         samples = [(new, flat[2][k * g + j][1]) for new, k in enumerate(chosen) for j in range(g)]
         rewards = [flat[3][k * g + j] for k in chosen for j in range(g)]
         shaped = [flat[4][k * g + j] for k in chosen for j in range(g)]
+        # drawn = kept + dropped (all-equal rewards) + surplus (informative, past the step's quota)
         stats = {"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups_drawn": float(drawn),
                  "dynamic_sampling/groups_kept": float(len(kept[:want])),
                  "dynamic_sampling/groups_dropped": float(drawn - len(kept)),
+                 "dynamic_sampling/groups_surplus": float(len(kept) - len(kept[:want])),
                  "dynamic_sampling/filled": float(len(kept) >= want)}
     return {"step": step, "problems": problems, "prompts": prompts, "samples": samples, "rewards": rewards,
             "shaped": shaped, "summary": summary, "stats": stats, "phase_times": times, "started_unix": t0}

@@ -24,8 +24,9 @@ from .plan import CORRECT_REWARD
 
 __all__ = ["EVAL_STEP_BASE", "ValidationResult", "pass_at_k", "pass_ks", "validate"]
 
-# the sampling "step" of a validation at version v is EVAL_STEP_BASE + v: past every training step's and
-# refill's seed (fp8rl.controller.plan.sampling_seed), and the same for the same version every time
+# the sampling step index of a validation at version v (part p of one split in parts) is EVAL_STEP_BASE + v +
+# p * (MAX_JOB_STEPS + 1): past every training step's and refill's index (fp8rl.controller.plan.refill_index; the
+# seed also mixes in the replica's first prompt, fp8rl.controller.plan.sampling_seed), the same every time
 EVAL_STEP_BASE = 4 * limits.MAX_JOB_STEPS * 64
 
 
@@ -102,11 +103,12 @@ class ValidationResult:
 
 
 def validate(backends, problems: Sequence[Problem], prompts: Sequence[Sequence[int]], version: int, *, k: int,
-             temperature: float) -> ValidationResult:
+             temperature: float, part: int = 0) -> ValidationResult:
     """Validate ``version`` on ``problems`` (tokenized as ``prompts``) through ``backends`` (a
     :class:`~fp8rl.controller.step.StepBackends`): one greedy sample each, then (``k > 0``) ``k`` samples each at
-    ``temperature``, every one graded by ``backends.score``. The samples' seed is a function of ``version``
-    (:data:`EVAL_STEP_BASE`), so validating the same version again draws the same samples.
+    ``temperature``, every one graded by ``backends.score``. The samples' seed is a function of ``version`` and
+    ``part`` (:data:`EVAL_STEP_BASE`; a validation split into parts gives each its own), so validating the same
+    version again draws the same samples.
 
     Raises:
         ValueError: no problems, ``len(prompts) != len(problems)``, or ``k < 0``.
@@ -116,7 +118,7 @@ def validate(backends, problems: Sequence[Problem], prompts: Sequence[Sequence[i
                          f"and {len(prompts)} prompts")
     if k < 0:
         raise ValueError(f"validate needs k >= 0, got {k}")
-    step = EVAL_STEP_BASE + version
+    step = EVAL_STEP_BASE + version + part * (limits.MAX_JOB_STEPS + 1)
 
     def correct_counts(n: int, temp: float) -> list[int]:
         samples = backends.generate([list(p) for p in prompts], version, step=step, n=n, temperature=temp)

@@ -144,7 +144,7 @@ def load_problems(path: str | Path, fmt: str | None = None, *, prompt_key: str |
                         raise ValueError(f"{where}: no column {top_level(k)!r} for key {k!r} (columns: "
                                          f"{sorted(names)})")
                 checked = names
-            problems.append(problem_from_row(row, where, prompt_key, answer_key))
+            problems.append(problem_from_row(row, where, prompt_key, answer_key, fields=names))
             if limit is not None and len(problems) >= limit:
                 break
     finally:

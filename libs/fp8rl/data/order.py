@@ -67,6 +67,20 @@ class EpochBatches:
             out.append(self.problems[epoch_permutation(n, self.seed, epoch)[i] if self.shuffle else i])
         return out
 
+    def refill(self, step: int, round_: int) -> list[Problem]:
+        """``per_batch`` problems for round ``round_`` of dynamic sampling at ``step``: a seeded draw without
+        replacement from the problems not in ``step``'s own batch (from all of them when the file is that small), a
+        pure function of (seed, step, round) — never the step's own batch again, whatever the file order."""
+        own = {id(p) for p in self(step)}
+        pool = [p for p in self.problems if id(p) not in own] or list(self.problems)
+        rng = random.Random()
+        rng.seed(f"fp8rl-refill/{self.seed}/{step}/{round_}", version=2)  # as epoch_permutation: the same everywhere
+        take = min(self.per_batch, len(pool))
+        for i in range(take):  # the first `take` places of a Fisher-Yates shuffle on random()
+            j = i + int(rng.random() * (len(pool) - i))
+            pool[i], pool[j] = pool[j], pool[i]
+        return pool[:take]
+
     def epoch(self, batch: int) -> int:
         """The epoch batch ``batch`` starts in (0-based)."""
         return batch * self.per_batch // len(self.problems)

@@ -16,7 +16,7 @@ One key given, the other side is the first known shape's key for it that the row
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .keys import KeyPathError, lookup
@@ -41,7 +41,8 @@ def _has(row: Mapping, key: str) -> bool:
     return True
 
 
-def _keys_of(row: Mapping, prompt_key: str | None, answer_key: str | None, where: str) -> tuple[str, str]:
+def _keys_of(row: Mapping, prompt_key: str | None, answer_key: str | None, where: str,
+             fields: list[str]) -> tuple[str, str]:
     if prompt_key is not None and answer_key is not None:
         return prompt_key, answer_key
     if prompt_key is None and answer_key is None:
@@ -49,7 +50,7 @@ def _keys_of(row: Mapping, prompt_key: str | None, answer_key: str | None, where
             if all(_has(row, k) for k in shape):
                 return shape
         shapes = " or ".join(f"{{{p!r}, {a!r}}}" for p, a in KNOWN_SHAPES)
-        raise ValueError(f"{where}: row has keys {sorted(map(str, row))}; expected {shapes} (or name the fields "
+        raise ValueError(f"{where}: row has keys {fields}; expected {shapes} (or name the fields "
                          f"with data.prompt_key / data.answer_key)")
     side = 0 if prompt_key is None else 1
     for shape in KNOWN_SHAPES:
@@ -57,7 +58,7 @@ def _keys_of(row: Mapping, prompt_key: str | None, answer_key: str | None, where
             return (shape[0], answer_key) if side == 0 else (prompt_key, shape[1])
     wanted = sorted({s[side] for s in KNOWN_SHAPES})
     name = "data.prompt_key" if side == 0 else "data.answer_key"
-    raise ValueError(f"{where}: row has keys {sorted(map(str, row))}; none of {wanted} (set {name})")
+    raise ValueError(f"{where}: row has keys {fields}; none of {wanted} (set {name})")
 
 
 def shape_columns(prompt_key: str | None, answer_key: str | None) -> set[str]:
@@ -69,7 +70,8 @@ def shape_columns(prompt_key: str | None, answer_key: str | None) -> set[str]:
     return {k.split(".", 1)[0] for k in keys}
 
 
-def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer_key: str | None = None) -> Problem:
+def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer_key: str | None = None,
+                     fields: Sequence[str] | None = None) -> Problem:
     """The :class:`Problem` of one row.
 
     Args:
@@ -77,6 +79,8 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
         where: the file and line or row, put first in every error message (``data.jsonl:3``).
         prompt_key: dotted path of the prompt (:mod:`fp8rl.data.keys`); None: from :data:`KNOWN_SHAPES`.
         answer_key: dotted path of the reference answer; None: likewise.
+        fields: the row's fields as its file has them, for messages (a columnar reader loads only the columns the
+            known shapes use); None: the row's own keys.
 
     The prompt is text (kept as is; it must not be blank) or a list of ``{"role", "content"}`` chat messages.
     The answer is a string (stripped) or a number (``str`` of it).
@@ -88,7 +92,8 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
     """
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: expected an object (a mapping of field names), got {type(row).__name__}")
-    prompt_key, answer_key = _keys_of(row, prompt_key, answer_key, where)
+    listed = sorted(map(str, fields if fields is not None else row))
+    prompt_key, answer_key = _keys_of(row, prompt_key, answer_key, where, listed)
     try:
         prompt, answer = lookup(row, prompt_key), lookup(row, answer_key)
     except KeyPathError as e:

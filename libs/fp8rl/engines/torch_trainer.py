@@ -102,6 +102,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return token_logprobs_and_entropy(logits, input_ids, temperature)[0]
 
 
+# the policy entropy is computed over this many logits at a time (two FP32 temporaries of 64 MiB each)
+ENTROPY_CHUNK_ELEMENTS = 1 << 24
+
+
 def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs`, and with ``entropy`` the ``(B, T)`` entropy of the sampling distribution each token
@@ -113,9 +117,11 @@ def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, te
     tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     ent = None
     if entropy:
-        with torch.no_grad():  # a row at a time: one (T, V) temporary, not another (B, T, V)
-            lp = logp.detach()
-            ent = F.pad(torch.stack([-(row.exp() * row).sum(dim=-1) for row in lp]), (1, 0))  # (B, T)
+        with torch.no_grad():  # ENTROPY_CHUNK_ELEMENTS at a time: bounded temporaries, not another (B, T, V)
+            lp = logp.detach().reshape(-1, logp.shape[-1])  # (B * (T-1), V)
+            step = max(1, ENTROPY_CHUNK_ELEMENTS // lp.shape[-1])
+            flat = torch.cat([-(c.exp() * c).sum(dim=-1) for c in lp.split(step)]) if lp.numel() else lp.sum(-1)
+            ent = F.pad(flat.view(tok.shape), (1, 0))  # (B, T)
     return F.pad(tok, (1, 0)), ent  # (B, T)
 
 

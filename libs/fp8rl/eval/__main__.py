@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fp8rl import limits
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings
 from fp8rl.data import DataRoot
 from fp8rl.fp8 import RECIPES
@@ -44,10 +45,13 @@ def build_parser(prog: str = "python -m fp8rl.eval") -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=RECIPES, help="rollout precision recipe (default: the job's, fp8_e2e)")
     p.add_argument("--k", type=int, help="samples per problem for pass@j / mean@k (eval.k; 0: greedy only)")
     p.add_argument("--temperature", type=float, help="their sampling temperature (eval.temperature)")
-    p.add_argument("--limit", type=int, help="problems scored, the file's first (job.eval_size)")
+    p.add_argument("--limit", type=int, help=f"problems scored, the file's first (job.eval_size; default: the "
+                   f"job file's, or without --config up to {limits.MAX_GENERATE_PROMPTS})")
     p.add_argument("--seed", type=int, help="sampling seed (job.seed)")
-    p.add_argument("--max-new-tokens", type=int, help="policy.generation.max_new_tokens")
-    p.add_argument("--grader", help="reward.grader (exact_match, math_verify, gsm8k, ...)")
+    p.add_argument("--max-new-tokens", type=int, help="policy.generation.max_new_tokens (the job default is 8, "
+                   "tiny-arith's: give a real model's budget, or a --config that has it)")
+    p.add_argument("--grader", help="reward.grader (exact_match, math_verify, or one --grader-module registers in "
+                   "the reward service; both read \\boxed{} and GSM8K's '#### 72')")
     p.add_argument("--prompt-key", help="data.prompt_key: dotted path of the prompt in a row")
     p.add_argument("--answer-key", help="data.answer_key: dotted path of the reference answer")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
@@ -63,10 +67,13 @@ def build_parser(prog: str = "python -m fp8rl.eval") -> argparse.ArgumentParser:
 def _job(args) -> JobConfig:
     job = load_job_config(args.config) if args.config else JobConfig()
     data = Path(args.data).absolute()
+    if args.limit is None and not args.config:
+        args.limit = limits.MAX_GENERATE_PROMPTS
     changes = {key: getattr(args, flag) for flag, key in FLAGS.items() if getattr(args, flag) is not None}
     # the file is the validation set (and, as a job needs one, the training file); read from its own directory
-    changes.update({"data.task": "dataset" if job.data.task != "jsonl" else "jsonl", "data.path": data.name,
-                    "data.validation_path": data.name})
+    name = data.resolve().name  # read from the directory it really is in (a link's target)
+    changes.update({"data.task": "dataset" if job.data.task != "jsonl" else "jsonl", "data.path": name,
+                    "data.validation_path": name})
     if args.recipe:
         changes.update(recipe_settings(args.recipe))
     return job.with_settings(changes)
@@ -93,7 +100,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fp8rl.eval") 
         else:
             policy, tok, model_dir = load_checkpoint_policy(args.model, model=args.base_model)
         job = job.with_settings({"policy.model": str(model_dir)})
-        report = evaluate_policy(policy, tok, job, DataRoot(Path(args.data).absolute().parent),
+        # the file's own directory is the data root (resolved: a link into a cache stays inside it)
+        report = evaluate_policy(policy, tok, job, DataRoot(Path(args.data).resolve().parent),
                                  progress=not args.no_progress)
     except (ConfigError, ExportError, ValueError, FileNotFoundError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)

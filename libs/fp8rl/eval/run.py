@@ -32,16 +32,18 @@ class EvalReport:
         result: the validation (greedy accuracy, pass@j, mean@k, per-problem counts).
         dropped: validation rows left out by ``data.max_prompt_tokens``.
         seconds: wall time of the generation and grading.
+        max_new_tokens: each answer's token budget (``policy.generation.max_new_tokens``).
     """
 
     result: ValidationResult
     dropped: int
     seconds: float
+    max_new_tokens: int
 
     def as_dict(self) -> dict:
         r = self.result
         return {"problems": r.problems, "dropped_prompts": self.dropped, "k": r.k, "temperature": r.temperature,
-                **r.metrics(), "seconds": self.seconds}
+                "max_new_tokens": self.max_new_tokens, **r.metrics(), "seconds": self.seconds}
 
 
 class _Engine:
@@ -69,8 +71,8 @@ def evaluate_policy(policy: CausalLM, tok: Tokenizer, job: JobConfig, data: Data
 
     With an FP8 KV cache the Q/K/V scales are calibrated first on the validation prompts (the policy's own
     version 0, as a job's first calibration). Problems go to the engine :data:`CHUNK_PROBLEMS` at a time (a
-    progress bar on stderr), each chunk with the validation's seed: the numbers are a function of the policy, the
-    file and the job.
+    progress bar on stderr), each chunk with its own seed (``validate``'s ``part``): the numbers are a function of
+    the policy, the file and the job.
     """
     t0 = time.perf_counter()
     split = load_split(job, "validation", data, tok)
@@ -89,6 +91,7 @@ def evaluate_policy(policy: CausalLM, tok: Tokenizer, job: JobConfig, data: Data
         for lo in range(0, len(prompts), CHUNK_PROBLEMS):
             hi = min(lo + CHUNK_PROBLEMS, len(prompts))
             parts.append(validate(engine, split.problems[lo:hi], prompts[lo:hi], rollout.weight_version, k=e.k,
-                                  temperature=e.temperature))
+                                  temperature=e.temperature, part=lo // CHUNK_PROBLEMS))
             bar.update(hi - lo)
-    return EvalReport(ValidationResult.combine(parts), split.dropped, time.perf_counter() - t0)
+    return EvalReport(ValidationResult.combine(parts), split.dropped, time.perf_counter() - t0,
+                      job.policy.generation.max_new_tokens)

@@ -267,8 +267,8 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-dim tensor connected to ``curr_logprobs``'s graph
         (0 when there are no tokens). ``metrics`` holds python floats: ``pg_loss`` and ``kl``
-        (normalised by ``num_tokens`` like the loss, so micro-batch values add up; ``kl`` is the
-        mean k3, 0 when not computed), and over this call's generated tokens: ``clip_fraction``
+        (this call's share of them, aggregated like the loss — token-mean: over ``num_tokens`` — so
+        micro-batch values add up; 0 when not computed), and over this call's generated tokens: ``clip_fraction``
         (PPO clip active: the token's gradient is 0), ``dual_clip_fraction``, ``ratio_mean``,
         ``is_weight_mean`` (after the mode's correction), ``is_masked_fraction`` (tokens zeroed
         by icepop / seq_mask_tis), ``num_tokens`` (this call's count), and ``entropy`` when given.

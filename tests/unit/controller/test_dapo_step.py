@@ -44,6 +44,9 @@ class _Plan:
     def refill_index(self, step, round_):
         return self.total + step * (self.max_gen_rounds - 1) + round_ - 1
 
+    def refill(self, step, round_):
+        return self.batch(self.refill_index(step, round_))
+
 
 class _Backends:
     """Prompt p's two samples get rewards (1, 0) when p is in ``informative``, else (1, 1); sample j has j + 1
@@ -128,3 +131,23 @@ def test_the_dropped_prompt_counts_ride_in_every_step_record() -> None:
     rec = first_half(plan, _Backends(plan), 0, 0)
     assert rec["metrics"]["data/dropped_prompts/train"] == 2.0
     assert rec["metrics"]["data/dropped_prompts/validation"] == 0.0
+
+
+def test_dr_grpo_jobs_agree_with_a_deployment_by_their_effective_constant() -> None:
+    """seq-mean-token-sum-norm's constant is bound to the deployed trainer by its value, however it was set: unset it
+    follows max_new_tokens, so a job is refused exactly when the two constants differ, and the fix it names works."""
+    from fp8rl.config import parse_job_config
+    from fp8rl.controller.plan import deployment_mismatch
+
+    def job(**extra) -> object:
+        gen = {"max_new_tokens": extra.pop("max_new_tokens", 8)}
+        return parse_job_config({"policy": {"model": "/m", "generation": gen},
+                                 "loss": {"loss_agg_mode": "seq-mean-token-sum-norm", **extra}})
+
+    deployed = job()  # unset: 8, the budget
+    assert deployment_mismatch(job(loss_agg_norm_tokens=8, max_new_tokens=16), deployed) is None
+    why = deployment_mismatch(job(max_new_tokens=16), deployed)
+    assert why and "set loss.loss_agg_norm_tokens: 8" in why
+    assert deployment_mismatch(job(loss_agg_norm_tokens=9), deployed) is not None
+    plain = parse_job_config({"policy": {"model": "/m", "generation": {"max_new_tokens": 16}}})
+    assert deployment_mismatch(plain, parse_job_config({"policy": {"model": "/m"}})) is None  # token-mean: no constant

@@ -222,3 +222,10 @@ def test_a_dataset_directory_is_confined_and_bounded(tmp_path, monkeypatch):
         with pytest.raises(DataFileError, match=rf"^data.validation_path: '{path}' resolves to .*elsewhere', "
                                                 rf"outside the data root"):
             check_data_path(root, path, "data.validation_path")
+
+
+def test_a_parquet_row_of_no_known_shape_names_the_files_own_columns(tmp_path):
+    """The columnar reader loads only the known shapes' columns; the message still lists the file's fields."""
+    path = write_parquet(tmp_path / "alpaca.parquet", [{"instruction": "2+2?", "output": "4"}])
+    with pytest.raises(ValueError, match=r"alpaca.parquet: row 0: row has keys \['instruction', 'output'\]"):
+        load_problems(path)

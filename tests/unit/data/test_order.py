@@ -42,3 +42,20 @@ def test_without_shuffle_batches_cycle_in_file_order():
     assert [answers(b(s)) for s in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
     with pytest.raises(ValueError, match="no problems"):
         EpochBatches([], 4)
+
+
+def test_refills_are_seeded_draws_outside_the_steps_own_batch():
+    """Dynamic sampling's refills (EpochBatches.refill): never the step's own problems (file order would otherwise
+    bring them back every len/n batches), distinct within a draw, and a pure function of (seed, step, round)."""
+    problems = [Problem(f"q{i}", str(i)) for i in range(64)]
+    ordered = EpochBatches(problems, 8, seed=3, shuffle=False)
+    for step in range(30):
+        own = {p.prompt for p in ordered(step)}
+        for round_ in range(1, 4):
+            got = ordered.refill(step, round_)
+            assert len(got) == 8 and len({p.prompt for p in got}) == 8 and not own & {p.prompt for p in got}
+            assert got == EpochBatches(problems, 8, seed=3, shuffle=False).refill(step, round_)
+    assert ordered.refill(0, 1) != ordered.refill(0, 2) and ordered.refill(0, 1) != ordered.refill(1, 1)
+    assert EpochBatches(problems, 8, seed=4, shuffle=False).refill(0, 1) != ordered.refill(0, 1)
+    tiny = EpochBatches(problems[:5], 8, seed=0)  # smaller than a batch: every problem, once
+    assert sorted(p.prompt for p in tiny.refill(0, 1)) == [f"q{i}" for i in range(5)]
