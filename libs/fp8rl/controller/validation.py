@@ -57,7 +57,8 @@ class ValidationResult:
     """One validation of one version.
 
     Attributes:
-        version: the weight version the rollout side held.
+        version: the weight version the samples came from (the newest, where asynchronous GRPO let a replica
+            serve a newer one than asked).
         problems: how many validation problems.
         greedy_accuracy: share answered right by greedy decoding (``greedy_right / problems``).
         k: samples per problem at ``temperature`` (0: none drawn).
@@ -94,8 +95,8 @@ class ValidationResult:
         return cls(**out)
 
     def metrics(self) -> dict[str, float]:
-        """As report metrics: ``val_accuracy`` (greedy), ``val/pass@j``, ``val/mean@k``."""
-        out = {"val_accuracy": self.greedy_accuracy}
+        """As report metrics: ``val_accuracy`` (greedy), ``val/pass@j``, ``val/mean@k``, ``val_weight_version``."""
+        out = {"val_accuracy": self.greedy_accuracy, "val_weight_version": float(self.version)}
         if self.k:
             out.update({f"val/pass@{j}": v for j, v in self.pass_at.items()})
             out[f"val/mean@{self.k}"] = self.mean_at_k
@@ -120,8 +121,11 @@ def validate(backends, problems: Sequence[Problem], prompts: Sequence[Sequence[i
         raise ValueError(f"validate needs k >= 0, got {k}")
     step = EVAL_STEP_BASE + version + part * (limits.MAX_JOB_STEPS + 1)
 
+    served: set[int] = set()
+
     def correct_counts(n: int, temp: float) -> list[int]:
         samples = backends.generate([list(p) for p in prompts], version, step=step, n=n, temperature=temp)
+        served.update(getattr(s, "weight_version", version) for _, s in samples)
         rewards = backends.score([(problems[i], s) for i, s in samples])
         right = [0] * len(problems)
         for (i, _), r in zip(samples, rewards, strict=True):
@@ -129,10 +133,12 @@ def validate(backends, problems: Sequence[Problem], prompts: Sequence[Sequence[i
         return right
 
     greedy = correct_counts(1, 0.0)
-    result = dict(version=version, problems=len(problems), greedy_accuracy=sum(greedy) / len(problems), k=k,
-                  temperature=temperature if k else 0.0, greedy_right=sum(greedy))
+    right = correct_counts(k, temperature) if k else []
+    # asynchronous GRPO serves "at least" the asked version: the newest a replica held is what was measured
+    result = dict(version=max(served, default=version), problems=len(problems), k=k,
+                  greedy_accuracy=sum(greedy) / len(problems), temperature=temperature if k else 0.0,
+                  greedy_right=sum(greedy))
     if k:
-        right = correct_counts(k, temperature)
         result.update(pass_at={j: sum(pass_at_k(k, c, j) for c in right) / len(right) for j in pass_ks(k)},
                       mean_at_k=sum(right) / (k * len(right)), correct=tuple(right))
     return ValidationResult(**result)

@@ -59,9 +59,10 @@ def test_validate_counts_greedy_pass_at_j_and_mean_at_k() -> None:
     # pass@2 per problem: c=0 → 0; c=1 → 1/2; c=2 → 1 - C(2,2)/C(4,2) = 5/6
     assert math.isclose(r.pass_at[2], (0 + 0.5 + 5 / 6) / 3)
     assert math.isclose(r.pass_at[1], r.mean_at_k) and math.isclose(r.pass_at[4], 2 / 3)
-    assert set(r.metrics()) == {"val_accuracy", "val/pass@1", "val/pass@2", "val/pass@4", "val/mean@4"}
+    assert set(r.metrics()) == {"val_accuracy", "val/pass@1", "val/pass@2", "val/pass@4", "val/mean@4",
+                                "val_weight_version"}
     greedy_only = validate(_Scripted(), problems, [[1]] * 3, 7, k=0, temperature=0.7)
-    assert greedy_only.metrics() == {"val_accuracy": 2 / 3}
+    assert greedy_only.metrics() == {"val_accuracy": 2 / 3, "val_weight_version": 7.0}
     with pytest.raises(ValueError):
         validate(_Scripted(), problems, [[1]] * 2, 7, k=1, temperature=1.0)
 
@@ -79,3 +80,20 @@ def test_combined_parts_equal_one_validation_of_all_problems() -> None:
     assert whole.problems == 5
     with pytest.raises(ValueError):
         type(a).combine([a, validate(_Scripted(), problems[:2], [[1]] * 2, 4, k=4, temperature=1.0)])
+
+
+def test_a_validation_served_by_a_newer_version_reports_that_version() -> None:
+    """Asynchronous GRPO lets a replica serve a newer version than asked: the result names the one measured."""
+
+    @dataclass(frozen=True)
+    class _V:
+        right: bool
+        weight_version: int
+
+    class _Newer(_Scripted):
+        def generate(self, prompts, version, *, step, n, temperature):
+            return [(i, _V(s.right, version + 1)) for i, s in super().generate(prompts, version, step=step, n=n,
+                                                                              temperature=temperature)]
+
+    r = validate(_Newer(), [Problem("q", "1")], [[1]], 3, k=2, temperature=1.0)
+    assert r.version == 4 and r.metrics()["val_weight_version"] == 4.0

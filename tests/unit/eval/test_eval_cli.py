@@ -19,7 +19,7 @@ from fp8rl.sdk.cli import main as cli_main
 from tests.unit.export.conftest import tiny_arith  # noqa: F401 - the session fixture: tiny-arith after one step
 
 KEYS = {"model", "data", "recipe", "problems", "dropped_prompts", "k", "temperature", "max_new_tokens",
-        "val_accuracy", "val/pass@1", "val/pass@2", "val/mean@2", "seconds"}
+        "val_accuracy", "val/pass@1", "val/pass@2", "val/mean@2", "val_weight_version", "seconds"}
 
 
 @pytest.fixture(scope="module")
