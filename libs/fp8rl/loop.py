@@ -358,7 +358,8 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         if not history:  # the report plots the validation before training at step 0
             m["validation_start"] = val[0]
         if "val_accuracy" in m:
-            val[m["step"] + 1] = {k: v for k, v in m.items() if k == "val_accuracy" or k.startswith("val/")}
+            val[m["step"] + 1] = {k: v for k, v in m.items() if k in ("val_accuracy", "val_weight_version")
+                                  or k.startswith("val/")}
         history.append(m)
         bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}")
         bar.update()

@@ -236,8 +236,9 @@ def test_dapo_and_dr_grpo_keys_run_in_the_loop_with_their_counts_and_pass_at_k(p
         assert row["dynamic_sampling/groups_kept"] <= 4 and row["train/entropy"] > 0
         assert 0 <= row["overlong/truncated_fraction"] <= 1 and "overlong/filtered_samples" in row
     assert sorted(res["validation"]) == [0, 2, 3]  # the start, step 2 (eval_every) and the end
+    assert [v["val_weight_version"] for v in res["validation"].values()] == [0.0, 2.0, 3.0]
     for v in res["validation"].values():
-        assert set(v) == {"val_accuracy", "val/pass@1", "val/pass@2", "val/mean@2"}
+        assert set(v) == {"val_accuracy", "val/pass@1", "val/pass@2", "val/mean@2", "val_weight_version"}
         assert v["val/pass@1"] <= v["val/pass@2"] and v["val/pass@1"] == v["val/mean@2"]
     assert res["summary"]["val/pass@2_end"] == res["validation"][3]["val/pass@2"]
     assert (tmp_path / "validation.png").is_file() and "pass@2" in (tmp_path / "summary.md").read_text()
