@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
 from fp8rl.controller.pipeline import Pipeline
-from fp8rl.controller.plan import JobPlan, eval_problems, sampling_seed
+from fp8rl.controller.plan import JobPlan, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import ArithDataset, get_grader
@@ -161,9 +161,9 @@ class GRPOLoop:
         self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id, percentile=cal.percentile,
                                         margin=cal.margin, max_sequences=cal.max_sequences)
         # the controller's plan of this job: batches, seeds, group size, validation set
-        self.plan = JobPlan("loop", job)
+        self.plan = JobPlan("loop", job, with_eval_set=True)  # the loop validates at the start and the end
         self.data = ArithDataset(job.arith_config(), seed=job.job.seed) if job.data.task == "arith" else None
-        self.eval_set = self.plan.eval_set or eval_problems(job)  # the plan holds it when job.eval_every > 0
+        self.eval_set = self.plan.eval_set
         self.grader = get_grader(job.reward.grader)
         self.backends = _InProcess(self)
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit

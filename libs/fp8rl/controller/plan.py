@@ -13,7 +13,7 @@ import re
 import statistics
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -118,19 +118,23 @@ def encode_prompt(tok: Tokenizer, problem: Problem, data: DataConfig) -> list[in
 
 @dataclass(frozen=True)
 class Split:
-    """A data file's problems after ``data.max_prompt_tokens``, and how many of the rows read it dropped."""
+    """A data file's problems after ``data.max_prompt_tokens``, how many of the rows read it dropped, and the rows as
+    read (before the cap; a validation split taken from the training file reuses the training split's)."""
 
     problems: list[Problem]
     dropped: int
+    read: list[Problem] = field(default_factory=list, repr=False)
 
 
-def load_split(job: JobConfig, split: str, data: DataRoot | None = None, tok: Tokenizer | None = None) -> Split:
+def load_split(job: JobConfig, split: str, data: DataRoot | None = None, tok: Tokenizer | None = None, *,
+               rows: list[Problem] | None = None) -> Split:
     """The ``train`` or ``validation`` problems of a ``jsonl`` / ``dataset`` job, in file order.
 
     ``train`` is every row of ``data.path``; ``validation`` the first ``job.eval_size`` rows of
     ``data.validation_path`` (unset: of ``data.path``). Paths are under ``data``'s root (default: the working
     directory), within its byte and row limits. With ``data.max_prompt_tokens`` prompts longer than that (as
     :func:`encode_prompt` encodes them with ``tok``, default the job's tokenizer) are dropped and counted.
+    ``rows``: the file's rows already read (a training split's ``read``), so the file is not read again.
 
     Raises:
         ConfigError: chat-message prompts, but ``tok`` (when given or needed) has no chat template.
@@ -144,8 +148,10 @@ def load_split(job: JobConfig, split: str, data: DataRoot | None = None, tok: To
     path = cfg.validation_path if key == "data.validation_path" else cfg.path
     limit = job.job.eval_size if split == "validation" else None
     cap = cfg.max_prompt_tokens
-    problems = read_problems(d, path, key=key, fmt="jsonl" if cfg.task == "jsonl" else None,
+    if rows is None:
+        rows = read_problems(d, path, key=key, fmt="jsonl" if cfg.task == "jsonl" else None,
                              prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, limit=None if cap else limit)
+    problems = rows if cap or limit is None else rows[:limit]
     if cap is not None:
         tok = tok or load_job_tokenizer(job)
     if tok is not None and chat_template_of(tok) is None:
@@ -168,7 +174,7 @@ def load_split(job: JobConfig, split: str, data: DataRoot | None = None, tok: To
     if not problems:
         why = f" ({dropped} longer than data.max_prompt_tokens={cap} tokens were dropped)" if dropped else ""
         raise ValueError(f"{key}: {path!r} holds no problems{why}")
-    return Split(problems, dropped)
+    return Split(problems, dropped, rows)
 
 
 def _epoch_batches(job: JobConfig, problems: list[Problem]) -> EpochBatches:
@@ -268,9 +274,12 @@ class JobPlan:
             when no validation set is loaded).
 
     ``data`` confines and bounds a ``jsonl`` / ``dataset`` job's data files (see :class:`fp8rl.data.DataRoot`).
+    ``with_eval_set``: load the validation set even when ``job.eval_every`` is 0 (the in-process loop validates
+    at the start and the end anyway); None: only when it is not.
     """
 
-    def __init__(self, job_id: str, job: JobConfig, data: DataRoot | None = None) -> None:
+    def __init__(self, job_id: str, job: JobConfig, data: DataRoot | None = None, *,
+                 with_eval_set: bool | None = None) -> None:
         self.job_id, self.job = job_id, job
         self.total = job.job.steps
         self.group = job.grpo.num_generations_per_prompt
@@ -292,13 +301,16 @@ class JobPlan:
                               f"has no chat template (set data.chat_template: false)")
         self.eval_every = job.job.eval_every
         self.dropped_prompts = {"train": 0, "validation": 0}
+        validating = bool(self.eval_every) if with_eval_set is None else with_eval_set
         if job.data.task == "arith":
             self.batch = problem_source(job, data)
-            self.eval_set = eval_problems(job, data) if self.eval_every else []
+            self.eval_set = eval_problems(job, data) if validating else []
         else:
             train = load_split(job, "train", data, self.tok)
             self.batch = _epoch_batches(job, train.problems)
-            val = load_split(job, "validation", data, self.tok) if self.eval_every else Split([], 0)
+            same_file = job.data.validation_path is None  # then its rows are the training file's, read once
+            val = load_split(job, "validation", data, self.tok, rows=train.read if same_file else None) \
+                if validating else Split([], 0)
             self.eval_set = val.problems
             self.dropped_prompts = {"train": train.dropped, "validation": val.dropped}
             log.info("job %s: %d training problems from %s (%s; one epoch = %.1f steps), %d validation problems; "

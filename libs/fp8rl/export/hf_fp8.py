@@ -15,7 +15,7 @@ Scale convention: the Hub's ``weight_scale_inv`` is the *dequantization multipli
 exactly fp8rl's ``weight_scale`` (``x ≈ q.float() * scale``, :mod:`fp8rl.fp8.quant`). So it is stored as it
 is, never inverted; the name is the Hub's (the inverse of the *quantization* scale ``448 / amax``).
 
-Invariant: the E4M3 bytes and scales are :func:`fp8rl.fp8.quantize_blockwise` of the master weights with the
+Invariant: the E4M3 bytes and scales are :func:`fp8rl.fp8.quantize_state_dict` of the master weights with the
 recipe's ``pow2_weight_scaling_factors`` — bit for bit what the trainer's :class:`~fp8rl.fp8.Fp8Linear` and the
 rollout's refit compute for the same version. Dimensions that are not multiples of 128 get a partial last
 block, as the trainer's do; readers are stricter — transformers' dequantize-on-load needs whole blocks, vLLM 0.32
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from fp8rl.fp8 import BLOCK, Fp8Recipe, fp8_linear_names, quantize_blockwise
+from fp8rl.fp8 import BLOCK, Fp8Recipe, fp8_linear_names, quantize_state_dict
 from fp8rl.model import CausalLM, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,17 @@ def hub_fp8_tensors(tensors: Mapping[str, torch.Tensor], config: ModelConfig, re
         progress: a progress bar over the quantized linears (stderr).
 
     Raises:
-        ValueError: a weight to quantize holds NaN/Inf (:func:`quantize_blockwise` names it).
+        ValueError: a weight to quantize holds NaN/Inf (:func:`quantize_state_dict` names it).
     """
     recipe = fp8_recipe_for_export(recipe)
     with torch.device("meta"):
         meta = CausalLM(config)
     prefixes = fp8_linear_names(meta, recipe)
-    out = dict(tensors)
-    for p in tqdm(prefixes, desc="quantize e4m3 128x128", unit="linear", disable=not progress, file=sys.stderr):
-        q, s = quantize_blockwise(tensors[f"{p}.weight"], pow2_scale=recipe.pow2_weight_scaling_factors,
-                                  name=f"{p}.weight")
-        out[f"{p}.weight"], out[f"{p}.{SCALE_SUFFIX}"] = q, s  # s: the dequantization multiplier (docstring)
+    bar = tqdm(prefixes, desc="quantize e4m3 128x128", unit="linear", disable=not progress, file=sys.stderr)
+    quantized = quantize_state_dict(dict(tensors), bar, pow2_scale=recipe.pow2_weight_scaling_factors)
+    # fp8rl's weight_scale is the dequantization multiplier: the Hub's weight_scale_inv as it is (docstring)
+    out = {f"{k.removesuffix('weight_scale')}{SCALE_SUFFIX}" if k.endswith(".weight_scale") else k: v
+           for k, v in quantized.items()}
     partial = [p for p in prefixes if any(d % BLOCK for d in tensors[f"{p}.weight"].shape)]
     if partial:
         shape = tuple(tensors[f"{partial[0]}.weight"].shape)

@@ -33,8 +33,8 @@ import torch
 from fp8rl.engines.megatron import megatron_to_hf
 from fp8rl.engines.torch_trainer import TorchTrainer
 from fp8rl.fp8 import Fp8Recipe
-from fp8rl.model import CausalLM, ModelConfig, load_hf_checkpoint
-from fp8rl.model.hf_io import CONFIG_FILE
+from fp8rl.model import ModelConfig, load_hf_checkpoint
+from fp8rl.model.hf_io import CONFIG_FILE, hf_shapes
 
 __all__ = ["ExportError", "TrainerCheckpoint", "check_tensors", "read_checkpoint"]
 
@@ -100,10 +100,7 @@ def check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, where: 
     Args:
         where: the checkpoint (path or name) the message blames.
     """
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in CausalLM(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        del expected["lm_head.weight"]
+    expected = hf_shapes(config)
     missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unknown:
         parts = [f"{len(names)} {what} tensor(s): {_listing(names)}"

@@ -11,7 +11,7 @@ whole in high precision. Model code never imports this module; engines call it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -113,7 +113,7 @@ def convert_model(
 
 @torch.no_grad()
 def quantize_state_dict(
-    state_dict: dict[str, torch.Tensor], fp8_prefixes: list[str], *, pow2_scale: bool = False
+    state_dict: dict[str, torch.Tensor], fp8_prefixes: Iterable[str], *, pow2_scale: bool = False
 ) -> dict[str, torch.Tensor]:
     """Quantize ``{prefix}.weight`` of every FP8 linear to E4M3 + ``{prefix}.weight_scale``.
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig
 from .transformer import CausalLM
 
-__all__ = ["load_hf_checkpoint", "model_from_tensors", "save_hf_checkpoint"]
+__all__ = ["hf_shapes", "load_hf_checkpoint", "model_from_tensors", "save_hf_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -80,7 +80,7 @@ def _unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+def hf_shapes(config: ModelConfig) -> dict[str, torch.Size]:
     """HF tensor name -> shape for ``config`` (built on the meta device: no memory, no init)."""
     with torch.device("meta"):
         ref = CausalLM(config)
@@ -120,7 +120,7 @@ def load_hf_checkpoint(
     tensors = _unfuse_experts({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")})
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    expected = _expected_shapes(config)
+    expected = hf_shapes(config)
     missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
     if missing or unexpected:
         parts = []
@@ -175,7 +175,7 @@ def save_hf_checkpoint(model: CausalLM, config: ModelConfig, path: str | Path) -
     path.mkdir(parents=True, exist_ok=True)
     if (path / INDEX_FILE).exists():
         raise ValueError(f"{path} already holds a sharded checkpoint ({INDEX_FILE}); save into an empty directory")
-    expected = _expected_shapes(config)
+    expected = hf_shapes(config)
     state = {k: v for k, v in model.state_dict().items() if ".kv_quant." not in k}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -153,3 +153,25 @@ def test_submit_checks_both_paths_without_reading_rows(char_model, root, tmp_pat
     check_data(job(char_model, path="rows.csv", task="jsonl"), root)  # jsonl: JSON lines whatever the name
     with pytest.raises(DataFileError, match=r"^data.path: 'missing' does not exist under the data root"):
         check_data(job(char_model, path="missing"), root)
+
+
+def test_a_plan_reads_its_training_file_once_when_validation_comes_from_it(char_model, root, monkeypatch):
+    """No validation file: the validation rows are the training file's first rows, taken from the one read; a
+    validation file is read on its own. with_eval_set loads the set even when the job never validates (the loop)."""
+    import fp8rl.controller.plan as plan_mod
+
+    train = jsonl(root.root / "train.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)])
+    reads: list[str] = []
+    real = plan_mod.read_problems
+
+    def counting(data, path, **kw):
+        reads.append(str(path))
+        return real(data, path, **kw)
+
+    monkeypatch.setattr(plan_mod, "read_problems", counting)
+    plan = JobPlan("t", job(char_model, path=train, eval_every=1, eval_size=3), root)
+    assert [p.answer for p in plan.eval_set] == ["0", "1", "2"] and reads == [str(train)]
+    reads.clear()
+    loop = JobPlan("t", job(char_model, path=train, eval_every=0, eval_size=3), root, with_eval_set=True)
+    assert loop.eval_set == plan.eval_set and reads == [str(train)]
+    assert JobPlan("t", job(char_model, path=train, eval_every=0), root).eval_set == []
