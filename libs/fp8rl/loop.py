@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fp8rl import memory
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, sampling_seed
@@ -141,6 +142,10 @@ class GRPOLoop:
     """Holds the engines of one run; :meth:`step` runs one GRPO step and returns its metrics."""
 
     def __init__(self, cfg: LoopConfig) -> None:
+        with memory.phase("setup"):  # every role's weights and first FP8 forms: step 0's record reports its peak
+            self._build(cfg)
+
+    def _build(self, cfg: LoopConfig) -> None:
         self.cfg, self.job = cfg, cfg.job
         job = cfg.job
         torch.manual_seed(job.job.seed)
@@ -222,8 +227,9 @@ class GRPOLoop:
         accuracy, and with ``eval.k`` samples per problem pass@j and mean@k (:func:`fp8rl.controller.validation.
         validate`, the controller's)."""
         e = self.job.eval
-        return validate(self.backends, self.eval_set, self.plan.prompts(self.eval_set), self.rollout.weight_version,
-                        k=e.k, temperature=e.temperature)
+        with memory.phase("validation"):
+            return validate(self.backends, self.eval_set, self.plan.prompts(self.eval_set),
+                            self.rollout.weight_version, k=e.k, temperature=e.temperature)
 
     def task_problems(self, limit: int = 4096) -> list:
         """The task's distinct problems: every one its generator draws in ``limit`` draws, deduplicated by prompt
@@ -260,7 +266,7 @@ class GRPOLoop:
                 "rollout/served_version": partial["served_version"], **extra,
                 "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], **partial["metrics"],
                 **{f"time/{k}": v for k, v in times.items()}, "time/step": total,
-                "calibrate_share": times["calibrate"] / total}
+                "calibrate_share": times["calibrate"] / total, **memory.step_memory()}
 
     def run_async(self, steps: int, on_step: Callable[[dict], None]) -> None:
         """``steps`` steps of asynchronous GRPO (:class:`fp8rl.controller.pipeline.Pipeline`, the controller's
@@ -302,10 +308,12 @@ class _InProcess:
         params = SamplingParams(temperature=temperature, top_p=job.policy.generation.top_p,
                                 max_tokens=job.policy.generation.max_new_tokens, n=n,
                                 seed=sampling_seed(job.job.seed, step, 0))
-        return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version)]
+        with memory.phase("rollout"):
+            return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version)]
 
     def score(self, pairs):
-        return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
+        with memory.phase("reward"):
+            return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         loop = self.loop
@@ -324,20 +332,24 @@ class _InProcess:
             self.hold_scales(out.qkv_scales)
         t = time.perf_counter()
         if loop.plan.async_grpo:  # "publish": the refit thread loads this copy while the trainer moves on
-            self._weights[loop.trainer.version] = {k: v.detach().clone() for k, v in loop.trainer.state_dict().items()}
+            with memory.phase("publish"):
+                self._weights[loop.trainer.version] = {k: v.detach().clone()
+                                                       for k, v in loop.trainer.state_dict().items()}
         return Trained(loop.trainer.version, out.metrics, {"logprobs": out.logprobs_s, "train": out.train_s,
                                                            "publish": time.perf_counter() - t})
 
     def calibrate(self, version, sequences):
         if version in self._scales:  # recorded in the step's logprob pass (calibration.site logprobs)
             return
-        self._scales[version] = self.loop.calibrator.calibrate(version, sequences)
+        with memory.phase("calibrate"):
+            self._scales[version] = self.loop.calibrator.calibrate(version, sequences)
         self.hold_scales(self._scales[version])
 
     def await_refit(self, version):
         loop = self.loop
         scales = self._scales.pop(version, None) if loop.rollout_recipe.fp8_kv else None
-        loop.rollout.load_weights(version, self._weights.pop(version, None) or loop.trainer.state_dict(), scales)
+        with memory.phase("refit"):
+            loop.rollout.load_weights(version, self._weights.pop(version, None) or loop.trainer.state_dict(), scales)
         return {}
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fp8rl import memory
 from fp8rl.rl import grpo_advantages, mismatch_metrics
 
 from .base import ShouldStop, TrainBatch, TrainerBackend
@@ -150,13 +151,16 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     scales (no forward of their own; one step stale, measured as close to the new weights' whole-batch amax as a
     fresh calibration on a subset: ``bench/RESULTS.md``).
 
+    Both passes are memory phases (``logprobs``, ``train``: :mod:`fp8rl.memory`) of the process's meter.
+
     Raises :class:`StaleSampleError` (before any work) for a row outside the lag bound, and whatever the
     backend raises (``FloatingPointError`` for an overflowing batch, ``Cancelled`` when ``should_stop``
     says so); the weights are unchanged then.
     """
     check_lag(batch.versions, trainer.version, max_weight_lag)
     t = time.perf_counter()
-    with record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:
+    with memory.phase("logprobs"), \
+            record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:
         batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
     mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
     mismatch.update(lag_metrics(batch, trainer.version, mismatch))
@@ -164,6 +168,7 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     if route_metrics is not None:
         mismatch.update(route_metrics())
     t_logprobs, t = time.perf_counter() - t, time.perf_counter()
-    train = trainer.train_step(batch, should_stop=should_stop)
+    with memory.phase("train"):
+        train = trainer.train_step(batch, should_stop=should_stop)
     return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, t_logprobs,
                         time.perf_counter() - t, recorded.scales(trainer.version) if recorded is not None else None)

@@ -1,0 +1,290 @@
+"""Where the in-process loop's memory goes, per recipe: peak RSS by phase and by holder, as ratios in one run.
+
+    python bench/memory.py [--models qwen2-600m tiny-arith] [--recipes bf16 fp8_gen_only fp8_e2e]
+                           [--micro-batch-size 8] [--steps 2] [--limit-gb 21]
+
+Models: ``qwen2-600m`` is a random-init Qwen2 of the 0.5B class with an untied head (24 layers, hidden 896,
+14 / 2 heads, intermediate 4864, vocabulary 151,936: 630M parameters), made once by transformers and saved in
+bfloat16 as a real checkpoint is, with SmolLM2's tokenizer and chat template (a random model needs no matching
+tokenizer: only the vocabulary's size sets the memory); ``tiny-arith`` is the preset. The job is the bundled math
+word problems with the chat template and system prompt (tiny-arith: its own arithmetic task), 4 prompts x 4 samples, 48 new tokens, micro-batch 8,
+batch invariance on, FP8 KV for the FP8 recipes (the shapes of ``issues/30``).
+
+Each (model, recipe) runs in a child process of its own (a fresh process's peak is its own): ``--steps`` loop
+steps (the second is the first with the AdamW moments allocated), then an account of what is held. A watchdog
+in the child stops it with a named phase before the kernel's OOM killer would (``--limit-gb``).
+
+Printed per run: the process peak; the *net* peak — the peak minus the process's RSS right after its imports
+(interpreter, torch, transformers: the same for every recipe and no model's memory) — and its ratio to the
+trainer's floor, 16 bytes per parameter (FP32 weights + gradients + AdamW's two moments)::
+
+    ratio peak_rss/trainer_floor RECIPE X       target <= 1.3 at micro-batch 8
+    ratio peak_rss fp8_e2e/bf16 X               target <= 1.05 (net peaks)
+    ratio step_seconds RECIPE/bf16 X            the step time each recipe costs
+
+and per phase (``memory/peak_rss_gb/<phase>`` of the loop's records: setup, validation, rollout, reward,
+logprobs, train, calibrate, refit) and per holder (bytes of distinct storages: each role's weights, gradients,
+AdamW state, FP8 weight caches, the saved-for-backward activations of one micro-batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("FP8RL_BENCH_CACHE", Path.home() / ".cache" / "fp8rl" / "bench"))
+GB = 10**9
+RECIPES = ("bf16", "fp8_gen_only", "fp8_e2e")
+
+# Qwen2-0.5B's shape with an untied output head (the checkpoint issue 30 was filed with)
+QWEN2_600M = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def qwen2_600m_dir() -> Path:
+    """The random-init checkpoint directory (made once, cached)."""
+    out = CACHE / "qwen2-600m"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+
+    from fp8rl.presets.registry import prepare_preset
+
+    print(f"making a random-init 630M Qwen2 checkpoint in {out} (once)", file=sys.stderr, flush=True)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**QWEN2_600M, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok_src = prepare_preset("smollm2-135m-instruct")
+    for f in tok_src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+# an HF model's task: the bundled math word problems in the chat template (tiny-arith keeps its own task)
+MATH_DATA = {"data.task": "jsonl", "data.path": str(REPO / "libs/fp8rl/data/sets/math_word_problems.jsonl"),
+             "data.chat_template": True, "data.system_prompt": "You are a concise assistant.",
+             "reward.grader": "math_verify"}
+
+
+def job_settings(model: str, recipe: str, micro_batch_size: int, steps: int) -> dict:
+    from fp8rl.config import recipe_settings
+
+    fp8 = recipe != "bf16"
+    return {**recipe_settings(recipe),
+            "policy.model": model, "policy.generation.vllm_cfg.kv_cache_dtype": "fp8" if fp8 else "auto",
+            "policy.numerics.batch_invariant": True, "policy.generation.max_new_tokens": 48,
+            "policy.training.micro_batch_size": micro_batch_size,
+            "grpo.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4,
+            "job.steps": steps, "job.eval_every": 0, "job.eval_size": 4, "eval.k": 1,
+            **({} if model == "tiny-arith" else MATH_DATA)}
+
+
+# ------------------------------------------------------------------------------------------ child
+
+
+def _storages(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+def holders(loop) -> dict[str, int]:
+    """Bytes held after the run, by holder (a storage two holders share counts for the first only)."""
+    import torch
+
+    from fp8rl.fp8 import Fp8InferenceLinear, Fp8Linear
+
+    trainer, rollout = loop.trainer, loop.rollout
+    out: dict[str, list] = {"trainer weights": list(trainer.model.parameters()),
+                            "gradients": [p.grad for p in trainer.model.parameters()],
+                            "AdamW state": [t for st in trainer.optimizer.state.values() for t in st.values()
+                                            if isinstance(t, torch.Tensor)],
+                            "trainer FP8 weight cache": [], "rollout weights": [], "rollout FP8 dequantized": [],
+                            "reference model": list(trainer.ref_model.parameters()) if trainer.ref_model else []}
+    for m in trainer.model.modules():
+        if isinstance(m, Fp8Linear) and m.weight_cache is not None:
+            c = m.weight_cache
+            out["trainer FP8 weight cache"] += [c.q, c.scale, c.dequantized]
+    for m in rollout.model.modules():
+        if isinstance(m, Fp8InferenceLinear):
+            out["rollout FP8 dequantized"].append(m._w_dequant)
+    out["rollout weights"] = [t for t in list(rollout.model.parameters()) + list(rollout.model.buffers())]
+    seen: set[int] = set()
+    sizes = {}
+    for name, tensors in out.items():
+        mine = []
+        for t in tensors:
+            if t is None:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                mine.append(t)
+        sizes[name] = _storages(mine)
+    return sizes
+
+
+def saved_activations(loop) -> int:
+    """Bytes saved for backward by one training micro-batch's forward + loss (the largest micro-batch of a step
+    batch like the run's), distinct storages, weights excluded."""
+    import torch
+
+    from fp8rl.engines import build_train_batch
+
+    trainer = loop.trainer
+    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    plan = loop.plan
+    prompts = plan.prompts(plan.batch(0))
+    g = loop.job.policy.generation
+    from fp8rl.engines import SamplingParams
+
+    samples = loop.rollout.generate(prompts, SamplingParams(temperature=1.0, max_tokens=g.max_new_tokens,
+                                                            n=plan.group, seed=1),
+                                    weight_version=loop.rollout.weight_version)
+    batch = build_train_batch(samples, torch.zeros(len(samples)), plan.group, loop.tok.pad_id)
+    mb = batch.slice(0, min(trainer.config.micro_batch_size, len(samples)))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    if getattr(trainer, "needs_qkv_scales", False):  # the scales the loop holds for the trainer's version
+        trainer.load_qkv_scales(loop.backends._trainer_scales[trainer.version])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._fp8_kv():
+        out = trainer.model(mb.input_ids, attention_mask=mb.attention_mask)
+        del out
+    return sum(saved.values())
+
+
+def child(args) -> None:
+    import torch  # noqa: F401  (the imports' RSS is the baseline)
+    import transformers  # noqa: F401
+
+    from fp8rl import memory
+    from fp8rl.config import JobConfig
+    from fp8rl.data import get_grader
+    from fp8rl.loop import GRPOLoop, LoopConfig, run
+
+    get_grader("math_verify")  # its imports (sympy, antlr) are the runtime's too
+    base = memory.rss_bytes()
+    stop = threading.Event()
+
+    def watchdog():  # stop before the kernel OOM-kills the machine's other processes
+        while not stop.wait(0.05):
+            if memory.rss_bytes() > args.limit_gb * GB:
+                print(json.dumps({"error": f"RSS passed {args.limit_gb} GB"}), flush=True)
+                os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    cfg = LoopConfig(JobConfig().with_settings(job_settings(args.model, args.recipe, args.micro_batch_size,
+                                                            args.steps)))
+    t0 = time.perf_counter()
+    loop = GRPOLoop(cfg)
+    res = run(cfg, progress=False, loop=loop)
+    wall = time.perf_counter() - t0
+    phases: dict[str, float] = {}
+    for row in res["steps"]:
+        for k, v in row.items():
+            if k.startswith("memory/peak_rss_gb/"):
+                phases[k.rsplit("/", 1)[1]] = max(phases.get(k.rsplit("/", 1)[1], 0.0), v)
+    n_params = sum(p.numel() for p in loop.trainer.model.parameters())
+    peak = memory.process_peak_bytes()
+    out = {"model": args.model, "recipe": args.recipe, "params": n_params, "base_rss": base, "peak_rss": peak,
+           "phases_gb": phases, "step_seconds": [r["time/step"] for r in res["steps"]], "wall_s": wall,
+           "holders": holders(loop), "saved_activations": saved_activations(loop),
+           "mismatch": [r["token_mult_prob_error"] for r in res["steps"]]}
+    stop.set()
+    print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+
+def run_child(model: str, recipe: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--model", model, "--recipe", recipe, "--micro-batch-size",
+           str(args.micro_batch_size), "--steps", str(args.steps), "--limit-gb", str(args.limit_gb)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    last = next((line for line in reversed(p.stdout.splitlines()) if line.startswith("{")), None)
+    if last is None:
+        return {"model": model, "recipe": recipe, "error": f"exit {p.returncode}: {p.stderr[-2000:]}"}
+    return json.loads(last)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=["qwen2-600m", "tiny-arith"])
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--limit-gb", type=float, default=21.0)
+    ap.add_argument("--json", help="write every run's numbers here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--recipe", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    results = []
+    for name in args.models:
+        model = str(qwen2_600m_dir()) if name == "qwen2-600m" else name
+        by_recipe = {}
+        for recipe in args.recipes:
+            print(f"# {name} {recipe}: running {args.steps} steps ...", file=sys.stderr, flush=True)
+            r = run_child(model, recipe, args)
+            r["model"] = name
+            results.append(r)
+            if "error" in r:
+                print(f"{name} {recipe}: FAILED {r['error']}")
+                continue
+            by_recipe[recipe] = r
+            net = r["peak_rss"] - r["base_rss"]
+            floor = 16 * r["params"]
+            print(f"\n{name} {recipe}: {r['params'] / 1e6:.1f}M parameters, trainer floor {floor / GB:.2f} GB; "
+                  f"process peak {r['peak_rss'] / GB:.2f} GB, after imports {r['base_rss'] / GB:.2f} GB, "
+                  f"net peak {net / GB:.2f} GB; step {r['step_seconds'][-1]:.1f} s (first {r['step_seconds'][0]:.1f})")
+            print("  peak RSS by phase (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                            sorted(r["phases_gb"].items(), key=lambda kv: -kv[1])))
+            print("  held after the run (GB): " + ", ".join(f"{k} {v / GB:.2f}" for k, v in r["holders"].items()
+                                                            if v) + f"; saved for backward per micro-batch "
+                  f"{r['saved_activations'] / GB:.2f}")
+            print(f"ratio peak_rss/trainer_floor {name} {recipe} {net / floor:.3f}")
+        if "bf16" in by_recipe:
+            b = by_recipe["bf16"]
+            for recipe, r in by_recipe.items():
+                if recipe != "bf16":
+                    print(f"ratio peak_rss {name} {recipe}/bf16 "
+                          f"{(r['peak_rss'] - r['base_rss']) / (b['peak_rss'] - b['base_rss']):.3f}")
+                    print(f"ratio step_seconds {name} {recipe}/bf16 {r['step_seconds'][-1] / b['step_seconds'][-1]:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
