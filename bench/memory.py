@@ -7,11 +7,12 @@ Models: ``qwen2-600m`` is a random-init Qwen2 of the 0.5B class with an untied h
 14 / 2 heads, intermediate 4864, vocabulary 151,936: 630M parameters), made once by transformers and saved in
 bfloat16 as a real checkpoint is, with SmolLM2's tokenizer and chat template (a random model needs no matching
 tokenizer: only the vocabulary's size sets the memory); ``tiny-arith`` is the preset. The job is the bundled math
-word problems with the chat template and system prompt (tiny-arith: its own arithmetic task), 4 prompts x 4 samples, 48 new tokens, micro-batch 8,
-batch invariance on, FP8 KV for the FP8 recipes (the shapes of ``issues/30``).
+word problems with the chat template and system prompt (tiny-arith: its own arithmetic task), 4 prompts x 4
+samples, 48 new tokens, micro-batch 8, batch invariance on, FP8 KV for the FP8 recipes (issue 30's shapes).
 
 Each (model, recipe) runs in a child process of its own (a fresh process's peak is its own): ``--steps`` loop
-steps (the second is the first with the AdamW moments allocated), then an account of what is held. A watchdog
+steps (the second is the first with the AdamW moments allocated; the loop's start and end validations are left
+out), then an account of what is held. A watchdog
 in the child stops it with a named phase before the kernel's OOM killer would (``--limit-gb``).
 
 Printed per run: the process peak; the *net* peak — the peak minus the process's RSS right after its imports
@@ -152,31 +153,19 @@ def saved_activations(loop) -> int:
     batch like the run's), distinct storages, weights excluded."""
     import torch
 
-    from fp8rl.engines import build_train_batch
+    from fp8rl import memory
+    from fp8rl.engines import SamplingParams, build_train_batch
 
-    trainer = loop.trainer
-    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    plan = loop.plan
+    trainer, plan, g = loop.trainer, loop.plan, loop.job.policy.generation
     prompts = plan.prompts(plan.batch(0))
-    g = loop.job.policy.generation
-    from fp8rl.engines import SamplingParams
-
     samples = loop.rollout.generate(prompts, SamplingParams(temperature=1.0, max_tokens=g.max_new_tokens,
                                                             n=plan.group, seed=1),
                                     weight_version=loop.rollout.weight_version)
     batch = build_train_batch(samples, torch.zeros(len(samples)), plan.group, loop.tok.pad_id)
     mb = batch.slice(0, min(trainer.config.micro_batch_size, len(samples)))
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in weights:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
     if getattr(trainer, "needs_qkv_scales", False):  # the scales the loop holds for the trainer's version
         trainer.load_qkv_scales(loop.backends._trainer_scales[trainer.version])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._fp8_kv():
+    with memory.saved_for_backward(exclude=list(trainer.model.parameters())) as saved, trainer._fp8_kv():
         out = trainer.model(mb.input_ids, attention_mask=mb.attention_mask)
         del out
     return sum(saved.values())
@@ -189,7 +178,7 @@ def child(args) -> None:
     from fp8rl import memory
     from fp8rl.config import JobConfig
     from fp8rl.data import get_grader
-    from fp8rl.loop import GRPOLoop, LoopConfig, run
+    from fp8rl.loop import GRPOLoop, LoopConfig
 
     get_grader("math_verify")  # its imports (sympy, antlr) are the runtime's too
     base = memory.rss_bytes()
@@ -198,27 +187,34 @@ def child(args) -> None:
     def watchdog():  # stop before the kernel OOM-kills the machine's other processes
         while not stop.wait(0.05):
             if memory.rss_bytes() > args.limit_gb * GB:
-                print(json.dumps({"error": f"RSS passed {args.limit_gb} GB"}), flush=True)
+                where = "/".join(memory.open_phases()) or "between phases"
+                print(json.dumps({"error": f"RSS passed {args.limit_gb} GB in phase {where}"}), flush=True)
                 os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    cfg = LoopConfig(JobConfig().with_settings(job_settings(args.model, args.recipe, args.micro_batch_size,
-                                                            args.steps)))
+    import yaml
+
+    extra = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+    cfg = LoopConfig(JobConfig().with_settings({**job_settings(args.model, args.recipe, args.micro_batch_size,
+                                                               args.steps), **extra}))
     t0 = time.perf_counter()
     loop = GRPOLoop(cfg)
-    res = run(cfg, progress=False, loop=loop)
+    rows = []
+    for step in range(args.steps):  # the loop's steps without its start and end validations (not what is measured)
+        rows.append(loop.step(step))
+        print(f"# step {step}: {rows[-1]['time/step']:.1f} s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
     phases: dict[str, float] = {}
-    for row in res["steps"]:
+    for row in rows:
         for k, v in row.items():
             if k.startswith("memory/peak_rss_gb/"):
                 phases[k.rsplit("/", 1)[1]] = max(phases.get(k.rsplit("/", 1)[1], 0.0), v)
     n_params = sum(p.numel() for p in loop.trainer.model.parameters())
     peak = memory.process_peak_bytes()
     out = {"model": args.model, "recipe": args.recipe, "params": n_params, "base_rss": base, "peak_rss": peak,
-           "phases_gb": phases, "step_seconds": [r["time/step"] for r in res["steps"]], "wall_s": wall,
+           "phases_gb": phases, "step_seconds": [r["time/step"] for r in rows], "wall_s": wall,
            "holders": holders(loop), "saved_activations": saved_activations(loop),
-           "mismatch": [r["token_mult_prob_error"] for r in res["steps"]]}
+           "mismatch": [r["token_mult_prob_error"] for r in rows]}
     stop.set()
     print(json.dumps(out), flush=True)
 
@@ -228,8 +224,12 @@ def child(args) -> None:
 
 def run_child(model: str, recipe: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--recipe", recipe, "--micro-batch-size",
-           str(args.micro_batch_size), "--steps", str(args.steps), "--limit-gb", str(args.limit_gb)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+           str(args.micro_batch_size), "--steps", str(args.steps), "--limit-gb", str(args.limit_gb),
+           *[x for kv in args.set for x in ("--set", kv)]]
+    env = dict(os.environ)
+    if args.mmap_threshold:  # glibc: a fixed threshold (no dynamic growth to 32 MiB): big frees go back at once
+        env["GLIBC_TUNABLES"] = f"glibc.malloc.mmap_threshold={args.mmap_threshold}"
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     last = next((line for line in reversed(p.stdout.splitlines()) if line.startswith("{")), None)
     if last is None:
         return {"model": model, "recipe": recipe, "error": f"exit {p.returncode}: {p.stderr[-2000:]}"}
@@ -243,6 +243,10 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--limit-gb", type=float, default=21.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
+                    help="a job setting for every run (e.g. policy.training.activation_checkpointing=true)")
+    ap.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
+                    help="run the children with glibc's malloc mmap threshold fixed at BYTES (0: glibc's default)")
     ap.add_argument("--json", help="write every run's numbers here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -281,7 +285,8 @@ def main() -> None:
                 if recipe != "bf16":
                     print(f"ratio peak_rss {name} {recipe}/bf16 "
                           f"{(r['peak_rss'] - r['base_rss']) / (b['peak_rss'] - b['base_rss']):.3f}")
-                    print(f"ratio step_seconds {name} {recipe}/bf16 {r['step_seconds'][-1] / b['step_seconds'][-1]:.3f}")
+                    steps = r["step_seconds"][-1] / b["step_seconds"][-1]
+                    print(f"ratio step_seconds {name} {recipe}/bf16 {steps:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -36,9 +36,11 @@ from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import ArithDataset, get_grader
 from fp8rl.engines import (
+    MemoryBudgetError,
     QKVCalibrator,
     SamplingParams,
     TorchRolloutEngine,
+    TorchTrainer,
     build_train_batch,
     make_trainer_backend,
     train_on_batch,
@@ -139,13 +141,19 @@ class LoopConfig:
 
 
 class GRPOLoop:
-    """Holds the engines of one run; :meth:`step` runs one GRPO step and returns its metrics."""
+    """Holds the engines of one run; :meth:`step` runs one GRPO step and returns its metrics.
 
-    def __init__(self, cfg: LoopConfig) -> None:
+    ``share_weights`` (default: wherever it is safe, the synchronous loop on the torch trainer): the rollout engine
+    computes with the trainer's tensors instead of a copy of them (:class:`~fp8rl.engines.TorchRolloutEngine`'s
+    ``shared_with``), its refit is then a relabel plus the new FP8 forms; False keeps a copy per role (a refit
+    then really moves the weights, which a test of the refit path may need).
+    """
+
+    def __init__(self, cfg: LoopConfig, *, share_weights: bool | None = None) -> None:
         with memory.phase("setup"):  # every role's weights and first FP8 forms: step 0's record reports its peak
-            self._build(cfg)
+            self._build(cfg, share_weights)
 
-    def _build(self, cfg: LoopConfig) -> None:
+    def _build(self, cfg: LoopConfig, share_weights: bool | None) -> None:
         self.cfg, self.job = cfg, cfg.job
         job = cfg.job
         torch.manual_seed(job.job.seed)
@@ -158,9 +166,20 @@ class GRPOLoop:
         # (L, K, E) when the rollout's routes go to the trainer (routing replay on a mixture-of-experts model)
         self.route_shape = policy.config.route_shape if job.policy.router_replay.enabled else None
         self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
+        # One copy of the weights for both roles where they never need two versions at once: the synchronous loop
+        # generates only between a refit and the next train step (asynchronous GRPO generates beside training).
+        can_share = not job.grpo.async_grpo.enabled and isinstance(self.trainer, TorchTrainer) \
+            and self.trainer.parallel is None
+        if share_weights and not can_share:
+            raise ValueError("share_weights needs the synchronous loop on the torch trainer (asynchronous GRPO "
+                             "generates while the trainer changes its weights)")
+        share = can_share if share_weights is None else share_weights
+        self.shares_weights = share
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=stop_token_ids(self.tok),
                                           pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256,
-                                          record_routes=job.policy.router_replay.enabled)
+                                          record_routes=job.policy.router_replay.enabled,
+                                          shared_with=self.trainer.model if share else None)
+        del policy  # the trainer's copy (and the rollout's, when not shared) are all that stay
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
         cal = job.calibration
         self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id, percentile=cal.percentile,
@@ -171,8 +190,13 @@ class GRPOLoop:
         self.eval_set = self.plan.eval_set
         self.grader = get_grader(job.reward.grader)
         self.backends = _InProcess(self)
+        prompts = self.plan.prompts(self.plan.batch(0))
+        if isinstance(self.trainer, TorchTrainer):  # a batch that cannot fit is refused now, not in step 0's backward
+            g = job.grpo
+            self.trainer.check_memory(g.num_prompts_per_step * g.num_generations_per_prompt,
+                                      max(map(len, prompts)) + job.policy.generation.max_new_tokens,
+                                      where="the in-process loop")
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
-            prompts = self.plan.prompts(self.plan.batch(0))
             scales = self.calibrator.calibrate(self.trainer.version, prompts)
             self.rollout.load_scales(scales)
             self.backends.hold_scales(scales)
@@ -349,7 +373,11 @@ class _InProcess:
         loop = self.loop
         scales = self._scales.pop(version, None) if loop.rollout_recipe.fp8_kv else None
         with memory.phase("refit"):
-            loop.rollout.load_weights(version, self._weights.pop(version, None) or loop.trainer.state_dict(), scales)
+            if loop.shares_weights:  # the rollout computes with the trainer's tensors: the new version's FP8 forms
+                loop.rollout.follow(version, scales)
+            else:
+                loop.rollout.load_weights(version, self._weights.pop(version, None) or loop.trainer.state_dict(),
+                                          scales)
         return {}
 
 
@@ -488,7 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in recipes:
         out = f"{args.out}/{r}" if (args.out and len(recipes) > 1) else args.out
         cfg = replace(base, job=base.job.with_settings(recipe_settings(r)), out_dir=out)
-        summaries.append(run(cfg)["summary"])
+        try:
+            summaries.append(run(cfg)["summary"])
+        except MemoryBudgetError as e:  # refused before the work: say what fits instead of a traceback
+            print(f"python -m fp8rl.loop: {e}", file=sys.stderr)
+            return 2
     print(format_table(summaries))
     return 0
 

@@ -24,8 +24,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["GB", "PhaseMemory", "available_bytes", "peak_rss_bytes", "phase", "process_peak_bytes", "reset_peak",
-           "rss_bytes", "step_memory"]
+__all__ = ["GB", "PhaseMemory", "available_bytes", "open_phases", "peak_rss_bytes", "phase", "process_peak_bytes",
+           "reset_peak", "rss_bytes", "saved_for_backward", "step_memory"]
 
 GB = 10**9
 
@@ -148,6 +148,31 @@ _METER = PhaseMemory()
 def phase(name: str) -> contextlib.AbstractContextManager[None]:
     """The process's meter measuring the block as phase ``name`` (:class:`PhaseMemory`)."""
     return _METER.phase(name)
+
+
+@contextlib.contextmanager
+def saved_for_backward(exclude=()) -> Iterator[dict[int, int]]:
+    """Inside the block, the storages autograd saves for backward (``{data_ptr: bytes}``, each storage once), but
+    those of the tensors in ``exclude`` (weights: held anyway). What the activations of a forward cost."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def open_phases() -> list[str]:
+    """The phases of the process's meter open now, outermost first."""
+    with _METER._lock:
+        return list(_METER._open)
 
 
 def process_peak_bytes() -> int:

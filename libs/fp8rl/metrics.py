@@ -28,6 +28,10 @@ family                                 who moves it            what
 ``fp8rl_train_steps_total``            trainer                 optimizer steps taken
 ``fp8rl_graded_total``                 reward                  responses graded
 ``fp8rl_calibrations_total``           calibrator, trainer     QKV scale calibrations done (trainer: site trainer)
+``fp8rl_resident_memory_bytes``        every role              resident memory of the process now
+``fp8rl_resident_memory_peak_bytes``   trainer, rollout,       peak RSS per ``phase`` of the last step (logprobs,
+                                       calibrator; every role  train, rollout, calibrate: :mod:`fp8rl.memory`);
+                                                               ``phase="process"``: since the process started
 =====================================  ======================  ==================================================
 
 Each process has its own registry (several services can live in one test process); the exporter is
@@ -43,6 +47,8 @@ from collections.abc import Mapping
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+
+from fp8rl import memory
 
 __all__ = ["ServiceMetrics", "serve_metrics", "scrape", "parse_metrics"]
 
@@ -91,6 +97,12 @@ class ServiceMetrics:
         self.train_steps = Counter("fp8rl_train_steps", "optimizer steps taken", registry=r)
         self.graded = Counter("fp8rl_graded", "responses graded", registry=r)
         self.calibrations = Counter("fp8rl_calibrations", "QKV scale calibrations done", registry=r)
+        self.rss = Gauge("fp8rl_resident_memory_bytes", "resident memory of this process now", registry=r)
+        self.rss.set_function(memory.rss_bytes)
+        self.rss_peak = Gauge("fp8rl_resident_memory_peak_bytes", "this process's peak resident memory: per phase "
+                              "of its last step (logprobs, train, rollout, calibrate...), phase=\"process\" since it "
+                              "started", ["phase"], registry=r)
+        self.rss_peak.labels(phase="process").set_function(memory.process_peak_bytes)
         for direction in ("publish", "apply"):  # both series exist from the start: rate() needs no gaps
             for fam in (self.refits, self.refit_bytes, self.refit_seconds):
                 fam.labels(direction=direction)
@@ -127,6 +139,13 @@ class ServiceMetrics:
         tokens, rollout_s = metrics.get("num_tokens"), times.get("rollout")
         if _finite(tokens) and _finite(rollout_s) and rollout_s > 0:
             self.tokens_per_second.set(tokens / rollout_s)
+
+    def observe_memory(self, step_memory: Mapping[str, float]) -> None:
+        """This process's phase peaks of its last step (:func:`fp8rl.memory.step_memory`: GB per phase)."""
+        prefix = "memory/peak_rss_gb/"
+        for key, gb in step_memory.items():
+            if key.startswith(prefix) and _finite(gb):
+                self.rss_peak.labels(phase=key[len(prefix):]).set(gb * memory.GB)
 
     def observe_generation(self, tokens: int, seconds: float) -> None:
         self.generated_tokens.inc(tokens)

@@ -109,6 +109,10 @@ def summarize(rows: list[dict]) -> dict[str, float]:
                 "overlong/truncated_fraction", "overlong/filtered_samples", "data/dropped_prompts/train",
                 "data/dropped_prompts/validation"):
         out[key] = _mean(rows, key)
+    for key in sorted({k for r in rows for k in r if k.startswith("memory/peak_rss_gb")}):  # per phase, and overall
+        peaks = [r[key] for r in rows if _finite([r.get(key)])]
+        if peaks:
+            out[key] = max(peaks)
     for key in sorted({k for r in rows for k in r if k == "val_accuracy" or k.startswith("val/")}, key=_val_order):
         start = (rows[0].get("validation_start") or {}).get(key) if rows else None  # before training (the loop)
         vals = [v for v in [start, *(r.get(key) for r in rows)] if _finite([v])]
@@ -186,6 +190,11 @@ def _extra_rows(s: dict[str, float]) -> list[str]:
             label = "greedy accuracy" if key == "val_accuracy" else key[4:]
             lines.append(f"| {label} | {_fmt(s[f'{key}:first'], '.3f')} → {_fmt(s[f'{key}:last'], '.3f')} |")
         lines += ["", "Validation over steps: `validation.png`."]
+    phases = sorted((k for k in s if k.startswith("memory/peak_rss_gb/")), key=lambda k: -s[k])
+    if phases:  # fp8rl.memory: the step's phases, largest first
+        lines += ["", "| peak resident memory (max over steps) | GB |", "|---|---|",
+                  f"| any phase | {_fmt(s.get('memory/peak_rss_gb', math.nan), '.2f')} |"]
+        lines += [f"| {k.rsplit('/', 1)[1]} | {_fmt(s[k], '.2f')} |" for k in phases]
     rows = []
     if math.isfinite(s.get("entropy_first", math.nan)):
         rows.append(f"| policy entropy (first → last {int(s['window'])} steps) | {_fmt(s['entropy_first'])} → "

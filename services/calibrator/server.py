@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from fp8rl import limits
+from fp8rl import limits, memory
 from fp8rl.engines import CalibrationModel, QKVCalibrator
 from fp8rl.presets import load_policy
 from fp8rl.refit import (
@@ -120,8 +120,10 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
                 if s.target.weight_version != v:  # the follower moved on between the sync and here
                     raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the calibrator moved on to weight version "
                                 f"{s.target.weight_version} before calibrating version {v}")
-                scales = s.ctx.compute(s.calibrator.calibrate, v, seqs)
+                with memory.phase("calibrate"):
+                    scales = s.ctx.compute(s.calibrator.calibrate, v, seqs)
                 s.ctx.metrics.calibrations.inc()
+                s.ctx.metrics.observe_memory(memory.step_memory())
             try:
                 s.ctx.store.put_scales(scales)
                 stored = scales

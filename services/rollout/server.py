@@ -30,7 +30,7 @@ from pathlib import Path
 
 import grpc
 
-from fp8rl import limits
+from fp8rl import limits, memory
 from fp8rl.config import JobConfig
 from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, VersionMismatchError, make_rollout_engine
 from fp8rl.model.tokenizer import load_tokenizer, stop_token_ids
@@ -167,8 +167,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._generating += 1
         t0 = time.perf_counter()
         try:
-            samples = s.ctx.compute(s.engine.generate, prompts, params, weight_version=request.weight_version,
-                                    should_stop=lambda: not context.is_active())
+            with memory.phase("rollout"):
+                samples = s.ctx.compute(s.engine.generate, prompts, params, weight_version=request.weight_version,
+                                        should_stop=lambda: not context.is_active())
         except VersionMismatchError as exc:  # pinned to another version (the engine checks the pin, once)
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {s.ctx.replica_id}: {exc}") from None
         except Cancelled as exc:  # the caller is gone; the status is for the log
@@ -179,6 +180,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             with self._count_lock:
                 self._generating -= 1
         s.ctx.metrics.observe_generation(sum(len(smp.token_ids) for smp in samples), time.perf_counter() - t0)
+        s.ctx.metrics.observe_memory(memory.step_memory())
         seen: dict[int, int] = defaultdict(int)
         for smp in samples:
             index = seen[smp.prompt_index]

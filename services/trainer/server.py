@@ -33,9 +33,10 @@ import time
 import grpc
 import torch
 
-from fp8rl import limits
+from fp8rl import limits, memory
 from fp8rl.engines import (
     Cancelled,
+    MemoryBudgetError,
     QKVCalibrator,
     Sample,
     StaleSampleError,
@@ -340,6 +341,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                                     record_qkv=s.calibrator if request.scales_from_logprobs else None)
             except StaleSampleError as exc:  # refused before any work: weights and version unchanged
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step}: {exc}") from None
+            except MemoryBudgetError as exc:  # refused before any work: the batch would not fit this process
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"step {request.step}: {exc}") from None
             except FloatingPointError as exc:  # step skipped, version unchanged: the batch's values overflowed
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"step {request.step}: this batch gives {exc} (e.g. advantages too large)") from None
@@ -363,7 +366,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         log.info("step %d: weight version %d -> %d, loss %.4f, token_mult_prob_error %.4f", request.step,
                  request.expected_version, s.trainer.version, out.metrics.get("train/loss", float("nan")),
                  out.metrics["token_mult_prob_error"])
-        return trainer_pb2.TrainStepResponse(new_version=s.trainer.version, metrics=out.metrics, phase_times=phases)
+        mem = memory.step_memory()  # this process's peaks of the step's phases (logprobs, train)
+        s.ctx.metrics.observe_memory(mem)
+        return trainer_pb2.TrainStepResponse(new_version=s.trainer.version, metrics={**out.metrics, **mem},
+                                             phase_times=phases)
 
     @rpc_method
     def ComputeLogprobs(self, request, context):

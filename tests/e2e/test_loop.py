@@ -61,7 +61,7 @@ def _start_key(cfg: LoopConfig) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in cfg.job.settings().items() if k != "job.steps"))
 
 
-def learning_run(cfg: LoopConfig, patch=None) -> tuple[float, float, dict]:
+def learning_run(cfg: LoopConfig, patch=None, *, share_weights: bool | None = None) -> tuple[float, float, dict]:
     """Build the loop, measure, run ``cfg``, measure again: ``(gain, se, run result)``.
 
     ``patch(loop)`` breaks something after the first measurement (the negative controls) and may
@@ -69,8 +69,9 @@ def learning_run(cfg: LoopConfig, patch=None) -> tuple[float, float, dict]:
     measurement is of the loop as built — a function of the config without its step count, computed
     deterministically in this process — so runs that start alike share it (the controls reuse the
     learning run's); ``test_the_start_measurement_is_a_function_of_the_config`` checks that it is.
+    ``share_weights`` is the loop's (a control that intercepts the refit's copy needs one to intercept).
     """
-    loop = GRPOLoop(cfg)
+    loop = GRPOLoop(cfg, share_weights=share_weights)
     problems = loop.task_problems()
     key = _start_key(cfg)
     if key not in _BEFORE:
@@ -148,7 +149,9 @@ CONTROLS = {"lr_zero": _lr_zero, "refit_never_reaches_the_rollout": _refit_never
 @pytest.mark.parametrize("control", list(CONTROLS))
 def test_the_judge_rejects_broken_learning(preset, control):
     """Negative controls: each breaks one thing learning needs; the same judge must say 'did not learn'."""
-    gain, se, _ = learning_run(_config(CONTROL_STEPS), CONTROLS[control])
+    # the refit control intercepts the weights a refit copies: its loop keeps a copy per role
+    gain, se, _ = learning_run(_config(CONTROL_STEPS), CONTROLS[control],
+                               share_weights=False if control == "refit_never_reaches_the_rollout" else None)
     assert not learned(gain, se), f"{control}: gain {gain:+.4f} passed the judge"
 
 
@@ -189,6 +192,34 @@ def test_the_loop_runs_a_job_file_and_flags_set_its_keys(preset, tmp_path, capsy
 
 def _small(**kw) -> LoopConfig:
     return _config(3, prompts_per_step=4, group_size=4, num_minibatches=1, eval_size=8, **kw)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_gen_only", "fp8_e2e"])
+def test_shared_weights_run_number_for_number_as_copies_and_hold_one_copy(preset, recipe):
+    """The synchronous loop's rollout computes with the trainer's tensors (no copy; FP8 forms from the trainer's
+    cache under fp8_e2e): the run is the run with a copy per role, sample for sample, and the rollout holds no
+    high-precision tensor of its own."""
+    from fp8rl.fp8 import Fp8InferenceLinear
+
+    cfg = _small(recipe=recipe)
+    shared, copied = GRPOLoop(cfg), GRPOLoop(cfg, share_weights=False)
+    assert shared.shares_weights and not copied.shares_weights
+    a, b = run(cfg, progress=False, loop=shared), run(cfg, progress=False, loop=copied)
+    keys = ("reward_mean", "token_mult_prob_error", "gen_kl_k3", "train/loss", "response_len", "weight_version")
+    for x, y in zip(a["steps"], b["steps"], strict=True):
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}
+    assert a["summary"]["val_accuracy_end"] == b["summary"]["val_accuracy_end"]
+    trainer = {p.untyped_storage().data_ptr() for p in shared.trainer.model.parameters()}
+    own = [n for n, p in shared.rollout.model.named_parameters() if p.untyped_storage().data_ptr() not in trainer]
+    assert not own, f"the shared rollout holds copies: {own[:3]}"
+    fp8 = [m for m in shared.rollout.model.modules() if isinstance(m, Fp8InferenceLinear)]
+    assert bool(fp8) == (recipe != "bf16")
+    if recipe == "fp8_e2e":  # the trainer's cached E4M3 forms, not a second quantization
+        caches = {m.weight_cache.q.data_ptr() for m in shared.trainer.model.modules()
+                  if getattr(m, "weight_cache", None) is not None and m.weight_cache.q is not None}
+        assert all(m.weight.data_ptr() in caches for m in fp8)
+    with pytest.raises(Exception, match="shares the trainer's weights"):
+        shared.rollout.load_weights(shared.trainer.version, shared.trainer.state_dict())
 
 
 def test_async_with_lag_zero_is_the_synchronous_run_number_for_number(preset):

@@ -15,12 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 # top-level package group -> the groups it may import (itself always)
 LIBS = {
     "fp8rl.limits": set(),
+    "fp8rl.memory": set(),  # process memory: a leaf every role may measure with
+    "fp8rl.metrics": {"fp8rl.memory"},
     "fp8rl.fp8": set(),
     "fp8rl.rl": {"fp8rl.fp8"},
     "fp8rl.model": {"fp8rl.fp8"},
     "fp8rl.data": {"fp8rl.limits"},
     "fp8rl.rpc": {"fp8rl.limits"},
-    "fp8rl.engines": {"fp8rl.fp8", "fp8rl.rl", "fp8rl.model", "fp8rl.data", "fp8rl.limits"},
+    "fp8rl.engines": {"fp8rl.fp8", "fp8rl.rl", "fp8rl.model", "fp8rl.data", "fp8rl.limits", "fp8rl.memory"},
     "fp8rl.refit": {"fp8rl.fp8", "fp8rl.rpc", "fp8rl.limits"},
     "fp8rl.presets": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.data"},
     "fp8rl.config": {"fp8rl.limits", "fp8rl.fp8", "fp8rl.rl", "fp8rl.data", "fp8rl.engines"},

@@ -123,6 +123,9 @@ class JobConfig(Section):
     def _check_model_parallel(self) -> None:
         t = self.policy.training
         mc = t.megatron_cfg
+        if t.activation_checkpointing and t.backend != "torch":
+            raise ConfigError(f"policy.training.activation_checkpointing: the {t.backend} backend does not run it "
+                              f"(torch only)")
         if t.backend != "megatron" and (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) != (1, 1):
             raise ConfigError(f"policy.training.megatron_cfg.tensor_model_parallel_size / pipeline_model_parallel_size "
                               f"({mc.tensor_model_parallel_size} / {mc.pipeline_model_parallel_size}) apply to "
@@ -252,6 +255,7 @@ class JobConfig(Section):
         rr = self.policy.router_replay
         return TrainerConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                              micro_batch_size=t.micro_batch_size, num_minibatches=t.num_minibatches,
+                             activation_checkpointing=t.activation_checkpointing,
                              temperature=self.policy.generation.temperature, loss=self.loss_config(),
                              router_replay=rr.enabled, router_aux_loss_coef=self.loss.router_aux_loss_coef,
                              measure_unreplayed=rr.measure_unreplayed)

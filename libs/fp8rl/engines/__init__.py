@@ -23,6 +23,7 @@ from .batch import StaleSampleError, TrainOutcome, build_train_batch, train_on_b
 from .calibration_model import CalibrationModel
 from .calibrator import QKVCalibrator
 from .factory import make_rollout_engine, make_trainer_backend
+from .footprint import MemoryBudgetError
 from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 
@@ -31,5 +32,5 @@ __all__ = [
     "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
     "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "CalibrationModel", "sequence_logprobs",
     "make_trainer_backend", "make_rollout_engine", "TrainOutcome", "build_train_batch", "train_on_batch",
-    "StaleSampleError",
+    "StaleSampleError", "MemoryBudgetError",
 ]

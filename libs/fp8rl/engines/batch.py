@@ -153,11 +153,16 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
 
     Both passes are memory phases (``logprobs``, ``train``: :mod:`fp8rl.memory`) of the process's meter.
 
-    Raises :class:`StaleSampleError` (before any work) for a row outside the lag bound, and whatever the
+    Raises :class:`StaleSampleError` (before any work) for a row outside the lag bound,
+    :class:`~fp8rl.engines.footprint.MemoryBudgetError` (before any work) for a micro-batch the embedded trainer
+    estimates cannot fit, and whatever the
     backend raises (``FloatingPointError`` for an overflowing batch, ``Cancelled`` when ``should_stop``
     says so); the weights are unchanged then.
     """
     check_lag(batch.versions, trainer.version, max_weight_lag)
+    check_memory = getattr(trainer, "check_memory", None)  # the embedded trainer: refuse what cannot fit, unrun
+    if check_memory is not None:
+        check_memory(*batch.input_ids.shape)
     t = time.perf_counter()
     with memory.phase("logprobs"), \
             record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:

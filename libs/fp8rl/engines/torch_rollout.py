@@ -13,6 +13,15 @@ quantize everything, then overwrite the live tensors in place), the apply step u
 ``generate`` holds, so a refit lands between batches. ``generate`` polls its
 ``should_stop`` check before every decode step, so an abandoned call releases that lock within one step.
 
+Shared weights (``shared_with``, the in-process synchronous loop): the engine's high-precision tensors *are* the
+trainer's (no copy), and its FP8 layers take their E4M3 forms from the trainer's FP8 weight caches where the trainer
+has them (``fp8_e2e``: the same 128x128 quantization of the same weights, so the same numbers) or quantize them
+from the shared weights (``fp8_gen_only``). The trainer's optimizer step then changes what the engine computes
+with at once; the engine's *label* stays the old version until :meth:`follow` (the refit of this mode: the FP8
+forms and the scales of the new version, no copy), and :meth:`load_weights` is refused (it would write into the
+trainer's weights). Only a caller that never generates between a train step and its refit may share: the
+synchronous loop. Asynchronous GRPO generates beside training and keeps its own copy.
+
 Logprobs: ``log_softmax(logits / temperature)`` of the sampled token — the temperature-scaled
 distribution the token was drawn from, before top-p renormalisation (the trainer computes the
 same quantity, so ratios compare like with like; with top_p = 1 it is exactly the sampling
@@ -29,6 +38,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fp8rl.fp8 import (
+    Fp8InferenceLinear,
+    Fp8Linear,
     Fp8Recipe,
     PayloadSpec,
     QKVScales,
@@ -82,6 +93,8 @@ class TorchRolloutEngine(RolloutEngine):
         seed: seeds the engine's RNG for requests without their own seed.
         record_routes: a mixture-of-experts model's samples carry the experts every fed token used
             (:attr:`Sample.routes`: what routing replay gives the trainer).
+        shared_with: the trainer's model (same parameter names as ``model``): share its tensors instead of copying
+            them (see the module docstring); refits are then :meth:`follow`.
     """
 
     def __init__(
@@ -95,11 +108,22 @@ class TorchRolloutEngine(RolloutEngine):
         pad_token_id: int = 0,
         seed: int = 0,
         record_routes: bool = False,
+        shared_with: torch.nn.Module | None = None,
     ) -> None:
         self.recipe = recipe
-        self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self._shared = shared_with
+        if shared_with is None:
+            self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+        else:  # the module structure copied, every parameter the trainer's own object (never its requires_grad)
+            theirs = dict(shared_with.named_parameters())
+            missing = sorted(n for n, _ in model.named_parameters() if n not in theirs)
+            if missing:
+                raise ValueError(f"shared_with lacks parameters of the model: {missing[:3]}")
+            memo = {id(p): theirs[n] for n, p in model.named_parameters()}
+            self.model = convert_model(copy.deepcopy(model, memo), recipe, mode="inference").eval()
+            self._take_fp8_forms()
         self._spec = PayloadSpec.for_model(self.model)  # what every refit payload must hold
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -125,11 +149,50 @@ class TorchRolloutEngine(RolloutEngine):
     def load_weights(
         self, version: int, tensors: Mapping[str, torch.Tensor], qkv_scales: QKVScales | None = None
     ) -> None:
+        if self._shared is not None:
+            raise WeightLoadError("this engine shares the trainer's weights (shared_with): a refit is follow(version), "
+                                  "never a copy into them")
         payload = RefitPayload.create(self._spec, version, tensors, qkv_scales, held=self._version).process()
         with self._lock:
             payload.apply(self.model)  # weights and the same version's QKV scales together
             self._version = version
         log.info("rollout engine now serves weight version %d", version)
+
+    def follow(self, version: int, qkv_scales: QKVScales | None = None) -> None:
+        """The refit of a shared engine: the trainer's tensors hold ``version`` now; take the FP8 forms of its
+        weights and the same version's QKV scales (required with an FP8 KV cache), and serve ``version``."""
+        if self._shared is None:
+            raise WeightLoadError("follow() is the refit of an engine made with shared_with; this one holds its own "
+                                  "copy (load_weights)")
+        scales = check_qkv_scales(qkv_scales, version, self._spec.num_kv_layers, holder="the refit is")
+        if qkv_scales is not None and scales is None:
+            raise WeightLoadError("QKV scales given, but this engine's KV cache is not FP8")
+        with self._lock:
+            self._take_fp8_forms()
+            if scales is not None:
+                load_qkv_scales(self.model, scales)
+            self._version = version
+        log.info("rollout engine now serves weight version %d (shared weights)", version)
+
+    @torch.no_grad()
+    def _take_fp8_forms(self) -> None:
+        """Point every FP8 layer at the E4M3 form of the shared weight: the trainer's cached one where its layer
+        keeps one (the trainer's recipe quantizes that layer the same way), else quantized here into the layer's
+        own buffers; biases copied (a few floats per layer)."""
+        theirs = dict(self._shared.named_modules())
+        for name, mine in self.model.named_modules():
+            if not isinstance(mine, Fp8InferenceLinear):
+                continue
+            src = theirs[name]
+            cache = getattr(src, "weight_cache", None)
+            if (isinstance(src, Fp8Linear) and cache is not None
+                    and src.pow2_weight_scale == mine.pow2_weight_scale):
+                q, scale, deq = cache.get(src.weight, src.pow2_weight_scale)
+                mine.weight, mine.weight_scale, mine._w_dequant = q, scale, deq
+                if src.bias is not None:
+                    mine.bias.copy_(src.bias)
+            else:
+                mine.load_weight(src.weight, src.bias, name=f"{name}.weight")
 
     def load_scales(self, qkv_scales: QKVScales) -> None:
         """Install QKV scales for the version already held (the first calibration, before any refit)."""
@@ -175,7 +238,7 @@ class TorchRolloutEngine(RolloutEngine):
             mask[b, P - len(p):] = 1
         cache = KVCache.for_model(self.model, B, P + params.max_tokens)
         routes: list[torch.Tensor] = []  # per forward: (B, T, L, K) experts used (record_routes)
-        logits = self._forward(ids, mask[:, :P], cache, routes)[:, -1]  # (B, V)
+        logits = self._forward(ids, mask[:, :P], cache, routes)  # (B, V)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
         tokens = torch.zeros(B, params.max_tokens, dtype=torch.long)
         logps = torch.zeros(B, params.max_tokens)
@@ -191,7 +254,7 @@ class TorchRolloutEngine(RolloutEngine):
             if bool(done.all()) or t == params.max_tokens - 1:
                 break
             mask[:, P + t] = 1
-            logits = self._forward(tok[:, None], mask[:, :P + t + 1], cache, routes)[:, -1]
+            logits = self._forward(tok[:, None], mask[:, :P + t + 1], cache, routes)
         fed = torch.cat(routes, dim=1) if routes else None  # (B, P + steps, L, K): slot order
         samples = []
         for b, (pi, p) in enumerate(rows):
@@ -206,12 +269,14 @@ class TorchRolloutEngine(RolloutEngine):
             ))
         return samples
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor]):
-        """One prefill or decode forward; with ``record_routes`` its ``(B, T, L, K)`` experts appended to ``routes``."""
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor]
+                 ) -> torch.Tensor:
+        """One prefill or decode forward: the ``(B, V)`` logits of the last position (the head runs there only);
+        with ``record_routes`` the ``(B, T, L, K)`` experts of every fed token appended to ``routes``."""
         if not self.record_routes:
-            return self.model(ids, attention_mask=mask, kv_cache=cache)
+            return self.model(ids, attention_mask=mask, kv_cache=cache, logits_to_keep=1)[:, -1]
         with routing(self.model, Routing(self.model.num_moe_layers, record=True)) as plan:
-            logits = self.model(ids, attention_mask=mask, kv_cache=cache)
+            logits = self.model(ids, attention_mask=mask, kv_cache=cache, logits_to_keep=1)[:, -1]
         used = plan.routes()  # (N, L, K)
         routes.append(used.view(*ids.shape, *used.shape[1:]).to(self._route_dtype))
         return logits

@@ -31,13 +31,15 @@ import torch.nn.functional as F
 
 from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
 from fp8rl.model import CausalLM, routing
+from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
 from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
+from .footprint import check_fits
 from .parallel import DataParallel, full_tensor
 from .routing_stats import RouteStats, plan_for
 
-__all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs", "token_logprobs"]
+__all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs", "sequence_logprobs_and_entropy", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class TrainerConfig:
         router_aux_loss_coef: weight of the load-balancing loss added to the policy loss (0: reported only).
         measure_unreplayed: with ``router_replay``, the logprob pass also runs once without replay and reports
             that mismatch (``moe/unreplayed/*``: what replay removed). One extra no-grad forward per step.
+        activation_checkpointing: the training passes keep each layer's input only and recompute the layer in the
+            backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models).
     """
 
     lr: float = 1e-5
@@ -77,6 +81,7 @@ class TrainerConfig:
     router_replay: bool = False
     router_aux_loss_coef: float = 0.0
     measure_unreplayed: bool = True
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -90,15 +95,31 @@ class TrainerConfig:
 
 
 def sequence_logprobs(
-    model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """``(B, T)`` logprob of each token given its prefix (0 at t = 0), under ``logits / temperature``."""
-    return token_logprobs(model(input_ids, attention_mask=attention_mask), input_ids, temperature)
+    return sequence_logprobs_and_entropy(model, input_ids, attention_mask, temperature)[0]
+
+
+def sequence_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                  temperature: float = 1.0, entropy: bool = False
+                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sequence_logprobs`, and with ``entropy`` the ``(B, T)`` entropy as :func:`token_logprobs_and_entropy`.
+
+    A :class:`CausalLM` computes them inside its forward over bounded chunks of logits (never the ``(B, T, V)``
+    logits, forward or backward: :mod:`fp8rl.model.logprobs`), with the numbers :func:`token_logprobs_and_entropy`
+    gives on its full logits; another model (the Megatron backend's) returns its full logits, which go through
+    :func:`token_logprobs_and_entropy`. Either is called as ``model(input_ids, attention_mask=...)``, the keyword
+    forward hooks read (the QKV calibrator's).
+    """
+    if isinstance(model, CausalLM):
+        return model(input_ids, attention_mask=attention_mask, token_logprobs=True, temperature=temperature,
+                     entropy=entropy)
+    return token_logprobs_and_entropy(model(input_ids, attention_mask=attention_mask), input_ids, temperature, entropy)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``(B, T)`` logprob of each token of ``input_ids`` under the ``(B, T, V)`` FP32 ``logits`` of its sequence
-    (:func:`sequence_logprobs` once the model has run)."""
+    """``(B, T)`` logprob of each token of ``input_ids`` under the ``(B, T, V)`` FP32 ``logits`` of its sequence."""
     return token_logprobs_and_entropy(logits, input_ids, temperature)[0]
 
 
@@ -110,17 +131,15 @@ def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, te
                                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs`, and with ``entropy`` the ``(B, T)`` entropy of the sampling distribution each token
     was drawn from (``-sum_v p log p`` of ``logits / temperature`` at the position before it; 0 at t = 0; no
-    gradient), else None."""
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens 1..T-1
+    gradient), else None. The per-row ops are those of :mod:`fp8rl.model.logprobs`, on full logits."""
+    logp = sampling_log_softmax(logits[:, :-1], temperature)  # predicts tokens 1..T-1
     tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     ent = None
     if entropy:
         with torch.no_grad():  # ENTROPY_CHUNK_ELEMENTS at a time: bounded temporaries, not another (B, T, V)
             lp = logp.detach().reshape(-1, logp.shape[-1])  # (B * (T-1), V)
             step = max(1, ENTROPY_CHUNK_ELEMENTS // lp.shape[-1])
-            flat = torch.cat([-(c.exp() * c).sum(dim=-1) for c in lp.split(step)]) if lp.numel() else lp.sum(-1)
+            flat = torch.cat([entropy_of(c) for c in lp.split(step)]) if lp.numel() else lp.sum(-1)
             ent = F.pad(flat.view(tok.shape), (1, 0))  # (B, T)
     return F.pad(tok, (1, 0)), ent  # (B, T)
 
@@ -158,6 +177,8 @@ class TorchTrainer(TrainerBackend):
         self._moe_layers = model.num_moe_layers  # 0: dense (no routing plans, no moe/* metrics)
         self._route_metrics: dict[str, float] = {}
         self.model = self._build_policy(model, recipe).train()
+        if config.activation_checkpointing:
+            self.model.set_activation_checkpointing(True)
         # Trainer-side FP8 KV (batch-invariant recipes): the quantizers stay off the model except during this
         # trainer's own passes, which need the QKV scales the rollout used for the version they recompute; a
         # calibrator reading the same model object (the in-process loop) keeps its high-precision forward.
@@ -334,6 +355,24 @@ class TorchTrainer(TrainerBackend):
                     outs[j] = got[:spans[j][1] - spans[j][0]]
         return torch.cat(outs, dim=0)
 
+    def check_memory(self, rows: int, seq_len: int, *, where: str = "the trainer"):
+        """Refuse (:class:`~fp8rl.engines.footprint.MemoryBudgetError`, naming ``policy.training.micro_batch_size``
+        and the largest that fits) a step of ``rows`` rows of ``seq_len`` tokens whose largest micro-batch, with the
+        gradients, AdamW moments and FP8 weight caches not allocated yet, passes the memory left
+        (:mod:`fp8rl.engines.footprint`); the footprint. A group's shards are not estimated (None)."""
+        if self.parallel is not None:
+            return None
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        to_come = sum(4 * p.numel() for p in trained if p.grad is None)
+        if not self.optimizer.state:
+            to_come += 8 * sum(p.numel() for p in trained)
+        to_come += sum(5 * m.weight.numel() for m in self.model.modules()
+                       if isinstance(m, Fp8Linear) and m.weight_cache is not None and m.weight_cache.q is None)
+        return check_fits(self.model.config, micro_batch_size=self.config.micro_batch_size, rows=rows,
+                          seq_len=seq_len, batch_invariant=self.recipe.batch_invariant, state_to_come=to_come,
+                          checkpointing=self.model.activation_checkpointing,
+                          activation_bytes=self.model.model.embed_tokens.weight.element_size(), where=where)
+
     def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
         if batch.prev_logprobs is None:
             batch.prev_logprobs = self.compute_logprobs(batch, should_stop=should_stop)
@@ -406,9 +445,8 @@ class TorchTrainer(TrainerBackend):
             coef = self.config.router_aux_loss_coef
             plan = plan_for(self._moe_layers, mb, replay=self.config.router_replay, aux=coef > 0)
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
-                logits = self.model(mb.input_ids, attention_mask=mb.attention_mask)
-            curr, ent = token_logprobs_and_entropy(logits, mb.input_ids, self.config.temperature, entropy=True)
-            del logits
+                curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
+                                                          self.config.temperature, entropy=True)
             loss, m = self._loss(curr, mb, norm, ent)
             if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
                 loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)

@@ -20,6 +20,12 @@ Contracts other packages rely on:
 
 Precision: RMSNorm statistics, attention scores, softmax and ``P @ V`` run in FP32; everything
 else runs in the activation dtype (the embedding's dtype). Logits are returned in FP32.
+
+Outputs: the logits of every position, of the last ``logits_to_keep`` only (the rollout's prefill samples
+from the last), or the logprob (and entropy) of each next token, computed through bounded chunks of logits
+(:mod:`fp8rl.model.logprobs`: never the ``(B, T, V)`` logits, forward or backward). The head runs inside
+``forward`` whichever it is, so a wrapper that holds the parameters only during the module's own forward and
+backward (FSDP2) sees it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fp8rl.fp8.kv import QKVQuantizer
 from fp8rl.fp8.quant import E4M3
@@ -36,6 +43,7 @@ from fp8rl.fp8.quant import E4M3
 from .config import ModelConfig
 from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attention
 from .kv_cache import KVCache
+from .logprobs import chunked_token_logprobs
 from .moe import ExpertMLP, SparseMoeBlock
 from .router import TopKRouter, routers
 
@@ -287,6 +295,8 @@ class CausalLM(nn.Module):
         self._inv_freq = rope_inv_freq(config)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
         self.batch_invariance: BatchInvariance | None = None
+        # recompute each layer in the backward instead of keeping its activations (set_activation_checkpointing)
+        self.activation_checkpointing = False
         for j, router in enumerate(routers(self)):  # its place on a route's layer axis
             router.moe_index = j
         self.apply(self._init_weights)
@@ -369,6 +379,18 @@ class CausalLM(nn.Module):
                     child.row_tile = inv.row_tile if inv is not None else None
         self.tie_weights()
 
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """Keep only each transformer layer's input for the backward and run the layer's forward again there
+        (``torch.utils.checkpoint``, non-reentrant): the saved activations of a token fall from a few
+        ``hidden_size + intermediate_size`` vectors per layer to one ``hidden_size`` vector, for one more forward
+        of the layers per backward. The recomputed forward is the same computation on the same inputs, so the
+        gradients are bitwise the same. Refused for mixture-of-experts models: their routing plans would record
+        (or replay) each recomputed forward a second time."""
+        if on and self.num_moe_layers:
+            raise ValueError("activation checkpointing runs no mixture-of-experts model yet (its routing plans "
+                             "would see every layer's forward twice)")
+        self.activation_checkpointing = on
+
     # -----------------------------------------------------------------------------------------
     # forward
     # -----------------------------------------------------------------------------------------
@@ -385,8 +407,13 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """Logits of every position.
+        *,
+        logits_to_keep: int = 0,
+        token_logprobs: bool = False,
+        temperature: float = 1.0,
+        entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of every position (or of the last ``logits_to_keep``), or the logprob of every next token.
 
         Args:
             input_ids: ``(B, T)`` token ids.
@@ -398,13 +425,28 @@ class CausalLM(nn.Module):
                 this call: ``S = L + T``. Causal masking is always applied on top.
             kv_cache: written at slots ``[L, L + T)`` of every layer, attended over ``[0, L + T)``,
                 then advanced by ``T`` once.
+            logits_to_keep: ``k > 0`` computes the logits of the last ``k`` positions only; 0 all of them.
+            token_logprobs: return, instead of logits, the logprob of each token of ``input_ids`` given the
+                positions before it, under ``log_softmax(logits / temperature)``, from bounded chunks of logits
+                (:func:`~fp8rl.model.logprobs.chunked_token_logprobs`): bitwise the same ops on this forward's
+                full logits wherever the head's GEMM gives a row the same bits in a chunk as in the whole
+                (always with batch invariance).
+            temperature: with ``token_logprobs``, the sampling temperature (0 and 1: the logits as they are).
+            entropy: with ``token_logprobs``, also the entropy of the distribution each token was drawn from.
 
         Returns:
-            ``(B, T, vocab_size)`` FP32 logits. Rows whose query has no visible key (a pad query
-            behind left padding) are finite garbage, never NaN.
+            ``(B, T, vocab_size)`` FP32 logits (``(B, logits_to_keep, vocab_size)`` with ``logits_to_keep``).
+            Rows whose query has no visible key (a pad query behind left padding) are finite garbage, never NaN.
+            With ``token_logprobs``: ``(logprobs, entropy)``, FP32 ``(B, T)`` each, 0 at ``t = 0`` (nothing
+            predicts the first token); entropy without gradient, None unless asked for.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        if logits_to_keep < 0 or (token_logprobs and logits_to_keep):
+            raise ValueError(f"logits_to_keep must be >= 0 and is for logits only, got {logits_to_keep} "
+                             f"(token_logprobs={token_logprobs})")
+        if not token_logprobs and (entropy or temperature != 1.0):
+            raise ValueError("temperature and entropy are arguments of token_logprobs=True")
         B, T = input_ids.shape
         device = input_ids.device
         L = 0
@@ -445,9 +487,20 @@ class CausalLM(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(self._rope_inv_freq(device), position_ids, x.dtype)  # (B, T, D)
+        recompute = self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, kv_cache, layout)
+            if recompute:  # only the layer's input is kept; its forward runs again in the backward
+                x = checkpoint(layer, x, cos, sin, mask, None, layout, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, kv_cache, layout)
         x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)  # once per forward, after every layer wrote its slots
+        if token_logprobs:  # position t predicts token t + 1
+            h = x[:, :-1].reshape(-1, x.shape[-1])  # (B * (T-1), C)
+            lp, ent = chunked_token_logprobs(h, self.lm_head, input_ids[:, 1:].reshape(-1), temperature, entropy)
+            lp = F.pad(lp.view(B, T - 1), (1, 0))  # (B, T)
+            return lp, F.pad(ent.view(B, T - 1), (1, 0)) if ent is not None else None
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         return self.lm_head(x).float()

@@ -1,0 +1,116 @@
+"""What a training micro-batch of the embedded trainer needs in memory, from the shapes; the refusal when it
+cannot fit.
+
+Saved activations per token and transformer layer, in elements of the activation dtype (C hidden, F the SwiGLU
+width, Hkv·D the key/value width, H query heads, S the keys each query sees — the padded sequence length)::
+
+    dense layer         8 C + 4 F + 2 Hkv·D + H·S + 8    (norms and residuals, SwiGLU's four F-wide tensors,
+                                                           K and V, one attention-probability row per head, the
+                                                           norms' statistics)
+    QK-norm (qwen3)     + 2 (H·D + Hkv·D) + 8
+    batch-invariant     + 2 H·S + 32                      (split-KV attention keeps its chunk scores too)
+    mixture of experts  4 F' k + (3 + 2k) C + 2 E + 8 in place of 4 F (top-k of E experts of width F': each
+                                                           routed copy of the token in and out, the router;
+                                                           + 160 batch-invariant: expert rows padded to tiles)
+    checkpointed        C per layer (its input), plus one layer's full set while it is recomputed
+
+plus, per token, the embedding and the final norm (3 C) and one chunk of FP32 logits with its softmax and
+gradient (:data:`fp8rl.model.logprobs.LOGPROB_CHUNK_ELEMENTS` each, whatever the batch). FP8 linears keep some
+inputs as E4M3 (1 byte instead of 4): the estimate ignores that saving, so it errs high by a few percent on FP8
+recipes. ``tests/unit/engines/test_footprint.py`` measures the saved tensors of real forwards
+(``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
+
+:func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's
+two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 5 per FP8 weight) and refuses, naming
+``policy.training.micro_batch_size`` and the largest value that fits, when the total passes the memory this process
+may still take (:func:`fp8rl.memory.available_bytes`) — before the kernel's OOM killer would end the process with
+nothing said.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8rl.memory import GB, available_bytes
+from fp8rl.model.config import ModelConfig
+from fp8rl.model.logprobs import LOGPROB_CHUNK_ELEMENTS
+
+__all__ = ["MemoryBudgetError", "TrainFootprint", "activation_elements_per_token", "check_fits"]
+
+
+class MemoryBudgetError(MemoryError):
+    """A configured micro-batch cannot fit in the memory left (the message names the key and what fits)."""
+
+
+def activation_elements_per_token(config: ModelConfig, seq_len: int, *, batch_invariant: bool = False,
+                                  checkpointing: bool = False) -> int:
+    """Saved-for-backward elements per token of a sequence of ``seq_len`` tokens (module docstring)."""
+    C, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+    kv = 2 * config.num_key_value_heads * D
+    attn = 8 * C + kv + H * seq_len + 8
+    if config.qk_norm:
+        attn += 2 * (H * D + kv // 2) + 8
+    if batch_invariant:
+        attn += 2 * H * seq_len + 32
+    per_layer = []
+    for i in range(config.num_hidden_layers):
+        if config.is_moe_layer(i):
+            k, E = config.num_experts_per_tok, config.num_experts
+            mlp = 4 * config.moe_intermediate_size * k + (3 + 2 * k) * C + 2 * E + 8
+            if batch_invariant:  # each expert's rows padded to whole row tiles
+                mlp += 160
+        else:
+            mlp = 4 * config.intermediate_size
+        per_layer.append(attn + mlp)
+    if checkpointing:
+        return C * config.num_hidden_layers + max(per_layer) + 3 * C
+    return sum(per_layer) + 3 * C
+
+
+@dataclass(frozen=True)
+class TrainFootprint:
+    """The bytes a training micro-batch adds on top of what the trainer holds, and what the first step adds."""
+
+    activations: int  # saved for backward by the micro-batch, and its logits chunk
+    state_to_come: int  # gradients, AdamW moments and FP8 caches not yet allocated
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.state_to_come
+
+
+def micro_batch_footprint(config: ModelConfig, rows: int, seq_len: int, *, batch_invariant: bool,
+                          state_to_come: int, activation_bytes: int = 4, checkpointing: bool = False) -> TrainFootprint:
+    """:class:`TrainFootprint` of ``rows`` rows of ``seq_len`` tokens."""
+    per_token = activation_elements_per_token(config, seq_len, batch_invariant=batch_invariant,
+                                              checkpointing=checkpointing)
+    logits = 3 * 4 * min(LOGPROB_CHUNK_ELEMENTS, rows * seq_len * config.vocab_size)  # FP32: logits, softmax, grad
+    return TrainFootprint(rows * seq_len * per_token * activation_bytes + logits, state_to_come)
+
+
+def check_fits(config: ModelConfig, *, micro_batch_size: int, rows: int, seq_len: int, batch_invariant: bool,
+               state_to_come: int, activation_bytes: int = 4, checkpointing: bool = False,
+               available: int | None = None, where: str = "the trainer") -> TrainFootprint:
+    """Refuse (:class:`MemoryBudgetError`) a step whose largest micro-batch (``min(micro_batch_size, rows)`` rows of
+    ``seq_len`` tokens) and the state still to come pass ``available`` (default: :func:`available_bytes`; None
+    there: nothing is checked). Returns the footprint."""
+    mb = min(micro_batch_size, rows)
+    kw = dict(batch_invariant=batch_invariant, state_to_come=state_to_come, activation_bytes=activation_bytes,
+              checkpointing=checkpointing)
+    fp = micro_batch_footprint(config, mb, seq_len, **kw)
+    room = available_bytes() if available is None else available
+    if room is None or fp.total <= room:
+        return fp
+    fits = next((k for k in range(mb - 1, 0, -1)
+                 if micro_batch_footprint(config, k, seq_len, **kw).total <= room), 0)
+    what = (f"policy.training.micro_batch_size: {micro_batch_size} does not fit in {where}'s memory: a micro-batch of "
+            f"{mb} rows x {seq_len} tokens keeps about {fp.activations / GB:.2f} GB of activations for its backward"
+            + (f", and the first step still allocates {fp.state_to_come / GB:.2f} GB of gradients, AdamW moments and "
+               f"FP8 weight caches" if fp.state_to_come else "")
+            + f" ({fp.total / GB:.2f} GB), but {room / GB:.2f} GB is available")
+    if fits:
+        raise MemoryBudgetError(f"{what}; micro_batch_size: {fits} fits (nothing was run)")
+    hint = "" if checkpointing else ", policy.training.activation_checkpointing: true"
+    raise MemoryBudgetError(f"{what}; even micro_batch_size: 1 does not fit: shorter sequences "
+                            f"(data.max_prompt_tokens, policy.generation.max_new_tokens){hint} or a machine with more "
+                            f"memory (nothing was run)")
