@@ -101,3 +101,16 @@ def test_checkpointing_estimate_keeps_one_layer_and_every_layer_input():
     per_layer = (full - 3 * cfg.hidden_size) // 4
     assert activation_elements_per_token(cfg, 64, checkpointing=True) == 4 * cfg.hidden_size + per_layer \
         + 3 * cfg.hidden_size
+
+
+def test_the_loop_refuses_a_batch_that_cannot_fit_before_running_it(monkeypatch, capsys):
+    """The in-process loop checks at build (longest prompt + max_new_tokens, the step's rows) and exits 2 with the
+    key and what fits; nothing is trained."""
+    import fp8rl.engines.footprint as footprint
+    from fp8rl.loop import main
+
+    monkeypatch.setattr(footprint, "available_bytes", lambda: 1 << 20)  # 1 MiB left
+    assert main(["--model", "tiny-arith", "--steps", "1", "--micro-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "policy.training.micro_batch_size: 4 does not fit in the in-process loop's memory" in err
+    assert "nothing was run" in err

@@ -170,6 +170,11 @@ class MegatronTrainer(TorchTrainer):
         """``"megatron-te"`` on the Transformer Engine path, ``"megatron"`` on the local spec."""
         return "megatron-te" if self.model.gpt.fused_norms else "megatron"
 
+    def check_memory(self, rows: int, seq_len: int, *, where: str = "the trainer"):
+        """Not estimated (None): :mod:`fp8rl.engines.footprint` models the embedded :class:`CausalLM`'s saved
+        activations, not Megatron-Core's layers (their saved tensors, fusions and recompute options differ)."""
+        return None
+
     def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
         built = self._build(model, recipe)
         local = [n.removeprefix("gpt.") for n, _ in built.named_parameters()]
