@@ -82,7 +82,9 @@ def test_replay_through_the_stack_and_trainstep_refuses_bad_routes(tmp_path):
         assert [r.step for r in reports] == [0, 1, 2]
         for r in reports:
             m = r.metrics
-            assert r.metrics["response_len"] > 1
+            # the preset answers before any update (decoded tokens carry routes too); after an update at lr 0.01 on
+            # 8 samples a policy may answer with EOS alone, which is not what this test is about
+            assert m["response_len"] > (1 if r.step == 0 else 0)
             assert 0.0 <= m["moe/router_agreement"] <= 1.0 and m["moe/unreplayed/token_mult_prob_error"] >= 1.0
             assert 1.0 <= m["moe/load_max_over_mean"] <= PRESET_EXPERTS and "moe/load/3/7" in m
         trainer = trainer_pb2_grpc.TrainerServiceStub(make_channel(
