@@ -1,7 +1,8 @@
 """Where the in-process loop's memory goes, per recipe: peak RSS by phase and by holder, as ratios in one run.
 
     python bench/memory.py [--models qwen2-600m tiny-arith] [--recipes bf16 fp8_gen_only fp8_e2e]
-                           [--micro-batch-size 8] [--steps 2] [--limit-gb 21]
+                           [--micro-batch-size 8] [--steps 2] [--limit-gb 21] [--stack | --stack-only]
+                           [--malloc-default]
 
 Models: ``qwen2-600m`` is a random-init Qwen2 of the 0.5B class with an untied head (24 layers, hidden 896,
 14 / 2 heads, intermediate 4864, vocabulary 151,936: 630M parameters), made once by transformers and saved in
@@ -26,6 +27,9 @@ trainer's floor, 16 bytes per parameter (FP32 weights + gradients + AdamW's two 
 and per phase (``memory/peak_rss_gb/<phase>`` of the loop's records: setup, validation, rollout, reward,
 logprobs, train, calibrate, refit) and per holder (bytes of distinct storages: each role's weights, gradients,
 AdamW state, FP8 weight caches, the saved-for-backward activations of one micro-batch).
+
+``--stack`` runs the same job through the service stack too (``deploy.launcher up``, the SDK submits it, checkpoints
+off) and prints each process's peak RSS side by side: what each role costs when it is a process of its own.
 """
 
 from __future__ import annotations
@@ -181,6 +185,7 @@ def child(args) -> None:
     from fp8rl.loop import GRPOLoop, LoopConfig
 
     get_grader("math_verify")  # its imports (sympy, antlr) are the runtime's too
+    memory.tune_allocator()  # as python -m fp8rl.loop does (off under --malloc-default)
     base = memory.rss_bytes()
     stop = threading.Event()
 
@@ -227,13 +232,81 @@ def run_child(model: str, recipe: str, args) -> dict:
            str(args.micro_batch_size), "--steps", str(args.steps), "--limit-gb", str(args.limit_gb),
            *[x for kv in args.set for x in ("--set", kv)]]
     env = dict(os.environ)
-    if args.mmap_threshold:  # glibc: a fixed threshold (no dynamic growth to 32 MiB): big frees go back at once
-        env["GLIBC_TUNABLES"] = f"glibc.malloc.mmap_threshold={args.mmap_threshold}"
+    if args.malloc_default:  # glibc's own thresholds, as before fp8rl.memory.tune_allocator
+        env["FP8RL_MALLOC_TUNING"] = "0"
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     last = next((line for line in reversed(p.stdout.splitlines()) if line.startswith("{")), None)
     if last is None:
         return {"model": model, "recipe": recipe, "error": f"exit {p.returncode}: {p.stderr[-2000:]}"}
     return json.loads(last)
+
+
+SERVICES = ("controller", "trainer", "rollout", "calibrator", "reward", "redis")
+
+
+def peak_of(pid: int) -> int | None:
+    """The peak resident memory (VmHWM) of a live process, bytes."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_stack(model: str, recipe: str, args) -> dict:
+    """The same job through the service stack (``deploy.launcher up``, submitted with the SDK): each process's
+    peak RSS (VmHWM) once the job has finished, read before the stack goes down."""
+    import tempfile
+
+    import yaml
+
+    from fp8rl.config import JobConfig
+    from fp8rl.sdk import Fp8rlClient
+
+    extra = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+    settings = {**job_settings(model, recipe, args.micro_batch_size, args.steps), "job.checkpoint_every": 0, **extra}
+    with tempfile.TemporaryDirectory(prefix="fp8rl-mem-stack-") as tmp:
+        job_file, run_dir = Path(tmp) / "job.yaml", Path(tmp) / "run"
+        if settings.get("data.path"):  # the controller reads data under its data root: the job file's directory
+            local = Path(tmp) / Path(settings["data.path"]).name
+            shutil.copy(settings["data.path"], local)
+            settings["data.path"] = str(local)
+        job_file.write_text(yaml.safe_dump(JobConfig().with_settings(settings).to_dict()))
+        launch = [sys.executable, "-m", "deploy.launcher"]
+        up = subprocess.run([*launch, "up", "--job", str(job_file), "--run-dir", str(run_dir),
+                             "--ready-timeout", "600"], cwd=REPO, capture_output=True, text=True)
+        if up.returncode != 0:
+            return {"error": f"launcher up: {up.stderr[-2000:]}"}
+        try:
+            info = json.loads((run_dir / "stack.json").read_text())
+            token = Path(info["secrets"]["client_token_file"]).read_text().strip()
+            t0 = time.perf_counter()
+            with Fp8rlClient(info["controller"], token=token, tls_ca="", timeout_s=60) as client:
+                job_id = client.submit_job(job_file)
+                for report in client.watch(job_id, timeout_s=3600):
+                    print(f"# stack step {report.step} done", file=sys.stderr, flush=True)
+                state = client.get_job(job_id)
+            peaks = {p["name"]: peak_of(p["pid"]) for p in info["processes"]}
+            return {"state": state.state, "error_text": state.error, "peaks": peaks,
+                    "wall_s": time.perf_counter() - t0}
+        finally:
+            subprocess.run([*launch, "down", "--run-dir", str(run_dir), "--grace", "20"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+
+
+def print_stack(name: str, recipe: str, r: dict, params: int | None) -> None:
+    if "peaks" not in r:
+        print(f"stack {name} {recipe}: FAILED {r.get('error')}")
+        return
+    peaks = {k: v for k, v in r["peaks"].items() if v is not None}
+    total = sum(peaks.values())
+    floor = f"; trainer floor {16 * params / GB:.2f} GB" if params else ""
+    print(f"\nstack {name} {recipe} (job {r['state']}{': ' + r['error_text'] if r['error_text'] else ''}, "
+          f"{r['wall_s']:.0f} s): peak RSS per process (GB) " + ", ".join(
+              f"{k} {v / GB:.2f}" for k, v in sorted(peaks.items(), key=lambda kv: -kv[1]))
+          + f"; sum {total / GB:.2f}{floor}")
 
 
 def main() -> None:
@@ -245,8 +318,11 @@ def main() -> None:
     ap.add_argument("--limit-gb", type=float, default=21.0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                     help="a job setting for every run (e.g. policy.training.activation_checkpointing=true)")
-    ap.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
-                    help="run the children with glibc's malloc mmap threshold fixed at BYTES (0: glibc's default)")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="glibc's default malloc thresholds in the children (FP8RL_MALLOC_TUNING=0), not the loop's")
+    ap.add_argument("--stack", action="store_true",
+                    help="also run each job through the service stack and print each process's peak RSS")
+    ap.add_argument("--stack-only", action="store_true", help="the service stack only (no in-process loop runs)")
     ap.add_argument("--json", help="write every run's numbers here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -259,7 +335,7 @@ def main() -> None:
     for name in args.models:
         model = str(qwen2_600m_dir()) if name == "qwen2-600m" else name
         by_recipe = {}
-        for recipe in args.recipes:
+        for recipe in [] if args.stack_only else args.recipes:
             print(f"# {name} {recipe}: running {args.steps} steps ...", file=sys.stderr, flush=True)
             r = run_child(model, recipe, args)
             r["model"] = name
@@ -279,6 +355,12 @@ def main() -> None:
                                                             if v) + f"; saved for backward per micro-batch "
                   f"{r['saved_activations'] / GB:.2f}")
             print(f"ratio peak_rss/trainer_floor {name} {recipe} {net / floor:.3f}")
+        if args.stack or args.stack_only:
+            for recipe in args.recipes:
+                print(f"# {name} {recipe}: the service stack, {args.steps} steps ...", file=sys.stderr, flush=True)
+                r = run_stack(model, recipe, args)
+                results.append({"model": name, "recipe": recipe, "stack": r})
+                print_stack(name, recipe, r, by_recipe.get(recipe, {}).get("params"))
         if "bf16" in by_recipe:
             b = by_recipe["bf16"]
             for recipe, r in by_recipe.items():

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8rl import limits
+from fp8rl import limits, memory
 from fp8rl.config import ConfigError, load_job_config
 from fp8rl.metrics import serve_metrics
 from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, RoleLease, connect
@@ -169,6 +169,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     args = parse_args(spec, argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {spec.name}[{args.replica_id}] %(name)s: %(message)s")
+    memory.tune_allocator()  # large freed tensors go back to the kernel: a service's RSS follows what it holds
     import torch  # every role computes with torch; one thread each unless told otherwise
 
     torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))

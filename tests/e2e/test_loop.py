@@ -198,7 +198,7 @@ def _small(**kw) -> LoopConfig:
 def test_shared_weights_run_number_for_number_as_copies_and_hold_one_copy(preset, recipe):
     """The synchronous loop's rollout computes with the trainer's tensors (no copy; FP8 forms from the trainer's
     cache under fp8_e2e): the run is the run with a copy per role, sample for sample, and the rollout holds no
-    high-precision tensor of its own."""
+    high-precision tensor of its own, nor an FP32 dequantization between generations."""
     from fp8rl.fp8 import Fp8InferenceLinear
 
     cfg = _small(recipe=recipe)
@@ -218,6 +218,8 @@ def test_shared_weights_run_number_for_number_as_copies_and_hold_one_copy(preset
         caches = {m.weight_cache.q.data_ptr() for m in shared.trainer.model.modules()
                   if getattr(m, "weight_cache", None) is not None and m.weight_cache.q is not None}
         assert all(m.weight.data_ptr() in caches for m in fp8)
+    # between generations the rollout's FP8 layers hold no FP32 dequantization (the trainer's step needs the room)
+    assert all(m._w_dequant is None for m in fp8)
     with pytest.raises(Exception, match="shares the trainer's weights"):
         shared.rollout.load_weights(shared.trainer.version, shared.trainer.state_dict())
 

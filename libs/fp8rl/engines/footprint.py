@@ -4,12 +4,12 @@ cannot fit.
 Saved activations per token and transformer layer, in elements of the activation dtype (C hidden, F the SwiGLU
 width, Hkv·D the key/value width, H query heads, S the keys each query sees — the padded sequence length)::
 
-    dense layer         8 C + 4 F + 2 Hkv·D + H·S + 8    (norms and residuals, SwiGLU's four F-wide tensors,
+    dense layer         8 C + 3 F + 2 Hkv·D + H·S + 8    (norms and residuals, SwiGLU's three F-wide tensors,
                                                            K and V, one attention-probability row per head, the
                                                            norms' statistics)
     QK-norm (qwen3)     + 2 (H·D + Hkv·D) + 8
     batch-invariant     + 2 H·S + 32                      (split-KV attention keeps its chunk scores too)
-    mixture of experts  4 F' k + (3 + 2k) C + 2 E + 8 in place of 4 F (top-k of E experts of width F': each
+    mixture of experts  3 F' k + (3 + 2k) C + 2 E + 8 in place of 3 F (top-k of E experts of width F': each
                                                            routed copy of the token in and out, the router;
                                                            + 160 batch-invariant: expert rows padded to tiles)
     checkpointed        C per layer (its input), plus one layer's full set while it is recomputed
@@ -21,7 +21,8 @@ recipes. ``tests/unit/engines/test_footprint.py`` measures the saved tensors of 
 (``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
 
 :func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's
-two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 5 per FP8 weight) and refuses, naming
+two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight — its FP32 dequantization is
+released while a step trains) and refuses, naming
 ``policy.training.micro_batch_size`` and the largest value that fits, when the total passes the memory this process
 may still take (:func:`fp8rl.memory.available_bytes`) — before the kernel's OOM killer would end the process with
 nothing said.
@@ -56,11 +57,11 @@ def activation_elements_per_token(config: ModelConfig, seq_len: int, *, batch_in
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
             k, E = config.num_experts_per_tok, config.num_experts
-            mlp = 4 * config.moe_intermediate_size * k + (3 + 2 * k) * C + 2 * E + 8
+            mlp = 3 * config.moe_intermediate_size * k + (3 + 2 * k) * C + 2 * E + 8
             if batch_invariant:  # each expert's rows padded to whole row tiles
                 mlp += 160
         else:
-            mlp = 4 * config.intermediate_size
+            mlp = 3 * config.intermediate_size  # gate and up out, their product (silu recomputed: swiglu)
         per_layer.append(attn + mlp)
     if checkpointing:
         return C * config.num_hidden_layers + max(per_layer) + 3 * C

@@ -19,8 +19,10 @@ has them (``fp8_e2e``: the same 128x128 quantization of the same weights, so the
 from the shared weights (``fp8_gen_only``). The trainer's optimizer step then changes what the engine computes
 with at once; the engine's *label* stays the old version until :meth:`follow` (the refit of this mode: the FP8
 forms and the scales of the new version, no copy), and :meth:`load_weights` is refused (it would write into the
-trainer's weights). Only a caller that never generates between a train step and its refit may share: the
-synchronous loop. Asynchronous GRPO generates beside training and keeps its own copy.
+trainer's weights). Its FP8 layers hold their FP32 dequantizations (the reference backend's GEMM operand) only
+while :meth:`generate` runs, so the trainer's step between two generations does not carry them. Only a caller
+that never generates between a train step and its refit may share: the synchronous loop. Asynchronous GRPO
+generates beside training and keeps its own copy.
 
 Logprobs: ``log_softmax(logits / temperature)`` of the sampled token — the temperature-scaled
 distribution the token was drawn from, before top-p renormalisation (the trainer computes the
@@ -30,6 +32,7 @@ distribution). Greedy (temperature 0) reports temperature-1 logprobs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -44,6 +47,7 @@ from fp8rl.fp8 import (
     PayloadSpec,
     QKVScales,
     RefitPayload,
+    WeightCache,
     check_qkv_scales,
     convert_model,
     load_qkv_scales,
@@ -112,6 +116,7 @@ class TorchRolloutEngine(RolloutEngine):
     ) -> None:
         self.recipe = recipe
         self._shared = shared_with
+        self._shared_caches: dict[str, WeightCache] = {}  # FP8 layer -> the trainer's cache it takes its form from
         if shared_with is None:
             self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
             for p in self.model.parameters():
@@ -180,6 +185,7 @@ class TorchRolloutEngine(RolloutEngine):
         keeps one (the trainer's recipe quantizes that layer the same way), else quantized here into the layer's
         own buffers; biases copied (a few floats per layer)."""
         theirs = dict(self._shared.named_modules())
+        self._shared_caches = {}
         for name, mine in self.model.named_modules():
             if not isinstance(mine, Fp8InferenceLinear):
                 continue
@@ -189,10 +195,35 @@ class TorchRolloutEngine(RolloutEngine):
                     and src.pow2_weight_scale == mine.pow2_weight_scale):
                 q, scale, deq = cache.get(src.weight, src.pow2_weight_scale)
                 mine.weight, mine.weight_scale, mine._w_dequant = q, scale, deq
+                self._shared_caches[name] = cache
                 if src.bias is not None:
                     mine.bias.copy_(src.bias)
             else:
                 mine.load_weight(src.weight, src.bias, name=f"{name}.weight")
+
+    @contextlib.contextmanager
+    def _dequantized_while_generating(self):
+        """A shared engine holds its FP8 layers' FP32 dequantizations (reference backend) only while it generates:
+        taken from the trainer's cache of the same E4M3 form (or dequantized from the layer's own) at the start,
+        released at the end — between generations the trainer's step needs that memory (issue 30). The numbers
+        are the same either way; an engine with its own copy keeps them (a rollout service generates all the
+        time)."""
+        if self._shared is None:
+            yield
+            return
+        layers = [(n, m) for n, m in self.model.named_modules() if isinstance(m, Fp8InferenceLinear)]
+        try:
+            for name, mine in layers:
+                if mine._w_dequant is None:
+                    cache = self._shared_caches.get(name)
+                    if cache is not None and cache.q is mine.weight:  # still the E4M3 form this engine serves
+                        mine._w_dequant = cache.dequantize_held()
+                    else:
+                        mine._refresh_cache()
+            yield
+        finally:
+            for _, mine in layers:
+                mine._w_dequant = None
 
     def load_scales(self, qkv_scales: QKVScales) -> None:
         """Install QKV scales for the version already held (the first calibration, before any refit)."""
@@ -222,8 +253,10 @@ class TorchRolloutEngine(RolloutEngine):
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._rng
             rows = [(pi, tuple(p)) for pi, p in enumerate(prompts) for _ in range(params.n)]
             out: list[Sample] = []
-            for start in range(0, len(rows), self.max_batch_size):
-                out += self._generate_rows(rows[start:start + self.max_batch_size], params, gen, held, should_stop)
+            with self._dequantized_while_generating():
+                for start in range(0, len(rows), self.max_batch_size):
+                    out += self._generate_rows(rows[start:start + self.max_batch_size], params, gen, held,
+                                               should_stop)
             return out
 
     @torch.no_grad()

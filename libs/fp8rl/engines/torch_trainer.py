@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
+from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
 from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
@@ -366,7 +367,7 @@ class TorchTrainer(TrainerBackend):
         to_come = sum(4 * p.numel() for p in trained if p.grad is None)
         if not self.optimizer.state:
             to_come += 8 * sum(p.numel() for p in trained)
-        to_come += sum(5 * m.weight.numel() for m in self.model.modules()
+        to_come += sum(m.weight.numel() for m in self.model.modules()  # E4M3 (its FP32 form released to train)
                        if isinstance(m, Fp8Linear) and m.weight_cache is not None and m.weight_cache.q is None)
         return check_fits(self.model.config, micro_batch_size=self.config.micro_batch_size, rows=rows,
                           seq_len=seq_len, batch_invariant=self.recipe.batch_invariant, state_to_come=to_come,
@@ -452,6 +453,8 @@ class TorchTrainer(TrainerBackend):
                 loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)
             loss.backward()
             _add_metrics(totals, weights, float(loss.detach()), m, mb.num_tokens)
+            del curr, ent, loss, m
+            release_free_memory()  # the micro-batch's activations, freed: back to the kernel (tune_allocator)
         return totals, weights
 
     def _loss(self, curr: torch.Tensor, mb: TrainBatch, norm: LossNorm, entropy: torch.Tensor | None = None):

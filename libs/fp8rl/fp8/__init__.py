@@ -12,7 +12,7 @@ package, so the rollout engines and the trainer round the same way.
 from .backend import fp8_gemm_supported, select_backend
 from .convert import convert_model, fp8_linear_names, quantize_state_dict, transformer_layers
 from .kv import QKVQuantizer, QKVScales, calibrated_scale, scales_from_amax_history
-from .linear import Fp8InferenceLinear, Fp8Linear, fp8_gemm, fp8_linear
+from .linear import Fp8InferenceLinear, Fp8Linear, WeightCache, fp8_gemm, fp8_linear
 from .payload import (
     Fp8LinearSpec,
     PayloadSpec,
@@ -46,7 +46,7 @@ __all__ = [
     "quantize_blockwise", "dequantize_blockwise",
     "quantize_per_token_group", "dequantize_per_token_group",
     "quantize_per_tensor", "dequantize_per_tensor",
-    "fp8_gemm", "fp8_linear", "Fp8Linear", "Fp8InferenceLinear",
+    "fp8_gemm", "fp8_linear", "Fp8Linear", "Fp8InferenceLinear", "WeightCache",
     "convert_model", "fp8_linear_names", "quantize_state_dict", "transformer_layers",
     "QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history",
     "select_backend", "fp8_gemm_supported",

@@ -15,8 +15,11 @@ Weight quantization once per update: an :class:`Fp8Linear` keeps the E4M3 form o
 on the reference backend, its FP32 dequantization) for as long as the weight is the same tensor at the
 same version counter — every in-place change (the optimizer's step, ``load_state_dict``'s ``copy_``) bumps
 that counter — so the micro-batches and logprob passes between two optimizer updates quantize it once,
-with bitwise the numbers of quantizing it per call. The cache costs 1 byte per weight element (5 on the
-reference backend, which also keeps the FP32 dequantization the GEMM multiplies by). It is off for weights
+with bitwise the numbers of quantizing it per call. The cache costs 1 byte per weight element. On the
+reference backend forward-only passes (logprobs, calibration, a shared rollout) also keep the FP32
+dequantization the GEMM multiplies by (4 more); a forward that records for backward releases it and
+dequantizes per call and again in its backward (a broadcast multiply, a few percent of the GEMM), so a training
+step's peak carries no FP32 copy of the FP8 weights. It is off for weights
 whose storage is swapped without a version bump (FSDP's unsharded parameters: :mod:`fp8rl.engines.parallel`
 turns it off).
 
@@ -130,19 +133,33 @@ class WeightCache:
         self.q = self.scale = self.dequantized = None
         self.hits = self.misses = 0
 
-    def get(self, weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(w_q, w_scale, FP32 dequantization or None)`` of ``weight`` now, computed only when it changed."""
+    def get(self, weight: torch.Tensor, pow2: bool, *, keep_dequantized: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(w_q, w_scale, FP32 dequantization or None)`` of ``weight`` now, quantized only when it changed.
+
+        ``keep_dequantized=False`` (a training forward) releases the FP32 dequantization and returns None for it:
+        the caller dequantizes per call, so a training step holds 1 byte per weight element, not 5. Otherwise it
+        is kept (built now if it was released) on the reference backend."""
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2)
         if self._ref is not None and self._ref() is weight and self._key == key:
             self.hits += 1
-            return self.q, self.scale, self.dequantized
-        self.misses += 1
-        w = weight.detach()
-        self.q, self.scale = quantize_blockwise(w, pow2_scale=pow2)  # (N, K), (N/128, K/128)
-        reference = select_backend(w.device) == "reference"
-        self.dequantized = dequantize_blockwise(self.q, self.scale) if reference else None
-        self._ref, self._key = weakref.ref(weight), key
+        else:
+            self.misses += 1
+            self.q, self.scale = quantize_blockwise(weight.detach(), pow2_scale=pow2)  # (N, K), (N/128, K/128)
+            self.dequantized = None
+            self._ref, self._key = weakref.ref(weight), key
+        if not keep_dequantized:
+            self.dequantized = None
+        elif self.dequantized is None:
+            self.dequantized = self.dequantize_held()
         return self.q, self.scale, self.dequantized
+
+    def dequantize_held(self) -> torch.Tensor | None:
+        """The FP32 dequantization of the held E4M3 form (kept; built now if released), without looking at the
+        weight again — None on backends whose GEMM reads E4M3 directly, or with nothing held."""
+        if self.dequantized is None and self.q is not None and select_backend(self.q.device) == "reference":
+            self.dequantized = dequantize_blockwise(self.q, self.scale)
+        return self.dequantized
 
     def __deepcopy__(self, memo) -> WeightCache:  # a copied module starts empty: its weight is another tensor
         return WeightCache()
@@ -155,9 +172,9 @@ class _Fp8LinearFn(torch.autograd.Function):
     (:func:`quantize_columnwise`: the same codes and scales as quantizing the transpose, no transpose copy)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None):
+    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None, keep_dequantized=True):
         if cache is not None:
-            w_q, w_s, w_deq = cache.get(weight, pow2_w)
+            w_q, w_s, w_deq = cache.get(weight, pow2_w, keep_dequantized=keep_dequantized)
         else:
             w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
             w_deq = None
@@ -195,7 +212,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(w_dtype)
         ctx.w_deq = None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def fp8_linear(
@@ -224,7 +241,11 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     pow2_a = pow2_scale if pow2_activation_scale is None else pow2_activation_scale
     lead = x.shape[:-1]
-    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile)
+    # a forward that records for backward dequantizes the weight per call (and again in the backward) instead of
+    # keeping the FP32 dequantization cached: the numbers are the same, the training step holds 1 byte per element
+    training = torch.is_grad_enabled() and weight.requires_grad
+    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile,
+                             not training)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -266,10 +287,11 @@ class Fp8Linear(nn.Linear):
 
     def refresh_weight_cache(self) -> None:
         """Quantize the weight now (after an optimizer step) rather than in the next forward: the same numbers,
-        computed once per version either way (no-op without a cache)."""
+        computed once per version either way (no-op without a cache). The FP32 dequantization is left to the
+        next forward-only pass that needs it."""
         if self.weight_cache is not None:
             with torch.no_grad():
-                self.weight_cache.get(self.weight, self.pow2_weight_scale)
+                self.weight_cache.get(self.weight, self.pow2_weight_scale, keep_dequantized=False)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8=blockwise, pow2_w={self.pow2_weight_scale}"

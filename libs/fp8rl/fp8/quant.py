@@ -222,8 +222,12 @@ def dequantize_blockwise(
             f"blockwise scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)} "
             f"with blocks {block_size}: expected {(math.ceil(m / bm), math.ceil(n / bn))}"
         )
-    s = scale.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
-    return (q.float() * s).to(dtype)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(q)  # always a fresh contiguous FP32 copy
+    if m % bm == 0 and n % bn == 0:  # every tile whole: one broadcast multiply in place, no expanded scale tensor
+        out.view(m // bm, bm, n // bn, bn).mul_(scale.float()[:, None, :, None])
+    else:
+        out.mul_(scale.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n])
+    return out.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

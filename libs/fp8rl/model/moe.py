@@ -29,11 +29,11 @@ which (or how many) other tokens share its experts — rollout and trainer route
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .router import TopKRouter
+from .swiglu import swiglu
 
 __all__ = ["ExpertMLP", "SparseMoeBlock"]
 
@@ -48,7 +48,7 @@ class ExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # silu(g) recomputed in the backward
 
 
 class SparseMoeBlock(nn.Module):

@@ -162,3 +162,33 @@ def test_the_weight_cache_quantizes_once_per_update_with_the_same_numbers():
     fresh = copy.deepcopy(cached)
     fresh.weight_cache = None
     assert torch.equal(cached(x), fresh(x)) and cached.weight_cache.misses == 4  # the copy_ was seen
+
+
+def test_a_training_forward_holds_no_fp32_copy_of_the_fp8_weight():
+    """Forward-only passes keep the weight's FP32 dequantization beside its E4M3 form (the decode and logprob
+    GEMMs reuse it); a forward that records for backward releases it and dequantizes per call (forward and
+    backward), with bitwise the outputs and gradients of the cached path — so a training step holds 1 byte per FP8
+    weight element, not 5."""
+    import copy
+
+    from fp8rl.fp8 import Fp8Linear
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 384, bias=True)
+    plain = copy.deepcopy(layer)
+    plain.weight_cache = None  # quantized and dequantized per call, nothing kept
+    x = torch.randn(40, 256)
+    with torch.no_grad():
+        y0 = layer(x)
+    cache = layer.weight_cache
+    assert cache.dequantized is not None and cache.q is not None
+    y = layer(x)
+    assert cache.dequantized is None and cache.q is not None  # released, the E4M3 form kept
+    assert torch.equal(y, y0) and torch.equal(y, plain(x))
+    y.square().sum().backward()
+    plain(x).square().sum().backward()
+    assert torch.equal(layer.weight.grad, plain.weight.grad) and torch.equal(layer.bias.grad, plain.bias.grad)
+    assert cache.dequantized is None
+    with torch.no_grad():
+        assert torch.equal(layer(x), y0) and cache.dequantized is not None  # built again for the next no-grad pass
+    assert (cache.misses, cache.hits) == (1, 2)  # quantized once: the E4M3 form outlived the release

@@ -202,3 +202,22 @@ def test_columnwise_is_the_transpose_quantized_per_token_group(shape, pow2):
     want = dequantize_per_token_group(qt, st).t()
     assert torch.equal(dequantize_columnwise(q, s), want) and torch.equal(fake_quantize_columnwise(x, pow2_scale=pow2),
                                                                          want)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 130), (128, 64)])
+def test_blockwise_dequantization_is_each_code_times_its_tile_scale(shape):
+    """Whole tiles (a broadcast multiply) and ragged edges alike: element (i, j) is its E4M3 value times the scale
+    of tile (i // 128, j // 128), one FP32 multiply — checked element by element against a loop over the tiles;
+    q is left as it was and a transposed (non-contiguous) q gives its transpose."""
+    torch.manual_seed(2)
+    q, s = quantize_blockwise(torch.randn(shape) * 5)
+    before = q.view(torch.uint8).clone()
+    want = torch.empty(shape)
+    for bi in range(s.shape[0]):
+        for bj in range(s.shape[1]):
+            tile = (slice(bi * 128, (bi + 1) * 128), slice(bj * 128, (bj + 1) * 128))
+            want[tile] = q[tile].float() * s[bi, bj]
+    got = dequantize_blockwise(q, s)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(q.view(torch.uint8), before)
+    assert torch.equal(dequantize_blockwise(q.t(), s.t()), want.t())
