@@ -83,9 +83,9 @@ print(tuned, (memory.rss_bytes() - before) / 2**20)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_tuned_allocator_gives_freed_tensors_back_and_the_default_does_not():
-    """199 of 200 tensors of 2 MiB freed (the last kept), then a phase boundary: with :func:`memory.tune_allocator` the process's RSS
-    returns to within a few MiB of where it was; with glibc's defaults (``FP8RL_MALLOC_TUNING=0``, the control) the
-    freed blocks stay resident — the retention the tuning exists to remove."""
+    """199 of 200 tensors of 2 MiB freed (the last kept), then a phase boundary: with :func:`memory.tune_allocator`
+    the process's RSS returns to within a few MiB of where it was; with glibc's defaults (``FP8RL_MALLOC_TUNING=0``,
+    the control) the freed blocks stay resident — the retention the tuning exists to remove."""
     def grown(tuning: str) -> tuple[str, float]:
         env = {**os.environ, "FP8RL_MALLOC_TUNING": tuning}
         out = subprocess.run([sys.executable, "-c", _FRAGMENT], env=env, capture_output=True, text=True, check=True)
