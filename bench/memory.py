@@ -241,20 +241,6 @@ def run_child(model: str, recipe: str, args) -> dict:
     return json.loads(last)
 
 
-SERVICES = ("controller", "trainer", "rollout", "calibrator", "reward", "redis")
-
-
-def peak_of(pid: int) -> int | None:
-    """The peak resident memory (VmHWM) of a live process, bytes."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def run_stack(model: str, recipe: str, args) -> dict:
     """The same job through the service stack (``deploy.launcher up``, submitted with the SDK): each process's
     peak RSS (VmHWM) once the job has finished, read before the stack goes down."""
@@ -262,6 +248,7 @@ def run_stack(model: str, recipe: str, args) -> dict:
 
     import yaml
 
+    from fp8rl import memory
     from fp8rl.config import JobConfig
     from fp8rl.sdk import Fp8rlClient
 
@@ -288,7 +275,7 @@ def run_stack(model: str, recipe: str, args) -> dict:
                 for report in client.watch(job_id, timeout_s=3600):
                     print(f"# stack step {report.step} done", file=sys.stderr, flush=True)
                 state = client.get_job(job_id)
-            peaks = {p["name"]: peak_of(p["pid"]) for p in info["processes"]}
+            peaks = {p["name"]: memory.peak_rss_bytes_of(p["pid"]) for p in info["processes"]}
             return {"state": state.state, "error_text": state.error, "peaks": peaks,
                     "wall_s": time.perf_counter() - t0}
         finally:

@@ -502,7 +502,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    memory.tune_allocator()  # large freed tensors go back to the kernel (fp8rl.memory.tune_allocator)
+    memory.tune_allocator()  # freed heap memory goes back to the kernel at phase boundaries
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     flags = {k: getattr(args, k) for k in LOOP_FLAGS if getattr(args, k) is not None}
     try:

@@ -24,8 +24,9 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["GB", "PhaseMemory", "available_bytes", "open_phases", "peak_rss_bytes", "phase", "process_peak_bytes",
-           "reset_peak", "rss_bytes", "saved_for_backward", "step_memory", "tune_allocator", "release_free_memory"]
+__all__ = ["GB", "PhaseMemory", "available_bytes", "open_phases", "peak_rss_bytes", "peak_rss_bytes_of", "phase",
+           "process_peak_bytes", "release_free_memory", "reset_peak", "rss_bytes", "saved_for_backward", "step_memory",
+           "tune_allocator"]
 
 GB = 10**9
 
@@ -33,9 +34,9 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 
 
-def _status_kib(field: str) -> int | None:
+def _status_kib(field: str, status: str = _STATUS) -> int | None:
     try:
-        with open(_STATUS) as f:
+        with open(status) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -57,6 +58,12 @@ def peak_rss_bytes() -> int:
         return kib * 1024
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return ru if sys.platform == "darwin" else ru * 1024  # bytes on macOS, KiB on Linux
+
+
+def peak_rss_bytes_of(pid: int) -> int | None:
+    """Another process's resident-memory high-water mark (its ``VmHWM``), bytes; None where it cannot be read."""
+    kib = _status_kib("VmHWM", f"/proc/{pid}/status")
+    return kib * 1024 if kib is not None else None
 
 
 def reset_peak() -> bool:
@@ -101,7 +108,7 @@ def tune_allocator() -> bool:
     micro-batch (:func:`release_free_memory`), so its resident memory follows what its tensors hold; call it once,
     early (``python -m fp8rl.loop`` and every service do). glibc keeps freed blocks below its mmap threshold (which
     rises with large frees, up to 32 MiB) in its heap, resident, and a step's tensors of other sizes cannot always
-    reuse them: on a 630M model that held 4-5 GB more than the live tensors at the training peak. False (nothing
+    reuse them: on a 630M model that held 2-4 GB more than the live tensors (bench/RESULTS.md). False (nothing
     changes) where the C library is not glibc; ``FP8RL_MALLOC_TUNING=0`` in the environment turns it off."""
     import ctypes
     import os

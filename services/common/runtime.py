@@ -169,7 +169,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     args = parse_args(spec, argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {spec.name}[{args.replica_id}] %(name)s: %(message)s")
-    memory.tune_allocator()  # large freed tensors go back to the kernel: a service's RSS follows what it holds
+    memory.tune_allocator()  # freed heap memory goes back to the kernel: a service's RSS follows what it holds
     import torch  # every role computes with torch; one thread each unless told otherwise
 
     torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))

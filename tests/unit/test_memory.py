@@ -96,3 +96,16 @@ def test_tuned_allocator_gives_freed_tensors_back_and_the_default_does_not():
     assert (on_flag, off_flag) == ("True", "False")
     assert on < 16, f"tuned: {on:.0f} MiB still resident after the frees"
     assert off > 200, f"control: glibc's default kept only {off:.0f} MiB (the test could not tell them apart)"
+
+
+def test_another_processs_peak_is_read_from_its_status():
+    """What bench/memory.py reads of each service: a child that touched 96 MiB and freed it still shows it as its
+    peak; a pid that does not exist gives None."""
+    code = "import sys, torch; t = torch.ones(24 << 20); del t; print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert memory.peak_rss_bytes_of(child.pid) >= 96 * MB
+    finally:
+        child.communicate("", timeout=30)
+    assert memory.peak_rss_bytes_of(child.pid) is None  # reaped: gone

@@ -148,10 +148,10 @@ class WeightCache:
             self.q, self.scale = quantize_blockwise(weight.detach(), pow2_scale=pow2)  # (N, K), (N/128, K/128)
             self.dequantized = None
             self._ref, self._key = weakref.ref(weight), key
-        if not keep_dequantized:
+        if keep_dequantized:
+            self.dequantize_held()
+        else:
             self.dequantized = None
-        elif self.dequantized is None:
-            self.dequantized = self.dequantize_held()
         return self.q, self.scale, self.dequantized
 
     def dequantize_held(self) -> torch.Tensor | None:
