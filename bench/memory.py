@@ -2,7 +2,7 @@
 
     python bench/memory.py [--models qwen2-600m tiny-arith] [--recipes bf16 fp8_gen_only fp8_e2e]
                            [--micro-batch-size 8] [--steps 2] [--limit-gb 21] [--stack | --stack-only]
-                           [--malloc-default]
+                           [--malloc-default] [--compare-recompute]
 
 Models: ``qwen2-600m`` is a random-init Qwen2 of the 0.5B class with an untied head (24 layers, hidden 896,
 14 / 2 heads, intermediate 4864, vocabulary 151,936: 630M parameters), made once by transformers and saved in
@@ -23,6 +23,8 @@ trainer's floor, 16 bytes per parameter (FP32 weights + gradients + AdamW's two 
     ratio peak_rss/trainer_floor RECIPE X       target <= 1.3 at micro-batch 8
     ratio peak_rss fp8_e2e/bf16 X               target <= 1.05 (net peaks)
     ratio step_seconds RECIPE/bf16 X            the step time each recipe costs
+    ratio step_seconds bf16 default/checkpointing-off X   (--compare-recompute) what the default's activation
+                                                           checkpointing costs; target <= 1.05
 
 and per phase (``memory/peak_rss_gb/<phase>`` of the loop's records: setup, validation, rollout, reward,
 logprobs, train, calibrate, refit) and per holder (bytes of distinct storages: each role's weights, gradients,
@@ -218,6 +220,8 @@ def child(args) -> None:
     peak = memory.process_peak_bytes()
     out = {"model": args.model, "recipe": args.recipe, "params": n_params, "base_rss": base, "peak_rss": peak,
            "phases_gb": phases, "step_seconds": [r["time/step"] for r in rows], "wall_s": wall,
+           "train_seconds": [r["time/train"] for r in rows],
+           "recomputed": [r.get("train/recomputed", 0.0) for r in rows],
            "holders": holders(loop), "saved_activations": saved_activations(loop),
            "mismatch": [r["token_mult_prob_error"] for r in rows]}
     stop.set()
@@ -227,10 +231,10 @@ def child(args) -> None:
 # ------------------------------------------------------------------------------------------ parent
 
 
-def run_child(model: str, recipe: str, args) -> dict:
+def run_child(model: str, recipe: str, args, extra_set: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--recipe", recipe, "--micro-batch-size",
            str(args.micro_batch_size), "--steps", str(args.steps), "--limit-gb", str(args.limit_gb),
-           *[x for kv in args.set for x in ("--set", kv)]]
+           *[x for kv in [*args.set, *extra_set] for x in ("--set", kv)]]
     env = dict(os.environ)
     if args.malloc_default:  # glibc's own thresholds, as before fp8rl.memory.tune_allocator
         env["FP8RL_MALLOC_TUNING"] = "0"
@@ -305,6 +309,9 @@ def main() -> None:
     ap.add_argument("--limit-gb", type=float, default=21.0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                     help="a job setting for every run (e.g. policy.training.activation_checkpointing=true)")
+    ap.add_argument("--compare-recompute", action="store_true",
+                    help="also run bf16 with activation checkpointing off, and print the step and train-phase time "
+                         "ratios of the default (auto) against it")
     ap.add_argument("--malloc-default", action="store_true",
                     help="glibc's default malloc thresholds in the children (FP8RL_MALLOC_TUNING=0), not the loop's")
     ap.add_argument("--stack", action="store_true",
@@ -335,7 +342,8 @@ def main() -> None:
             floor = 16 * r["params"]
             print(f"\n{name} {recipe}: {r['params'] / 1e6:.1f}M parameters, trainer floor {floor / GB:.2f} GB; "
                   f"process peak {r['peak_rss'] / GB:.2f} GB, after imports {r['base_rss'] / GB:.2f} GB, "
-                  f"net peak {net / GB:.2f} GB; step {r['step_seconds'][-1]:.1f} s (first {r['step_seconds'][0]:.1f})")
+                  f"net peak {net / GB:.2f} GB; step {r['step_seconds'][-1]:.1f} s (first {r['step_seconds'][0]:.1f}), "
+                  f"train phase {r['train_seconds'][-1]:.1f} s; micro-batches recomputed {r['recomputed'][-1]:.2f}")
             print("  peak RSS by phase (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                             sorted(r["phases_gb"].items(), key=lambda kv: -kv[1])))
             print("  held after the run (GB): " + ", ".join(f"{k} {v / GB:.2f}" for k, v in r["holders"].items()
@@ -348,6 +356,22 @@ def main() -> None:
                 r = run_stack(model, recipe, args)
                 results.append({"model": name, "recipe": recipe, "stack": r})
                 print_stack(name, recipe, r, by_recipe.get(recipe, {}).get("params"))
+        if args.compare_recompute and "bf16" in by_recipe:
+            print(f"# {name} bf16, activation checkpointing off: running {args.steps} steps ...", file=sys.stderr,
+                  flush=True)
+            off = run_child(model, "bf16", args, ("policy.training.activation_checkpointing=false",))
+            results.append({**off, "model": name, "label": "bf16, activation checkpointing off"})
+            if "error" in off:
+                print(f"{name} bf16 (checkpointing off): FAILED {off['error']}")
+            else:
+                a, net = by_recipe["bf16"], off["peak_rss"] - off["base_rss"]
+                print(f"\n{name} bf16, activation checkpointing off: net peak {net / GB:.2f} GB "
+                      f"({net / (16 * off['params']):.3f} of the floor); step {off['step_seconds'][-1]:.1f} s, "
+                      f"train phase {off['train_seconds'][-1]:.1f} s")
+                print(f"ratio step_seconds {name} bf16 default/checkpointing-off "
+                      f"{a['step_seconds'][-1] / off['step_seconds'][-1]:.3f}")
+                print(f"ratio train_seconds {name} bf16 default/checkpointing-off "
+                      f"{a['train_seconds'][-1] / off['train_seconds'][-1]:.3f}")
         if "bf16" in by_recipe:
             b = by_recipe["bf16"]
             for recipe, r in by_recipe.items():

@@ -69,6 +69,7 @@ LOOP_FLAGS: dict[str, str] = {
     "top_p": "policy.generation.top_p",
     "lr": "policy.training.lr",
     "micro_batch_size": "policy.training.micro_batch_size",
+    "activation_checkpointing": "policy.training.activation_checkpointing",
     "num_minibatches": "policy.training.num_minibatches",
     "is_mode": "loss.importance_sampling.mode",
     "kl_coef": "loss.kl_coef",

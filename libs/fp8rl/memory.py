@@ -25,8 +25,8 @@ import threading
 from collections.abc import Iterator
 
 __all__ = ["GB", "PhaseMemory", "available_bytes", "open_phases", "peak_rss_bytes", "peak_rss_bytes_of", "phase",
-           "process_peak_bytes", "release_free_memory", "reset_peak", "rss_bytes", "saved_for_backward", "step_memory",
-           "tune_allocator"]
+           "process_peak_bytes", "release_free_memory", "reset_peak", "rss_bytes", "saved_for_backward", "set_limit",
+           "step_memory", "tune_allocator"]
 
 GB = 10**9
 
@@ -76,15 +76,30 @@ def reset_peak() -> bool:
         return False
 
 
+_limit: list[int] = []  # set_limit's cap on this process's resident memory, bytes (empty: none)
+
+
+def set_limit(limit_bytes: int | None) -> None:
+    """Cap the memory this process may take at ``limit_bytes`` of resident memory (None: no cap of its own), for
+    :func:`available_bytes` — a service sharing a machine with others gets its share (``--memory-limit-gb``)."""
+    if limit_bytes is not None and limit_bytes <= 0:
+        raise ValueError(f"a memory limit must be > 0 bytes, got {limit_bytes}")
+    _limit[:] = [] if limit_bytes is None else [int(limit_bytes)]
+
+
 def available_bytes() -> int | None:
     """Memory this process may still take: the kernel's ``MemAvailable``, capped by the cgroup's limit
-    (``memory.max`` minus ``memory.current``, cgroup v2) when one is set; None where neither can be read."""
+    (``memory.max`` minus ``memory.current``, cgroup v2) when one is set and by :func:`set_limit`'s (the limit minus
+    this process's RSS; negative once past it); None where none of them can be read."""
     avail = None
+    if _limit:
+        avail = _limit[0] - rss_bytes()
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
+                    kernel = int(line.split()[1]) * 1024
+                    avail = kernel if avail is None else min(avail, kernel)
                     break
     except OSError:
         pass

@@ -337,9 +337,17 @@ def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, tit
 
 
 def job_facts(job, *, in_process: bool = False) -> list[tuple[str, str]]:
-    """The report's set-up rows of a :class:`fp8rl.config.JobConfig`: numerics mode and calibration site."""
+    """The report's set-up rows of a :class:`fp8rl.config.JobConfig`: numerics mode, calibration site, activation
+    checkpointing (the share each step recomputed is ``train/recomputed`` in the metrics)."""
     on, why = job.batch_invariance
     facts = [("batch-invariant numerics", why)]
+    t = job.policy.training
+    if t.backend == "torch":
+        ckpt = t.activation_checkpointing
+        facts.append(("activation checkpointing", "auto: on one trainer process, micro-batches whose saved "
+                      "activations would pass a quarter of the trainer's floor and 1 GiB recompute their layers "
+                      "(train/recomputed)" if ckpt is None
+                      else f"{'on' if ckpt else 'off'}: policy.training.activation_checkpointing={str(ckpt).lower()}"))
     if job.kv_cache_dtype == "fp8":
         where = job.calibration_site[1]
         if in_process and job.calibration_site[0] != "logprobs":

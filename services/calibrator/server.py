@@ -61,7 +61,9 @@ class CalibratorService(Service):
         self.ctx = ctx
         policy, tok, _ = load_policy(ctx.job.policy.model)
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
-        self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"))
+        # the loaded model is the calibrator's own (converted in place): never two copies in this process
+        self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"), take_model=True)
+        del policy
         cal = ctx.job.calibration
         self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
                                         margin=cal.margin, max_sequences=cal.max_sequences)

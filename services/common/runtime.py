@@ -96,6 +96,19 @@ def _metrics_port(value: str | int | None) -> int | None:
     return port
 
 
+def _memory_limit_gb(value: str | float | None) -> float | None:
+    """``--memory-limit-gb``: None / "" = no limit of its own, else a positive number of GB."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--memory-limit-gb must be a number of GB, got {value!r}") from None
+    if not (gb > 0 and gb < float("inf")):
+        raise argparse.ArgumentTypeError(f"--memory-limit-gb must be > 0 and finite, got {value!r}")
+    return gb
+
+
 def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m services.{spec.name}", description=f"fp8rl {spec.name} service")
     a = p.add_argument
@@ -120,6 +133,10 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
     a("--metrics-port", type=_metrics_port, default=_metrics_port(env_default("metrics_port", "")),
       help="serve Prometheus metrics on http://HOST:PORT/metrics (0 picks a free port; default: off)")
     a("--metrics-host", default=env_default("metrics_host"), help="address the metrics bind (default: --host)")
+    a("--memory-limit-gb", type=_memory_limit_gb, default=_memory_limit_gb(env_default("memory_limit_gb", "")),
+      help="resident memory this process may take, GB (10**9 bytes): the trainer refuses a micro-batch that would "
+           "pass it (RESOURCE_EXHAUSTED naming policy.training.micro_batch_size); default: what the kernel and the "
+           "cgroup leave")
     add_security_args(p)
     if spec.add_args is not None:
         spec.add_args(p)
@@ -170,6 +187,8 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {spec.name}[{args.replica_id}] %(name)s: %(message)s")
     memory.tune_allocator()  # freed heap memory goes back to the kernel: a service's RSS follows what it holds
+    if args.memory_limit_gb is not None:
+        memory.set_limit(int(args.memory_limit_gb * memory.GB))
     import torch  # every role computes with torch; one thread each unless told otherwise
 
     torch.set_num_threads(int(os.environ.get(ENV_TORCH_THREADS, "1")))

@@ -72,12 +72,13 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
             raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
         return engine, engine.config.vocab_size, engine.config.max_position_embeddings
     policy, tok, path = load_policy(name)
-    try:
+    config = policy.config
+    try:  # the loaded model is the engine's own (converted in place): never two copies in this process
         engine = make_rollout_engine(job, policy, path, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,
-                                     max_batch_size=args.max_batch_size)
+                                     max_batch_size=args.max_batch_size, take_model=True)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return engine, policy.config.vocab_size, policy.config.max_position_embeddings
+    return engine, config.vocab_size, config.max_position_embeddings
 
 
 class RolloutService(Service):

@@ -297,7 +297,7 @@ def follower_main(spec, argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         job = load_job_config(args.config)
-        from .server import build_trainer
+        from .build import build_trainer
 
         trainer, parallel = build_trainer(job)
     except Exception as exc:  # noqa: BLE001 - rank 0 fails the same way and says why; exit so torchrun stops

@@ -42,7 +42,6 @@ from fp8rl.engines import (
     StaleSampleError,
     TrainBatch,
     build_train_batch,
-    make_trainer_backend,
     train_on_batch,
 )
 from fp8rl.fp8 import QKVScales, fp8_linear_names
@@ -66,28 +65,13 @@ from services.common.runtime import (
     rpc_method,
 )
 
+from .build import build_trainer
 from .checkpoints import CheckpointDir, CheckpointLimitError, CheckpointNameError, resolve_checkpoint
 from .ranks import CommandChannel, LeaderTrainer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TrainerService", "TrainerServicer", "SPEC", "resolve_checkpoint", "build_trainer"]
-
-
-def build_trainer(job, policy=None):
-    """``(trainer, parallel)``: the job's trainer backend on this rank, over the group of ``policy.training.dp_size``
-    ranks (joined here; ``parallel`` None for one). Every rank builds it the same way.
-
-    Raises:
-        ValueError: dp_size disagrees with torchrun's world, or the backend cannot run these settings.
-    """
-    from fp8rl.engines.parallel import group_for
-
-    parallel = group_for(job.policy.training.dp_size, job.trainer_model_parallel)
-    if policy is None:
-        policy, _, _ = load_policy(job.policy.model)
-    trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None, parallel=parallel)
-    return trainer, parallel
 
 
 class TrainerService(Service):
@@ -334,6 +318,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                         grpc.StatusCode.FAILED_PRECONDITION)
             require(not (request.calibrate_scales and request.scales_from_logprobs),
                     "calibrate_scales and scales_from_logprobs are exclusive: one source of the new version's scales")
+            check_memory = getattr(s.trainer, "check_memory", None)
+            if check_memory is not None:  # before waiting for any scales: a batch that cannot fit is refused at once
+                try:
+                    check_memory(*batch.input_ids.shape)
+                except MemoryBudgetError as exc:
+                    raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"step {request.step}: {exc}") from None
             s.load_held_scales()
             try:  # logprobs → mismatch → optimizer step, as the in-process loop does it
                 out = s.ctx.compute(train_on_batch, s.trainer, batch, should_stop=stop,

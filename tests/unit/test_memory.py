@@ -109,3 +109,21 @@ def test_another_processs_peak_is_read_from_its_status():
     finally:
         child.communicate("", timeout=30)
     assert memory.peak_rss_bytes_of(child.pid) is None  # reaped: gone
+
+
+def test_a_set_limit_caps_what_is_available_by_this_processs_own_rss():
+    """``set_limit`` (a service's --memory-limit-gb): available = min(kernel's MemAvailable, limit - RSS now);
+    past the limit it is negative; None lifts it; a limit <= 0 is refused."""
+    free = memory.available_bytes()
+    try:
+        memory.set_limit(memory.rss_bytes() + (64 << 20))
+        capped = memory.available_bytes()
+        assert capped <= 64 << 20 and capped > 0 and (free is None or capped <= free)
+        memory.set_limit(1)
+        assert memory.available_bytes() < 0
+    finally:
+        memory.set_limit(None)
+    again = memory.available_bytes()
+    assert (again is None) == (free is None) and (free is None or again > 64 << 20)
+    with pytest.raises(ValueError, match="must be > 0"):
+        memory.set_limit(0)

@@ -102,12 +102,17 @@ class TrainingConfig(Section):
     grad_clip: float = setting(1.0, "Global gradient-norm clip (0: none).", ge=0.0)
     micro_batch_size: int = setting(64, "Rows per forward/backward micro-batch.", gt=0)
     num_minibatches: int = setting(1, "Optimizer updates per step (the step's batch split PPO-style).", gt=0)
-    activation_checkpointing: bool = setting(False, "Recompute each transformer layer's activations in the backward "
-                                             "instead of keeping them (torch backend, dense models): a micro-batch "
-                                             "keeps one hidden-size vector per token and layer instead of several "
-                                             "hidden + intermediate ones, for one more forward of the layers per "
-                                             "backward (about a third more train time); gradients bitwise "
-                                             "unchanged.")
+    activation_checkpointing: bool | None = setting(None, "Recompute each transformer layer's activations in the "
+                                                    "backward instead of keeping them (torch backend, dense models): "
+                                                    "a micro-batch keeps one hidden-size vector per token and layer "
+                                                    "instead of several hidden + intermediate ones, for one more "
+                                                    "forward of the layers per backward; gradients bitwise "
+                                                    "unchanged. Unset (auto): on for a micro-batch whose saved "
+                                                    "activations would pass a quarter of the trainer's floor (16 "
+                                                    "bytes per parameter) and 1 GiB, decided from its shape "
+                                                    "(fp8rl.engines.footprint); off for mixture-of-experts models, "
+                                                    "trainer groups (dp_size > 1) and the megatron backend.",
+                                                    kind=bool, optional=True)
     dp_size: int = setting(1, "Data-parallel trainer ranks under torchrun (torch backend: FSDP2, sharded "
                            "weights and AdamW state; megatron backend: Megatron-Core DDP, replicated state); the "
                            "launcher, compose and the Helm chart start this many).", ge=1, le=limits.MAX_TRAINER_RANKS)

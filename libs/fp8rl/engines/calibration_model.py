@@ -25,8 +25,10 @@ class CalibrationModel:
     arrives in E4M3 is dequantized (``x ≈ q.float() * scale``) — the weights the rollout computes with.
     """
 
-    def __init__(self, policy: torch.nn.Module, recipe) -> None:
-        self.model = convert_model(copy.deepcopy(policy), recipe, mode="inference").eval()
+    def __init__(self, policy: torch.nn.Module, recipe, *, take_model: bool = False) -> None:
+        """Converts a deep copy of ``policy`` (``take_model``: ``policy`` itself, handed over by a caller that does
+        not use it again: the service's freshly loaded model, never held twice)."""
+        self.model = convert_model(policy if take_model else copy.deepcopy(policy), recipe, mode="inference").eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._spec = PayloadSpec.for_model(self.model, dequantize_fp8=True)

@@ -57,10 +57,11 @@ ROLLOUT_BACKENDS = ("torch", "vllm")
 
 
 def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: list[int], pad_token_id: int,
-                        max_batch_size: int = 64) -> RolloutEngine:
+                        max_batch_size: int = 64, take_model: bool = False) -> RolloutEngine:
     """The :class:`RolloutEngine` of ``job``'s ``policy.generation.backend``: the embedded torch engine on
-    ``policy``, or vLLM on the checkpoint at ``path`` (the same weights, resolved by the caller; vLLM
-    loads them itself, so ``policy`` may be None). The engine holds no version until its first refit.
+    ``policy`` (``take_model``: converted in place, not copied — the caller hands it over), or vLLM on the
+    checkpoint at ``path`` (the same weights, resolved by the caller; vLLM loads them itself, so ``policy`` may be
+    None). The engine holds no version until its first refit.
 
     Raises:
         ValueError: an unknown backend (the message names the key).
@@ -72,7 +73,8 @@ def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: li
             raise ValueError("policy.generation.backend: 'torch' runs on the loaded policy; none was given")
         return TorchRolloutEngine(policy, job.fp8_recipe("rollout"), eos_token_ids=eos_token_ids,
                                   pad_token_id=pad_token_id, initial_version=None, max_batch_size=max_batch_size,
-                                  seed=job.job.seed, record_routes=job.policy.router_replay.enabled)
+                                  seed=job.job.seed, record_routes=job.policy.router_replay.enabled,
+                                  take_model=take_model)
     if backend == "vllm":  # imported here: vLLM is an optional install
         from .vllm.rollout import VllmRolloutEngine
 

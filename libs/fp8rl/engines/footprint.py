@@ -21,11 +21,17 @@ recipes. ``tests/unit/engines/test_footprint.py`` measures the saved tensors of 
 (``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
 
 :func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's
-two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight — its FP32 dequantization is
-released while a step trains) and refuses, naming
+two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight — the trainer keeps no FP32 dequantization)
+and refuses, naming
 ``policy.training.micro_batch_size`` and the largest value that fits, when the total passes the memory this process
 may still take (:func:`fp8rl.memory.available_bytes`) — before the kernel's OOM killer would end the process with
 nothing said.
+
+:func:`recompute_by_default` is ``policy.training.activation_checkpointing`` left unset ("auto"): the embedded
+trainer recomputes a dense model's micro-batch whose saved activations would take more than
+:data:`AUTO_RECOMPUTE_FLOOR_SHARE` of the trainer's floor (16 bytes per trained parameter: FP32 weights, gradients,
+AdamW's two moments) and at least :data:`AUTO_RECOMPUTE_MIN_BYTES` — the activations that would carry a step's peak
+past 1.3x the floor, and only where that is worth a third more train time.
 """
 
 from __future__ import annotations
@@ -36,7 +42,16 @@ from fp8rl.memory import GB, available_bytes
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.logprobs import LOGPROB_CHUNK_ELEMENTS
 
-__all__ = ["MemoryBudgetError", "TrainFootprint", "activation_elements_per_token", "check_fits"]
+__all__ = ["AUTO_RECOMPUTE_FLOOR_SHARE", "AUTO_RECOMPUTE_MIN_BYTES", "MemoryBudgetError", "TrainFootprint",
+           "activation_elements_per_token", "check_fits", "recompute_by_default"]
+
+# activation checkpointing left "auto": recompute a micro-batch whose saved activations pass this share of the
+# trainer's floor (the floor is 16 bytes per trained parameter; the memory target is a peak <= 1.3x it, and the
+# train phase's other transients — a logits chunk, one layer's gradients — take the rest of that 0.3) ...
+AUTO_RECOMPUTE_FLOOR_SHARE = 0.25
+# ... and at least this many bytes: a small model's activations can pass the share while costing less than the
+# process's fixed memory; recomputing them would spend a third more train time to save nothing that matters
+AUTO_RECOMPUTE_MIN_BYTES = 1 << 30
 
 
 class MemoryBudgetError(MemoryError):
@@ -87,6 +102,19 @@ def micro_batch_footprint(config: ModelConfig, rows: int, seq_len: int, *, batch
                                               checkpointing=checkpointing)
     logits = 3 * 4 * min(LOGPROB_CHUNK_ELEMENTS, rows * seq_len * config.vocab_size)  # FP32: logits, softmax, grad
     return TrainFootprint(rows * seq_len * per_token * activation_bytes + logits, state_to_come)
+
+
+def recompute_by_default(config: ModelConfig, rows: int, seq_len: int, *, trained_params: int, batch_invariant: bool,
+                         activation_bytes: int = 4) -> bool:
+    """Whether a micro-batch of ``rows`` rows of ``seq_len`` tokens is recomputed when activation checkpointing is
+    left unset (module docstring): never for mixture-of-experts models (their routing plans would see each
+    recomputed forward), else when its saved activations pass both :data:`AUTO_RECOMPUTE_FLOOR_SHARE` of the
+    floor and :data:`AUTO_RECOMPUTE_MIN_BYTES`. Decided from the shapes only: the same on every machine."""
+    if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        return False
+    saved = rows * seq_len * activation_bytes * activation_elements_per_token(config, seq_len,
+                                                                              batch_invariant=batch_invariant)
+    return saved > max(AUTO_RECOMPUTE_FLOOR_SHARE * 16 * trained_params, AUTO_RECOMPUTE_MIN_BYTES)
 
 
 def check_fits(config: ModelConfig, *, micro_batch_size: int, rows: int, seq_len: int, batch_invariant: bool,

@@ -87,7 +87,9 @@ class TorchRolloutEngine(RolloutEngine):
     """Embedded rollout engine.
 
     Args:
-        model: a high-precision :class:`CausalLM`; the engine converts its own deep copy.
+        model: a high-precision :class:`CausalLM`; the engine converts its own deep copy (``take_model``: the
+            model itself, which the caller hands over and does not use again — a service's freshly loaded policy,
+            so the process never holds two copies of it).
         recipe: the rollout's :class:`Fp8Recipe` (``recipe_for_role(job_recipe, "rollout")``).
         eos_token_ids: tokens that end a sample.
         initial_version: weight version of ``model``'s weights (served once QKV scales for it are
@@ -113,12 +115,17 @@ class TorchRolloutEngine(RolloutEngine):
         seed: int = 0,
         record_routes: bool = False,
         shared_with: torch.nn.Module | None = None,
+        take_model: bool = False,
     ) -> None:
         self.recipe = recipe
+        if take_model and shared_with is not None:
+            raise ValueError("take_model and shared_with exclude each other: a shared engine keeps the trainer's "
+                             "tensors, a taken model is converted in place")
         self._shared = shared_with
         self._shared_caches: dict[str, WeightCache] = {}  # FP8 layer -> the trainer's cache it takes its form from
         if shared_with is None:
-            self.model = convert_model(copy.deepcopy(model), recipe, mode="inference").eval()
+            self.model = convert_model(model if take_model else copy.deepcopy(model), recipe,
+                                       mode="inference").eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
         else:  # the module structure copied, every parameter the trainer's own object (never its requires_grad)
@@ -193,13 +200,14 @@ class TorchRolloutEngine(RolloutEngine):
             cache = getattr(src, "weight_cache", None)
             if (isinstance(src, Fp8Linear) and cache is not None
                     and src.pow2_weight_scale == mine.pow2_weight_scale):
-                q, scale, deq = cache.get(src.weight, src.pow2_weight_scale)
-                mine.weight, mine.weight_scale, mine._w_dequant = q, scale, deq
+                q, scale, _ = cache.get(src.weight, src.pow2_weight_scale, keep_dequantized=False)
+                mine.weight, mine.weight_scale = q, scale
                 self._shared_caches[name] = cache
                 if src.bias is not None:
                     mine.bias.copy_(src.bias)
             else:
                 mine.load_weight(src.weight, src.bias, name=f"{name}.weight")
+            mine._w_dequant = None  # taken while generating only (_dequantized_while_generating), not from a refit on
 
     @contextlib.contextmanager
     def _dequantized_while_generating(self):

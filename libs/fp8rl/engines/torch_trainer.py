@@ -36,7 +36,7 @@ from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
 from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
-from .footprint import check_fits
+from .footprint import check_fits, recompute_by_default
 from .parallel import DataParallel, full_tensor
 from .routing_stats import RouteStats, plan_for
 
@@ -68,7 +68,8 @@ class TrainerConfig:
         measure_unreplayed: with ``router_replay``, the logprob pass also runs once without replay and reports
             that mismatch (``moe/unreplayed/*``: what replay removed). One extra no-grad forward per step.
         activation_checkpointing: the training passes keep each layer's input only and recompute the layer in the
-            backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models).
+            backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models). None ("auto"):
+            per micro-batch, as :func:`fp8rl.engines.footprint.recompute_by_default` decides from its shape.
     """
 
     lr: float = 1e-5
@@ -82,7 +83,7 @@ class TrainerConfig:
     router_replay: bool = False
     router_aux_loss_coef: float = 0.0
     measure_unreplayed: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -180,6 +181,7 @@ class TorchTrainer(TrainerBackend):
         self.model = self._build_policy(model, recipe).train()
         if config.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
+        self._trained_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         # Trainer-side FP8 KV (batch-invariant recipes): the quantizers stay off the model except during this
         # trainer's own passes, which need the QKV scales the rollout used for the version they recompute; a
         # calibrator reading the same model object (the in-process loop) keeps its high-precision forward.
@@ -195,8 +197,13 @@ class TorchTrainer(TrainerBackend):
                 p.requires_grad_(False)
             if parallel is not None:
                 self.ref_model = self._distribute(self.ref_model, trained=False)
+        # On CPU, one parameter at a time (foreach=False): the multi-tensor path computes sqrt(v) for every parameter
+        # at once, a transient as large as the weights (2.5 GB on a 630M model: the train phase's peak), and on CPU
+        # its foreach kernels loop over the same per-tensor ops anyway — the same numbers, bitwise (tested)
+        on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+            foreach=False if on_cpu else None,
         )
         self._version = initial_version
         # which model a checkpoint belongs to (fp8rl.export reads it): its config, the preset or directory
@@ -367,12 +374,30 @@ class TorchTrainer(TrainerBackend):
         to_come = sum(4 * p.numel() for p in trained if p.grad is None)
         if not self.optimizer.state:
             to_come += 8 * sum(p.numel() for p in trained)
-        to_come += sum(m.weight.numel() for m in self.model.modules()  # E4M3 (its FP32 form released to train)
+        to_come += sum(m.weight.numel() for m in self.model.modules()  # E4M3 only (dequantized per call)
                        if isinstance(m, Fp8Linear) and m.weight_cache is not None and m.weight_cache.q is None)
         return check_fits(self.model.config, micro_batch_size=self.config.micro_batch_size, rows=rows,
                           seq_len=seq_len, batch_invariant=self.recipe.batch_invariant, state_to_come=to_come,
-                          checkpointing=self.model.activation_checkpointing,
-                          activation_bytes=self.model.model.embed_tokens.weight.element_size(), where=where)
+                          checkpointing=self.recomputes(min(rows, self.config.micro_batch_size), seq_len),
+                          activation_bytes=self._activation_bytes, where=where)
+
+    @property
+    def _activation_bytes(self) -> int:
+        return self.model.model.embed_tokens.weight.element_size()
+
+    def recomputes(self, rows: int, seq_len: int) -> bool:
+        """Whether a training micro-batch of ``rows`` rows of ``seq_len`` tokens runs with activation checkpointing:
+        the configured value, or left unset (None), :func:`~fp8rl.engines.footprint.recompute_by_default` of its
+        shape — on one process only: a group's FSDP2 layers would gather their shards again in the recomputed
+        forward, which nothing here has measured, so a group recomputes only when told to."""
+        chosen = self.config.activation_checkpointing
+        if chosen is not None:
+            return chosen
+        if self.parallel is not None:
+            return False
+        return recompute_by_default(self.model.config, rows, seq_len, trained_params=self._trained_params,
+                                    batch_invariant=self.recipe.batch_invariant,
+                                    activation_bytes=self._activation_bytes)
 
     def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
         if batch.prev_logprobs is None:
@@ -440,9 +465,12 @@ class TorchTrainer(TrainerBackend):
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grouped = self.parallel is not None
+        recomputed = runs = 0
         for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             if mb.num_tokens == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue
+            self.model.activation_checkpointing = self.recomputes(*mb.input_ids.shape)  # forward-only passes ignore it
+            recomputed, runs = recomputed + self.model.activation_checkpointing, runs + 1
             coef = self.config.router_aux_loss_coef
             plan = plan_for(self._moe_layers, mb, replay=self.config.router_replay, aux=coef > 0)
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
@@ -455,6 +483,8 @@ class TorchTrainer(TrainerBackend):
             _add_metrics(totals, weights, float(loss.detach()), m, mb.num_tokens)
             del curr, ent, loss, m
             release_free_memory()  # the micro-batch's activations, freed: back to the kernel (tune_allocator)
+        if runs:  # the share of this rank's micro-batches that recomputed their layers in the backward
+            totals["recomputed"], weights["recomputed"] = float(recomputed), float(runs)
         return totals, weights
 
     def _loss(self, curr: torch.Tensor, mb: TrainBatch, norm: LossNorm, entropy: torch.Tensor | None = None):

@@ -16,10 +16,11 @@ on the reference backend, its FP32 dequantization) for as long as the weight is 
 same version counter — every in-place change (the optimizer's step, ``load_state_dict``'s ``copy_``) bumps
 that counter — so the micro-batches and logprob passes between two optimizer updates quantize it once,
 with bitwise the numbers of quantizing it per call. The cache costs 1 byte per weight element. On the
-reference backend forward-only passes (logprobs, calibration, a shared rollout) also keep the FP32
-dequantization the GEMM multiplies by (4 more); a forward that records for backward releases it and
-dequantizes per call and again in its backward (a broadcast multiply, a few percent of the GEMM), so a training
-step's peak carries no FP32 copy of the FP8 weights. It is off for weights
+reference backend the GEMM multiplies by the FP32 dequantization: the trainer's passes (training, logprobs,
+calibration) dequantize per call (a broadcast multiply, a few percent of the GEMM; again in a training pass's
+backward) and release what the cache held, so no pass of the trainer carries an FP32 copy of the FP8 weights
+(4 bytes per element more); a shared rollout keeps it (:meth:`WeightCache.dequantize_held`) while it generates,
+where every decode step would dequantize again. It is off for weights
 whose storage is swapped without a version bump (FSDP's unsharded parameters: :mod:`fp8rl.engines.parallel`
 turns it off).
 
@@ -137,8 +138,8 @@ class WeightCache:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(w_q, w_scale, FP32 dequantization or None)`` of ``weight`` now, quantized only when it changed.
 
-        ``keep_dequantized=False`` (a training forward) releases the FP32 dequantization and returns None for it:
-        the caller dequantizes per call, so a training step holds 1 byte per weight element, not 5. Otherwise it
+        ``keep_dequantized=False`` (every pass of the trainer) releases the FP32 dequantization and returns None for
+        it: the caller dequantizes per call, so the trainer holds 1 byte per weight element, not 5. Otherwise it
         is kept (built now if it was released) on the reference backend."""
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2)
         if self._ref is not None and self._ref() is weight and self._key == key:
@@ -241,11 +242,11 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     pow2_a = pow2_scale if pow2_activation_scale is None else pow2_activation_scale
     lead = x.shape[:-1]
-    # a forward that records for backward dequantizes the weight per call (and again in the backward) instead of
-    # keeping the FP32 dequantization cached: the numbers are the same, the training step holds 1 byte per element
-    training = torch.is_grad_enabled() and weight.requires_grad
+    # every pass dequantizes the weight per call (and a training one again in its backward) instead of keeping the
+    # FP32 dequantization cached: the numbers are the same, and the trainer holds 1 byte per weight element in its
+    # logprob pass too — where its gradients and moments are all held, the pass's peak (issue 30)
     out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile,
-                             not training)
+                             False)
     return out.reshape(*lead, weight.shape[0])
 
 

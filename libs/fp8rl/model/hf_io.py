@@ -136,7 +136,10 @@ def load_hf_checkpoint(
                 f"config.json implies {tuple(shape)}"
             )
 
-    return model_from_tensors(config, {k: v.to(dtype=dtype) for k, v in tensors.items()}), config
+    # one tensor at a time, each file-dtype tensor dropped once converted: the load never holds the checkpoint
+    # twice (a bfloat16 checkpoint loaded in FP32 peaked at 1.5x the model's FP32 size)
+    converted = {k: tensors.pop(k).to(dtype=dtype) for k in list(tensors)}
+    return model_from_tensors(config, converted), config
 
 
 def model_from_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> CausalLM:

@@ -32,13 +32,15 @@ from torch import nn
 
 __all__ = ["LOGPROB_CHUNK_ELEMENTS", "chunk_rows", "chunked_token_logprobs", "entropy_of", "sampling_log_softmax"]
 
-# FP32 logits of one chunk (256 MiB): each of the chunk's temporaries (logits, log-softmax, their gradients) is this
+# FP32 logits of one chunk (128 MiB): each of the chunk's temporaries (logits, log-softmax, their gradients) is this
 # big. Each chunk's head GEMMs stream the whole weight, so fewer, larger chunks run them nearer full speed: measured on
 # 2 CPU cores, a Qwen2-0.5B-shaped training step of 8 x 70 tokens took +18% over the full logits at 1 << 24 (104 rows
-# a chunk), +8% at this size (the recomputed GEMM alone is ~7%); a step's peak memory over 8 x 256 tokens (2 layers)
-# was 1.5 GiB above the weights at 1 << 24, 2.4 GiB at this size and 4.1 GiB with the full logits. Rows that fit one
+# a chunk), +8% at 1 << 26 (the recomputed GEMM alone is ~7%); a step's peak memory over 8 x 256 tokens (2 layers)
+# was 1.5 GiB above the weights at 1 << 24, 2.4 GiB at 1 << 26 and 4.1 GiB with the full logits. On the whole 630M
+# model (24 layers, 16 rows x 150 tokens, micro-batch 8, activation checkpointing) this size took the backward's peak
+# 0.64 GB below 1 << 26's for +2% train-step time (117.0 s vs 114.4 s, one run each; issue 30). Rows that fit one
 # chunk are not recomputed at all (plain autograd, as the full logits).
-LOGPROB_CHUNK_ELEMENTS = 1 << 26
+LOGPROB_CHUNK_ELEMENTS = 1 << 25
 
 # rows of the BLAS's small-M path (BatchInvariance.row_tile's floor): no chunk is shorter unless all rows are
 _MIN_ROWS = 8

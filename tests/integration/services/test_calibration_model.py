@@ -50,3 +50,17 @@ def test_fp8_gen_only_dequantizes_the_fp8_linears_it_runs_in_high_precision(tiny
                                rtol=0, atol=0)
     scales = QKVCalibrator(target.model, pad_token_id=tok.pad_id).calibrate(1, SEQS)
     assert scales.version == 1 and min(scales.k) > 0
+
+
+def test_a_taken_model_is_converted_in_place_with_the_copys_numbers(tiny_checkpoint):
+    """``take_model`` (the service's freshly loaded policy): the calibrator converts that object itself — the
+    process never holds the loaded model and a copy — and calibrates exactly as on a copy."""
+    policy, tok, _ = load_policy(str(tiny_checkpoint))
+    mine, _, _ = load_policy(str(tiny_checkpoint))
+    copied = CalibrationModel(policy, recipe_for_role("fp8_e2e", "calibrator"))
+    taken = CalibrationModel(mine, recipe_for_role("fp8_e2e", "calibrator"), take_model=True)
+    assert taken.model is mine and copied.model is not policy
+    for target in (copied, taken):
+        target.load_weights(1, shipped(policy, "fp8_e2e"))
+    a, b = (QKVCalibrator(t.model, pad_token_id=tok.pad_id).calibrate(1, SEQS) for t in (copied, taken))
+    assert (a.q, a.k, a.v) == (b.q, b.k, b.v)

@@ -373,6 +373,28 @@ def test_a_trainer_resumes_from_a_checkpoint_and_republishes_one_the_job_moved_p
     assert v1.keys() == v3.keys() and all(torch.equal(v1[k], v3[k]) for k in v1)
 
 
+def test_a_trainer_refuses_a_step_past_its_memory_limit_and_keeps_serving(spawner, tiny_checkpoint, module_job_id,
+                                                                          redis_url, write_job, tmp_path):
+    """A trainer given less memory than a micro-batch needs (``--memory-limit-gb``, below what the process already
+    holds) answers TrainStep with RESOURCE_EXHAUSTED naming policy.training.micro_batch_size before any work: no
+    version is published, the process keeps serving."""
+    job_id = module_job_id + "-mem"
+    cfg = write_job(tmp_path / "job.yaml", tiny_checkpoint, job_id)
+    tr = spawner.start("trainer", cfg, "trainer-mem", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--memory-limit-gb", "0.01").wait_listening()
+    stub = trainer_pb2_grpc.TrainerServiceStub(tr.channel())
+    rows = [trainer_pb2.Sequence(prompt_ids=p, response_ids=[50, 51, 52], gen_logprobs=[-1.0] * 3, advantage=a)
+            for p, a in zip(PROMPTS, (1.0, -1.0), strict=True)]
+    store = RefitStore(connect(redis_url), job_id)
+    before = store.latest()
+    code, details = code_of(lambda: stub.TrainStep(trainer_pb2.TrainStepRequest(expected_version=0, rows=rows, step=0),
+                                                   timeout=T))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "policy.training.micro_batch_size" in details and "nothing was run" in details, details
+    assert store.latest() == before and tr.proc.poll() is None
+    assert health_pb2_grpc.HealthStub(tr.channel()).Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
+
+
 def test_vllm_backend_without_vllm_installed_is_a_clear_startup_error(spawner, tiny_checkpoint, module_job_id,
                                                                      write_job, tmp_path):
     if importlib.util.find_spec("vllm") is not None:  # the default venv never has it (vLLM lives in .venv-vllm)

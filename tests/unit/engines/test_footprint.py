@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fp8rl.engines.footprint as footprint
 from fp8rl import memory
-from fp8rl.engines.footprint import MemoryBudgetError, activation_elements_per_token, check_fits
+from fp8rl.engines.footprint import MemoryBudgetError, activation_elements_per_token, check_fits, recompute_by_default
 from fp8rl.fp8 import convert_model, recipe_for_role
 from fp8rl.model import CausalLM, ModelConfig
 
@@ -114,3 +115,47 @@ def test_the_loop_refuses_a_batch_that_cannot_fit_before_running_it(monkeypatch,
     err = capsys.readouterr().err
     assert "policy.training.micro_batch_size: 4 does not fit in the in-process loop's memory" in err
     assert "nothing was run" in err
+
+
+def test_auto_recomputes_past_a_quarter_of_the_floor_and_a_gibibyte():
+    """Unset checkpointing recomputes a micro-batch whose saved activations (rows x tokens x elements per token x 4
+    bytes) pass both max(0.25 x 16 bytes per parameter, 1 GiB); the row count where it turns on, computed here
+    from that rule, is where it does; never for a mixture-of-experts model."""
+    cfg = ModelConfig(**{**SHAPES["qwen2"], "vocab_size": 32000, "num_hidden_layers": 8})
+    T, per_token = 512, activation_elements_per_token(cfg, 512)
+    for params in (10**8, 10**9):  # the 1 GiB minimum binds for the first, the floor's share for the second
+        bar = max(0.25 * 16 * params, 2**30)
+        first_on = int(bar // (T * per_token * 4)) + 1  # the fewest rows whose activations pass the bar
+        kw = dict(trained_params=params, batch_invariant=False)
+        assert not recompute_by_default(cfg, first_on - 1, T, **kw)
+        assert recompute_by_default(cfg, first_on, T, **kw)
+    moe = ModelConfig(**{**SHAPES["qwen3-moe"], "vocab_size": 256, "num_hidden_layers": 2})
+    assert not recompute_by_default(moe, 10**6, 4096, trained_params=1, batch_invariant=False)
+
+
+def test_trainer_left_on_auto_recomputes_only_the_micro_batches_past_the_bar(monkeypatch, policy, prompts):
+    """Unset: the 4-row micro-batches of a 10-row step recompute and its 2-row one does not (bar set between
+    them); train/recomputed says 2 of 3, and the step's weights are bitwise those of a trainer that never
+    recomputes and of one that always does."""
+    import copy
+
+    from fp8rl.engines import SamplingParams, TorchRolloutEngine, TorchTrainer, TrainerConfig, build_train_batch
+
+    eng = TorchRolloutEngine(policy, recipe_for_role("bf16", "rollout"), eos_token_ids=[], pad_token_id=0)
+    samples = eng.generate(prompts[:2], SamplingParams(max_tokens=6, n=5, seed=0))
+    batch = build_train_batch(samples, torch.rand(len(samples), dtype=torch.float64), 5, pad_id=0)
+    rows, T = batch.input_ids.shape
+    assert rows == 10
+    params = sum(p.numel() for p in policy.parameters())
+    three_rows = 3 * T * 4 * activation_elements_per_token(policy.config, T)
+    monkeypatch.setattr(footprint, "AUTO_RECOMPUTE_MIN_BYTES", 0)
+    monkeypatch.setattr(footprint, "AUTO_RECOMPUTE_FLOOR_SHARE", three_rows / (16 * params))
+    out = {}
+    for ckpt in (None, False, True):
+        tr = TorchTrainer(copy.deepcopy(policy), recipe_for_role("bf16", "trainer"),
+                          TrainerConfig(lr=1e-2, micro_batch_size=4, activation_checkpointing=ckpt))
+        m = tr.train_step(copy.deepcopy(batch))
+        out[ckpt] = (m["recomputed"], tr.state_dict())
+    assert out[None][0] == pytest.approx(2 / 3) and out[False][0] == 0.0 and out[True][0] == 1.0
+    for ckpt in (False, True):
+        assert all(torch.equal(v, out[ckpt][1][k]) for k, v in out[None][1].items()), ckpt

@@ -162,3 +162,18 @@ def test_bad_requests_are_refused(policy):
         eng.generate([[1] * 100], SamplingParams(max_tokens=64))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_a_taken_model_is_converted_in_place_and_samples_as_a_copy_does(policy, prompts):
+    """``take_model`` (the rollout service's freshly loaded policy): the engine converts that object, never a second
+    copy, and samples bitwise what an engine on a copy samples; it cannot also share a trainer's weights."""
+    import copy
+
+    mine = copy.deepcopy(policy)
+    taken = TorchRolloutEngine(mine, FP8, eos_token_ids=[2], take_model=True)
+    assert taken.model is mine
+    p = SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=3)
+    a, b = _engine(policy, FP8).generate(prompts, p), taken.generate(prompts, p)
+    assert [(s.token_ids, s.logprobs) for s in a] == [(s.token_ids, s.logprobs) for s in b]
+    with pytest.raises(ValueError, match="take_model and shared_with"):
+        TorchRolloutEngine(copy.deepcopy(policy), FP8, eos_token_ids=[2], take_model=True, shared_with=policy)

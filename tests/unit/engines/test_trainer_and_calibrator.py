@@ -93,6 +93,23 @@ def test_checkpoint_resume_is_bit_identical(policy, prompts, tmp_path):
         assert torch.equal(v, tr2.state_dict()[k]), k
 
 
+def test_adamw_one_parameter_at_a_time_is_bitwise_the_multi_tensor_path(policy, prompts):
+    """The CPU trainer's AdamW runs per parameter (foreach=False: no weights-sized sqrt(v) transient); two steps of it
+    leave bitwise the weights and moments that torch's multi-tensor AdamW leaves."""
+    batches = [_rollout_batch(policy, prompts, "bf16", seed=s) for s in (1, 2)]
+    ours, theirs = _trainer(policy, "bf16"), _trainer(policy, "bf16")
+    assert ours.optimizer.defaults["foreach"] is False
+    theirs.optimizer = torch.optim.AdamW(theirs.model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
+                                        foreach=True)
+    for b in batches:
+        for tr in (ours, theirs):
+            tr.train_step(_copy(b))
+    for (name, a), b in zip(ours.model.named_parameters(), theirs.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        sa, sb = ours.optimizer.state[a], theirs.optimizer.state[b]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]), name
+
+
 def _copy(b):
     return TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, b.advantages, b.gen_logprobs)
 

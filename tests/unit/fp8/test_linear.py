@@ -164,11 +164,11 @@ def test_the_weight_cache_quantizes_once_per_update_with_the_same_numbers():
     assert torch.equal(cached(x), fresh(x)) and cached.weight_cache.misses == 4  # the copy_ was seen
 
 
-def test_a_training_forward_holds_no_fp32_copy_of_the_fp8_weight():
-    """Forward-only passes keep the weight's FP32 dequantization beside its E4M3 form (the decode and logprob
-    GEMMs reuse it); a forward that records for backward releases it and dequantizes per call (forward and
-    backward), with bitwise the outputs and gradients of the cached path — so a training step holds 1 byte per FP8
-    weight element, not 5."""
+def test_no_pass_of_the_trainer_holds_an_fp32_copy_of_the_fp8_weight():
+    """The trainer's FP8 linear keeps the weight's E4M3 form between calls and dequantizes per call in every pass
+    (no-grad logprob passes and training forwards and backwards alike), with bitwise the outputs and gradients of a
+    layer that quantizes per call — so it holds 1 byte per FP8 weight element, not 5. A dequantization a shared
+    rollout took for its generation (``dequantize_held``) is released by the next pass."""
     import copy
 
     from fp8rl.fp8 import Fp8Linear
@@ -181,7 +181,9 @@ def test_a_training_forward_holds_no_fp32_copy_of_the_fp8_weight():
     with torch.no_grad():
         y0 = layer(x)
     cache = layer.weight_cache
-    assert cache.dequantized is not None and cache.q is not None
+    assert cache.dequantized is None and cache.q is not None
+    held = cache.dequantize_held()  # what a shared rollout takes while it generates
+    assert held is not None and cache.dequantized is held
     y = layer(x)
     assert cache.dequantized is None and cache.q is not None  # released, the E4M3 form kept
     assert torch.equal(y, y0) and torch.equal(y, plain(x))
@@ -190,5 +192,5 @@ def test_a_training_forward_holds_no_fp32_copy_of_the_fp8_weight():
     assert torch.equal(layer.weight.grad, plain.weight.grad) and torch.equal(layer.bias.grad, plain.bias.grad)
     assert cache.dequantized is None
     with torch.no_grad():
-        assert torch.equal(layer(x), y0) and cache.dequantized is not None  # built again for the next no-grad pass
-    assert (cache.misses, cache.hits) == (1, 2)  # quantized once: the E4M3 form outlived the release
+        assert torch.equal(layer(x), y0) and cache.dequantized is None
+    assert (cache.misses, cache.hits) == (1, 2)  # quantized once: the E4M3 form outlived every pass
