@@ -21,8 +21,8 @@ recipes. ``tests/unit/engines/test_footprint.py`` measures the saved tensors of 
 (``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
 
 :func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's
-two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight — the trainer keeps no FP32 dequantization)
-and refuses, naming
+two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight — the trainer keeps no FP32
+dequantization) and refuses, naming
 ``policy.training.micro_batch_size`` and the largest value that fits, when the total passes the memory this process
 may still take (:func:`fp8rl.memory.available_bytes`) — before the kernel's OOM killer would end the process with
 nothing said.
