@@ -170,6 +170,11 @@ class MegatronTrainer(TorchTrainer):
         """``"megatron-te"`` on the Transformer Engine path, ``"megatron"`` on the local spec."""
         return "megatron-te" if self.model.gpt.fused_norms else "megatron"
 
+    def recomputes(self, rows: int, seq_len: int) -> bool:
+        """Never: activation checkpointing is the torch backend's (Megatron-Core's own recompute options are not
+        wired; ``policy.training.activation_checkpointing: true`` is refused for this backend)."""
+        return False
+
     def check_memory(self, rows: int, seq_len: int, *, where: str = "the trainer"):
         """Not estimated (None): :mod:`fp8rl.engines.footprint` models the embedded :class:`CausalLM`'s saved
         activations, not Megatron-Core's layers (their saved tensors, fusions and recompute options differ)."""
