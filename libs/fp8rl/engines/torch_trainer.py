@@ -385,6 +385,8 @@ class TorchTrainer(TrainerBackend):
     def _activation_bytes(self) -> int:
         return self.model.model.embed_tokens.weight.element_size()
 
+    reports_recompute = True  # train/recomputed in the step's metrics (a backend that never recomputes: False)
+
     def recomputes(self, rows: int, seq_len: int) -> bool:
         """Whether a training micro-batch of ``rows`` rows of ``seq_len`` tokens runs with activation checkpointing:
         the configured value, or left unset (None), :func:`~fp8rl.engines.footprint.recompute_by_default` of its
@@ -483,7 +485,7 @@ class TorchTrainer(TrainerBackend):
             _add_metrics(totals, weights, float(loss.detach()), m, mb.num_tokens)
             del curr, ent, loss, m
             release_free_memory()  # the micro-batch's activations, freed: back to the kernel (tune_allocator)
-        if runs:  # the share of this rank's micro-batches that recomputed their layers in the backward
+        if runs and self.reports_recompute:  # the share of this rank's micro-batches that recomputed their layers
             totals["recomputed"], weights["recomputed"] = float(recomputed), float(runs)
         return totals, weights
 

@@ -170,6 +170,8 @@ class MegatronTrainer(TorchTrainer):
         """``"megatron-te"`` on the Transformer Engine path, ``"megatron"`` on the local spec."""
         return "megatron-te" if self.model.gpt.fused_norms else "megatron"
 
+    reports_recompute = False  # every pipeline layout reports the same metrics
+
     def recomputes(self, rows: int, seq_len: int) -> bool:
         """Never: activation checkpointing is the torch backend's (Megatron-Core's own recompute options are not
         wired; ``policy.training.activation_checkpointing: true`` is refused for this backend)."""
