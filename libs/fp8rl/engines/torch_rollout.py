@@ -200,7 +200,7 @@ class TorchRolloutEngine(RolloutEngine):
             cache = getattr(src, "weight_cache", None)
             if (isinstance(src, Fp8Linear) and cache is not None
                     and src.pow2_weight_scale == mine.pow2_weight_scale):
-                q, scale, _ = cache.get(src.weight, src.pow2_weight_scale, keep_dequantized=False)
+                q, scale = cache.get(src.weight, src.pow2_weight_scale)
                 mine.weight, mine.weight_scale = q, scale
                 self._shared_caches[name] = cache
                 if src.bias is not None:

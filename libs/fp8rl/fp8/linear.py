@@ -11,8 +11,8 @@ The recipe (DeepSeek-V3 / Transformer Engine "blockwise"):
 All three GEMMs accumulate in FP32. The saved activation is kept only in its column-wise E4M3
 form (what wgrad needs), which is where the FP8 memory saving of the recipe comes from.
 
-Weight quantization once per update: an :class:`Fp8Linear` keeps the E4M3 form of its master weight (and,
-on the reference backend, its FP32 dequantization) for as long as the weight is the same tensor at the
+Weight quantization once per update: an :class:`Fp8Linear` keeps the E4M3 form of its master weight for as
+long as the weight is the same tensor at the
 same version counter — every in-place change (the optimizer's step, ``load_state_dict``'s ``copy_``) bumps
 that counter — so the micro-batches and logprob passes between two optimizer updates quantize it once,
 with bitwise the numbers of quantizing it per call. The cache costs 1 byte per weight element. On the
@@ -134,13 +134,10 @@ class WeightCache:
         self.q = self.scale = self.dequantized = None
         self.hits = self.misses = 0
 
-    def get(self, weight: torch.Tensor, pow2: bool, *, keep_dequantized: bool = True
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(w_q, w_scale, FP32 dequantization or None)`` of ``weight`` now, quantized only when it changed.
-
-        ``keep_dequantized=False`` (every pass of the trainer) releases the FP32 dequantization and returns None for
-        it: the caller dequantizes per call, so the trainer holds 1 byte per weight element, not 5. Otherwise it
-        is kept (built now if it was released) on the reference backend."""
+    def get(self, weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_q, w_scale)`` of ``weight`` now, quantized only when it changed. Releases any FP32 dequantization
+        held (:meth:`dequantize_held`): the trainer's passes dequantize per call, so it holds 1 byte per weight
+        element, not 5."""
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2)
         if self._ref is not None and self._ref() is weight and self._key == key:
             self.hits += 1
@@ -149,11 +146,8 @@ class WeightCache:
             self.q, self.scale = quantize_blockwise(weight.detach(), pow2_scale=pow2)  # (N, K), (N/128, K/128)
             self.dequantized = None
             self._ref, self._key = weakref.ref(weight), key
-        if keep_dequantized:
-            self.dequantize_held()
-        else:
-            self.dequantized = None
-        return self.q, self.scale, self.dequantized
+        self.dequantized = None
+        return self.q, self.scale
 
     def dequantize_held(self) -> torch.Tensor | None:
         """The FP32 dequantization of the held E4M3 form (kept; built now if released), without looking at the
@@ -173,25 +167,23 @@ class _Fp8LinearFn(torch.autograd.Function):
     (:func:`quantize_columnwise`: the same codes and scales as quantizing the transpose, no transpose copy)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None, keep_dequantized=True):
+    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None):
         if cache is not None:
-            w_q, w_s, w_deq = cache.get(weight, pow2_w, keep_dequantized=keep_dequantized)
+            w_q, w_s = cache.get(weight, pow2_w)
         else:
             w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
-            w_deq = None
         if select_backend(x2d.device) == "reference":
             x = fake_quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K) FP32, E4M3 values x scales
-            w = w_deq if w_deq is not None else dequantize_blockwise(w_q, w_s)
+            w = dequantize_blockwise(w_q, w_s)
             out = x @ w.t() if row_tile is None else tiled_mm(x, w.t(), row_tile)
         else:
             x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
-            out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, w_dequantized=w_deq, row_tile=row_tile)
+            out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, row_tile=row_tile)
         if bias is not None:
             out = out + bias.float()
         # wgrad reduces over tokens: keep x only in its column-wise (1x128 along T) E4M3 form, token-major.
         xt_q, xt_s = quantize_columnwise(x2d, pow2_scale=pow2_a)  # (T, K), (T/128, K)
         ctx.save_for_backward(xt_q, xt_s, w_q, w_s)
-        ctx.w_deq = w_deq  # the cache's: the same numbers dequantize_blockwise(w_q, w_s) gives
         ctx.pow2_a = pow2_a
         ctx.has_bias = bias is not None
         ctx.dtypes = (x2d.dtype, weight.dtype)
@@ -204,7 +196,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         g = grad_out.contiguous()  # (T, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            w = ctx.w_deq if ctx.w_deq is not None else dequantize_blockwise(w_q, w_s)  # (N, K)
+            w = dequantize_blockwise(w_q, w_s)  # (N, K)
             g_deq = fake_quantize_per_token_group(g, pow2_scale=ctx.pow2_a)  # 1x128 along N
             grad_x = (g_deq @ w).to(x_dtype)  # (T, K)
         if ctx.needs_input_grad[1]:
@@ -212,8 +204,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             grad_w = (g_cw.t() @ dequantize_columnwise(xt_q, xt_s)).to(w_dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(w_dtype)
-        ctx.w_deq = None
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def fp8_linear(
@@ -245,8 +236,7 @@ def fp8_linear(
     # every pass dequantizes the weight per call (and a training one again in its backward) instead of keeping the
     # FP32 dequantization cached: the numbers are the same, and the trainer holds 1 byte per weight element in its
     # logprob pass too — where its gradients and moments are all held, the pass's peak (issue 30)
-    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile,
-                             False)
+    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -292,7 +282,7 @@ class Fp8Linear(nn.Linear):
         next forward-only pass that needs it."""
         if self.weight_cache is not None:
             with torch.no_grad():
-                self.weight_cache.get(self.weight, self.pow2_weight_scale, keep_dequantized=False)
+                self.weight_cache.get(self.weight, self.pow2_weight_scale)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8=blockwise, pow2_w={self.pow2_weight_scale}"

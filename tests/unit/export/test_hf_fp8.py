@@ -39,8 +39,8 @@ def fp8_linears(trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Te
     out = {}
     for name, m in trainer.model.named_modules():
         if isinstance(m, Fp8Linear):
-            q, s, deq = m.weight_cache.get(m.weight, m.pow2_weight_scale)  # a cache hit: the step refreshed it
-            out[name] = (q, s, deq)
+            q, s = m.weight_cache.get(m.weight, m.pow2_weight_scale)  # a cache hit: the step refreshed it
+            out[name] = (q, s, m.weight_cache.dequantize_held())
     return out
 
 
