@@ -10,14 +10,17 @@ One step, version v → v+1::
     refit      the rollout engine loads v+1's weights and v+1's scales together, in place
 
 Run ``python -m fp8rl.loop --help``; ``--compare`` runs several recipes on the same seed and
-prints their mismatch side by side.
+prints their mismatch side by side. With ``--out DIR`` the run writes as it goes and checkpoints
+(:mod:`fp8rl.rundir`); ``--resume DIR`` continues a stopped run (:func:`run`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import statistics
 import sys
 import time
@@ -45,16 +48,17 @@ from fp8rl.engines import (
     make_trainer_backend,
     train_on_batch,
 )
-from fp8rl.fp8 import RECIPES
+from fp8rl.fp8 import RECIPES, QKVScales
 from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
 from fp8rl.presets import load_policy
 from fp8rl.rl import mismatch_promise
+from fp8rl.rundir import LoopState, RunDir, RunDirError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOOP_FLAGS", "LoopConfig", "GRPOLoop", "build_train_batch", "main"]
+__all__ = ["LOOP_FLAGS", "LoopConfig", "LoopStopped", "GRPOLoop", "build_train_batch", "main", "run"]
 
 # Each loop flag sets one job key: the CLI, LoopConfig.from_flags and the flags' help all read this table,
 # so the loop and the YAML cannot drift (a flag is only a short name for a key of fp8rl.config).
@@ -77,6 +81,7 @@ LOOP_FLAGS: dict[str, str] = {
     "num_last_layers_in_bf16": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
     "calibration_max_sequences": "calibration.max_sequences",
     "eval_every": "job.eval_every",
+    "checkpoint_every": "job.checkpoint_every",
     "eval_size": "job.eval_size",
     "eval_k": "eval.k",
     "eval_temperature": "eval.temperature",
@@ -229,6 +234,26 @@ class GRPOLoop:
                                   "policy.generation.vllm_cfg.num_last_layers_in_bf16": s.last,
                                   "policy.numerics.auto_bf16_layers": False})
 
+    def restore(self, checkpoint: str | Path, state: LoopState) -> None:
+        """Continue from a checkpoint of this run (:func:`run` with ``resume``): the trainer's weights, AdamW state,
+        RNG and version from ``checkpoint``, and the rollout engine refitted to that version with its QKV scales
+        (``state.qkv_scales``)."""
+        self.trainer.load_checkpoint(str(checkpoint))
+        v = self.trainer.version
+        if v != state.version:
+            raise RunDirError(f"{checkpoint} holds weight version {v}, its loop state says {state.version}")
+        scales = None
+        if self.rollout_recipe.fp8_kv:
+            if not state.qkv_scales:
+                raise RunDirError(f"the loop state of {checkpoint} has no QKV scales, and this job's KV cache is FP8")
+            scales = QKVScales.from_tensor(v, torch.tensor(state.qkv_scales))
+        with memory.phase("refit"):
+            if self.shares_weights:
+                self.rollout.follow(v, scales)
+            else:
+                self.rollout.load_weights(v, self.trainer.state_dict(), scales)
+        self.backends.restart(scales)
+
     def export_policy(self, out: str | Path, *, fmt: str = "hf") -> Path:
         """The trainer's current weights as an HF model directory ``out`` (:func:`fp8rl.export.save_policy_hf`:
         safetensors, config, tokenizer with its chat template, generation config; ``fmt`` ``hf-fp8``: the Hub's
@@ -293,11 +318,11 @@ class GRPOLoop:
                 **{f"time/{k}": v for k, v in times.items()}, "time/step": total,
                 "calibrate_share": times["calibrate"] / total, **memory.step_memory()}
 
-    def run_async(self, steps: int, on_step: Callable[[dict], None]) -> None:
-        """``steps`` steps of asynchronous GRPO (:class:`fp8rl.controller.pipeline.Pipeline`, the controller's
-        driver): rollout and refit on their own threads, training here. ``on_step(row)`` after each step;
-        ``row["val_accuracy"]`` is filled (after waiting for that version's refit) on evaluation steps."""
-        pipe = Pipeline(self.plan, self.backends, first_step=0, total=steps, version=self.trainer.version,
+    def run_async(self, steps: int, on_step: Callable[[dict], None], *, first_step: int = 0) -> None:
+        """Steps ``first_step .. steps-1`` of asynchronous GRPO (:class:`fp8rl.controller.pipeline.Pipeline`, the
+        controller's driver): rollout and refit on their own threads, training here. ``on_step(row)`` after each
+        step; ``row["val_accuracy"]`` is filled (after waiting for that version's refit) on evaluation steps."""
+        pipe = Pipeline(self.plan, self.backends, first_step=first_step, total=steps, version=self.trainer.version,
                         calibrate_inline=True)  # the calibrator reads the trainer's live weights
         t_prev = [time.perf_counter()]
 
@@ -321,10 +346,26 @@ class _InProcess:
         self.loop = loop
         self._scales: dict[int, object] = {}  # version -> its QKV scales, until its refit
         self._trainer_scales: dict[int, object] = {}  # version -> its scales, until the trainer trains on it
+        self._calibrated: dict[int, object] = {}  # the last two versions' scales (a checkpoint takes its version's)
         self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
+
+    def restart(self, scales) -> None:
+        """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
+        self._scales.clear()
+        self._trainer_scales.clear()
+        self._calibrated.clear()
+        if scales is not None:
+            self.hold_scales(scales)
+
+    def scales_of(self, version: int):
+        """The QKV scales calibrated for ``version`` (one of the last two calibrated), for a checkpoint."""
+        return self._calibrated[version]
 
     def hold_scales(self, scales) -> None:
         """Keep ``scales`` for the trainer's pass at that version (trainer-side FP8 KV only)."""
+        self._calibrated[scales.version] = scales
+        for old in sorted(self._calibrated)[:-2]:
+            del self._calibrated[old]
         if getattr(self.loop.trainer, "needs_qkv_scales", False):
             self._trainer_scales[scales.version] = scales
 
@@ -382,18 +423,57 @@ class _InProcess:
         return {}
 
 
-def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None) -> dict:
+class LoopStopped(Exception):
+    """A signal (SIGINT, SIGTERM) stopped the run; :func:`run` wrote what it had before passing this on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None, resume: bool = False) -> dict:
     """Run ``cfg.steps`` steps; return ``{"config", "steps": [...], "summary": {...}}``.
+
+    With ``cfg.out_dir`` the run directory (:mod:`fp8rl.rundir`) exists from the start, each step's row is appended
+    to its ``metrics.jsonl`` as the step ends, the trainer checkpoints every ``job.checkpoint_every`` steps and at
+    the end, and the report and ``summary.json`` are rewritten at each checkpoint, at the end, and when a signal
+    stops the run (:class:`LoopStopped` then propagates). ``resume``: continue the run in ``cfg.out_dir`` from its
+    newest checkpoint — the synchronous loop then runs, sample for sample, what the run that was never stopped
+    ran (the data order and every sampler seed are functions of the step; weights, AdamW and the RNG come from
+    the checkpoint); an asynchronous run restarts its pipeline at the checkpoint's version (which rollouts overlap
+    which step depends on timing, so no two asynchronous runs with a lag are the same run).
 
     ``loop`` is an already built :class:`GRPOLoop` of ``cfg`` to run (e.g. to measure its engines
     before and after); by default one is built.
     """
+    rd = RunDir(cfg.out_dir) if cfg.out_dir else None
+    if resume and rd is None:
+        raise ValueError("resume needs the run's directory (cfg.out_dir)")
+    state = rd.resume() if resume else None
+    if rd is not None and not resume:
+        rd.start(cfg.job.to_yaml())
     if loop is None:
         loop = GRPOLoop(cfg)
     elif loop.cfg != cfg:
         raise ValueError("run(cfg, loop=...) needs the loop built from the same cfg")
+    if rd is not None and loop.job != cfg.job and not resume:  # auto_bf16_layers chose: a resume runs the choice
+        rd.start(loop.job.to_yaml())
     history: list[dict] = []
-    val = {0: loop.evaluate().metrics()}  # steps done -> the validation's metrics
+    if state is not None:
+        loop.restore(rd.checkpoints / state.checkpoint, state)
+        history, val, first = state.history, state.validation, state.next_step
+        log.info("resuming %s at step %d of %d (weight version %d)", cfg.out_dir, first, cfg.steps, state.version)
+    else:
+        first = 0
+        val = {0: loop.evaluate().metrics()}  # steps done -> the validation's metrics
+    t_run = time.perf_counter()
+    every = cfg.job.job.checkpoint_every
+
+    def write(*, stopped: bool = False) -> dict:
+        summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, stopped=stopped)
+        if rd is not None and history:
+            _write_report(cfg, loop, rd, history, val, summary)
+        return summary
 
     def done(m: dict) -> None:
         if not history:  # the report plots the validation before training at step 0
@@ -404,31 +484,90 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         history.append(m)
         bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}")
         bar.update()
+        if rd is None:
+            return
+        with _whole():  # a signal now stops the run after the row (and the checkpoint) are written
+            rd.append(m)
+            n = m["step"] + 1
+            if every and n % every == 0 and n < cfg.steps:
+                _checkpoint(loop, rd, n, history, val, finished=False)
+                write()
 
-    t_run = time.perf_counter()
-    bar = tqdm(total=cfg.steps, desc=f"grpo {cfg.recipe} kv={cfg.kv_cache_dtype}"
+    bar = tqdm(total=cfg.steps, initial=first, desc=f"grpo {cfg.recipe} kv={cfg.kv_cache_dtype}"
                + (f" async k={loop.plan.max_weight_lag}" if loop.plan.async_grpo else ""),
                disable=not progress, unit="step", file=sys.stderr)
-    if loop.plan.async_grpo:
-        loop.run_async(cfg.steps, done)
-    else:
-        for step in range(cfg.steps):
-            m = loop.step(step)
-            if loop.eval_due(step, cfg.steps):
-                m.update(loop.evaluate().metrics())
-            done(m)
-    wall = time.perf_counter() - t_run
-    bar.close()
-    val[cfg.steps] = loop.evaluate().metrics()
-    history[-1].update(val[cfg.steps])  # the last step's row carries the final validation
-    k = max(1, min(5, cfg.steps // 3))
-    summary = {
-        "recipe": cfg.recipe, "kv_cache_dtype": cfg.kv_cache_dtype, "steps": cfg.steps,
+    try:
+        if loop.plan.async_grpo:
+            loop.run_async(cfg.steps, done, first_step=first)
+        else:
+            for step in range(first, cfg.steps):
+                m = loop.step(step)
+                if loop.eval_due(step, cfg.steps):
+                    m.update(loop.evaluate().metrics())
+                done(m)
+        bar.close()
+        val[cfg.steps] = loop.evaluate().metrics()
+        history[-1].update(val[cfg.steps])  # the last step's row carries the final validation
+    except (LoopStopped, MemoryBudgetError):  # a signal, or a step's batch refused before its work
+        bar.close()
+        write(stopped=True)
+        if rd is not None:
+            rd.close()
+        raise
+    summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run)
+    result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
+    if rd is not None:
+        rd.rewrite_metrics(history)  # the last row now carries the final validation
+        rd.scalars(history[-1]["step"], val[cfg.steps])
+        rd.close()
+        if every:
+            _checkpoint(loop, rd, cfg.steps, history, val, finished=True)
+        _write_report(cfg, loop, rd, history, val, summary)
+        policy = loop.export_policy(rd.path / "policy")  # the trained policy, as transformers and vLLM load it
+        log.info("the trained policy (version %d) is an HF model directory: %s", loop.trainer.version, policy)
+    return result
+
+
+def _checkpoint(loop: GRPOLoop, rd: RunDir, next_step: int, history: list[dict], val: dict, *,
+                finished: bool) -> None:
+    """The trainer's checkpoint and the loop's state after ``next_step`` steps (:meth:`RunDir.save`)."""
+    t = time.perf_counter()
+    v = loop.trainer.version
+    scales = loop.backends.scales_of(v) if loop.rollout_recipe.fp8_kv else None
+    state = LoopState(next_step=next_step, version=v, checkpoint=f"trainer-v{v}.pt", history=history,
+                      validation=val, finished=finished,
+                      qkv_scales=None if scales is None else scales.to_tensor().tolist())
+    with memory.phase("checkpoint"):
+        path = rd.save(loop.trainer, state)
+    log.info("checkpoint after step %d: %s (%.1f s)", next_step, path, time.perf_counter() - t)
+
+
+def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dict], val: dict, summary: dict) -> None:
+    from fp8rl.report import job_facts, write_report  # matplotlib only when a report is asked for
+
+    write_report(history, rd.path, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}",
+                 observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True), tensorboard=False)
+    RunDir._write(rd.path / "summary.json", json.dumps({"config": cfg.as_dict(), "summary": summary,
+                                                        "validation": val}, indent=2))
+
+
+def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wall: float, *,
+             stopped: bool = False) -> dict:
+    """The run's summary over the finished steps (``stopped``: a signal ended it after ``len(history)`` steps)."""
+    done = len(history)
+    summary: dict = {"recipe": cfg.recipe, "kv_cache_dtype": cfg.kv_cache_dtype, "steps": cfg.steps}
+    if stopped:
+        summary.update({"stopped": True, "steps_done": history[-1]["step"] + 1 if history else 0})
+    if not history:
+        return summary
+    k = max(1, min(5, done // 3))
+    end = val[max(val)]
+    summary.update({
         "reward_first": statistics.fmean(h["reward_mean"] for h in history[:k]),
         "reward_last": statistics.fmean(h["reward_mean"] for h in history[-k:]),
-        "val_accuracy_start": val[0]["val_accuracy"], "val_accuracy_end": val[cfg.steps]["val_accuracy"],
+        "val_accuracy_start": val[0]["val_accuracy"], "val_accuracy_end": end["val_accuracy"],
         **{f"{k}_start": v for k, v in val[0].items() if k.startswith("val/")},
-        **{f"{k}_end": v for k, v in val[cfg.steps].items() if k.startswith("val/")},
+        **{f"{k}_end": v for k, v in end.items() if k.startswith("val/")},
         "token_mult_prob_error_mean": statistics.fmean(h["token_mult_prob_error"] for h in history),
         # the mean is dominated by single-token spikes (FP8-KV saturation on off-distribution
         # samples); the reference gates recipes on the median over steps
@@ -437,31 +576,21 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None)
         "calibrate_share_mean": statistics.fmean(h["calibrate_share"] for h in history),
         "step_seconds_mean": statistics.fmean(h["time/step"] for h in history),
         "wall_seconds": wall,
-        "samples_per_s": cfg.steps * loop.plan.group * cfg.job.grpo.num_prompts_per_step / wall,
+        "samples_per_s": done * loop.plan.group * cfg.job.grpo.num_prompts_per_step / wall if wall > 0 else 0.0,
         "weight_lag_mean": statistics.fmean(h["weight_lag_mean"] for h in history),
         "weight_lag_max": max(h["weight_lag_max"] for h in history),
         **{f"phase_seconds/{p}": statistics.fmean(h[f"time/{p}"] for h in history) for p in PHASES},
-    }
+    })
     if loop.observatory is not None:
         s = loop.observatory.suggestion
         summary.update({"auto_bf16/num_first_layers_in_bf16": s.first, "auto_bf16/num_last_layers_in_bf16": s.last,
                         "auto_bf16/token_mult_prob_error": s.token_mult_prob_error, "auto_bf16/met_target": s.met})
     promise = summary["token_mult_prob_error_promise"] = mismatch_promise(cfg.recipe, cfg.kv_cache_dtype)
-    if summary["token_mult_prob_error_median"] > promise:
+    if not stopped and summary["token_mult_prob_error_median"] > promise:
         log.warning("median token_mult_prob_error %.4f is above what %s with kv_cache_dtype=%s promises (%.2f): "
                     "the rollout and the trainer disagree more than this recipe should (DESIGN §4)",
                     summary["token_mult_prob_error_median"], cfg.recipe, cfg.kv_cache_dtype, promise)
-    result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
-    if cfg.out_dir:
-        from fp8rl.report import job_facts, write_report  # matplotlib/tensorboard only when a report is asked for
-
-        out = write_report(history, cfg.out_dir, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}",
-                           observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True))
-        (out / "summary.json").write_text(json.dumps({"config": cfg.as_dict(), "summary": summary,
-                                                      "validation": val}, indent=2))
-        policy = loop.export_policy(out / "policy")  # the trained policy, as transformers and vLLM load it
-        log.info("the trained policy (version %d) is an HF model directory: %s", loop.trainer.version, policy)
-    return result
+    return summary
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -494,10 +623,38 @@ def _parser() -> argparse.ArgumentParser:
             continue
         ap.add_argument(f"--{flag.replace('_', '-')}", type=None if kind is str else kind, choices=choices,
                         default=None, help=f"{f.metadata['doc']} (job key {key}; default {f.default})")
-    ap.add_argument("--out", default=None, help="report directory (metrics.jsonl, summary.json)")
+    ap.add_argument("--out", default=None, help="run directory: job.yaml at start, metrics.jsonl and TensorBoard "
+                    "as each step ends, checkpoints every job.checkpoint_every steps, the report, summary.json and "
+                    "the trained policy/ (see fp8rl.rundir)")
+    ap.add_argument("--resume", metavar="DIR", default=None,
+                    help="continue the stopped run in DIR (its --out) from its newest checkpoint, with its job.yaml; "
+                         "takes no other flag")
     ap.add_argument("--compare", nargs="*", metavar="RECIPE",
                     help="run these recipes (default: all three) with the same seed and print a comparison table")
     return ap
+
+
+_signals = {"pending": None, "held": 0}  # a signal that came while the run wrote a step's record, and who holds it
+
+
+def _raise_stopped(signum, _frame) -> None:
+    if _signals["held"]:  # writing a row, a checkpoint: stop once it is whole
+        _signals["pending"] = signum
+        return
+    raise LoopStopped(signum)
+
+
+@contextlib.contextmanager
+def _whole():
+    """What runs inside is not cut by SIGINT/SIGTERM (:func:`main`'s handlers): a signal then stops the run after it."""
+    _signals["held"] += 1
+    try:
+        yield
+    finally:
+        _signals["held"] -= 1
+        signum, _signals["pending"] = _signals["pending"], None
+        if signum is not None and not _signals["held"]:
+            raise LoopStopped(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,22 +664,43 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     flags = {k: getattr(args, k) for k in LOOP_FLAGS if getattr(args, k) is not None}
     try:
-        job = load_job_config(args.config) if args.config else JobConfig()
-        base = LoopConfig.from_flags(job=job, recipe=args.recipe, out_dir=args.out, **flags)
+        if args.resume:
+            given = sorted(k for k in (*flags, "config", "recipe", "out", "compare")
+                           if k in flags or getattr(args, k, None) is not None)
+            if given:
+                ap.error(f"--resume runs the job saved in its directory: drop {', '.join('--' + g for g in given)}")
+            job = load_job_config(RunDir(args.resume).job_file())
+            base = LoopConfig(job, args.resume)
+        else:
+            job = load_job_config(args.config) if args.config else JobConfig()
+            base = LoopConfig.from_flags(job=job, recipe=args.recipe, out_dir=args.out, **flags)
         recipes = [base.recipe] if args.compare is None else (args.compare or list(RECIPES))
         for r in recipes:
             recipe_settings(r)
-    except ConfigError as e:
+    except (ConfigError, RunDirError) as e:
         ap.error(str(e))
+    handlers = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     summaries = []
-    for r in recipes:
-        out = f"{args.out}/{r}" if (args.out and len(recipes) > 1) else args.out
-        cfg = replace(base, job=base.job.with_settings(recipe_settings(r)), out_dir=out)
-        try:
-            summaries.append(run(cfg)["summary"])
-        except MemoryBudgetError as e:  # refused before the work: say what fits instead of a traceback
-            print(f"python -m fp8rl.loop: {e}", file=sys.stderr)
-            return 2
+    try:
+        for r in recipes:
+            out = f"{base.out_dir}/{r}" if (base.out_dir and len(recipes) > 1) else base.out_dir
+            cfg = base if args.resume else replace(base, job=base.job.with_settings(recipe_settings(r)), out_dir=out)
+            summaries.append(run(cfg, resume=bool(args.resume))["summary"])
+    except MemoryBudgetError as e:  # refused before the work: say what fits instead of a traceback
+        print(f"python -m fp8rl.loop: {e} (the loop's flag: --micro-batch-size)", file=sys.stderr)
+        return 2
+    except RunDirError as e:
+        print(f"python -m fp8rl.loop: {e}", file=sys.stderr)
+        return 2
+    except LoopStopped as e:
+        where = f"; its report is in {base.out_dir}" if base.out_dir else ""
+        again = f", `python -m fp8rl.loop --resume {base.out_dir}` continues from its last checkpoint" \
+            if base.out_dir and base.job.job.checkpoint_every else ""
+        print(f"python -m fp8rl.loop: stopped by {e}{where}{again}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
     print(format_table(summaries))
     return 0
 

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PHASES", "flatten_step", "summarize", "write_report", "main"]
+__all__ = ["PHASES", "flatten_step", "summarize", "tensorboard_writer", "write_report", "main"]
 
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 _PLOTS = (("reward_mean", "reward.png", "mean reward"), ("accuracy", "accuracy.png", "accuracy"),
@@ -291,6 +291,17 @@ def _validation_plot(rows: list[dict], out: Path, plt) -> None:
     plt.close(fig)
 
 
+def tensorboard_writer(out: str | Path):
+    """A TensorBoard writer into ``out/tensorboard``, or None (with a warning) where `tensorboard` is not installed
+    (the loop's run directory streams each step's row through it: :mod:`fp8rl.rundir`)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+    except ImportError as exc:
+        log.warning("report: no TensorBoard events (%s); pip install tensorboard", exc)
+        return None
+    return SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
+
+
 def _tensorboard(rows: list[dict], out: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
 
@@ -305,8 +316,11 @@ def _tensorboard(rows: list[dict], out: Path) -> None:
 
 
 def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, title: str = "GRPO run",
-                 observatory: ReportSection | None = None, facts: Sequence[tuple[str, str]] = ()) -> Path:
+                 observatory: ReportSection | None = None, facts: Sequence[tuple[str, str]] = (),
+                 tensorboard: bool = True) -> Path:
     """Write the report directory of ``steps`` (see the module docstring) into ``out_dir``; returns it.
+
+    ``tensorboard=False``: no TensorBoard events (the caller streamed them as the steps ended).
 
     ``facts`` are ``(label, value)`` rows of the run's set-up printed under the exactness line (the job's
     numerics and where its calibration ran: :func:`job_facts`).
@@ -323,7 +337,9 @@ def write_report(steps: Iterable[Mapping[str, Any]], out_dir: str | Path, *, tit
         for r in rows:
             f.write(json.dumps(r) + "\n")
     notes = []
-    for what, fn, package in (("plots", _plots, "matplotlib"), ("TensorBoard events", _tensorboard, "tensorboard")):
+    writers = [("plots", _plots, "matplotlib")] + ([("TensorBoard events", _tensorboard, "tensorboard")]
+                                                   if tensorboard else [])
+    for what, fn, package in writers:
         try:
             fn(rows, out)
         except ImportError as exc:

@@ -218,8 +218,10 @@ def test_shared_weights_run_number_for_number_as_copies_and_hold_one_copy(preset
         caches = {m.weight_cache.q.data_ptr() for m in shared.trainer.model.modules()
                   if getattr(m, "weight_cache", None) is not None and m.weight_cache.q is not None}
         assert all(m.weight.data_ptr() in caches for m in fp8)
-    # between generations the rollout's FP8 layers hold no FP32 dequantization (the trainer's step needs the room)
+    # between generations the rollout's FP8 layers hold no FP32 dequantization (the trainer's step needs the room),
+    # nor, where the trainer keeps no FP8 form to share (fp8_gen_only), an E4M3 form of their own
     assert all(m._w_dequant is None for m in fp8)
+    assert all(m.holds_weight == (recipe == "fp8_e2e") for m in fp8)
     with pytest.raises(Exception, match="shares the trainer's weights"):
         shared.rollout.load_weights(shared.trainer.version, shared.trainer.state_dict())
 

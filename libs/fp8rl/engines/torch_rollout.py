@@ -123,6 +123,8 @@ class TorchRolloutEngine(RolloutEngine):
                              "tensors, a taken model is converted in place")
         self._shared = shared_with
         self._shared_caches: dict[str, WeightCache] = {}  # FP8 layer -> the trainer's cache it takes its form from
+        # FP8 layer -> (it, the trainer's layer it quantizes, that weight's version counter at the refit)
+        self._own_forms: dict[str, tuple[Fp8InferenceLinear, torch.nn.Module, int]] = {}
         if shared_with is None:
             self.model = convert_model(model if take_model else copy.deepcopy(model), recipe,
                                        mode="inference").eval()
@@ -135,7 +137,7 @@ class TorchRolloutEngine(RolloutEngine):
                 raise ValueError(f"shared_with lacks parameters of the model: {missing[:3]}")
             memo = {id(p): theirs[n] for n, p in model.named_parameters()}
             self.model = convert_model(copy.deepcopy(model, memo), recipe, mode="inference").eval()
-            self._take_fp8_forms()
+            self._take_fp8_forms(first=True)
         self._spec = PayloadSpec.for_model(self.model)  # what every refit payload must hold
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -187,12 +189,15 @@ class TorchRolloutEngine(RolloutEngine):
         log.info("rollout engine now serves weight version %d (shared weights)", version)
 
     @torch.no_grad()
-    def _take_fp8_forms(self) -> None:
+    def _take_fp8_forms(self, *, first: bool = False) -> None:
         """Point every FP8 layer at the E4M3 form of the shared weight: the trainer's cached one where its layer
-        keeps one (the trainer's recipe quantizes that layer the same way), else quantized here into the layer's
-        own buffers; biases copied (a few floats per layer)."""
+        keeps one (the trainer's recipe quantizes that layer the same way), else the layer's own, quantized here
+        from the trainer's weight while the engine generates only (:meth:`_dequantized_while_generating`) — between
+        generations the trainer's step needs that memory (issue 30); ``first`` (construction) quantizes them once
+        so the payload spec sees their shapes (released when the first generation ends). Biases copied (a few
+        floats per layer)."""
         theirs = dict(self._shared.named_modules())
-        self._shared_caches = {}
+        self._shared_caches, self._own_forms = {}, {}
         for name, mine in self.model.named_modules():
             if not isinstance(mine, Fp8InferenceLinear):
                 continue
@@ -205,24 +210,36 @@ class TorchRolloutEngine(RolloutEngine):
                 self._shared_caches[name] = cache
                 if src.bias is not None:
                     mine.bias.copy_(src.bias)
-            else:
-                mine.load_weight(src.weight, src.bias, name=f"{name}.weight")
+            else:  # quantized from the trainer's weight of this version when generating: its version counter now
+                self._own_forms[name] = (mine, src, src.weight._version)
+                if first:  # held until the first generation ends
+                    mine.load_weight(src.weight, src.bias, name=f"{name}.weight")
+                else:
+                    mine.release_weight()
             mine._w_dequant = None  # taken while generating only (_dequantized_while_generating), not from a refit on
 
     @contextlib.contextmanager
     def _dequantized_while_generating(self):
-        """A shared engine holds its FP8 layers' FP32 dequantizations (reference backend) only while it generates:
-        taken from the trainer's cache of the same E4M3 form (or dequantized from the layer's own) at the start,
-        released at the end — between generations the trainer's step needs that memory (issue 30). The numbers
-        are the same either way; an engine with its own copy keeps them (a rollout service generates all the
-        time)."""
+        """A shared engine holds its FP8 layers' FP32 dequantizations (reference backend) — and the E4M3 forms it
+        quantizes itself (layers whose trainer keeps no FP8 cache: ``fp8_gen_only``) — only while it generates:
+        taken from the trainer's cache of the same E4M3 form (or quantized from the trainer's weight, which must
+        still be the one the last refit served) at the start, released at the end. The numbers are the same either
+        way; an engine with its own copy keeps them (a rollout service generates all the time)."""
         if self._shared is None:
             yield
             return
         layers = [(n, m) for n, m in self.model.named_modules() if isinstance(m, Fp8InferenceLinear)]
         try:
             for name, mine in layers:
-                if mine._w_dequant is None:
+                own = self._own_forms.get(name)
+                if own is not None:
+                    _, src, seen = own
+                    if src.weight._version != seen:
+                        raise RuntimeError(
+                            f"{name}: the trainer's weight changed since the refit to version {self._version}; a "
+                            f"shared engine generates only between a refit (follow) and the next train step")
+                    mine.load_weight(src.weight, src.bias, name=f"{name}.weight")  # dequantizes too
+                elif mine._w_dequant is None:
                     cache = self._shared_caches.get(name)
                     if cache is not None and cache.q is mine.weight:  # still the E4M3 form this engine serves
                         mine._w_dequant = cache.dequantize_held()
@@ -230,7 +247,9 @@ class TorchRolloutEngine(RolloutEngine):
                         mine._refresh_cache()
             yield
         finally:
-            for _, mine in layers:
+            for name, mine in layers:
+                if name in self._own_forms:
+                    mine.release_weight()
                 mine._w_dequant = None
 
     def load_scales(self, qkv_scales: QKVScales) -> None:

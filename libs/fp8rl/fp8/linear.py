@@ -336,12 +336,17 @@ class Fp8InferenceLinear(nn.Module):
                        *, name: str | None = None):
         """Copy an already-quantized weight (E4M3 + FP32 block scales) into the buffers."""
         label = name or "weight"
-        if q.dtype != E4M3 or q.shape != self.weight.shape:
-            raise ValueError(f"{label}: expected E4M3 {tuple(self.weight.shape)}, got {q.dtype} {tuple(q.shape)}")
-        if scale.shape != self.weight_scale.shape:
-            raise ValueError(f"{label}: weight_scale shape {tuple(scale.shape)} != {tuple(self.weight_scale.shape)}")
+        shape, scale_shape = (self.out_features, self.in_features), (-(-self.out_features // BLOCK),
+                                                                      -(-self.in_features // BLOCK))
+        if q.dtype != E4M3 or tuple(q.shape) != shape:
+            raise ValueError(f"{label}: expected E4M3 {shape}, got {q.dtype} {tuple(q.shape)}")
+        if tuple(scale.shape) != scale_shape:
+            raise ValueError(f"{label}: weight_scale shape {tuple(scale.shape)} != {scale_shape}")
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise ValueError(f"{label}: weight_scale must be finite and > 0")
+        if self.weight.shape != shape:  # released (release_weight): the buffers again
+            self.weight = torch.empty(shape, dtype=E4M3, device=self.weight.device)
+            self.weight_scale = torch.empty(scale_shape, dtype=torch.float32, device=self.weight_scale.device)
         self.weight.copy_(q)
         self.weight_scale.copy_(scale)
         if bias is not None:
@@ -349,6 +354,18 @@ class Fp8InferenceLinear(nn.Module):
                 raise ValueError(f"{label}: layer has no bias but one was given")
             self.bias.copy_(bias)
         self._refresh_cache()
+
+    def release_weight(self) -> None:
+        """Give up the E4M3 weight, its scales and the dequantization (zero-size buffers) until the next
+        :meth:`load_weight` / :meth:`load_quantized` allocates them again (a shared rollout engine between its
+        generations: :class:`fp8rl.engines.TorchRolloutEngine`)."""
+        self.weight = self.weight.new_empty(0)
+        self.weight_scale = self.weight_scale.new_empty(0)
+        self._w_dequant = None
+
+    @property
+    def holds_weight(self) -> bool:
+        return self.weight.numel() > 0
 
     def _refresh_cache(self) -> None:
         if select_backend(self.weight.device) == "reference":

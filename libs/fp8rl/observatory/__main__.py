@@ -11,6 +11,7 @@ as the in-process loop's default job does).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from importlib.resources import files
 
@@ -52,8 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-bf16-layers", type=int, default=4, help="the suggestion's budget: most first + last")
     ap.add_argument("--no-layer-logprobs", action="store_true", help="skip the one-forward-per-layer pass")
     ap.add_argument("--no-search", action="store_true", help="skip the bf16-layer suggestion")
-    ap.add_argument("--out", default=None, help="write observatory.md / .json / .png here")
+    ap.add_argument("--out", default=None, help="write observatory.md / .json / .png here — each table as soon as it "
+                    "is measured, so a stopped run keeps them")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="stop after this long and write the tables measured so far (SIGINT/SIGTERM do the same)")
     return ap
+
+
+class _Stopped(Exception):
+    def __init__(self, why: str, code: int) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+def _stop(signum, _frame) -> None:
+    if signum == signal.SIGALRM:
+        raise _Stopped("its --time-limit", 124)
+    raise _Stopped(signal.Signals(signum).name, 128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +93,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model} ({path}): {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"{model.num_layers} layers; {len(prompts)} prompts x {args.n}, <= {args.max_tokens} tokens; "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    result = observe(model, prompts, cfg, pad_token_id=tok.pad_id, eos_token_ids=stop_token_ids(tok), name=args.model,
-                     search=not args.no_search, progress=lambda msg: print(msg, flush=True))
+    if args.time_limit is not None and args.time_limit <= 0:
+        ap.error(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+    last: list = []  # the newest partial result
+
+    def keep(partial) -> None:
+        last[:] = [partial]
+        if args.out:
+            partial.write(args.out)
+        if not partial.layers:  # the sources are measured: print them now
+            print("\n" + partial.to_markdown().split("\n| layer |")[0], flush=True)
+
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    if args.time_limit is not None:
+        signal.setitimer(signal.ITIMER_REAL, args.time_limit)
+    try:
+        result = observe(model, prompts, cfg, pad_token_id=tok.pad_id, eos_token_ids=stop_token_ids(tok),
+                         name=args.model, search=not args.no_search, progress=lambda msg: print(msg, flush=True),
+                         on_partial=keep)
+    except _Stopped as stop:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if not last:
+            print(f"python -m fp8rl.observatory: stopped by {stop} before the first table was measured",
+                  file=sys.stderr)
+            return stop.code
+        partial = last[0]
+        print()
+        print(partial.write(args.out) if args.out else partial.to_markdown(), end="", flush=True)
+        print(f"python -m fp8rl.observatory: stopped by {stop} during {partial.stopped_in}; the tables above are "
+              f"what was measured" + (f" (written to {args.out})" if args.out else ""), file=sys.stderr)
+        return stop.code
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, h in old.items():
+            signal.signal(sig, h)
     print()
     print(result.write(args.out) if args.out else result.to_markdown(), end="")
     return 0

@@ -23,7 +23,7 @@ from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 from fp8rl.fp8 import RECIPES, Fp8Recipe, QKVQuantizer, QKVScales, convert_model, load_qkv_scales, recipe_for_role
 from fp8rl.model import CausalLM
-from fp8rl.rl import token_mult_prob_error
+from fp8rl.rl.metrics import token_mult_prob_error, token_mult_prob_error_stderr
 
 from .result import LayerRow, SourceRow
 
@@ -128,8 +128,9 @@ def compare(name: str, on: bool, compared: str, logprobs: torch.Tensor, baseline
     """A :class:`SourceRow` of ``logprobs`` against ``baseline`` over the generated tokens ``mask``."""
     m = mask.bool()
     d = (logprobs.double() - baseline.double())[m].abs()  # (num_tokens,)
+    se, seqs, tokens = token_mult_prob_error_stderr(logprobs, baseline, m)
     return SourceRow(name, on, compared, float(token_mult_prob_error(logprobs, baseline, m)),
-                     float(d.mean()) if d.numel() else 0.0, float(d.max()) if d.numel() else 0.0)
+                     float(d.mean()) if d.numel() else 0.0, float(d.max()) if d.numel() else 0.0, se, seqs, tokens)
 
 
 class Probe:
@@ -268,7 +269,7 @@ class Probe:
                 sums["cum"][i] += _sq(cum[i][1] - out, valid)
         den = sums["den"].clamp_min(torch.finfo(torch.float64).tiny)
         rel = {k: (sums[k] / den).sqrt().tolist() for k in ("local", "alone", "cum")}
-        alone_tmpe = [float("nan")] * L
+        alone_tmpe, alone_se = [float("nan")] * L, [float("nan")] * L
         if self.cfg.layer_logprobs:
             for i in range(L):
                 hp_layer = ref.model.layers[i]
@@ -278,9 +279,11 @@ class Probe:
                 finally:
                     ref.model.layers[i] = hp_layer
                 alone_tmpe[i] = float(token_mult_prob_error(lp, ref_lp, batch.loss_mask.bool()))
+                alone_se[i] = token_mult_prob_error_stderr(lp, ref_lp, batch.loss_mask.bool())[0]
             self.say(f"  per-layer logprobs done ({L} forwards)")
         rr = self.cfg.recipe_for("rollout")
-        return [LayerRow(i, rr.layer_in_fp8(i, L), rel["local"][i], rel["cum"][i], rel["alone"][i], alone_tmpe[i])
+        return [LayerRow(i, rr.layer_in_fp8(i, L), rel["local"][i], rel["cum"][i], rel["alone"][i], alone_tmpe[i],
+                         alone_se[i])
                 for i in range(L)]
 
 

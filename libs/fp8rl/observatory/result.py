@@ -17,9 +17,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Candidate", "LayerRow", "ObservatoryResult", "SourceRow", "Suggestion"]
 
+FEW_SEQUENCES = 8  # below this many sequences a standard error over sequences is itself unreliable: said so
 MARKDOWN = "observatory.md"
 JSON = "observatory.json"
 PNG = "observatory.png"
+
+
+def _pm(value: float, se: float) -> str:
+    """``value ± se`` (the value alone where the error is unknown)."""
+    return f"{value:.6f}" if math.isnan(se) else f"{value:.6f} ± {se:.6f}"
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,9 @@ class SourceRow:
         token_mult_prob_error: mean over generated tokens of ``exp(|Δlogp|)``.
         mean_abs_dlogp: mean of ``|Δlogp|`` over the same tokens.
         max_abs_dlogp: the largest ``|Δlogp|``.
+        standard_error: of ``token_mult_prob_error``, over sequences
+            (:func:`fp8rl.rl.metrics.token_mult_prob_error_stderr`); NaN with fewer than two sequences.
+        num_sequences, num_tokens: the sample it was measured on.
     """
 
     name: str
@@ -42,6 +51,9 @@ class SourceRow:
     token_mult_prob_error: float
     mean_abs_dlogp: float
     max_abs_dlogp: float
+    standard_error: float = math.nan
+    num_sequences: int = 0
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class LayerRow:
         alone_rel_err: ``local_rel_err`` as if this layer ran FP8 linears (also for layers kept in bf16).
         alone_token_mult_prob_error: mismatch against high precision with only this layer's linears in FP8;
             NaN when not measured.
+        alone_standard_error: its standard error over the batch's sequences (NaN when not measured).
     """
 
     index: int
@@ -66,6 +79,7 @@ class LayerRow:
     cumulative_rel_err: float
     alone_rel_err: float
     alone_token_mult_prob_error: float = math.nan
+    alone_standard_error: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -76,13 +90,17 @@ class Candidate:
         first, last: ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16``.
         score: per-layer excess still in FP8 (sum over those layers of ``alone_token_mult_prob_error - 1``,
             or of ``alone_rel_err`` when per-layer logprobs were not measured): the ranking, not a mismatch.
-        token_mult_prob_error: rollout-vs-trainer mismatch re-measured with this setting.
+        token_mult_prob_error: rollout-vs-trainer mismatch re-measured with this setting (its own rollout).
+        standard_error, num_sequences, num_tokens: its standard error over sequences and the sample measured.
     """
 
     first: int
     last: int
     score: float
     token_mult_prob_error: float
+    standard_error: float = math.nan
+    num_sequences: int = 0
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,8 @@ class Suggestion:
             lowest mismatch measured.
         max_bf16_layers: the budget (largest ``first + last`` tried).
         candidates: every setting measured, in order.
+        warnings: where the sample was too small to separate what the search compared (a candidate within two
+            standard errors of the target or of the chosen one).
     """
 
     first: int
@@ -106,6 +126,7 @@ class Suggestion:
     met: bool
     max_bf16_layers: int
     candidates: list[Candidate] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -122,6 +143,8 @@ class ObservatoryResult:
         layers: one :class:`LayerRow` per decoder layer.
         suggestion: the bf16-layer suggestion, or None when not searched.
         seconds: wall time of the whole observation.
+        stopped_in: None for a whole observation; else the part it was stopped in (a signal or the time limit)
+            — the tables measured before are kept, the rest are empty.
     """
 
     model: str
@@ -136,6 +159,7 @@ class ObservatoryResult:
     layers: list[LayerRow]
     suggestion: Suggestion | None = None
     seconds: float = 0.0
+    stopped_in: str | None = None
 
     def source(self, name: str) -> SourceRow:
         """The row of source ``name`` (KeyError naming the known ones otherwise)."""
@@ -164,29 +188,41 @@ class ObservatoryResult:
         lines = ["## Mismatch observatory", "",
                  f"{self.model}, recipe {self.recipe}, kv_cache_dtype {self.kv_cache_dtype}, {bf16}, "
                  f"batch_invariant {str(self.batch_invariant).lower()}: {self.num_sequences} sequences, "
-                 f"{self.num_tokens} generated tokens ({self.seconds:.1f} s).", "",
-                 "| source | on | compared | token_mult_prob_error | mean abs Δlogp | max abs Δlogp |",
-                 "|---|---|---|---|---|---|"]
+                 f"{self.num_tokens} generated tokens ({self.seconds:.1f} s). ± is one standard error over "
+                 "sequences; n = sequences / generated tokens measured.", ""]
+        if self.stopped_in is not None:
+            lines += [f"**Partial result: stopped during {self.stopped_in}** (the tables below are what was measured "
+                      "before).", ""]
+        if self.num_sequences and self.num_sequences < FEW_SEQUENCES:
+            lines += [f"Warning: {self.num_sequences} sequences — standard errors over fewer than {FEW_SEQUENCES} "
+                      "are themselves rough; more prompts (--prompts, --n) give a steadier reading.", ""]
+        lines += ["| source | on | compared | token_mult_prob_error | n | mean abs Δlogp | max abs Δlogp |",
+                  "|---|---|---|---|---|---|---|"]
         for r in self.sources:
-            lines.append(f"| {r.name} | {'yes' if r.on else 'no'} | {r.compared} | {r.token_mult_prob_error:.6f} | "
+            lines.append(f"| {r.name} | {'yes' if r.on else 'no'} | {r.compared} | "
+                         f"{_pm(r.token_mult_prob_error, r.standard_error)} | {r.num_sequences} / {r.num_tokens} | "
                          f"{r.mean_abs_dlogp:.3e} | {r.max_abs_dlogp:.3e} |")
         lines += ["", "| layer | linears | local rel err | cumulative rel err | rel err if FP8 | "
                   "token_mult_prob_error with only this layer FP8 |", "|---|---|---|---|---|---|"]
         for r in self.layers:
-            alone = "n/a" if math.isnan(r.alone_token_mult_prob_error) else f"{r.alone_token_mult_prob_error:.6f}"
+            alone = "n/a" if math.isnan(r.alone_token_mult_prob_error) else _pm(r.alone_token_mult_prob_error,
+                                                                                r.alone_standard_error)
             lines.append(f"| {r.index} | {'fp8' if r.in_fp8 else 'bf16'} | {r.local_rel_err:.3e} | "
                          f"{r.cumulative_rel_err:.3e} | {r.alone_rel_err:.3e} | {alone} |")
         s = self.suggestion
         if s is not None:
             lines += ["", "| num_first_layers_in_bf16 | num_last_layers_in_bf16 | score | token_mult_prob_error "
-                      "(re-measured) | within target |", "|---|---|---|---|---|"]
+                      "(re-measured) | n | within target |", "|---|---|---|---|---|---|"]
             for c in s.candidates:
-                lines.append(f"| {c.first} | {c.last} | {c.score:.3e} | {c.token_mult_prob_error:.6f} | "
+                err = _pm(c.token_mult_prob_error, c.standard_error)
+                lines.append(f"| {c.first} | {c.last} | {c.score:.3e} | {err} | {c.num_sequences} / {c.num_tokens} | "
                              f"{'yes' if c.token_mult_prob_error <= s.target else 'no'} |")
             how = ("the smallest setting within the target" if s.met else
+                   "the search was stopped; the lowest measured so far" if self.stopped_in is not None else
                    f"no setting with at most {s.max_bf16_layers} bf16 layers met the target; the lowest measured")
             lines += ["", f"Suggestion: num_first_layers_in_bf16={s.first}, num_last_layers_in_bf16={s.last} "
                       f"(token_mult_prob_error {s.token_mult_prob_error:.6f}, target {s.target}): {how}."]
+            lines += [f"\nWarning: {w}" for w in s.warnings]
         return "\n".join(lines) + "\n"
 
     def write(self, out_dir: str | Path) -> str:

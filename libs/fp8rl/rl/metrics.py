@@ -33,6 +33,7 @@ __all__ = [
     "masked_log_ratio",
     "raw_importance_weights",
     "token_mult_prob_error",
+    "token_mult_prob_error_stderr",
     "mismatch_metrics",
     "MISMATCH_PROMISE",
     "mismatch_promise",
@@ -199,6 +200,32 @@ def token_mult_prob_error(
     m = validate_token_tensors(mask, train_logprobs=train_logprobs, gen_logprobs=gen_logprobs)
     d = masked_log_ratio(train_logprobs.detach(), gen_logprobs.detach(), m)  # (B, T)
     return _masked_mean(torch.exp(d.abs()), m, empty=1.0)
+
+
+def token_mult_prob_error_stderr(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[float, int, int]:
+    """The standard error of :func:`token_mult_prob_error` over sequences, and its sample: ``(se, sequences,
+    tokens)``.
+
+    Tokens of one sequence are not independent draws (they share a prompt, a sampled path, a KV cache), so the
+    sequence is the unit: with ``S_i`` the sum of ``exp(|Δlogp|)`` over sequence i's ``n_i`` tokens and ``R =
+    ΣS_i / Σn_i`` (the statistic, a ratio estimator), ``se = sqrt(m/(m-1) · Σ(S_i − R·n_i)²) / Σn_i`` over the
+    ``m`` sequences with at least one token (the delta-method variance of a ratio of cluster sums). NaN with
+    fewer than two such sequences. Rows are the first dimension of ``(B, T)``."""
+    m = validate_token_tensors(mask, train_logprobs=train_logprobs, gen_logprobs=gen_logprobs)
+    d = masked_log_ratio(train_logprobs.detach(), gen_logprobs.detach(), m).double()
+    w = m.double()
+    n = w.sum(dim=1)
+    s = (torch.exp(d.abs()) * w).sum(dim=1)
+    keep = n > 0
+    n, s = n[keep], s[keep]
+    seqs, tokens = int(keep.sum()), int(n.sum())
+    if seqs < 2:
+        return math.nan, seqs, tokens
+    r = s.sum() / n.sum()
+    var = seqs / (seqs - 1) * ((s - r * n) ** 2).sum()
+    return float(var.sqrt() / n.sum()), seqs, tokens
 
 
 def mismatch_metrics(

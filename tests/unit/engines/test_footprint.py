@@ -115,6 +115,7 @@ def test_the_loop_refuses_a_batch_that_cannot_fit_before_running_it(monkeypatch,
     err = capsys.readouterr().err
     assert "policy.training.micro_batch_size: 4 does not fit in the in-process loop's memory" in err
     assert "nothing was run" in err
+    assert "the loop's flag: --micro-batch-size" in err  # the flag that fixes it, not only the key
 
 
 def test_auto_recomputes_past_a_quarter_of_the_floor_and_a_gibibyte():

@@ -148,7 +148,10 @@ def test_files_are_written_and_parse(fp8_kv, tmp_path):
     sources = _table(md, "| source |")
     assert [row[0] for row in sources] == [r.name for r in fp8_kv.sources]
     for row, src in zip(sources, fp8_kv.sources, strict=True):
-        assert float(row[3]) == pytest.approx(src.token_mult_prob_error, abs=1e-6)  # printed to 6 decimals
+        value, se = (float(x) for x in row[3].split(" ± "))  # printed to 6 decimals, with its standard error
+        assert value == pytest.approx(src.token_mult_prob_error, abs=1e-6)
+        assert se == pytest.approx(src.standard_error, abs=1e-6)
+        assert row[4] == f"{src.num_sequences} / {src.num_tokens}"
     layers = _table(md, "| layer |")
     assert [int(row[0]) for row in layers] == list(range(LAYERS))
     assert [row[1] for row in layers] == ["bf16", "fp8", "bf16"]
