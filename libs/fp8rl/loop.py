@@ -470,7 +470,8 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
     every = cfg.job.job.checkpoint_every
 
     def write(*, stopped: bool = False) -> dict:
-        summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, stopped=stopped)
+        summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, ran=len(history) - first,
+                           stopped=stopped)
         if rd is not None and history:
             _write_report(cfg, loop, rd, history, val, summary)
         return summary
@@ -514,7 +515,7 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
         if rd is not None:
             rd.close()
         raise
-    summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run)
+    summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, ran=len(history) - first)
     result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
     if rd is not None:
         rd.rewrite_metrics(history)  # the last row now carries the final validation
@@ -551,9 +552,10 @@ def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dic
                                                         "validation": val}, indent=2))
 
 
-def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wall: float, *,
+def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wall: float, *, ran: int,
              stopped: bool = False) -> dict:
-    """The run's summary over the finished steps (``stopped``: a signal ended it after ``len(history)`` steps)."""
+    """The run's summary over the finished steps (``stopped``: a signal ended it after ``len(history)`` steps);
+    ``wall`` is this process's time for the ``ran`` steps it ran (a resumed run's first steps ran before)."""
     done = len(history)
     summary: dict = {"recipe": cfg.recipe, "kv_cache_dtype": cfg.kv_cache_dtype, "steps": cfg.steps}
     if stopped:
@@ -576,7 +578,7 @@ def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wa
         "calibrate_share_mean": statistics.fmean(h["calibrate_share"] for h in history),
         "step_seconds_mean": statistics.fmean(h["time/step"] for h in history),
         "wall_seconds": wall,
-        "samples_per_s": done * loop.plan.group * cfg.job.grpo.num_prompts_per_step / wall if wall > 0 else 0.0,
+        "samples_per_s": ran * loop.plan.group * cfg.job.grpo.num_prompts_per_step / wall if wall > 0 else 0.0,
         "weight_lag_mean": statistics.fmean(h["weight_lag_mean"] for h in history),
         "weight_lag_max": max(h["weight_lag_max"] for h in history),
         **{f"phase_seconds/{p}": statistics.fmean(h[f"time/{p}"] for h in history) for p in PHASES},

@@ -32,7 +32,9 @@ LIBS = {
                          "fp8rl.rpc", "fp8rl.limits"},
     "fp8rl.observatory": {"fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.rl", "fp8rl.presets", "fp8rl.data"},
     "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.presets",
-                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory", "fp8rl.export"},
+                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory", "fp8rl.export",
+                   "fp8rl.rundir"},
+    "fp8rl.rundir": {"fp8rl.report"},  # the loop's run directory: rows and checkpoints as a run goes
     "fp8rl.report": {"fp8rl.limits"},
     "fp8rl.export": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.presets"},
     "fp8rl.eval": {"fp8rl.config", "fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.export", "fp8rl.fp8",
