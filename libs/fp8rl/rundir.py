@@ -99,6 +99,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.checkpoints, ignore_errors=True)  # a finished run's, replaced by this one
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
+        for stale in ("summary.json", "summary.md"):  # a finished run's: never mistaken for this one's
+            (self.path / stale).unlink(missing_ok=True)
         self._write(self.path / self.JOB, job_yaml)
         (self.path / self.METRICS).write_text("")
 

@@ -93,8 +93,11 @@ def test_a_sigkilled_run_keeps_its_rows_and_resume_finishes_it_bitwise(preset, t
     summary = json.loads((run_dir / "summary.json").read_text())["summary"]
     assert summary["val_accuracy_end"] == json.loads((ref_dir / "summary.json").read_text())["summary"][
         "val_accuracy_end"]
-    # a finished run cannot be resumed, and may be replaced by a new one
+    # a finished run cannot be resumed, and may be replaced by a new one (its summary gone until the new one writes)
     assert main(["--resume", str(run_dir)]) == 2
+    assert main([*args[:-2], "--checkpoint-every", "0", "--steps", "1", "--out", str(run_dir)]) == 0
+    assert len(_rows(run_dir)) == 1 and not (run_dir / "checkpoints").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["summary"]["steps"] == 1
 
 
 def test_sigint_leaves_a_report_of_the_finished_steps_and_says_it_stopped(preset, tmp_path):
