@@ -109,3 +109,71 @@ def test_the_scanner_catches_a_forbidden_arrow():
               ("fp8rl.data.x", "fp8rl.data", "services.common")]
     assert len(forbidden(arrows)) == 4
     assert forbidden([("services.trainer.server", "services.trainer", "services.common")]) == []
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The repository modules ``path`` imports, anywhere in it (a deferred import inside a function is still a
+    dependency: it only hides a circle until that function runs). ``from pkg import sub`` of a submodule counts
+    as importing ``pkg.sub`` (not ``pkg``, which its own submodules are always imported under)."""
+    mod = _module(path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+            out.update(subs)
+            if len(subs) < len(node.names):  # names defined in the module itself
+                out.add(base)
+    return {t for t in out if t in modules and t != mod}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between modules (the last three — presets smollm2/tiny_arith, refit publisher/transport,
+    trainer ranks/server — were untied: a shared cache module, a transport-side protocol, the trainer's build)."""
+    files = [*(REPO / "libs" / "fp8rl").rglob("*.py"), *(REPO / "services").rglob("*.py")]
+    modules = {_module(f) for f in files}
+    cycles = import_cycles({_module(f): _module_imports(f, modules) for f in files})
+    assert not cycles, f"import circles: {cycles}"
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

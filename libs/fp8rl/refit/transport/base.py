@@ -6,11 +6,27 @@ checks every shard and tensor checksum and re-fetches a corrupt one, so any tran
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..manifest import Manifest
 
-__all__ = ["ShardSource"]
+__all__ = ["ShardHolder", "ShardSource"]
+
+
+class _ManifestStore(Protocol):
+    def get_manifest(self, version: int) -> Manifest | None: ...
+
+
+class ShardHolder(Protocol):
+    """What a serving transport reads from the trainer's side (:class:`fp8rl.refit.RefitPublisher` is one): the
+    shards of the versions it holds and, through ``store``, their manifests. A protocol here, so the transports
+    never import the publisher that imports them."""
+
+    store: _ManifestStore
+
+    def shards(self, version: int, *, delta: bool = False) -> list[Any]:
+        """The shard bytes of ``version`` (its delta's with ``delta``); ``LookupError`` if not held."""
+        ...
 
 
 @runtime_checkable

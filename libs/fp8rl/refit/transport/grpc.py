@@ -30,8 +30,8 @@ from fp8rl.rpc import weights_pb2, weights_pb2_grpc
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S, make_channel
 
 from ..manifest import Manifest
-from ..publisher import RefitPublisher
 from ..shards import CorruptShardError
+from .base import ShardHolder
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             ``[MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]``.
     """
 
-    def __init__(self, publisher: RefitPublisher, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, publisher: ShardHolder, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.publisher = publisher
