@@ -49,7 +49,10 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, modules: set[str] | None = None) -> set[str]:
+    """What ``path`` imports, anywhere in it (a deferred import inside a function is still a dependency). With
+    ``modules`` (the repository's), only those, and ``from pkg import sub`` of a submodule counts as importing
+    ``pkg.sub`` (not ``pkg``, which its own submodules are always imported under)."""
     mod = _module(path)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
@@ -57,12 +60,15 @@ def _imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
             if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                out.add(".".join(base + ([node.module] if node.module else [])))
-            else:
-                out.add(node.module)
-    return out
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names if modules and f"{base}.{a.name}" in modules}
+            out.update(subs)
+            if modules is None or len(subs) < len(node.names):  # names defined in the module itself
+                out.add(base)
+    return out if modules is None else {t for t in out if t in modules and t != mod}
 
 
 def _group(name: str) -> str | None:
@@ -111,28 +117,6 @@ def test_the_scanner_catches_a_forbidden_arrow():
     assert forbidden([("services.trainer.server", "services.trainer", "services.common")]) == []
 
 
-def _module_imports(path: Path, modules: set[str]) -> set[str]:
-    """The repository modules ``path`` imports, anywhere in it (a deferred import inside a function is still a
-    dependency: it only hides a circle until that function runs). ``from pkg import sub`` of a submodule counts
-    as importing ``pkg.sub`` (not ``pkg``, which its own submodules are always imported under)."""
-    mod = _module(path)
-    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
-            out.update(subs)
-            if len(subs) < len(node.names):  # names defined in the module itself
-                out.add(base)
-    return {t for t in out if t in modules and t != mod}
-
-
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -170,7 +154,7 @@ def test_no_module_imports_itself_through_others():
     trainer ranks/server — were untied: a shared cache module, a transport-side protocol, the trainer's build)."""
     files = [*(REPO / "libs" / "fp8rl").rglob("*.py"), *(REPO / "services").rglob("*.py")]
     modules = {_module(f) for f in files}
-    cycles = import_cycles({_module(f): _module_imports(f, modules) for f in files})
+    cycles = import_cycles({_module(f): _imports(f, modules) for f in files})
     assert not cycles, f"import circles: {cycles}"
 
 
