@@ -13,6 +13,7 @@ from .backend import fp8_gemm_supported, select_backend
 from .convert import convert_model, fp8_linear_names, quantize_state_dict, transformer_layers
 from .kv import QKVQuantizer, QKVScales, calibrated_scale, scales_from_amax_history
 from .linear import Fp8InferenceLinear, Fp8Linear, WeightCache, fp8_gemm, fp8_linear
+from .mxfp8 import MX_BLOCK, dequantize_mxfp8, quantize_mxfp8
 from .payload import (
     Fp8LinearSpec,
     PayloadSpec,
@@ -46,6 +47,7 @@ __all__ = [
     "quantize_blockwise", "dequantize_blockwise",
     "quantize_per_token_group", "dequantize_per_token_group",
     "quantize_per_tensor", "dequantize_per_tensor",
+    "MX_BLOCK", "quantize_mxfp8", "dequantize_mxfp8",
     "fp8_gemm", "fp8_linear", "Fp8Linear", "Fp8InferenceLinear", "WeightCache",
     "convert_model", "fp8_linear_names", "quantize_state_dict", "transformer_layers",
     "QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history",
