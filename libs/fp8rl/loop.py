@@ -518,12 +518,11 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
     summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, ran=len(history) - first)
     result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
     if rd is not None:
-        rd.rewrite_metrics(history)  # the last row now carries the final validation
         rd.scalars(history[-1]["step"], val[cfg.steps])
         rd.close()
         if every:
             _checkpoint(loop, rd, cfg.steps, history, val, finished=True)
-        _write_report(cfg, loop, rd, history, val, summary)
+        _write_report(cfg, loop, rd, history, val, summary)  # metrics.jsonl rewritten whole: the final validation too
         policy = loop.export_policy(rd.path / "policy")  # the trained policy, as transformers and vLLM load it
         log.info("the trained policy (version %d) is an HF model directory: %s", loop.trainer.version, policy)
     return result

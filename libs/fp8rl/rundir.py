@@ -154,12 +154,6 @@ class RunDir:
             os.fsync(f.fileno())
         self.scalars(int(flat["step"]), flat)
 
-    def rewrite_metrics(self, rows: list[dict[str, Any]]) -> None:
-        """``metrics.jsonl`` rewritten whole from ``rows`` (TensorBoard untouched)."""
-        from fp8rl.report import flatten_step
-
-        self._write(self.path / self.METRICS, "".join(json.dumps(flatten_step(r)) + "\n" for r in rows))
-
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         """TensorBoard scalars of ``step`` (the finite numbers of ``values``), flushed."""
         from fp8rl.report import tensorboard_writer
