@@ -65,6 +65,7 @@ __all__ = ["LOOP_FLAGS", "LoopConfig", "LoopStopped", "GRPOLoop", "build_train_b
 LOOP_FLAGS: dict[str, str] = {
     "model": "policy.model",
     "kv_cache_dtype": "policy.generation.vllm_cfg.kv_cache_dtype",
+    "fp8_recipe": "policy.training.megatron_cfg.fp8_cfg.fp8_recipe",
     "steps": "job.steps",
     "prompts_per_step": "grpo.num_prompts_per_step",
     "group_size": "grpo.num_generations_per_prompt",
@@ -133,6 +134,12 @@ class LoopConfig:
     @property
     def recipe(self) -> str:
         return self.job.recipe
+
+    @property
+    def recipe_label(self) -> str:
+        """The recipe, with its FP8 scaling where that is not the default (``fp8_e2e/mxfp8``)."""
+        scaling = self.job.fp8_scaling
+        return self.recipe if scaling == "blockwise" or self.recipe == "bf16" else f"{self.recipe}/{scaling}"
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -494,7 +501,7 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
                 _checkpoint(loop, rd, n, history, val, finished=False)
                 write()
 
-    bar = tqdm(total=cfg.steps, initial=first, desc=f"grpo {cfg.recipe} kv={cfg.kv_cache_dtype}"
+    bar = tqdm(total=cfg.steps, initial=first, desc=f"grpo {cfg.recipe_label} kv={cfg.kv_cache_dtype}"
                + (f" async k={loop.plan.max_weight_lag}" if loop.plan.async_grpo else ""),
                disable=not progress, unit="step", file=sys.stderr)
     try:
@@ -545,7 +552,7 @@ def _checkpoint(loop: GRPOLoop, rd: RunDir, next_step: int, history: list[dict],
 def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dict], val: dict, summary: dict) -> None:
     from fp8rl.report import job_facts, write_report  # matplotlib only when a report is asked for
 
-    write_report(history, rd.path, title=f"in-process GRPO, {cfg.recipe}, kv={cfg.kv_cache_dtype}",
+    write_report(history, rd.path, title=f"in-process GRPO, {cfg.recipe_label}, kv={cfg.kv_cache_dtype}",
                  observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True), tensorboard=False)
     RunDir._write(rd.path / "summary.json", json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                         "validation": val}, indent=2))
@@ -556,7 +563,8 @@ def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wa
     """The run's summary over the finished steps (``stopped``: a signal ended it after ``len(history)`` steps);
     ``wall`` is this process's time for the ``ran`` steps it ran (a resumed run's first steps ran before)."""
     done = len(history)
-    summary: dict = {"recipe": cfg.recipe, "kv_cache_dtype": cfg.kv_cache_dtype, "steps": cfg.steps}
+    summary: dict = {"recipe": cfg.recipe, "fp8_recipe": cfg.job.fp8_scaling, "kv_cache_dtype": cfg.kv_cache_dtype,
+                     "steps": cfg.steps}
     if stopped:
         summary.update({"stopped": True, "steps_done": history[-1]["step"] + 1 if history else 0})
     if not history:

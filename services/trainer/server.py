@@ -88,7 +88,7 @@ class TrainerService(Service):
         self.route_shape = policy.config.route_shape if job.policy.router_replay.enabled else None
         rollout = job.fp8_recipe("rollout")
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
-        self.pow2 = rollout.pow2_weight_scaling_factors
+        self.pow2, self.scaling = rollout.pow2_weight_scaling_factors, rollout.scaling
         try:  # torch or megatron, per policy.training.backend; same TrainerConfig mapping either way
             self.trainer, parallel = build_trainer(job, policy)
         except ValueError as exc:
@@ -220,7 +220,8 @@ class TrainerService(Service):
         if v in self.trained_from:  # the lineage first: whoever sees v in weights:latest can read where it came from
             self.ctx.store.mark_trained(v, self.trained_from[v])
         manifest = self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
-                                          fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2)
+                                          fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2,
+                                          scaling=self.scaling)
         self.published = v
         self._put_pending_scales()
         took = time.perf_counter() - t0

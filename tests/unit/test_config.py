@@ -162,6 +162,32 @@ def test_batch_invariance_needs_the_embedded_engines_and_reaches_both_roles():
             JobConfig().with_settings({"policy.numerics.batch_invariant": True, key: other})
 
 
+def test_fp8_recipe_sets_both_engines_and_refuses_what_cannot_run():
+    from fp8rl.config import JobConfig
+
+    key = "policy.training.megatron_cfg.fp8_cfg.fp8_recipe"
+    for scaling in ("mxfp8", "tensorwise"):
+        job = JobConfig().with_settings({key: scaling})
+        assert {job.fp8_recipe(r).scaling for r in ("rollout", "trainer", "calibrator")} == {scaling}
+        gen_only = JobConfig().with_settings({key: scaling, "policy.training.megatron_cfg.fp8_cfg.enabled": False})
+        assert gen_only.recipe == "fp8_gen_only" and gen_only.fp8_recipe("rollout").fp8_linears
+        assert not gen_only.fp8_recipe("trainer").fp8_linears  # fp8_gen_only still means the rollout only
+        with pytest.raises(ConfigError, match=f"{key}={scaling} needs policy.generation.backend=torch"):
+            JobConfig().with_settings({key: scaling, "policy.generation.backend": "vllm",
+                                       "policy.numerics.batch_invariant": False})
+    with pytest.raises(ConfigError, match=f"^{key}: .delayed. is not one of blockwise, mxfp8, tensorwise"):
+        JobConfig().with_settings({key: "delayed"})
+    with pytest.raises(ConfigError, match="tensorwise with policy.training.megatron_cfg.tensor_model_parallel_size=2"):
+        JobConfig().with_settings({key: "tensorwise", "policy.training.backend": "megatron",
+                                   "policy.numerics.batch_invariant": False,
+                                   "policy.training.megatron_cfg.tensor_model_parallel_size": 2})
+    JobConfig().with_settings({key: "mxfp8", "policy.training.backend": "megatron",  # whole 1x32 blocks per slice
+                               "policy.numerics.batch_invariant": False,
+                               "policy.training.megatron_cfg.tensor_model_parallel_size": 2})
+    bf16 = {"policy.generation.vllm_cfg.precision": "bf16", "policy.training.megatron_cfg.fp8_cfg.enabled": False}
+    JobConfig().with_settings({key: "mxfp8", "policy.generation.backend": "vllm", **bf16})  # no FP8 linear: fine
+
+
 def test_batch_invariance_is_the_default_with_the_embedded_engines_and_off_with_a_reason_otherwise():
     from fp8rl.config import JobConfig
 

@@ -69,6 +69,7 @@ class JobConfig(Section):
         self._check_batch_shape()
         _ = self.recipe  # the precision combination must be a recipe
         self._check_model_parallel()
+        self._check_fp8_scaling()
         if self.policy.numerics.batch_invariant:
             # the embedded engines own both sides' kernels; vLLM's and Megatron's choose theirs by shape
             for key, val in self._engine_backends():
@@ -119,6 +120,24 @@ class JobConfig(Section):
                               "observatory: run python -m fp8rl.observatory on the model and set "
                               "policy.generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16 to "
                               "its suggestion")
+
+    def _check_fp8_scaling(self) -> None:
+        """``fp8_recipe`` variants the chosen engines cannot run are refused here, naming the key and why."""
+        scaling, key = self.fp8_scaling, "policy.training.megatron_cfg.fp8_cfg.fp8_recipe"
+        if scaling == "blockwise" or self.recipe == "bf16":
+            return
+        if self.policy.generation.backend == "vllm":
+            raise ConfigError(f"{key}={scaling} needs policy.generation.backend=torch: fp8rl's vLLM rollout loads "
+                              "block-scaled FP8 checkpoints only (E4M3 weights with 128x128 FP32 weight_scale_inv, "
+                              "vLLM's weight_block_size); the embedded torch rollout runs every variant")
+        t = self.policy.training
+        if (scaling == "tensorwise" and self.recipe == "fp8_e2e" and t.backend == "megatron"
+                and t.megatron_cfg.tensor_model_parallel_size > 1):
+            raise ConfigError(f"{key}=tensorwise with policy.training.megatron_cfg.tensor_model_parallel_size="
+                              f"{t.megatron_cfg.tensor_model_parallel_size}: each rank holds a slice of every weight "
+                              "and of its activations, and one tensor-wide scale would need an amax all-reduce over "
+                              "the tensor-parallel group that the local spec does not run; use blockwise or mxfp8 "
+                              "(whole blocks per slice), or tensor_model_parallel_size=1")
 
     def _check_model_parallel(self) -> None:
         t = self.policy.training
@@ -233,8 +252,13 @@ class JobConfig(Section):
             num_first_layers_in_bf16=v.num_first_layers_in_bf16, num_last_layers_in_bf16=v.num_last_layers_in_bf16,
             pow2_weight_scaling_factors=v.pow2_weight_scaling_factors,
             pow2_activation_scaling_factors=v.pow2_activation_scaling_factors,
-            batch_invariant=self.batch_invariant,
+            batch_invariant=self.batch_invariant, scaling=self.fp8_scaling,
         )
+
+    @property
+    def fp8_scaling(self) -> str:
+        """The FP8 linears' scaling format of both engines (``policy.training.megatron_cfg.fp8_cfg.fp8_recipe``)."""
+        return self.policy.training.megatron_cfg.fp8_cfg.fp8_recipe
 
     def loss_config(self):
         """The :class:`fp8rl.rl.LossConfig` of this job (Dr. GRPO's constant defaults to the generation budget)."""

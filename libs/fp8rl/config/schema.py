@@ -73,8 +73,13 @@ class Fp8Cfg(Section):
     KEY = "policy.training.megatron_cfg.fp8_cfg"
     enabled: bool = setting(True, "FP8 training linears (with precision fp8: the fp8_e2e recipe).")
     fp8: str = setting("e4m3", "FP8 format of weights, activations and gradients.", choices=("e4m3",))
-    fp8_recipe: str = setting("blockwise", "Scaling: blockwise (weights 128x128, activations and gradients "
-                              "1x128, FP32 scales).", choices=("blockwise",))
+    fp8_recipe: str = setting("blockwise", "FP8 scaling of every FP8 linear, rollout and trainer alike (one key "
+                              "for both engines: they quantize the same master weights the same way): blockwise "
+                              "(weights 128x128, activations and gradients 1x128, FP32 scales); mxfp8 (OCP "
+                              "microscaling: 1x32 blocks along each GEMM's reduction dimension, E8M0 power-of-two "
+                              "scales); tensorwise (current scaling: one FP32 scale per tensor per GEMM operand, "
+                              "per token for forward activations under batch invariance). vLLM runs blockwise only.",
+                              choices=("blockwise", "mxfp8", "tensorwise"))
 
 
 @dataclass(frozen=True)

@@ -204,8 +204,8 @@ class TorchRolloutEngine(RolloutEngine):
             src = theirs[name]
             cache = getattr(src, "weight_cache", None)
             if (isinstance(src, Fp8Linear) and cache is not None
-                    and src.pow2_weight_scale == mine.pow2_weight_scale):
-                q, scale = cache.get(src.weight, src.pow2_weight_scale)
+                    and (src.pow2_weight_scale, src.scaling) == (mine.pow2_weight_scale, mine.scaling)):
+                q, scale = cache.get(src.weight, src.pow2_weight_scale, mine.fmt)
                 mine.weight, mine.weight_scale = q, scale
                 self._shared_caches[name] = cache
                 if src.bias is not None:

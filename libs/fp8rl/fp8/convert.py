@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .formats import linear_format
 from .linear import Fp8InferenceLinear, Fp8Linear
-from .quant import quantize_blockwise
 from .recipe import Fp8Recipe
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def convert_model(
         model: a causal LM whose transformer layers hold ``nn.Linear`` projections.
         recipe: which layers and tensors go FP8.
         mode: ``"train"`` → :class:`Fp8Linear` (master weights kept, same Parameter objects);
-            ``"inference"`` → :class:`Fp8InferenceLinear` (frozen E4M3 + FP32 block scales).
+            ``"inference"`` → :class:`Fp8InferenceLinear` (frozen E4M3 + scales of the recipe's format).
 
     Returns:
         ``model`` itself, with ``model.fp8_recipe = recipe``.
@@ -88,7 +88,7 @@ def convert_model(
             continue
         for parent, attr, lin, name in list(_linears(layer)):
             kw = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
-                      pow2_activation_scale=recipe.pow2_activation_scaling_factors)
+                      pow2_activation_scale=recipe.pow2_activation_scaling_factors, scaling=recipe.scaling)
             if mode == "train":
                 new: nn.Module = Fp8Linear.from_linear(lin, **kw)
             else:
@@ -113,19 +113,22 @@ def convert_model(
 
 @torch.no_grad()
 def quantize_state_dict(
-    state_dict: dict[str, torch.Tensor], fp8_prefixes: Iterable[str], *, pow2_scale: bool = False
+    state_dict: dict[str, torch.Tensor], fp8_prefixes: Iterable[str], *, pow2_scale: bool = False,
+    scaling: str = "blockwise",
 ) -> dict[str, torch.Tensor]:
-    """Quantize ``{prefix}.weight`` of every FP8 linear to E4M3 + ``{prefix}.weight_scale``.
+    """Quantize ``{prefix}.weight`` of every FP8 linear to E4M3 + ``{prefix}.weight_scale`` (``scaling``'s forward
+    form, :mod:`fp8rl.fp8.formats`).
 
     Tensors not named by ``fp8_prefixes`` pass through unchanged. Raises ``ValueError`` naming
     the tensor if a weight holds NaN/Inf.
     """
     out = dict(state_dict)
+    fmt = linear_format(scaling)
     for p in fp8_prefixes:
         key = f"{p}.weight"
         if key not in state_dict:
             raise KeyError(f"quantize_state_dict: {key} not in state dict")
-        q, s = quantize_blockwise(state_dict[key], pow2_scale=pow2_scale, name=key)
+        q, s = fmt.quantize_weight(state_dict[key], pow2=pow2_scale, name=key)
         out[key] = q
         out[f"{p}.weight_scale"] = s
     return out

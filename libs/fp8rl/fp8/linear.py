@@ -38,16 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import select_backend
+from .formats import LinearFormat, linear_format
 from .quant import (
     BLOCK,
     E4M3,
     dequantize_blockwise,
-    dequantize_columnwise,
     dequantize_per_token_group,
-    fake_quantize_columnwise,
-    fake_quantize_per_token_group,
-    quantize_blockwise,
-    quantize_columnwise,
     quantize_per_token_group,
 )
 
@@ -124,26 +120,39 @@ def _gemm_scaled_mm(x_q, x_scale, w_q, w_scale, out_dtype):  # pragma: no cover 
     return out[:t, :n].to(out_dtype)
 
 
+_BLOCKWISE = linear_format("blockwise")
+
+
+def _reads_dequantized(fmt: LinearFormat, device: torch.device) -> bool:
+    """Whether a GEMM under ``fmt`` on ``device`` multiplies the FP32 dequantization (every format but blockwise on a
+    fast-path device)."""
+    return fmt is not _BLOCKWISE or select_backend(device) == "reference"
+
+
 class WeightCache:
     """The FP8 form of one master weight at one version (see the module docstring)."""
 
-    __slots__ = ("_ref", "_key", "q", "scale", "dequantized", "hits", "misses")
+    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses")
 
     def __init__(self) -> None:
         self._ref, self._key = None, None
         self.q = self.scale = self.dequantized = None
+        self.fmt: LinearFormat = _BLOCKWISE
         self.hits = self.misses = 0
 
-    def get(self, weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w_q, w_scale)`` of ``weight`` now, quantized only when it changed. Releases any FP32 dequantization
-        held (:meth:`dequantize_held`): the trainer's passes dequantize per call, so it holds 1 byte per weight
-        element, not 5."""
-        key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2)
+    def get(self, weight: torch.Tensor, pow2: bool, fmt: LinearFormat | None = None) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+        """``(w_q, w_scale)`` of ``weight`` in ``fmt``'s forward form (default blockwise) now, quantized only when
+        it changed. Releases any FP32 dequantization held (:meth:`dequantize_held`): the trainer's passes
+        dequantize per call, so it holds 1 byte per weight element, not 5."""
+        fmt = fmt or _BLOCKWISE
+        key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2, fmt.name)
         if self._ref is not None and self._ref() is weight and self._key == key:
             self.hits += 1
         else:
             self.misses += 1
-            self.q, self.scale = quantize_blockwise(weight.detach(), pow2_scale=pow2)  # (N, K), (N/128, K/128)
+            self.q, self.scale = fmt.quantize_weight(weight.detach(), pow2=pow2)  # blockwise: (N, K), (N/128, K/128)
+            self.fmt = fmt
             self.dequantized = None
             self._ref, self._key = weakref.ref(weight), key
         self.dequantized = None
@@ -152,8 +161,8 @@ class WeightCache:
     def dequantize_held(self) -> torch.Tensor | None:
         """The FP32 dequantization of the held E4M3 form (kept; built now if released), without looking at the
         weight again — None on backends whose GEMM reads E4M3 directly, or with nothing held."""
-        if self.dequantized is None and self.q is not None and select_backend(self.q.device) == "reference":
-            self.dequantized = dequantize_blockwise(self.q, self.scale)
+        if self.dequantized is None and self.q is not None and _reads_dequantized(self.fmt, self.q.device):
+            self.dequantized = self.fmt.dequantize_weight(self.q, self.scale)
         return self.dequantized
 
     def __deepcopy__(self, memo) -> WeightCache:  # a copied module starts empty: its weight is another tensor
@@ -167,44 +176,49 @@ class _Fp8LinearFn(torch.autograd.Function):
     (:func:`quantize_columnwise`: the same codes and scales as quantizing the transpose, no transpose copy)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None):
+    def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None, fmt=None):
+        fmt = fmt or _BLOCKWISE
         if cache is not None:
-            w_q, w_s = cache.get(weight, pow2_w)
+            w_q, w_s = cache.get(weight, pow2_w, fmt)
         else:
-            w_q, w_s = quantize_blockwise(weight, pow2_scale=pow2_w)  # (N, K), (N/128, K/128)
-        if select_backend(x2d.device) == "reference":
-            x = fake_quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K) FP32, E4M3 values x scales
-            w = dequantize_blockwise(w_q, w_s)
+            w_q, w_s = fmt.quantize_weight(weight, pow2=pow2_w)  # blockwise: (N, K), (N/128, K/128)
+        if _reads_dequantized(fmt, x2d.device):
+            x = fmt.fake_act(x2d, pow2_a, row_tile is not None)  # (T, K) FP32, E4M3 values x scales
+            w = fmt.dequantize_weight(w_q, w_s)
             out = x @ w.t() if row_tile is None else tiled_mm(x, w.t(), row_tile)
         else:
             x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
             out = fp8_gemm(x_q, x_s, w_q, w_s, torch.float32, row_tile=row_tile)
         if bias is not None:
             out = out + bias.float()
-        # wgrad reduces over tokens: keep x only in its column-wise (1x128 along T) E4M3 form, token-major.
-        xt_q, xt_s = quantize_columnwise(x2d, pow2_scale=pow2_a)  # (T, K), (T/128, K)
-        ctx.save_for_backward(xt_q, xt_s, w_q, w_s)
-        ctx.pow2_a = pow2_a
+        # wgrad reduces over tokens: keep x only in its E4M3 form along T (blockwise: 1x128, token-major)
+        saved_x = fmt.save_act(x2d, pow2_a)
+        # mxfp8's dgrad quantizes the weight along N from the high-precision weight (a reference, no copy)
+        ctx.save_for_backward(*saved_x, w_q, w_s, weight if fmt.name == "mxfp8" else None)
+        ctx.n_saved_x = len(saved_x)
+        ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
         ctx.has_bias = bias is not None
         ctx.dtypes = (x2d.dtype, weight.dtype)
         return out.to(x2d.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        xt_q, xt_s, w_q, w_s = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        saved_x, (w_q, w_s, weight) = saved[:ctx.n_saved_x], saved[ctx.n_saved_x:]
+        fmt = ctx.fmt
         x_dtype, w_dtype = ctx.dtypes
         g = grad_out.contiguous()  # (T, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            w = dequantize_blockwise(w_q, w_s)  # (N, K)
-            g_deq = fake_quantize_per_token_group(g, pow2_scale=ctx.pow2_a)  # 1x128 along N
+            w = fmt.weight_for_dgrad(weight, w_q, w_s, ctx.pow2_w)  # (N, K), quantized along N
+            g_deq = fmt.fake_grad_dgrad(g, ctx.pow2_a)  # along N
             grad_x = (g_deq @ w).to(x_dtype)  # (T, K)
         if ctx.needs_input_grad[1]:
-            g_cw = fake_quantize_columnwise(g, pow2_scale=ctx.pow2_a)  # (T, N): 1x128 along T
-            grad_w = (g_cw.t() @ dequantize_columnwise(xt_q, xt_s)).to(w_dtype)  # (N, K)
+            g_cw = fmt.fake_grad_wgrad(g, ctx.pow2_a)  # (T, N): along T
+            grad_w = (g_cw.t() @ fmt.load_act(saved_x)).to(w_dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(0).to(w_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def fp8_linear(
@@ -216,8 +230,9 @@ def fp8_linear(
     pow2_activation_scale: bool | None = None,
     weight_cache: WeightCache | None = None,
     row_tile: int | None = None,
+    scaling: str = "blockwise",
 ) -> torch.Tensor:
-    """Autograd-capable block-scaled FP8 ``F.linear``.
+    """Autograd-capable scaled FP8 ``F.linear`` (block-scaled by default).
 
     Args:
         x: ``(..., K)`` activations (any float dtype; the output has the same dtype).
@@ -228,6 +243,8 @@ def fp8_linear(
         weight_cache: keeps ``weight``'s FP8 form between calls while the weight is unchanged (None: quantize
             on every call).
         row_tile: batch-invariant forward GEMM (:func:`tiled_mm`), or None.
+        scaling: the format of every operand (:mod:`fp8rl.fp8.formats`): ``blockwise``, ``mxfp8`` or
+            ``tensorwise``.
     """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
@@ -236,7 +253,8 @@ def fp8_linear(
     # every pass dequantizes the weight per call (and a training one again in its backward) instead of keeping the
     # FP32 dequantization cached: the numbers are the same, and the trainer holds 1 byte per weight element in its
     # logprob pass too — where its gradients and moments are all held, the pass's peak (issue 30)
-    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile)
+    out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile,
+                             linear_format(scaling))
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -249,17 +267,20 @@ class Fp8Linear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
-                 pow2_weight_scale: bool = False, pow2_activation_scale: bool = False):
+                 pow2_weight_scale: bool = False, pow2_activation_scale: bool = False, scaling: str = "blockwise"):
         super().__init__(in_features, out_features, bias, device, dtype)
+        self.scaling = linear_format(scaling).name
         self.pow2_weight_scale = pow2_weight_scale
         self.pow2_activation_scale = pow2_activation_scale
         self.weight_cache: WeightCache | None = WeightCache()
         self.row_tile: int | None = None  # batch-invariant numerics (CausalLM.set_batch_invariance)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, pow2_weight_scale=False, pow2_activation_scale=False) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, *, pow2_weight_scale=False, pow2_activation_scale=False,
+                    scaling: str = "blockwise") -> Fp8Linear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
+        new.scaling = linear_format(scaling).name
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
@@ -273,7 +294,7 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(
             x, self.weight, self.bias,
             pow2_scale=self.pow2_weight_scale, pow2_activation_scale=self.pow2_activation_scale,
-            weight_cache=self.weight_cache, row_tile=self.row_tile,
+            weight_cache=self.weight_cache, row_tile=self.row_tile, scaling=self.scaling,
         )
 
     def refresh_weight_cache(self) -> None:
@@ -282,14 +303,15 @@ class Fp8Linear(nn.Linear):
         next forward-only pass that needs it."""
         if self.weight_cache is not None:
             with torch.no_grad():
-                self.weight_cache.get(self.weight, self.pow2_weight_scale)
+                self.weight_cache.get(self.weight, self.pow2_weight_scale, linear_format(self.scaling))
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8=blockwise, pow2_w={self.pow2_weight_scale}"
+        return super().extra_repr() + f", fp8={self.scaling}, pow2_w={self.pow2_weight_scale}"
 
 
 class Fp8InferenceLinear(nn.Module):
-    """Frozen FP8 linear: E4M3 ``weight`` + FP32 ``weight_scale`` (128×128 blocks), W8A8 at run time.
+    """Frozen FP8 linear: E4M3 ``weight`` + ``weight_scale`` in its format's forward form (blockwise: FP32 per
+    128×128 block; mxfp8: uint8 E8M0 per 1×32 along K; tensorwise: one FP32, shape ``(1, 1)``), W8A8 at run time.
 
     The rollout engine's view. The buffers are allocated once; :meth:`load_weight` and
     :meth:`load_quantized` write into them in place, so a refit never changes tensor identity
@@ -300,14 +322,18 @@ class Fp8InferenceLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
-                 pow2_weight_scale: bool = False, pow2_activation_scale: bool = False, device=None):
+                 pow2_weight_scale: bool = False, pow2_activation_scale: bool = False, scaling: str = "blockwise",
+                 device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.pow2_weight_scale = pow2_weight_scale
         self.pow2_activation_scale = pow2_activation_scale
-        sn, sk = -(-out_features // BLOCK), -(-in_features // BLOCK)
+        self.fmt = linear_format(scaling)
+        self.scaling = self.fmt.name
+        one = self.fmt.quantize_weight(torch.zeros(1, 1))[1].reshape(()).item()  # the scale of an all-zero block
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=E4M3, device=device))
-        self.register_buffer("weight_scale", torch.ones(sn, sk, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.full(self.scale_shape, one, dtype=self.fmt.scale_dtype,
+                                                        device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.register_buffer("_w_dequant", None, persistent=False)
         self.row_tile: int | None = None  # batch-invariant numerics (CausalLM.set_batch_invariance)
@@ -328,25 +354,25 @@ class Fp8InferenceLinear(nn.Module):
             raise ValueError(
                 f"{name or 'weight'}: shape {tuple(weight.shape)} != expected {(self.out_features, self.in_features)}"
             )
-        q, s = quantize_blockwise(weight, pow2_scale=self.pow2_weight_scale, name=name)
+        q, s = self.fmt.quantize_weight(weight, pow2=self.pow2_weight_scale, name=name)
         self.load_quantized(q, s, bias, name=name)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return self.fmt.scale_shape(self.out_features, self.in_features)
 
     @torch.no_grad()
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                        *, name: str | None = None):
-        """Copy an already-quantized weight (E4M3 + FP32 block scales) into the buffers."""
+        """Copy an already-quantized weight (E4M3 + its format's scales) into the buffers."""
         label = name or "weight"
-        shape, scale_shape = (self.out_features, self.in_features), (-(-self.out_features // BLOCK),
-                                                                      -(-self.in_features // BLOCK))
+        shape, scale_shape = (self.out_features, self.in_features), self.scale_shape
         if q.dtype != E4M3 or tuple(q.shape) != shape:
             raise ValueError(f"{label}: expected E4M3 {shape}, got {q.dtype} {tuple(q.shape)}")
-        if tuple(scale.shape) != scale_shape:
-            raise ValueError(f"{label}: weight_scale shape {tuple(scale.shape)} != {scale_shape}")
-        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-            raise ValueError(f"{label}: weight_scale must be finite and > 0")
+        self.fmt.check_scale(f"{label} weight_scale", scale, shape)  # shape, dtype, finite > 0 / no E8M0 NaN
         if self.weight.shape != shape:  # released (release_weight): the buffers again
             self.weight = torch.empty(shape, dtype=E4M3, device=self.weight.device)
-            self.weight_scale = torch.empty(scale_shape, dtype=torch.float32, device=self.weight_scale.device)
+            self.weight_scale = torch.empty(scale_shape, dtype=self.fmt.scale_dtype, device=self.weight_scale.device)
         self.weight.copy_(q)
         self.weight_scale.copy_(scale)
         if bias is not None:
@@ -368,8 +394,8 @@ class Fp8InferenceLinear(nn.Module):
         return self.weight.numel() > 0
 
     def _refresh_cache(self) -> None:
-        if select_backend(self.weight.device) == "reference":
-            w = dequantize_blockwise(self.weight, self.weight_scale)
+        if _reads_dequantized(self.fmt, self.weight.device):
+            w = self.fmt.dequantize_weight(self.weight, self.weight_scale)
             if self._w_dequant is None or self._w_dequant.shape != w.shape:
                 self._w_dequant = w
             else:
@@ -377,12 +403,19 @@ class Fp8InferenceLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x_q, x_s = quantize_per_token_group(x.reshape(-1, self.in_features), pow2_scale=self.pow2_activation_scale)
-        out = fp8_gemm(x_q, x_s, self.weight, self.weight_scale, torch.float32, w_dequantized=self._w_dequant,
-                       row_tile=self.row_tile)
+        x2d = x.reshape(-1, self.in_features)
+        if self.fmt is _BLOCKWISE:
+            x_q, x_s = quantize_per_token_group(x2d, pow2_scale=self.pow2_activation_scale)
+            out = fp8_gemm(x_q, x_s, self.weight, self.weight_scale, torch.float32, w_dequantized=self._w_dequant,
+                           row_tile=self.row_tile)
+        else:  # the trainer's reference GEMM exactly (_Fp8LinearFn.forward)
+            xd = self.fmt.fake_act(x2d, self.pow2_activation_scale, self.row_tile is not None)
+            w = self._w_dequant if self._w_dequant is not None else self.fmt.dequantize_weight(self.weight,
+                                                                                              self.weight_scale)
+            out = xd @ w.t() if self.row_tile is None else tiled_mm(xd, w.t(), self.row_tile)
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=w8a8 blockwise"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=w8a8 {self.scaling}"

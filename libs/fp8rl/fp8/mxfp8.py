@@ -26,7 +26,7 @@ import torch
 from .quant import E4M3, E4M3_MAX, check_finite
 
 __all__ = ["MX_BLOCK", "E8M0_BIAS", "E8M0_NAN", "e8m0_exponents", "e8m0_to_float", "quantize_mxfp8",
-           "dequantize_mxfp8"]
+           "dequantize_mxfp8", "fake_quantize_mxfp8"]
 
 MX_BLOCK = 32
 E8M0_BIAS = 127
@@ -36,14 +36,15 @@ _E_MIN, _E_MAX = -127, 127
 
 def e8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
     """The biased E8M0 exponent (uint8) of each block's scale: the smallest ``e`` with ``2**e * 448 >= amax``,
-    clamped to [-127, 127]; 127 (``2**0``) where ``amax`` is 0."""
-    a = amax.double()
-    e = torch.ceil(torch.log2(a / E4M3_MAX))
-    e = torch.where(a > 0, e, torch.zeros_like(e)).clamp(_E_MIN, _E_MAX)
-    # log2 in float64 can land one off next to a power of two: settle it with exact comparisons
-    e = torch.where((a > 0) & (torch.ldexp(torch.full_like(a, E4M3_MAX), e) < a), e + 1, e)
-    e = torch.where((a > 0) & (torch.ldexp(torch.full_like(a, E4M3_MAX), e - 1) >= a), e - 1, e)
-    return (e.clamp(_E_MIN, _E_MAX) + E8M0_BIAS).to(torch.uint8)
+    clamped to [-127, 127]; 127 (``2**0``) where ``amax`` is 0.
+
+    Exact, from the FP32 bits of ``amax`` (no logarithm): with ``amax = m * 2**E``, ``m`` in [0.5, 1)
+    (:func:`torch.frexp`) and ``448 = 0.875 * 2**9``, the smallest such ``e`` is ``E - 9`` when ``m <= 0.875``, else
+    ``E - 8``."""
+    m, ex = torch.frexp(amax.float())
+    e = torch.where(m <= 0.875, ex - 9, ex - 8)
+    e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp_(_E_MIN, _E_MAX)
+    return (e + E8M0_BIAS).to(torch.uint8)
 
 
 def e8m0_to_float(scale: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
@@ -62,17 +63,34 @@ def quantize_mxfp8(x: torch.Tensor, dim: int = -1, *, name: str | None = None) -
     """``(q, scale)``: ``q`` E4M3 of ``x``'s shape, ``scale`` uint8 E8M0 with ``ceil(n / 32)`` entries along ``dim``
     (see the module docstring). ValueError naming ``name`` for a NaN or Inf in ``x``."""
     check_finite(x, name)
+    blocks, dim, n = _blocks(x, dim)
+    s = e8m0_exponents(blocks.abs().amax(dim=-1))
+    q = (blocks / e8m0_to_float(s).unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    q = q.reshape(*blocks.shape[:-2], -1)[..., :n]
+    return q.movedim(-1, dim).contiguous(), s.movedim(-1, dim).contiguous()
+
+
+def _blocks(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int]:
+    """``x`` as FP32 ``(..., g, 32)`` blocks along ``dim`` (moved last, zero-padded), ``dim`` normalised, and
+    its length."""
     dim = dim % x.dim() if x.dim() else 0
     xt = x.float().movedim(dim, -1)
     n = xt.shape[-1]
     g = -(-n // MX_BLOCK)
     if g * MX_BLOCK != n:
         xt = torch.nn.functional.pad(xt, (0, g * MX_BLOCK - n))
-    blocks = xt.reshape(*xt.shape[:-1], g, MX_BLOCK)
-    s = e8m0_exponents(blocks.abs().amax(dim=-1))
-    q = (blocks / e8m0_to_float(s).unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    q = q.reshape(*xt.shape[:-1], g * MX_BLOCK)[..., :n]
-    return q.movedim(-1, dim).contiguous(), s.movedim(-1, dim).contiguous()
+    return xt.reshape(*xt.shape[:-1], g, MX_BLOCK), dim, n
+
+
+def fake_quantize_mxfp8(x: torch.Tensor, dim: int = -1, *, name: str | None = None) -> torch.Tensor:
+    """``dequantize_mxfp8(*quantize_mxfp8(x, dim), dim)`` in one pass (FP32, bitwise the same numbers): what a GEMM
+    operand quantized 1x32 along ``dim`` contributes on the reference backend."""
+    check_finite(x, name)
+    blocks, dim, n = _blocks(x, dim)
+    scale = e8m0_to_float(e8m0_exponents(blocks.abs().amax(dim=-1))).unsqueeze(-1)
+    y = (blocks / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).float().mul_(scale)
+    y = y.reshape(*blocks.shape[:-2], -1)[..., :n]
+    return y.movedim(-1, dim).contiguous()
 
 
 def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dim: int = -1, dtype: torch.dtype = torch.float32,

@@ -9,11 +9,12 @@ engine, the vLLM rollout engine and the calibrator's model all run it through th
    engine holds: names, shapes, dtypes): the version is not older than the held one, the QKV scales are
    of this version and cover every FP8-KV attention layer, every expected tensor is there and nothing
    else, shapes match, high-precision tensors are high-precision floats with no NaN/Inf, shipped FP8
-   weights come with a block scale of the right grid that is finite and > 0.
+   weights come with a scale of their format's shape and dtype (:mod:`fp8rl.fp8.formats`: FP32 per 128×128 block,
+   uint8 E8M0 per 1×32, or one FP32) that is finite and > 0 — for E8M0, not 0xFF (its NaN).
 2. **process after loading** — :meth:`RefitPayload.process` puts every tensor in the form the engine
-   computes with: an FP8 linear's master weight is quantized to E4M3 with FP32 scales per 128×128 block
-   (:func:`quantize_blockwise`, pow2 per the recipe — exactly as the trainer rounds it; its NaN/Inf
-   check happens here, read off the block amaxes at no extra pass), a shipped E4M3 weight is taken as
+   computes with: an FP8 linear's master weight is quantized to E4M3 in its format's forward form
+   (blockwise: :func:`quantize_blockwise`, pow2 per the recipe — exactly as the trainer rounds it; its NaN/Inf
+   check happens here), a shipped E4M3 weight is taken as
    it is; every other tensor (the linears the recipe keeps in high precision — the first/last BF16
    layers, ``lm_head`` — embeddings, norms) is cast to the engine's dtype and device. With
    ``PayloadSpec.dequantize_fp8`` an E4M3 weight of a linear kept in high precision is dequantized
@@ -29,16 +30,16 @@ single live tensor is touched, so the engine keeps serving the version it held.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .formats import LinearFormat, linear_format
 from .kv import QKVQuantizer, QKVScales
 from .linear import Fp8InferenceLinear
-from .quant import BLOCK, E4M3, check_finite, dequantize_blockwise, quantize_blockwise
+from .quant import E4M3, check_finite
 
 __all__ = [
     "WeightLoadError", "TensorSpec", "Fp8LinearSpec", "PayloadSpec", "RefitPayload", "ProcessedPayload",
@@ -66,26 +67,32 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Fp8LinearSpec:
-    """A linear the engine runs in FP8: E4M3 ``(out_features, in_features)`` + FP32 128×128 block scales.
+    """A linear the engine runs in FP8: E4M3 ``(out_features, in_features)`` + its format's scales.
 
     Attributes:
-        pow2_scale: quantize master weights with power-of-two block scales (the recipe's
+        pow2_scale: quantize master weights with power-of-two scales (the recipe's
             ``pow2_weight_scaling_factors``).
         device: where the engine keeps the weight and its scale.
+        scaling: the format (:mod:`fp8rl.fp8.formats`): ``blockwise``, ``mxfp8`` or ``tensorwise``.
     """
 
     out_features: int
     in_features: int
     pow2_scale: bool = False
     device: torch.device = _CPU
+    scaling: str = "blockwise"
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
     @property
+    def fmt(self) -> LinearFormat:
+        return linear_format(self.scaling)
+
+    @property
     def scale_shape(self) -> tuple[int, int]:
-        return (math.ceil(self.out_features / BLOCK), math.ceil(self.in_features / BLOCK))
+        return self.fmt.scale_shape(self.out_features, self.in_features)
 
 
 @dataclass(frozen=True)
@@ -103,12 +110,14 @@ class PayloadSpec:
         dequantize_fp8: accept a high-precision ``X.weight`` as E4M3 + ``X.weight_scale`` and
             dequantize it (the calibrator, whose recipe may keep linears the rollout runs in FP8
             in high precision).
+        scaling: the format such an E4M3 ``X.weight`` arrives in (the job's ``fp8_recipe``).
     """
 
     tensors: Mapping[str, TensorSpec]
     fp8_linears: Mapping[str, Fp8LinearSpec] = field(default_factory=dict)
     num_kv_layers: int | None = None
     dequantize_fp8: bool = False
+    scaling: str = "blockwise"
 
     @classmethod
     def for_model(cls, model: nn.Module, *, dequantize_fp8: bool = False) -> PayloadSpec:
@@ -119,9 +128,11 @@ class PayloadSpec:
         for prefix, mod in fp8.items():
             if mod.bias is not None:
                 tensors[f"{prefix}.bias"] = TensorSpec(tuple(mod.bias.shape), mod.bias.dtype, mod.bias.device)
-        linears = {p: Fp8LinearSpec(m.out_features, m.in_features, m.pow2_weight_scale, m.weight.device)
+        linears = {p: Fp8LinearSpec(m.out_features, m.in_features, m.pow2_weight_scale, m.weight.device, m.scaling)
                    for p, m in fp8.items()}
-        return cls(tensors, linears, len(qkv_quantizers(model)) or None, dequantize_fp8)
+        recipe = getattr(model, "fp8_recipe", None)
+        return cls(tensors, linears, len(qkv_quantizers(model)) or None, dequantize_fp8,
+                   getattr(recipe, "scaling", "blockwise"))
 
     def expected_names(self) -> set[str]:
         """The tensor names a full payload must provide (block scales of shipped FP8 weights come on top)."""
@@ -166,16 +177,11 @@ def _scale_name(weight_name: str) -> str:
     return f"{weight_name.removesuffix('.weight')}.weight_scale"
 
 
-def _check_block_scale(name: str, s: torch.Tensor, grid: tuple[int, int]) -> None:
-    if tuple(s.shape) != grid:
-        raise WeightLoadError(f"{name}: shape {tuple(s.shape)} != expected {grid}")
-    check_finite(s, name)
-    if not bool((s > 0).all()):
-        raise WeightLoadError(f"{name}: scales must be > 0")
-
-
-def _grid(shape: tuple[int, ...]) -> tuple[int, int]:
-    return (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
+def _check_scale(fmt: LinearFormat, name: str, s: torch.Tensor, weight_shape: tuple[int, ...]) -> None:
+    try:
+        fmt.check_scale(name, s, tuple(weight_shape))
+    except ValueError as e:
+        raise WeightLoadError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -226,8 +232,8 @@ class RefitPayload:
                 t = tensors[name]
                 if tuple(t.shape) != tuple(ts.shape):
                     raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != expected {tuple(ts.shape)}")
-                if name in dequantized:  # E4M3 + block scale; finiteness is checked once dequantized
-                    _check_block_scale(_scale_name(name), tensors[_scale_name(name)], _grid(t.shape))
+                if name in dequantized:  # E4M3 + its scale; finiteness is checked once dequantized
+                    _check_scale(linear_format(spec.scaling), _scale_name(name), tensors[_scale_name(name)], t.shape)
                     continue
                 if not t.is_floating_point() or t.dtype == E4M3:
                     raise WeightLoadError(f"{name}: dtype {t.dtype} is not a high-precision float")
@@ -240,7 +246,7 @@ class RefitPayload:
                     s = tensors.get(f"{prefix}.weight_scale")
                     if s is None:
                         raise WeightLoadError(f"{prefix}.weight is E4M3 but {prefix}.weight_scale is missing")
-                    _check_block_scale(f"{prefix}.weight_scale", s, lin.scale_shape)
+                    _check_scale(lin.fmt, f"{prefix}.weight_scale", s, lin.shape)
                 elif not w.is_floating_point():
                     raise WeightLoadError(f"{prefix}.weight: dtype {w.dtype} is not a float")
                 # a master weight's NaN/Inf check comes with its quantization (process)
@@ -262,7 +268,7 @@ class RefitPayload:
             for name, ts in self.spec.tensors.items():
                 t = self.tensors[name]
                 if name in self.dequantized:
-                    t = dequantize_blockwise(t, self.tensors[_scale_name(name)])
+                    t = linear_format(self.spec.scaling).dequantize_weight(t, self.tensors[_scale_name(name)])
                     check_finite(t, name)
                 out[name] = t.to(device=ts.device, dtype=ts.dtype)
             for prefix, lin in self.spec.fp8_linears.items():
@@ -270,9 +276,9 @@ class RefitPayload:
                 if w.dtype == E4M3:  # shipped quantized: copied as it arrived
                     q, s = w, self.tensors[f"{prefix}.weight_scale"]
                 else:  # master weight: rounded exactly as the trainer rounds it
-                    q, s = quantize_blockwise(w, pow2_scale=lin.pow2_scale, name=f"{prefix}.weight")
-                fp8[prefix] = (q.to(lin.device), s.to(lin.device, torch.float32))
-        except ValueError as e:  # check_finite / quantize_blockwise / dequantize_blockwise name the tensor
+                    q, s = lin.fmt.quantize_weight(w, pow2=lin.pow2_scale, name=f"{prefix}.weight")
+                fp8[prefix] = (q.to(lin.device), s.to(lin.device, lin.fmt.scale_dtype))
+        except ValueError as e:  # check_finite and the format's quantizers name the tensor
             raise WeightLoadError(str(e)) from e
         return ProcessedPayload(self.version, out, fp8, self.qkv_scales)
 
@@ -284,7 +290,7 @@ class ProcessedPayload:
     Attributes:
         version: the weight version.
         tensors: HF name → high-precision tensor in the engine's dtype and device.
-        fp8: FP8 linear prefix → ``(E4M3 weight, FP32 128×128 block scale)``.
+        fp8: FP8 linear prefix → ``(E4M3 weight, its format's scale)``.
         qkv_scales: the scales of ``version`` (None without an FP8 KV cache).
     """
 

@@ -10,6 +10,10 @@ fp8_gen_only   fp8 linears    bf16 linears
 fp8_e2e        fp8 linears    fp8 linears
 =============  =============  =============
 
+``scaling`` (the job key ``policy.training.megatron_cfg.fp8_cfg.fp8_recipe``: ``blockwise``, ``mxfp8`` or
+``tensorwise``, :mod:`fp8rl.fp8.formats`) is the same for every role: rollout and trainer quantize the same master
+weights the same way.
+
 ``kv_cache_dtype: fp8`` applies to the rollout engine only (the trainer computes attention in high
 precision, as the reference does); the calibrator computes the scales the rollout uses. With
 ``batch_invariant`` the trainer quantizes Q/K/V too, with the scales the rollout used for the version
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from .formats import SCALINGS
 
 __all__ = ["Fp8Recipe", "RECIPES", "recipe_for_role"]
 
@@ -32,8 +38,10 @@ class Fp8Recipe:
     """FP8 settings of one engine.
 
     Attributes:
-        linear: ``"fp8"`` quantizes the transformer layers' linear projections (weights 128×128
-            blocks, activations and gradients 1×128 groups); ``"bf16"`` leaves them alone.
+        linear: ``"fp8"`` quantizes the transformer layers' linear projections; ``"bf16"`` leaves them alone.
+        scaling: how FP8 linears scale their operands (:mod:`fp8rl.fp8.formats`): ``"blockwise"`` (weights
+            128×128 blocks, activations and gradients 1×128 groups, FP32 scales), ``"mxfp8"`` (1×32 blocks along
+            each GEMM's reduction dimension, E8M0 scales) or ``"tensorwise"`` (one FP32 scale per operand).
         num_first_layers_in_bf16: keep this many leading transformer layers in high precision.
         num_last_layers_in_bf16: keep this many trailing transformer layers in high precision.
         pow2_weight_scaling_factors: round weight block scales up to powers of two.
@@ -46,6 +54,7 @@ class Fp8Recipe:
     """
 
     linear: Literal["bf16", "fp8"] = "fp8"
+    scaling: Literal["blockwise", "mxfp8", "tensorwise"] = "blockwise"
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     pow2_weight_scaling_factors: bool = False
@@ -57,6 +66,8 @@ class Fp8Recipe:
     def __post_init__(self) -> None:
         if self.linear not in ("bf16", "fp8"):
             raise ValueError(f"Fp8Recipe.linear must be 'bf16' or 'fp8', got {self.linear!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"Fp8Recipe.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
@@ -89,6 +100,7 @@ def recipe_for_role(
     pow2_activation_scaling_factors: bool = False,
     fp8_attention: bool = True,
     batch_invariant: bool = False,
+    scaling: str = "blockwise",
 ) -> Fp8Recipe:
     """The :class:`Fp8Recipe` one role runs under a job-level ``recipe`` (see the module table)."""
     if recipe not in RECIPES:
@@ -98,6 +110,7 @@ def recipe_for_role(
     fp8_lin = recipe == "fp8_e2e" or (recipe == "fp8_gen_only" and role == "rollout")
     return Fp8Recipe(
         linear="fp8" if fp8_lin else "bf16",
+        scaling=scaling,  # type: ignore[arg-type]
         num_first_layers_in_bf16=num_first_layers_in_bf16,
         num_last_layers_in_bf16=num_last_layers_in_bf16,
         pow2_weight_scaling_factors=pow2_weight_scaling_factors,

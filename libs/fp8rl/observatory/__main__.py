@@ -19,7 +19,7 @@ import torch
 
 from fp8rl.data import ArithDataset
 from fp8rl.data.jsonl import load_jsonl
-from fp8rl.fp8 import RECIPES
+from fp8rl.fp8 import RECIPES, SCALINGS
 from fp8rl.model.tokenizer import chat_template_of, render_chat_prompt, stop_token_ids
 from fp8rl.presets import load_policy
 
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="tiny-arith", help="preset name or local HF checkpoint directory")
     ap.add_argument("--recipe", choices=RECIPES, default="fp8_e2e")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="fp8")
+    ap.add_argument("--fp8-recipe", choices=SCALINGS, default="blockwise",
+                    help="FP8 linears' scaling in both engines (the job key policy.training.megatron_cfg.fp8_cfg."
+                         "fp8_recipe)")
     ap.add_argument("--no-fp8-attention", action="store_true", help="FP8 KV cache without E4M3 Q and probabilities")
     ap.add_argument("--num-first-layers-in-bf16", type=int, default=0)
     ap.add_argument("--num-last-layers-in-bf16", type=int, default=0)
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = ObservatoryConfig(
-            recipe=args.recipe, kv_cache_dtype=args.kv_cache_dtype, fp8_attention=not args.no_fp8_attention,
+            recipe=args.recipe, kv_cache_dtype=args.kv_cache_dtype, fp8_recipe=args.fp8_recipe,
+            fp8_attention=not args.no_fp8_attention,
             num_first_layers_in_bf16=args.num_first_layers_in_bf16,
             num_last_layers_in_bf16=args.num_last_layers_in_bf16,
             batch_invariant=args.batch_invariant, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -21,7 +21,16 @@ from fp8rl.engines.batch import build_train_batch
 from fp8rl.engines.calibrator import QKVCalibrator
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
-from fp8rl.fp8 import RECIPES, Fp8Recipe, QKVQuantizer, QKVScales, convert_model, load_qkv_scales, recipe_for_role
+from fp8rl.fp8 import (
+    RECIPES,
+    SCALINGS,
+    Fp8Recipe,
+    QKVQuantizer,
+    QKVScales,
+    convert_model,
+    load_qkv_scales,
+    recipe_for_role,
+)
 from fp8rl.model import CausalLM
 from fp8rl.rl.metrics import token_mult_prob_error, token_mult_prob_error_stderr
 
@@ -39,6 +48,8 @@ class ObservatoryConfig:
     Attributes:
         recipe: ``bf16`` | ``fp8_gen_only`` | ``fp8_e2e`` (mapped per engine by :func:`fp8rl.fp8.recipe_for_role`).
         kv_cache_dtype: the rollout's KV cache, ``auto`` | ``fp8``.
+        fp8_recipe: the FP8 linears' scaling, both engines: ``blockwise`` | ``mxfp8`` | ``tensorwise``
+            (:mod:`fp8rl.fp8.formats`).
         fp8_attention: with an FP8 KV cache, round Q and the softmax probabilities to E4M3 too.
         num_first_layers_in_bf16, num_last_layers_in_bf16: the observed recipe's bf16 layers.
         batch_invariant: both engines in batch-invariant numerics.
@@ -56,6 +67,7 @@ class ObservatoryConfig:
 
     recipe: str = "fp8_e2e"
     kv_cache_dtype: str = "fp8"
+    fp8_recipe: str = "blockwise"
     fp8_attention: bool = True
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
@@ -72,6 +84,9 @@ class ObservatoryConfig:
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"ObservatoryConfig.recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if self.fp8_recipe not in SCALINGS:
+            raise ValueError(f"ObservatoryConfig.fp8_recipe must be one of {', '.join(SCALINGS)}, got "
+                             f"{self.fp8_recipe!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"ObservatoryConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         for key in ("n", "max_tokens", "micro_batch_size"):
@@ -91,7 +106,10 @@ class ObservatoryConfig:
             self.recipe, role, kv_cache_dtype=self.kv_cache_dtype, fp8_attention=self.fp8_attention,
             num_first_layers_in_bf16=self.num_first_layers_in_bf16 if first is None else first,
             num_last_layers_in_bf16=self.num_last_layers_in_bf16 if last is None else last,
-            batch_invariant=self.batch_invariant)
+            batch_invariant=self.batch_invariant, scaling=self.fp8_recipe)
+
+
+_LINEAR_FORMS = {"blockwise": "w 128x128, act 1x128", "mxfp8": "mxfp8: 1x32 E8M0", "tensorwise": "per-tensor"}
 
 
 class _QKVOnly(QKVQuantizer):
@@ -226,7 +244,7 @@ class Probe:
         rr, mask = engine.recipe, batch.loss_mask
         ref_lp = self.logprobs(ref, batch)
         hp = "high-precision full forward"
-        rows = [compare("linear", rr.fp8_linears, f"FP8 linears (w 128x128, act 1x128) vs {hp}",
+        rows = [compare("linear", rr.fp8_linears, f"FP8 linears ({_LINEAR_FORMS[rr.scaling]}) vs {hp}",
                         self.logprobs(lin, batch), ref_lp, mask)]
         self.say("  source linear done")
         kv = replace(self.reference_recipe(), kv_cache_dtype=rr.kv_cache_dtype, fp8_attention=rr.fp8_attention)

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from fp8rl.fp8 import BLOCK
-from fp8rl.fp8.quant import all_finite, quantize_blockwise
+from fp8rl.fp8 import linear_format
+from fp8rl.fp8.quant import all_finite
 
 from .keys import validate_job_id, validate_version
 from .shards import (
@@ -221,6 +221,7 @@ def build_shards(
     endpoint: str,
     fp8_prefixes: Iterable[str] = (),
     pow2_scale: bool = False,
+    scaling: str = "blockwise",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     alloc: Callable[[int, int, Sequence[TensorEntry]], Any] | None = None,
 ) -> tuple[Manifest, list[Any]]:
@@ -234,8 +235,10 @@ def build_shards(
         endpoint: ``host:port`` of the WeightStore that will serve the shards ("" for in-process).
         fp8_prefixes: linears to ship in FP8 (``model.layers.3.self_attn.q_proj``), e.g. from
             :func:`fp8rl.fp8.fp8_linear_names`; each ``{p}.weight`` becomes E4M3 and gains
-            ``{p}.weight_scale`` (FP32, one per 128×128 block), placed right after it.
-        pow2_scale: round block scales up to powers of two.
+            ``{p}.weight_scale`` (``scaling``'s forward form: FP32 per 128×128 block, uint8 E8M0 per 1×32 along
+            the input dimension, or one FP32), placed right after it.
+        pow2_scale: round FP32 scales up to powers of two.
+        scaling: the FP8 format (:mod:`fp8rl.fp8.formats`; the job's ``fp8_recipe``).
         shard_bytes: most bytes per shard.
         alloc: where shard buffers come from (see :func:`~fp8rl.refit.shards.pack_tensors`).
 
@@ -255,15 +258,17 @@ def build_shards(
             got = "missing" if w is None else f"shape {tuple(w.shape)}"
             raise ValueError(f"FP8 prefix {p!r} needs a 2-D tensor {p}.weight in the state dict ({got})")
     fp8_weights = {f"{p}.weight" for p in prefixes}
+    fmt = linear_format(scaling)
+    scale_dtype = "uint8" if fmt.scale_dtype == torch.uint8 else "float32"
     _check_finite_all(state_dict, version, fp8_weights)
     # Plan the layout from shapes alone, then quantize each FP8 weight once, straight into its place in
     # the shards (no E4M3 temporary, no second copy); every other tensor is copied in once.
     specs, order = [], []
     for name, t in state_dict.items():
         if name in fp8_weights:  # keep each scale beside its weight (same shard in the common case)
-            grid = (math.ceil(t.shape[0] / BLOCK), math.ceil(t.shape[1] / BLOCK))
-            specs += [(name, "float8_e4m3fn", tuple(t.shape), (BLOCK, BLOCK)),
-                      (name.removesuffix(".weight") + ".weight_scale", "float32", grid, (BLOCK, BLOCK))]
+            grid, block = fmt.scale_shape(*t.shape), fmt.block_size(*t.shape)
+            specs += [(name, "float8_e4m3fn", tuple(t.shape), block),
+                      (name.removesuffix(".weight") + ".weight_scale", scale_dtype, grid, block)]
             order += [name, None]
         else:
             specs.append((name, DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape), None))
@@ -279,8 +284,8 @@ def build_shards(
             continue
         qv, sv = writer.view(i), writer.view(i + 1)
         try:
-            q, s = quantize_blockwise(t, pow2_scale=pow2_scale, name=name,
-                                      out=None if qv is None or sv is None else (qv, sv))
+            q, s = fmt.quantize_weight(t, pow2=pow2_scale, name=name,
+                                       out=None if qv is None or sv is None else (qv, sv))
         except ValueError as exc:  # NaN/Inf in an FP8 weight, named by the quantizer
             raise ValueError(f"refusing to publish weight version {version}: {exc}") from exc
         if qv is None or sv is None:  # spans shards: quantized aside, then copied in

@@ -87,6 +87,7 @@ class RefitPublisher:
         recipe: str,
         fp8_prefixes: Iterable[str] = (),
         pow2_scale: bool = False,
+        scaling: str = "blockwise",
     ) -> Manifest:
         """Quantize/serialise ``state_dict`` as ``version`` and publish it (see :func:`build_shards`).
 
@@ -102,7 +103,8 @@ class RefitPublisher:
         self._evict(max(1, self.keep - 1))
         def build(alloc):
             return build_shards(state_dict, version, job=self.store.job, recipe=recipe, endpoint=self.endpoint,
-                                fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, shard_bytes=self.shard_bytes,
+                                fp8_prefixes=fp8_prefixes, pow2_scale=pow2_scale, scaling=scaling,
+                                shard_bytes=self.shard_bytes,
                                 alloc=alloc)
 
         try:

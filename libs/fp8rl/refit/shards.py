@@ -65,6 +65,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "int64": torch.int64,
     "int32": torch.int32,  # the indices of a sparse delta (fp8rl.refit.delta)
+    "uint8": torch.uint8,  # MXFP8's E8M0 scales (biased power-of-two exponents)
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}  # torch dtype -> its name in a manifest
 _CHECKSUM_HEX = 32  # XXH3 with a 128-bit digest

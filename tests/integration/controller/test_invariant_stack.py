@@ -60,3 +60,33 @@ def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_pat
     for r, h in zip(reports, loop, strict=True):  # the controller runs the loop's step: the same samples
         assert r.reward_mean == pytest.approx(h["reward_mean"]) and r.metrics["response_len"] == h["response_len"]
 
+
+
+@pytest.mark.parametrize("scaling", ["mxfp8", "tensorwise"])
+def test_each_fp8_recipe_variant_runs_the_stack_with_zero_mismatch(tmp_path, scaling):
+    """Issue 32: a stack job per recipe variant. The trainer service publishes its E4M3 weights with the variant's
+    scales (uint8 E8M0 for mxfp8, one FP32 per tensor for tensorwise) through the refit store; the rollout replica
+    and the calibrator check and apply them; the trainer's logprobs are the rollout's bitwise, every step."""
+    model_dir = tiny_model(tmp_path / "model")
+    job = tiny_job(model_dir, max_new_tokens=12)
+    job["policy"]["numerics"] = {"batch_invariant": True}
+    job["policy"]["training"]["megatron_cfg"]["fp8_cfg"]["fp8_recipe"] = scaling
+    job["job"]["steps"] = 2
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+    assert up.returncode == 0, up.stderr[-4000:]
+    stack = Stack(run_dir, job_file, model_dir)
+    try:
+        with _client(stack) as c:
+            job_id = c.submit_job(job_file)
+            reports = list(c.watch(job_id, timeout_s=WATCH_S * 2))
+            info = c.get_job(job_id)
+    finally:
+        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1]
+    for r in reports:
+        assert r.metrics["response_len"] > 1
+        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)

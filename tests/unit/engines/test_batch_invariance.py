@@ -42,10 +42,11 @@ def mixed_prompts():
     return [torch.randint(3, 97, (n,), generator=g).tolist() for n in (2, 19, 7, 40, 11, 3, 31)]
 
 
-def _compare(model, prompts, recipe, kv, *, invariant, rollout_rows, trainer_rows, temperature=1.0):
+def _compare(model, prompts, recipe, kv, *, invariant, rollout_rows, trainer_rows, temperature=1.0,
+             scaling="blockwise"):
     """(trainer logprobs, rollout logprobs) on the generated tokens, and the batch."""
-    rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant)
-    tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant)
+    rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant, scaling=scaling)
+    tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant, scaling=scaling)
     engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=rollout_rows)
     trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=trainer_rows))
     if kv == "fp8":
@@ -69,6 +70,31 @@ def test_rollout_logprobs_are_bitwise_the_trainers(awkward, mixed_prompts, recip
     diff = (trainer_lp - rollout_lp).abs()
     assert torch.equal(trainer_lp, rollout_lp), (
         f"{int((diff > 0).sum())} of {diff.numel()} logprobs differ (max {float(diff.max()):.3g})")
+
+
+@pytest.mark.parametrize("scaling", ["mxfp8", "tensorwise"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("rollout_rows,trainer_rows", [(1, 14), (3, 5)])
+def test_every_fp8_recipe_variant_keeps_the_rollout_bitwise_the_trainer(awkward, mixed_prompts, scaling, kv,
+                                                                        rollout_rows, trainer_rows):
+    """Issue 32: MXFP8 (1x32 blocks along K, per token) and tensorwise (per-token forward activations under batch
+    invariance: a tensor-wide amax would depend on the batch) on both sides, the same bits."""
+    trainer_lp, rollout_lp, trainer, _ = _compare(awkward, mixed_prompts, "fp8_e2e", kv, invariant=True,
+                                                  rollout_rows=rollout_rows, trainer_rows=trainer_rows,
+                                                  scaling=scaling)
+    assert {m.scaling for m in trainer.model.modules() if hasattr(m, "scaling")} == {scaling}
+    assert trainer_lp.numel() > 100
+    diff = (trainer_lp - rollout_lp).abs()
+    assert torch.equal(trainer_lp, rollout_lp), (
+        f"{int((diff > 0).sum())} of {diff.numel()} logprobs differ (max {float(diff.max()):.3g})")
+
+
+def test_tensorwise_without_batch_invariance_differs(awkward, mixed_prompts):
+    """Negative control for the variant above: per-tensor activation scales over each call's tokens (a decode step's
+    rows vs the trainer's micro-batch) and the untiled GEMMs give other logprobs."""
+    t, r, _, _ = _compare(awkward, mixed_prompts, "fp8_e2e", "auto", invariant=False, rollout_rows=3,
+                          trainer_rows=14, scaling="tensorwise")
+    assert not torch.equal(t, r)
 
 
 def test_greedy_sampling_is_invariant_too(awkward, mixed_prompts):

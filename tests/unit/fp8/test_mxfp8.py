@@ -2,7 +2,8 @@
 
 References here are independent of the code under test: the scale rule is checked against exact float64
 comparisons (smallest power of two >= amax / 448), and the element rounding against a nearest-even search over the
-table of all finite E4M3 values (built from the format's bit layout, not from a cast).
+table of all finite E4M3 values (``round_e4m3`` in this folder's conftest: built from the format's bit layout, not
+from a cast).
 """
 
 import math
@@ -12,24 +13,6 @@ import torch
 
 from fp8rl.fp8 import E4M3, dequantize_mxfp8, quantize_mxfp8
 from fp8rl.fp8.mxfp8 import E8M0_NAN, e8m0_exponents
-
-
-def _e4m3_values() -> torch.Tensor:
-    """Every finite non-negative E4M3 value from the bit layout (1 sign, 4 exponent bits biased 7, 3 mantissa)."""
-    vals = [m / 8 * 2.0 ** -6 for m in range(8)]  # subnormals
-    vals += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8) if not (e == 15 and m == 7)]
-    return torch.tensor(sorted(vals), dtype=torch.float64)
-
-
-def _round_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest E4M3 value, ties to the even mantissa (the table's even index), saturating at 448."""
-    table = _e4m3_values()
-    a = y.abs().double().clamp(max=448.0)
-    hi = torch.searchsorted(table, a).clamp(max=len(table) - 1)
-    lo = (hi - 1).clamp(min=0)
-    dlo, dhi = a - table[lo], table[hi] - a
-    pick = torch.where(dlo < dhi, lo, torch.where(dhi < dlo, hi, torch.where(lo % 2 == 0, lo, hi)))
-    return torch.sign(y.double()) * table[pick]
 
 
 def test_the_scale_is_the_smallest_power_of_two_that_keeps_every_element_unsaturated():
@@ -47,12 +30,12 @@ def test_the_scale_is_the_smallest_power_of_two_that_keeps_every_element_unsatur
     assert int(s[3, 1]) == 127 and int(s[5, 0]) == 127 + 3
 
 
-def test_elements_are_the_nearest_even_e4m3_of_x_over_the_block_scale():
+def test_elements_are_the_nearest_even_e4m3_of_x_over_the_block_scale(round_e4m3):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 96, generator=g) * 3.0
     q, s = quantize_mxfp8(x)
     scale = torch.ldexp(torch.ones(8, 3, dtype=torch.float64), s.long() - 127).repeat_interleave(32, dim=1)
-    want = _round_e4m3(x.double() / scale)
+    want = round_e4m3(x.double() / scale)
     assert torch.equal(q.double(), want)
     deq = dequantize_mxfp8(q, s)
     assert torch.equal(deq.double(), want * scale)  # the multiply by a power of two is exact

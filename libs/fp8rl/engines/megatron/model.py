@@ -3,13 +3,15 @@
 Two ways to run FP8 linears, chosen by what the machine has (one decision, in :func:`use_te`):
 
 * **Transformer Engine** (CUDA + ``transformer_engine`` importable): the TE layer spec with
-  ``fp8="e4m3"``, ``fp8_recipe="blockwise"`` (FP32 128×128 weight / 1×128 activation scales) and
-  ``first_last_layers_bf16`` for the recipe's high-precision layers. Not testable on CPU.
+  ``fp8="e4m3"``, ``fp8_recipe`` = the job's scaling (``blockwise``: FP32 128×128 weight / 1×128 activation
+  scales; ``mxfp8``: TE's MXFP8BlockScaling, Blackwell only; ``tensorwise``: TE's Float8CurrentScaling — Megatron
+  maps the names) and ``first_last_layers_bf16`` for the recipe's high-precision layers. Not testable on CPU.
 * **Local spec** (anywhere): Megatron's own modules, with :class:`Fp8ColumnParallelLinear` /
   :class:`Fp8RowParallelLinear` swapped into the spec of every layer the recipe puts in FP8. They
   call :func:`fp8rl.fp8.fp8_linear` — the same reference numerics as the torch backend and the
-  rollout — on each *Hugging Face* tensor of a fused weight separately (Q, K, V; gate, up), so the
-  128×128 weight blocks are exactly the ones the rollout quantizes from the same master weights.
+  rollout, in the recipe's scaling — on each *Hugging Face* tensor of a fused weight separately (Q, K, V; gate,
+  up), so the weight blocks (or tensor scales) are exactly the ones the rollout quantizes from the same master
+  weights.
 
 :class:`MegatronCausalLM` adapts the GPTModel to the :class:`fp8rl.model.CausalLM` call
 ``model(input_ids, attention_mask=...) -> (B, T, V) FP32 logits`` the GRPO step uses.
@@ -73,7 +75,7 @@ def _fp8_seq_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     attention ``view`` it).
     """
     xb = _ContiguousGrad.apply(x).transpose(0, 1)  # (B, S, K)
-    kw = dict(pow2_scale=mod.pow2_weight_scale, pow2_activation_scale=mod.pow2_activation_scale)
+    kw = dict(pow2_scale=mod.pow2_weight_scale, pow2_activation_scale=mod.pow2_activation_scale, scaling=mod.scaling)
     if mod.hf_rows is None:
         y = fp8_linear(xb, weight, bias, **kw)  # (B, S, N)
     else:
@@ -102,10 +104,11 @@ def _local_rows(rows: tuple[torch.Tensor, ...], fused: str) -> list[torch.Tensor
 
 
 def _init_fp8(mod: nn.Module, fused: str | None, pow2_weight_scale: bool, pow2_activation_scale: bool,
-              model_config: ModelConfig | None) -> None:
+              model_config: ModelConfig | None, scaling: str = "blockwise") -> None:
     from megatron.core import parallel_state
 
     mod.pow2_weight_scale, mod.pow2_activation_scale = pow2_weight_scale, pow2_activation_scale
+    mod.scaling = scaling
     mod.tp = parallel_state.get_tensor_model_parallel_world_size()
     mod.hf_rows = None
     if fused is not None:
@@ -138,9 +141,9 @@ def fp8_parallel_linears() -> tuple[type, type]:
         """
 
         def __init__(self, *args, fused=None, pow2_weight_scale=False, pow2_activation_scale=False,
-                     model_config=None, **kwargs):
+                     model_config=None, scaling="blockwise", **kwargs):
             super().__init__(*args, **kwargs)
-            _init_fp8(self, fused, pow2_weight_scale, pow2_activation_scale, model_config)
+            _init_fp8(self, fused, pow2_weight_scale, pow2_activation_scale, model_config, scaling)
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
             w = self.weight if weight is None else weight
@@ -156,9 +159,10 @@ def fp8_parallel_linears() -> tuple[type, type]:
         """Megatron ``RowParallelLinear`` in block-scaled FP8. With TP > 1 the input is this rank's slice of K
         and the partial outputs are all-reduced (Megatron's region), then the bias (if any) added in FP32."""
 
-        def __init__(self, *args, pow2_weight_scale=False, pow2_activation_scale=False, **kwargs):
+        def __init__(self, *args, pow2_weight_scale=False, pow2_activation_scale=False, scaling="blockwise",
+                     **kwargs):
             super().__init__(*args, **kwargs)
-            _init_fp8(self, None, pow2_weight_scale, pow2_activation_scale, None)
+            _init_fp8(self, None, pow2_weight_scale, pow2_activation_scale, None, scaling)
 
         def forward(self, input_):
             if self.tp == 1:
@@ -191,7 +195,7 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
     kw = {}
     if te and recipe.fp8_linears:
         n_first, n_last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
-        kw = dict(fp8="e4m3", fp8_recipe="blockwise", first_last_layers_bf16=bool(n_first or n_last),
+        kw = dict(fp8="e4m3", fp8_recipe=recipe.scaling, first_last_layers_bf16=bool(n_first or n_last),
                   num_layers_at_start_in_bf16=n_first, num_layers_at_end_in_bf16=n_last)
     tc = TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
@@ -246,7 +250,7 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
     base = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm)
     column, row = fp8_parallel_linears()
     pow2 = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
-                pow2_activation_scale=recipe.pow2_activation_scaling_factors)
+                pow2_activation_scale=recipe.pow2_activation_scaling_factors, scaling=recipe.scaling)
     n = config.num_hidden_layers
     specs = []
     for i in stage_layers(n):

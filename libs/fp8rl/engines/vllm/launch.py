@@ -81,6 +81,10 @@ def fp8_support_problem(recipe: Fp8Recipe) -> str | None:
     if recipe.pow2_activation_scaling_factors:
         return ("pow2_activation_scaling_factors: vLLM computes activation scales in its kernels and "
                 f"{VLLM_TARGET_VERSION} has no per-model power-of-two switch; set it to false for backend 'vllm'")
+    if recipe.fp8_linears and recipe.scaling != "blockwise":
+        return (f"fp8_recipe: {recipe.scaling}: fp8rl's vLLM rollout loads block-scaled FP8 checkpoints only "
+                "(E4M3 weights with 128x128 FP32 weight_scale_inv, vLLM's weight_block_size); use "
+                "policy.generation.backend torch, which runs every variant, or fp8_recipe blockwise")
     if not (recipe.fp8_linears or recipe.fp8_kv):
         return None
     require_vllm()  # a missing vLLM is VllmUnavailableError, not an ImportError from deep inside

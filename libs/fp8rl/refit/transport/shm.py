@@ -54,7 +54,8 @@ __all__ = ["DEFAULT_SHM_ROOT", "ShmShardWriter", "ShmShardSource", "ShmUnavailab
 
 DEFAULT_SHM_ROOT = "/dev/shm"
 _LEN = struct.Struct("<Q")
-_ST_DTYPES = {"float8_e4m3fn": "F8_E4M3", "bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64"}
+_ST_DTYPES = {"float8_e4m3fn": "F8_E4M3", "bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64",
+               "int32": "I32", "uint8": "U8"}
 _MAX_HEADER = 64 * 1024 * 1024  # safetensors' own limit is 100 MB
 
 
