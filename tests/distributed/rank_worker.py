@@ -63,7 +63,8 @@ def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
     """The torch backend (FSDP2), or with ``backend: megatron`` the Megatron-Core one (its DDP)."""
     cfg = TrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=args["micro_batch_size"],
                         grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1))
-    recipe, model = recipe_for_role(args["recipe"], "trainer"), policy(**args.get("model", {}))
+    recipe = recipe_for_role(args["recipe"], "trainer", scaling=args.get("scaling", "blockwise"))
+    model = policy(**args.get("model", {}))
     if args.get("backend", "torch") == "megatron":
         from fp8rl.engines.megatron import MegatronTrainer
 
