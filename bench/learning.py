@@ -6,7 +6,8 @@
 Each run is the in-process loop (``fp8rl.loop``) with the settings of the e2e learning test
 (``tests/e2e/test_loop.py``: 16 prompts x 8 samples, lr 1e-4, 4 mini-batches, two-operand arithmetic up to 9), a
 run spec ``RECIPE[:KV][:invariant][:replay][:mxfp8|tensorwise]`` choosing the recipe, the KV cache dtype (default
-``auto``), batch-invariant numerics, the FP8 recipe variant (default blockwise) and (mixture-of-experts models, ``--model tiny-arith-moe``) routing replay. The statistic
+``auto``), batch-invariant numerics, the FP8 recipe variant (default blockwise) and (mixture-of-experts models,
+``--model tiny-arith-moe``) routing replay. The statistic
 is the test's: the rollout engine's expected reward over every distinct problem of the task (126), ``EVAL_SAMPLES``
 samples each at temperature 1, before step 0 and after the last step; the gain and its standard error
 (:func:`fp8rl.rl.metrics.expected_reward_gain`). Besides it each run reports the median and worst
