@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import time
 
 import torch
 
+from fp8rl.engines.base import TrainBatch
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
 from fp8rl.fp8 import SCALINGS, fp8_linear_names, linear_format, recipe_for_role
 from fp8rl.model.tokenizer import stop_token_ids
@@ -93,9 +93,9 @@ def bench_model(name: str, args) -> list[dict]:
     _, batch = probe.rollout()
     g = torch.Generator().manual_seed(args.seed)
     rows = min(args.rows, batch.input_ids.shape[0])
-    batch = dataclasses.replace(batch, input_ids=batch.input_ids[:rows], attention_mask=batch.attention_mask[:rows],
-                                loss_mask=batch.loss_mask[:rows], gen_logprobs=batch.gen_logprobs[:rows],
-                                advantages=torch.randn(rows, generator=g), routes=None)
+    batch = TrainBatch(input_ids=batch.input_ids[:rows], attention_mask=batch.attention_mask[:rows],
+                       loss_mask=batch.loss_mask[:rows], gen_logprobs=batch.gen_logprobs[:rows],
+                       advantages=torch.randn(rows, generator=g))
     bf16_step = step_seconds(model, recipe_for_role("bf16", "trainer"), batch, args.repeats, rows)
     bf16_bytes, _ = refit_bytes(state, prefixes, None)
     print(f"{name} bf16: train step {bf16_step:.3f} s; refit {bf16_bytes / 1e6:.2f} MB", flush=True)
