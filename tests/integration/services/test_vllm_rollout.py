@@ -172,6 +172,10 @@ def test_fp8_on_a_machine_without_fp8_fails_at_start(preset, monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
     with pytest.raises(Fp8UnsupportedError, match=r"cannot run FP8 linears .*AMX tiles.*AVX-512 or AMX"):
         VllmRolloutEngine(path, recipe, eos_token_ids=[tok.eos_id])
+    for scaling in ("mxfp8", "tensorwise"):  # issue 32's variants: the embedded rollout runs them, vLLM does not
+        with pytest.raises(Fp8UnsupportedError, match=f"fp8_recipe: {scaling}: fp8rl's vLLM rollout loads "
+                                                      "block-scaled FP8 checkpoints only"):
+            VllmRolloutEngine(path, Fp8Recipe(linear="fp8", scaling=scaling), eos_token_ids=[tok.eos_id])
     with pytest.raises(Fp8UnsupportedError, match="pow2_activation_scaling_factors"):
         VllmRolloutEngine(path, Fp8Recipe(linear="bf16", pow2_activation_scaling_factors=True),
                           eos_token_ids=[tok.eos_id])
