@@ -134,6 +134,32 @@ class Stack:
         return not self.jobs().list("", 1) and self.refit().latest() == 0
 
 
+def run_stack_job(tmp_path: Path, job: dict, model_dir: Path, *, watch_s: float) -> tuple[list, object, Stack]:
+    """Launch a stack for ``job`` (written to ``tmp_path/job.yaml``), submit the job and watch it to its end:
+    ``(step reports, the final job info, the stack)``. The stack is still up on return — the caller takes it down
+    with :func:`down` — and is taken down here when anything fails first."""
+    from fp8rl.sdk import Fp8rlClient
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
+    assert up.returncode == 0, up.stderr[-4000:]
+    stack = Stack(run_dir, job_file, model_dir)
+    try:
+        with Fp8rlClient(stack.target, token=stack.client_token, tls_ca="", timeout_s=30) as c:
+            job_id = c.submit_job(job_file)
+            reports = list(c.watch(job_id, timeout_s=watch_s))
+            return reports, c.get_job(job_id), stack
+    except BaseException:
+        down(stack)
+        raise
+
+
+def down(stack: Stack) -> None:
+    launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
+
+
 class Stacks:
     """One module's stacks: hands each test a live one, launching a new one only when the current can't serve."""
 

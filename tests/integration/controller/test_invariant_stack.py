@@ -10,12 +10,11 @@ negative control (the flag off) is the default-tier stack test, whose mismatch i
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from fp8rl.loop import LoopConfig, run
 
-from .conftest import Stack, launcher, tiny_job, tiny_model
-from .test_controller import WATCH_S, _client
+from .conftest import down, run_stack_job, tiny_job, tiny_model
+from .test_controller import WATCH_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.invariant]
 
@@ -31,19 +30,8 @@ def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_pat
     job["job"]["steps"] = 3
     if dp_size > 1:
         job["policy"]["training"].update(dp_size=dp_size, micro_batch_size=3)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
-    run_dir = tmp_path / "run"
-    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
-    assert up.returncode == 0, up.stderr[-4000:]
-    stack = Stack(run_dir, job_file, model_dir)
-    try:
-        with _client(stack) as c:
-            job_id = c.submit_job(job_file)
-            reports = list(c.watch(job_id, timeout_s=WATCH_S * 2))
-            info = c.get_job(job_id)
-    finally:
-        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+    reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
+    down(stack)
     assert (info.state, info.error) == ("succeeded", ""), info.error
     assert [r.step for r in reports] == [0, 1, 2]
     for r in reports:
@@ -72,19 +60,8 @@ def test_each_fp8_recipe_variant_runs_the_stack_with_zero_mismatch(tmp_path, sca
     job["policy"]["numerics"] = {"batch_invariant": True}
     job["policy"]["training"]["megatron_cfg"]["fp8_cfg"]["fp8_recipe"] = scaling
     job["job"]["steps"] = 2
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
-    run_dir = tmp_path / "run"
-    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
-    assert up.returncode == 0, up.stderr[-4000:]
-    stack = Stack(run_dir, job_file, model_dir)
-    try:
-        with _client(stack) as c:
-            job_id = c.submit_job(job_file)
-            reports = list(c.watch(job_id, timeout_s=WATCH_S * 2))
-            info = c.get_job(job_id)
-    finally:
-        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
+    reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
+    down(stack)
     assert (info.state, info.error) == ("succeeded", ""), info.error
     assert [r.step for r in reports] == [0, 1]
     for r in reports:

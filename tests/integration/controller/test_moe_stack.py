@@ -19,7 +19,6 @@ import re
 import grpc
 import pytest
 import torch
-import yaml
 
 from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
 from fp8rl.model.tokenizer import CharTokenizer
@@ -27,8 +26,8 @@ from fp8rl.rpc import trainer_pb2, trainer_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.rpc.routes import routes_to_proto
 
-from .conftest import Stack, launcher, tiny_job
-from .test_controller import WATCH_S, _client
+from .conftest import Stack, down, run_stack_job, tiny_job
+from .test_controller import WATCH_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.moe]
 
@@ -58,21 +57,7 @@ def _run_job(tmp_path, model: str | None = None, **changes) -> tuple[list, objec
         job["policy"]["model"] = model
     for section, values in changes.items():
         job["policy"].setdefault(section, {}).update(values)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
-    run_dir = tmp_path / "run"
-    up = launcher("up", "--job", str(job_file), "--run-dir", str(run_dir), "--ready-timeout", "180")
-    assert up.returncode == 0, up.stderr[-4000:]
-    stack = Stack(run_dir, job_file, model_dir)
-    try:
-        with _client(stack) as c:
-            job_id = c.submit_job(job_file)
-            reports = list(c.watch(job_id, timeout_s=WATCH_S * 3))
-            info = c.get_job(job_id)
-        return reports, info, stack  # the caller takes the stack down
-    except BaseException:
-        launcher("down", "--run-dir", str(run_dir), "--grace", "10", timeout=60)
-        raise
+    return run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 3)  # the caller takes the stack down
 
 
 def test_replay_through_the_stack_and_trainstep_refuses_bad_routes(tmp_path):
@@ -107,13 +92,13 @@ def test_replay_through_the_stack_and_trainstep_refuses_bad_routes(tmp_path):
             assert re.search(match, err.value.details()), err.value.details()
         assert trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version == version  # nothing trained
     finally:
-        launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
+        down(stack)
 
 
 def test_batch_invariance_gives_zero_moe_mismatch_without_replay_on_two_trainer_ranks(tmp_path):
     reports, info, stack = _run_job(tmp_path, numerics={"batch_invariant": True},
                                     training={"dp_size": 2, "micro_batch_size": 3})
-    launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
+    down(stack)
     assert (info.state, info.error) == ("succeeded", ""), info.error
     assert [r.step for r in reports] == [0, 1, 2]
     for r in reports:
