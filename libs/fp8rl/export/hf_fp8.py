@@ -46,7 +46,9 @@ SCALE_SUFFIX = "weight_scale_inv"  # the Hub's name of the per-block dequantizat
 def fp8_recipe_for_export(recipe: Fp8Recipe | None) -> Fp8Recipe:
     """The recipe whose FP8 linears an hf-fp8 export quantizes: the trainer's (its high-precision layers and
     power-of-two scales) with FP8 linears on — a ``bf16`` / ``fp8_gen_only`` trainer's rollout runs those
-    same layers in FP8 (:func:`fp8rl.fp8.recipe_for_role` shares them); every layer in FP8 when None."""
+    same layers in FP8 (:func:`fp8rl.fp8.recipe_for_role` shares them); every layer in FP8 when None. Always
+    blockwise, whatever the run's ``fp8_recipe`` (the layout is the Hub's 128x128 one: an mxfp8 or tensorwise run's
+    master weights are quantized into it)."""
     recipe = recipe or Fp8Recipe()
     return Fp8Recipe(linear="fp8", num_first_layers_in_bf16=recipe.num_first_layers_in_bf16,
                      num_last_layers_in_bf16=recipe.num_last_layers_in_bf16,
