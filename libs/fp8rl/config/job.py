@@ -90,7 +90,8 @@ class JobConfig(Section):
                                   "not run)")
             if self.policy.training.backend != "torch":
                 raise ConfigError("policy.router_replay.enabled=true needs policy.training.backend=torch: the "
-                                  "megatron backend runs no mixture-of-experts model yet")
+                                  "megatron backend routes mixture-of-experts models with Megatron's own router and "
+                                  "does not replay the rollout's routes yet")
         shaping, max_new = self.grpo.reward_shaping, self.policy.generation.max_new_tokens
         if shaping.enabled and shaping.overlong_buffer_length >= max_new:
             raise ConfigError(f"grpo.reward_shaping.overlong_buffer_length: {shaping.overlong_buffer_length} must be "

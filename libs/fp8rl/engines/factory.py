@@ -37,10 +37,6 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
     if backend == "torch":
         return TorchTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common, parallel=parallel)
     if backend == "megatron":
-        if policy.num_moe_layers:
-            raise ValueError(f"policy.training.backend: 'megatron' runs no mixture-of-experts model yet (this "
-                             f"{policy.config.architecture} has {policy.config.num_experts} experts per layer); use "
-                             f"backend 'torch'")
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise ValueError("policy.training.backend: 'megatron' needs megatron-core, which is not installed: "
                              "pip install 'fp8rl[megatron]' (or `make test-megatron`, which installs it into .venv)")

@@ -16,6 +16,12 @@ Megatron fuses two groups of HF tensors into one weight each:
   takes ``silu(first half) * second half``. With TP > 1 each rank holds ``[gate_r; up_r]``: the
   slicing of this TP = 1 layout is :mod:`.tensor_parallel`'s.
 
+A mixture-of-experts layer (``qwen3_moe``; :attr:`~fp8rl.model.ModelConfig.moe_layers`) is Megatron's ``MoELayer``
+with ``SequentialMLP`` experts: HF's router ``mlp.gate.weight`` (``(E, C)``) is ``mlp.router.weight``, expert ``j``'s
+``gate_proj`` / ``up_proj`` are stacked into ``mlp.experts.local_experts.{j}.linear_fc1.weight`` as a dense layer's
+are (rows of ``moe_intermediate_size``), its ``down_proj`` is ``...linear_fc2.weight``. Disk and refit names stay
+HF's per-expert ones.
+
 Norm names differ between the local spec (``input_layernorm``, ``pre_mlp_layernorm``) and the
 Transformer Engine spec, where the norms are fused into the following linear
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``): pass ``fused_norms=True`` for
@@ -30,7 +36,7 @@ import torch
 
 from fp8rl.model import ModelConfig
 
-__all__ = ["qkv_rows", "gate_up_rows", "hf_to_megatron", "megatron_to_hf", "megatron_names"]
+__all__ = ["qkv_rows", "gate_up_rows", "expert_gate_up_rows", "hf_to_megatron", "megatron_to_hf", "megatron_names"]
 
 
 def qkv_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,24 +59,45 @@ def gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(f), f + torch.arange(f)
 
 
-def _layer_tables(config: ModelConfig, fused_norms: bool):
-    """Per-layer ``(renames, fused)``: ``(hf_suffix, mg_suffix)`` pairs and ``(mg, [hf...], rows)``."""
+def expert_gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of one expert's HF ``gate_proj`` and ``up_proj`` inside its Megatron ``linear_fc1``."""
+    f = config.moe_intermediate_size
+    return torch.arange(f), f + torch.arange(f)
+
+
+def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):
+    """Layer ``layer``'s ``(renames, fused)``: ``(hf_suffix, mg_suffix)`` pairs and ``(mg, [hf...], rows)``."""
+    moe = config.is_moe_layer(layer)
+    if moe and fused_norms:
+        raise ValueError("a mixture-of-experts layer on the Transformer Engine spec is not mapped (its pre-MLP norm is "
+                         "not fused into an expert linear)")
     renames = [
         ("input_layernorm.weight",
          "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"),
         ("post_attention_layernorm.weight",
          "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"),
         ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
-        ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
     ]
+    if moe:
+        renames.append(("mlp.gate.weight", "mlp.router.weight"))
+        renames += [(f"mlp.experts.{j}.down_proj.weight", f"mlp.experts.local_experts.{j}.linear_fc2.weight")
+                    for j in range(config.num_experts)]
+    else:
+        renames.append(("mlp.down_proj.weight", "mlp.linear_fc2.weight"))
     if config.o_proj_bias:
         renames.append(("self_attn.o_proj.bias", "self_attention.linear_proj.bias"))
     if config.qk_norm:
         renames += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
                     ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
     qkv = qkv_rows(config)
-    fused = [("self_attention.linear_qkv.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"], qkv),
-             ("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], gate_up_rows(config))]
+    fused = [("self_attention.linear_qkv.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"], qkv)]
+    if moe:
+        rows = expert_gate_up_rows(config)
+        fused += [(f"mlp.experts.local_experts.{j}.linear_fc1.weight",
+                   [f"mlp.experts.{j}.gate_proj.weight", f"mlp.experts.{j}.up_proj.weight"], rows)
+                  for j in range(config.num_experts)]
+    else:
+        fused.append(("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], gate_up_rows(config)))
     if config.attention_bias:
         fused.append(("self_attention.linear_qkv.bias", [f"self_attn.{p}_proj.bias" for p in "qkv"], qkv))
     return renames, fused
@@ -86,9 +113,9 @@ def _global_renames(config: ModelConfig) -> list[tuple[str, str]]:
 
 def megatron_names(config: ModelConfig, *, fused_norms: bool = False) -> set[str]:
     """Every weight name of the Megatron GPTModel for ``config`` (no ``_extra_state``)."""
-    renames, fused = _layer_tables(config, fused_norms)
     names = {mg for _, mg in _global_renames(config)}
     for i in range(config.num_hidden_layers):
+        renames, fused = _layer_tables(config, fused_norms, i)
         names |= {f"decoder.layers.{i}.{mg}" for _, mg in renames}
         names |= {f"decoder.layers.{i}.{mg}" for mg, _, _ in fused}
     return names
@@ -114,16 +141,17 @@ def hf_to_megatron(
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         hf.pop("lm_head.weight", None)
-    renames, fused = _layer_tables(config, fused_norms)
     out: dict[str, torch.Tensor] = {}
     expected_hf = {h for h, _ in _global_renames(config)}
     for i in range(config.num_hidden_layers):
+        renames, fused = _layer_tables(config, fused_norms, i)
         expected_hf |= {f"model.layers.{i}.{h}" for h, _ in renames}
         expected_hf |= {f"model.layers.{i}.{h}" for _, hs, _ in fused for h in hs}
     _check_names(set(hf), expected_hf, "HF -> Megatron")
     for h, mg in _global_renames(config):
         out[mg] = hf[h]
     for i in range(config.num_hidden_layers):
+        renames, fused = _layer_tables(config, fused_norms, i)
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         for h, mg in renames:
             out[dst + mg] = hf[src + h]
@@ -150,9 +178,9 @@ def megatron_to_hf(
     """
     mg = {k: v for k, v in mg.items() if not k.endswith("_extra_state")}
     _check_names(set(mg), megatron_names(config, fused_norms=fused_norms), "Megatron -> HF")
-    renames, fused = _layer_tables(config, fused_norms)
     out = {h: mg[m] for h, m in _global_renames(config)}
     for i in range(config.num_hidden_layers):
+        renames, fused = _layer_tables(config, fused_norms, i)
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for h, m in renames:
             out[dst + h] = mg[src + m]

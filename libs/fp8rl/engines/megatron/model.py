@@ -31,7 +31,7 @@ from fp8rl.fp8 import Fp8Recipe, fp8_linear
 from fp8rl.model import ModelConfig
 from fp8rl.model.transformer import rope_inv_freq
 
-from .convert import gate_up_rows, qkv_rows
+from .convert import expert_gate_up_rows, gate_up_rows, qkv_rows
 
 __all__ = [
     "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "stage_layers",
@@ -74,8 +74,10 @@ def _fp8_seq_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     The output is contiguous ``(S, B, N)``, as Megatron's own linears return it (its regions and
     attention ``view`` it).
     """
-    xb = _ContiguousGrad.apply(x).transpose(0, 1)  # (B, S, K)
     kw = dict(pow2_scale=mod.pow2_weight_scale, pow2_activation_scale=mod.pow2_activation_scale, scaling=mod.scaling)
+    if x.dim() == 2:  # an expert's tokens (MoELayer, SequentialMLP): rows in the dispatcher's order, no batch axis
+        return _fp8_rows(x, weight, bias, mod, kw)
+    xb = _ContiguousGrad.apply(x).transpose(0, 1)  # (B, S, K)
     if mod.hf_rows is None:
         y = fp8_linear(xb, weight, bias, **kw)  # (B, S, N)
     else:
@@ -83,6 +85,15 @@ def _fp8_seq_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                  for r in mod.hf_rows]
         y = torch.cat(parts, dim=-1).index_select(-1, mod.hf_inverse)  # back to the fused row order, (B, S, N)
     return y.transpose(0, 1).contiguous()  # (S, B, N)
+
+
+def _fp8_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mod: nn.Module, kw: dict):
+    """``fp8_linear`` on ``(T, K)`` rows (an expert's tokens), one call per HF tensor of a fused weight."""
+    if mod.hf_rows is None:
+        return fp8_linear(x, weight, bias, **kw)
+    parts = [fp8_linear(x, weight.index_select(0, r), None if bias is None else bias.index_select(0, r), **kw)
+             for r in mod.hf_rows]
+    return torch.cat(parts, dim=-1).index_select(-1, mod.hf_inverse)
 
 
 def _local_rows(rows: tuple[torch.Tensor, ...], fused: str) -> list[torch.Tensor]:
@@ -96,7 +107,7 @@ def _local_rows(rows: tuple[torch.Tensor, ...], fused: str) -> list[torch.Tensor
     if tp == 1:
         return list(rows)
     n = sum(len(r) for r in rows)
-    held = to_local("mlp.linear_fc1.weight" if fused == "gate_up" else "linear_qkv.weight", torch.arange(n), 0,
+    held = to_local("mlp.linear_fc1.weight" if fused != "qkv" else "linear_qkv.weight", torch.arange(n), 0,
                     parallel_state.get_tensor_model_parallel_rank(), tp)  # full row ids, in local order
     where = torch.full((n,), -1, dtype=torch.long)
     where[held] = torch.arange(len(held))
@@ -112,7 +123,8 @@ def _init_fp8(mod: nn.Module, fused: str | None, pow2_weight_scale: bool, pow2_a
     mod.tp = parallel_state.get_tensor_model_parallel_world_size()
     mod.hf_rows = None
     if fused is not None:
-        rows = _local_rows(qkv_rows(model_config) if fused == "qkv" else gate_up_rows(model_config), fused)
+        table = {"qkv": qkv_rows, "gate_up": gate_up_rows, "expert_gate_up": expert_gate_up_rows}[fused]
+        rows = _local_rows(table(model_config), fused)
         mod.hf_rows = [r.to(mod.weight.device) for r in rows]
         mod.hf_inverse = torch.argsort(torch.cat(rows)).to(mod.weight.device)
 
@@ -175,6 +187,48 @@ def fp8_parallel_linears() -> tuple[type, type]:
     return _Column, _Row
 
 
+@functools.cache
+def batch_major_moe_layer() -> type:
+    """``BatchMajorMoELayer``: Megatron's ``MoELayer`` over the tokens in batch-major order.
+
+    A mixture-of-experts layer computes each token on its own, except one thing: FP8's wgrad quantizes an expert's
+    x and dy 1×128 *along its tokens*, so the order of the tokens an expert receives decides its scaling groups. The
+    dispatcher flattens ``(S, B, H)`` sequence-major and keeps that order within each expert; the torch backend
+    (and the rollout) flatten ``(B, T)`` batch-major. This layer hands the dispatcher ``(B, S, H)`` — the same
+    tokens, batch-major — and returns the output in Megatron's ``(S, B, H)``, so every expert sees the torch
+    backend's token order (its 1×128 groups, hence its gradients). Defined on first call (megatron-core is optional).
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class BatchMajorMoELayer(MoELayer):
+        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+            if padding_mask is not None:
+                padding_mask = padding_mask.transpose(0, 1).contiguous()
+            out, bias = super().forward(hidden_states.transpose(0, 1).contiguous(), intermediate_tensors, padding_mask)
+            return out.transpose(0, 1).contiguous(), bias
+
+    return BatchMajorMoELayer
+
+
+@functools.cache
+def weights_after_experts() -> type:
+    """``WeightsAfterExperts``: Megatron's ``SequentialMLP`` with each row's routing weight applied to the expert's
+    *output*, as the torch backend (and the rollout) combine, instead of to its intermediate activation (Megatron 0.16
+    passes it to the expert MLP as ``per_token_scale``, multiplied in before ``linear_fc2``). The two are equal in
+    exact arithmetic, but FP8 quantizes ``linear_fc2``'s input and output gradient: scaled rows change its 1×128 groups'
+    amaxes, hence its wgrad (4.5 % on the test model). The expert runs with unit weights (an exact multiply by 1) and
+    its output is scaled here; the router's gradient flows through this product, as in the torch backend."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class WeightsAfterExperts(SequentialMLP):
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+            out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                        torch.ones_like(permuted_probs))
+            return out * permuted_probs.unsqueeze(-1).to(out.dtype), bias
+
+    return WeightsAfterExperts
+
+
 # ---------------------------------------------------------------------------------------------
 # config and spec
 # ---------------------------------------------------------------------------------------------
@@ -192,10 +246,10 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
     from megatron.core.transformer import TransformerConfig
 
     _check_supported(config)
-    kw = {}
+    kw = _moe_config(config)
     if te and recipe.fp8_linears:
         n_first, n_last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
-        kw = dict(fp8="e4m3", fp8_recipe=recipe.scaling, first_last_layers_bf16=bool(n_first or n_last),
+        kw |= dict(fp8="e4m3", fp8_recipe=recipe.scaling, first_last_layers_bf16=bool(n_first or n_last),
                   num_layers_at_start_in_bf16=n_first, num_layers_at_end_in_bf16=n_last)
     tc = TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
@@ -218,6 +272,31 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
     # after construction: the config's check of it concerns the MoE token dispatcher, which a dense model lacks)
     tc.variable_seq_lengths = True
     return tc
+
+
+def _moe_config(config: ModelConfig) -> dict:
+    """The ``TransformerConfig`` keys of a mixture-of-experts model (empty for a dense one): Megatron's ``MoELayer``
+    with ``SequentialMLP`` experts where :attr:`~fp8rl.model.ModelConfig.moe_layers` says, routing as the torch
+    backend's :class:`~fp8rl.model.router.TopKRouter` — FP32 softmax top-k (``moe_router_pre_softmax``: softmax over
+    all experts, then top-k, when the weights are not renormalised; else top-k of the logits, then softmax over them,
+    the same renormalised weights), no load-balancing loss, no capacity (no token dropped), the ``allgather``
+    dispatcher (expert parallelism is not run yet)."""
+    from megatron.core import parallel_state
+
+    if not config.moe_layers:
+        return {}
+    tp, pp = (parallel_state.get_tensor_model_parallel_world_size(),
+              parallel_state.get_pipeline_model_parallel_world_size())
+    if (tp, pp) != (1, 1):
+        raise ValueError(f"policy.training.megatron_cfg: a mixture-of-experts model ({config.num_experts} experts) "
+                         f"runs at tensor_model_parallel_size 1 and pipeline_model_parallel_size 1 on the megatron "
+                         f"backend (got {tp} / {pp}); scale it with dp_size")
+    return dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
+                moe_ffn_hidden_size=config.moe_intermediate_size,
+                moe_layer_freq=[int(config.is_moe_layer(i)) for i in range(config.num_hidden_layers)],
+                moe_router_pre_softmax=not config.norm_topk_prob, moe_router_dtype="fp32",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+                moe_permute_fusion=False, moe_grouped_gemm=False)
 
 
 def stage_layers(num_layers: int) -> range:
@@ -248,20 +327,30 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
     if te:  # TE handles FP8 (and the high-precision first/last layers) through the config
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
     base = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm)
+    moe = None
+    if config.moe_layers:
+        moe = get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                       qk_layernorm=config.qk_norm)
+        moe.submodules.mlp.module = batch_major_moe_layer()
+        moe.submodules.mlp.submodules.experts.module = weights_after_experts()
     column, row = fp8_parallel_linears()
     pow2 = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
                 pow2_activation_scale=recipe.pow2_activation_scaling_factors, scaling=recipe.scaling)
     n = config.num_hidden_layers
     specs = []
     for i in stage_layers(n):
+        spec = moe if config.is_moe_layer(i) else base
         if not recipe.layer_in_fp8(i, n):
-            specs.append(base)
+            specs.append(spec)
             continue
-        layer = copy.deepcopy(base)  # each FP8 layer edits its own submodule specs
+        layer = copy.deepcopy(spec)  # each FP8 layer edits its own submodule specs
         attn, mlp = layer.submodules.self_attention.submodules, layer.submodules.mlp.submodules
         attn.linear_qkv = ModuleSpec(module=column, params=dict(fused="qkv", model_config=config, **pow2))
         attn.linear_proj = ModuleSpec(module=row, params=pow2)
-        mlp.linear_fc1 = ModuleSpec(module=column, params=dict(fused="gate_up", model_config=config, **pow2))
+        fc1 = "gate_up"
+        if config.is_moe_layer(i):  # every expert's linears FP8, each HF tensor its own blocks; the router stays FP32
+            mlp, fc1 = mlp.experts.submodules, "expert_gate_up"
+        mlp.linear_fc1 = ModuleSpec(module=column, params=dict(fused=fc1, model_config=config, **pow2))
         mlp.linear_fc2 = ModuleSpec(module=row, params=pow2)
         specs.append(layer)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)

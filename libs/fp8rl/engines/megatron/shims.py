@@ -43,6 +43,14 @@ Why each exists (file paths are in ``megatron/core``):
    moves the weight with ``weight.data.cuda()`` first. Shim: while that method runs, ``Tensor.cuda`` returns the
    tensor itself. (The trainer loads both copies from the same weights right after.)
 
+Mixture-of-experts layers (``transformer/moe``) need two more:
+
+8. ``router.Router.gating`` moves the router's weight (and bias) to ``torch.cuda.current_device()`` whenever it is on
+   the CPU, on every call. Shim: while it runs, the current device is the CPU (the move is then to where it is).
+9. ``moe_utils.RouterGatingLinearFunction`` calls ``te_general_gemm`` when it is not None, but without Transformer
+   Engine the module never defines the name, so the router's logits raise ``NameError``. Shim: define it as None;
+   the function then computes the logits with ``torch.mm`` in the router's dtype (FP32), which is its own fallback.
+
 Two more CUDA-only spots are avoided rather than shimmed: the default causal mask
 (``transformer.utils.get_default_causal_mask``, the trainer always passes an explicit mask) and
 ``RotaryEmbedding.get_emb`` (which moves ``inv_freq`` to CUDA; the trainer replaces that module
@@ -177,5 +185,10 @@ def apply() -> bool:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     LanguageModule.setup_embeddings_and_output_layer = _stays_on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+    from megatron.core.transformer.moe import moe_utils, router
+
+    router.Router.gating = _on_cpu(router.Router.gating)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _APPLIED = True
     return True

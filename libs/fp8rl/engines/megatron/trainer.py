@@ -161,9 +161,15 @@ class MegatronTrainer(TorchTrainer):
         self._whole_order: list[str] = []  # the whole model's parameters in its parameters() order
         if parallel is not None and (self.tp > 1 or self.pp > 1):  # micro-batches, row collectives: by DP rank
             parallel = DataParallel.over(parallel_state.get_data_parallel_group())
+        config = config if config is not None else TrainerConfig()
+        if model.num_moe_layers and (config.router_replay or config.router_aux_loss_coef):
+            raise ValueError("policy.router_replay.enabled / loss.router_aux_loss_coef: the megatron backend routes a "
+                             "mixture-of-experts model with Megatron's own router and neither replays the rollout's "
+                             "routes nor trains a load-balancing loss yet; use backend torch")
         # the GRPO step, optimizer and bookkeeping are TorchTrainer's; the modules come from the hooks below
-        super().__init__(model, recipe, config if config is not None else TrainerConfig(), ref_model=ref_model,
-                         initial_version=initial_version, seed=seed, parallel=parallel)
+        super().__init__(model, recipe, config, ref_model=ref_model, initial_version=initial_version, seed=seed,
+                         parallel=parallel)
+        self._moe_layers = 0  # MoELayer routes inside Megatron: no routing plans of the torch backend (no moe/* stats)
 
     @property
     def backend(self) -> str:
