@@ -48,7 +48,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str
 def rpc_method(fn: Callable) -> Callable:
     """Decorate a servicer method (unary or server-streaming).
 
-    :class:`Abort` → its status; Redis unreachable → UNAVAILABLE (retryable); other errors → INTERNAL.
+    :class:`Abort` → its status; Redis unreachable, or an exception whose class says ``transient = True`` (a trainer
+    whose rank group failed and is being restarted) → UNAVAILABLE (retryable); other errors → INTERNAL.
     """
     name = fn.__qualname__
 
@@ -59,6 +60,9 @@ def rpc_method(fn: Callable) -> Callable:
         if isinstance(exc, redis.ConnectionError | redis.TimeoutError | RefitConnectionError):
             log.warning("%s: Redis unreachable: %s", name, exc)  # transient: clients retry UNAVAILABLE
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}: the job state in Redis is unreachable ({exc}); retry")
+        if getattr(exc, "transient", False):
+            log.warning("%s: %s: %s (transient)", name, type(exc).__name__, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}: {type(exc).__name__}: {exc}; retry")
         log.exception("%s failed", name)
         context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}: {exc}")
 

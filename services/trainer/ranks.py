@@ -64,7 +64,14 @@ DEFAULT_KEEPALIVE_S = 30.0
 
 
 class GroupFailure(RuntimeError):
-    """The ranks can no longer agree (a peer died, a collective failed, a malformed command)."""
+    """The ranks can no longer agree (a peer died, a collective failed, a malformed command).
+
+    ``transient``: an RPC that meets it is answered UNAVAILABLE (:func:`services.common.rpc.rpc_method`), which the
+    controller retries — the group is closing and torchrun's agent starts it again, resumed from its newest
+    checkpoint, as when the call finds the process already gone. (Answered INTERNAL, a TrainStep that arrived between
+    the group's failure and the process's exit failed the whole job.)"""
+
+    transient = True
 
 
 class CommandChannel:

@@ -91,3 +91,32 @@ def test_sharded_checkpoints_are_saved_pruned_and_resumed_like_files(tmp_path):
     assert resolve_checkpoint(str(d.directory)).name == "trainer-v000003.dcp"  # newest in the directory
     assert resolve_checkpoint(str(d.directory / "trainer-v000002.dcp")).name == "trainer-v000002.dcp"  # itself
     assert d.save(tr, "best") == "best.dcp" and d.named() == {"best.dcp"}
+
+
+def test_a_rank_group_failure_is_answered_unavailable_so_the_controller_retries():
+    """A TrainStep that meets the closing group (a peer died; torchrun restarts it) must be retryable like a call that
+    finds the process gone — INTERNAL failed the whole job. The servicer wrapper maps it; other errors stay
+    INTERNAL (the negative case)."""
+    import grpc
+
+    from services.common.rpc import rpc_method
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, message):
+            self.code, self.message = code, message
+            raise Aborted
+
+    class Servicer:
+        @rpc_method
+        def TrainStep(self, request, context):
+            raise request
+
+    for exc, code in ((GroupFailure("the trainer's rank group is closed (the service is stopping)"),
+                       grpc.StatusCode.UNAVAILABLE), (RuntimeError("a bug"), grpc.StatusCode.INTERNAL)):
+        ctx = Context()
+        with pytest.raises(Aborted):
+            Servicer().TrainStep(exc, ctx)
+        assert ctx.code == code and str(exc) in ctx.message
