@@ -59,8 +59,12 @@ def preset():
 
 
 def _observatory(out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "fp8rl.observatory", "--model", "tiny-arith", "--prompts", "4",
-                             "--max-tokens", "8", "--target", "1.0", "--out", str(out), *extra],
+    # 8 prompts x 4 samples of up to 32 tokens: each later search candidate is a rollout of ~0.4 s here, so the search
+    # still runs well after its first candidate is printed (that one reuses the total's rollout: it comes at once).
+    # With 4 prompts x 8 tokens the whole search took a few hundred ms and, on a slow CI box, could end before the
+    # signal arrived.
+    return subprocess.Popen([sys.executable, "-m", "fp8rl.observatory", "--model", "tiny-arith", "--prompts", "8",
+                             "--n", "4", "--max-tokens", "32", "--target", "1.0", "--out", str(out), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -85,7 +89,7 @@ def test_an_observatory_stopped_in_its_search_keeps_the_tables_it_measured(prese
     out, err = proc.communicate(timeout=120)
     result = json.loads((tmp_path / "observatory.json").read_text())
     assert [r["name"] for r in result["sources"]][-1] == "total" and len(result["layers"]) == 4
-    assert all(r["num_sequences"] == 4 and r["standard_error"] >= 0 for r in result["sources"])
+    assert all(r["num_sequences"] == 32 and r["standard_error"] >= 0 for r in result["sources"])
     assert result["stopped_in"] == "the suggestion search" and result["suggestion"]["candidates"]
     assert "Partial result: stopped during the suggestion search" in (tmp_path / "observatory.md").read_text()
     if sig == signal.SIGTERM:
