@@ -1,12 +1,15 @@
 """Trainer scaling on this machine: one rank with 2 threads against 2 ranks with 1 thread each.
 
     python bench/trainer_scaling.py [--hidden 512 --layers 4 --vocab 8000 --rows 32 --seq 64 --mb 8
-                                     --recipe bf16 --steps 4 --backend torch|megatron --tp 1|2 --pp 1|2]
+                                     --recipe bf16 --steps 4 --backend torch|megatron --tp 1|2 --pp 1|2
+                                     --model dense|moe --ep 1|2 --dispatcher allgather|alltoall]
 
 ``--backend megatron`` runs :class:`~fp8rl.engines.megatron.MegatronTrainer` instead (megatron-core installed):
 its 2 ranks are data parallel through Megatron-Core DDP, or with ``--tp 2`` one tensor-parallel pair (weights and
 AdamW state sliced in two, activations all-reduced per layer), or with ``--pp 2`` two pipeline stages (half the
-layers each, Megatron's 1F1B schedule sending activations between them).
+layers each, Megatron's 1F1B schedule sending activations between them). ``--model moe`` trains a Qwen3-MoE of the
+same shape (``--experts`` experts of the dense FFN's width, top-2, every layer); with ``--ep 2`` the 2-rank run
+is data parallel with expert parallelism 2 (each rank holds half the experts, tokens moved by ``--dispatcher``).
 
 Both runs train the same seeded Llama-shaped model on the same global batch (``--rows`` rows of ``--seq``
 tokens, micro-batches of ``--mb`` rows) with :class:`fp8rl.engines.TorchTrainer`; the 2-rank run is FSDP2 on
@@ -24,6 +27,10 @@ Prints ``ratio NAME VALUE`` lines:
   its state is replicated);
 * ``ratio peak_rss_per_rank/2_vs_1`` — what a rank's process costs in all (the model build, torch and the
   batch are per process, so this stays above 0.5).
+
+With ``--model moe`` also ``ratio expert_params_per_rank/2_vs_1`` and ``ratio expert_optimizer_state_per_rank/2_vs_1``
+(EP 2 targets 0.5: each rank holds half the experts and their AdamW moments; DDP 1.0) and
+``ratio dispatch_share/2x1`` (the all-to-all share of the 2-rank step: ``alltoall`` dispatcher only).
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "gloo", "c10d")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "gloo", "c10d")
+DISPATCH = ("all_to_all",)  # the alltoall dispatcher's collective
 
 
 def _model(args):
@@ -51,10 +59,14 @@ def _model(args):
     torch.manual_seed(0)
     heads = max(args.hidden // 64, 1)
     step = 128 * args.tp  # FFN rows in whole 128-row FP8 blocks on each tensor-parallel rank
-    cfg = ModelConfig(architecture="llama", vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=int(args.hidden * 2.75) // step * step, num_hidden_layers=args.layers,
+    ffn = int(args.hidden * 2.75) // step * step
+    moe = dict(architecture="qwen3_moe", num_experts=args.experts, num_experts_per_tok=2, moe_intermediate_size=ffn,
+               norm_topk_prob=True) if args.model == "moe" else dict(architecture="llama")
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=ffn, num_hidden_layers=args.layers,
                       num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
-                      max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                      max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      **moe)
     return CausalLM(cfg)
 
 
@@ -87,13 +99,14 @@ def worker(args) -> None:
     if args.backend == "megatron":
         from fp8rl.engines.megatron import MegatronTrainer
 
-        tp, pp = (args.tp, args.pp) if par is not None else (1, 1)
+        tp, pp, ep = (args.tp, args.pp, args.ep) if par is not None else (1, 1, 1)
         tr = MegatronTrainer(_model(args), recipe, cfg, parallel=par, tensor_model_parallel_size=tp,
-                             pipeline_model_parallel_size=pp)
+                             pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                             moe_token_dispatcher_type=args.dispatcher)
     else:
         tr = TorchTrainer(_model(args), recipe, cfg, parallel=par)
     batch = _batch(args)
-    times, comm = [], []
+    times, comm, dispatch = [], [], []
     for step in range(args.steps + 1):  # the first is a warm-up
         b = _batch(args) if step else batch
         t0 = time.perf_counter()
@@ -105,10 +118,18 @@ def worker(args) -> None:
             waited = sum(e.cpu_time_total for e in prof.key_averages()
                          if any(k in e.key.lower() for k in COLLECTIVES) and not e.key.startswith("aten::"))
             comm.append(waited / 1e6 / dt)
+            a2a = sum(e.cpu_time_total for e in prof.key_averages()
+                      if any(k in e.key.lower() for k in DISPATCH) and not e.key.startswith("aten::"))
+            dispatch.append(a2a / 1e6 / dt)
     state = [v for st in tr.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    experts = [p for n, p in tr.model.named_parameters() if ".experts." in n]
+    expert_state = [v for p in experts for v in tr.optimizer.state.get(p, {}).values()
+                    if torch.is_tensor(v) and v.dim() > 0]
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if par is not None else (0, 1)
     out = {"rank": rank, "world": world, "step_s": statistics.median(times),
-           "comm_share": statistics.median(comm), "optimizer_state_bytes": _local_bytes(state),
+           "comm_share": statistics.median(comm), "dispatch_share": statistics.median(dispatch),
+           "optimizer_state_bytes": _local_bytes(state), "expert_param_bytes": _local_bytes(experts),
+           "expert_optimizer_state_bytes": _local_bytes(expert_state),
            "param_bytes": _local_bytes(list(tr.model.parameters())),
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
@@ -143,6 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="megatron: the 2-rank run is tensor parallel (2) instead of data parallel (1)")
     ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
                     help="megatron: the 2-rank run is two pipeline stages (2) instead of data parallel (1)")
+    ap.add_argument("--model", default="dense", choices=("dense", "moe"),
+                    help="moe: a Qwen3-MoE of the same shape, --experts experts of the FFN's width, top-2")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--ep", type=int, default=1, choices=(1, 2),
+                    help="megatron, --model moe: the 2-rank run holds half the experts per rank (expert parallel 2)")
+    ap.add_argument("--dispatcher", default="alltoall", choices=("allgather", "alltoall"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -151,14 +178,19 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--tp / --pp need --backend megatron (the torch backend scales with FSDP2 data parallel)")
     if args.tp * args.pp > 2:
         ap.error("the 2-rank run is one of data, tensor or pipeline parallel: --tp 2 or --pp 2, not both")
+    if args.ep > 1 and (args.backend != "megatron" or args.model != "moe" or args.tp * args.pp > 1):
+        ap.error("--ep 2 needs --backend megatron --model moe (data parallel with the experts split, no --tp/--pp)")
     if args.worker:
         worker(args)
         return {}
     params = sum(p.numel() for p in _model(args).parameters())
     how = {"torch": "FSDP2", "megatron": {(1, 1): "Megatron DDP", (2, 1): "Megatron TP=2",
                                           (1, 2): "Megatron PP=2"}[args.tp, args.pp]}[args.backend]
+    if args.ep > 1:
+        how += f" + EP=2 ({args.dispatcher})"
+    experts = sum(p.numel() for n, p in _model(args).named_parameters() if ".experts." in n)
     print(f"trainer scaling ({args.backend} backend, 2 ranks: {how}), torch {torch.__version__}, {os.cpu_count()} "
-          f"cores: {params / 1e6:.1f}M params, recipe "
+          f"cores: {params / 1e6:.1f}M params ({experts / 1e6:.1f}M in experts), {args.model} model, recipe "
           f"{args.recipe}, global batch {args.rows} x {args.seq} tokens, micro-batch {args.mb}, median of {args.steps} "
           f"steps after a warm-up")
     one, two = run(args, 1, 2), run(args, 2, 1)
@@ -175,6 +207,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ratio optimizer_state_per_rank/2_vs_1 "
           f"{max(r['optimizer_state_bytes'] for r in two) / one[0]['optimizer_state_bytes']:.4f}")
     print(f"ratio peak_rss_per_rank/2_vs_1 {max(r['peak_rss_bytes'] for r in two) / one[0]['peak_rss_bytes']:.4f}")
+    if args.model == "moe":
+        for key in ("expert_param_bytes", "expert_optimizer_state_bytes"):
+            name = key.removesuffix("_bytes").replace("expert_param", "expert_params")
+            print(f"ratio {name}_per_rank/2_vs_1 {max(r[key] for r in two) / one[0][key]:.4f}")
+        print(f"ratio dispatch_share/2x1 {statistics.fmean(r['dispatch_share'] for r in two):.4f}")
     return res
 
 

@@ -92,7 +92,7 @@ class CommandChannel:
         dist.broadcast(torch.tensor([len(header)], dtype=torch.int64), src=0)
         dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), src=0)
         for t in tensors.values():
-            dist.broadcast(t, src=0)
+            dist.broadcast(_bytes_of(t), src=0)
 
     def recv(self) -> tuple[str, dict, dict[str, torch.Tensor]]:
         n = torch.zeros(1, dtype=torch.int64)
@@ -106,8 +106,14 @@ class CommandChannel:
         tensors = {}
         for name, dtype, shape in shapes:
             tensors[name] = torch.empty(shape, dtype=dtype)
-            dist.broadcast(tensors[name], src=0)
+            dist.broadcast(_bytes_of(tensors[name]), src=0)  # received into the tensor's own storage
         return op, args, tensors
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 view: what the channel broadcasts, whatever the dtype (gloo
+    refuses some, e.g. int16 routes: "Invalid scalar type")."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def decode_header(raw: bytes) -> tuple[str, dict, list[tuple[str, torch.dtype, list[int]]]]:
@@ -202,6 +208,11 @@ class LeaderTrainer(TrainerBackend):
     def train_step(self, batch, *, should_stop=None):
         return self._call("train", lambda: self.trainer.train_step(batch, should_stop=should_stop),
                           tensors=_batch_tensors(batch))
+
+    def routing_metrics(self) -> dict[str, float]:
+        """The ``moe/*`` metrics of the last logprob pass: already summed over every rank by that pass (no command)."""
+        metrics = getattr(self.trainer, "routing_metrics", None)
+        return metrics() if metrics is not None else {}
 
     def state_dict(self):
         return self._call("state_dict", self.trainer.state_dict)

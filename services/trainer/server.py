@@ -101,6 +101,9 @@ class TrainerService(Service):
                 how = "Megatron-Core DDP" + (f", tensor x pipeline parallel {mc.tensor_model_parallel_size} x "
                                              f"{mc.pipeline_model_parallel_size}" if job.trainer_model_parallel > 1
                                              else "")
+                if mc.expert_model_parallel_size > 1:
+                    how += (f", expert parallel {mc.expert_model_parallel_size} "
+                            f"({mc.moe_token_dispatcher_type} dispatcher)")
             log.info("trainer rank 0 of %d (%s over %s)", parallel.world, how, torch.distributed.get_backend())
         try:
             self.checkpoints = CheckpointDir(args.checkpoint_dir or f"checkpoints/{ctx.job_id}",

@@ -256,6 +256,10 @@ def test_job_configmap_is_a_valid_job():
           "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}}}},
      "dp_size x megatron_cfg tensor x pipeline parallel size is 1 x 4 = 4 ranks but trainer.pods x "
      "trainer.procsPerPod is 1 x 2 = 2"),
+    ({"trainer": {"variant": "gpu", "gpus": 1, "procsPerPod": 3},
+      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "dp_size": 3,
+                                                    "megatron_cfg": {"expert_model_parallel_size": 2}}}}},
+     "expert_model_parallel_size is 2 but dp_size is 3: expert parallelism runs inside the data-parallel ranks"),
 ])
 def test_bad_values_fail_the_render_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError) as err:
@@ -402,3 +406,20 @@ def test_a_model_parallel_megatron_trainer_runs_dp_size_x_tp_x_pp_ranks(mp):
                       "job": {"policy": {"model": "m", "training": {"backend": "megatron", "megatron_cfg": mp}}}})
     cmd = container(docs, "trainer")["command"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "--standalone" in cmd
+
+
+def test_an_expert_parallel_megatron_trainer_runs_dp_size_ranks():
+    """dp_size 2 with expert parallelism 2 (the experts spread inside the data-parallel ranks): one pod of 2 ranks,
+    not 4; the key reaches the trainer in the job file."""
+    mc = {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"}
+    docs, _ = render({"trainer": {"variant": "gpu", "gpus": 2, "procsPerPod": 2},
+                      "job": {"policy": {"model": "m", "training": {"backend": "megatron", "dp_size": 2,
+                                                                    "megatron_cfg": mc}}}})
+    cmd = container(docs, "trainer")["command"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "--standalone" in cmd
+    from fp8rl.config import parse_job_config
+
+    [cm] = by_kind(docs, "ConfigMap").values()
+    job = parse_job_config(cm["data"]["job.yaml"])
+    assert (job.policy.training.megatron_cfg.expert_model_parallel_size, job.trainer_ranks) == (2, 2)
+    assert job.policy.training.megatron_cfg.moe_token_dispatcher_type == "alltoall"

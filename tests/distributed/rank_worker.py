@@ -59,17 +59,34 @@ def batch(rows: int, seed: int = 0) -> TrainBatch:
     return TrainBatch(ids, attn, loss, adv, gen)
 
 
+def with_routes(b: TrainBatch, model: dict, seed: int = 5) -> TrainBatch:
+    """``b`` with rollout-like routes for the MoE ``model`` (overrides of CONFIG): ``num_experts_per_tok`` distinct
+    random experts per token and MoE layer, -1 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig(**{**CONFIG, **model})
+    rows, t = b.input_ids.shape
+    r = torch.rand(rows, t, len(cfg.moe_layers), cfg.num_experts, generator=g).argsort(-1)
+    b.routes = r[..., :cfg.num_experts_per_tok].to(torch.int16).masked_fill(~b.attention_mask.bool()[:, :, None, None], -1)
+    return b
+
+
 def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
     """The torch backend (FSDP2), or with ``backend: megatron`` the Megatron-Core one (its DDP)."""
     cfg = TrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=args["micro_batch_size"],
-                        grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1))
+                        grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1),
+                        router_replay=args.get("replay", False))
     recipe = recipe_for_role(args["recipe"], "trainer", scaling=args.get("scaling", "blockwise"))
     model = policy(**args.get("model", {}))
     if args.get("backend", "torch") == "megatron":
         from fp8rl.engines.megatron import MegatronTrainer
+        from fp8rl.engines.megatron.model import weights_after_experts
+
+        weights_after_experts().per_source = args.get("experts_per_source", True)
 
         return MegatronTrainer(model, recipe, cfg, parallel=parallel, tensor_model_parallel_size=args.get("tp", 1),
-                               pipeline_model_parallel_size=args.get("pp", 1))
+                               pipeline_model_parallel_size=args.get("pp", 1),
+                               expert_model_parallel_size=args.get("ep", 1),
+                               moe_token_dispatcher_type=args.get("dispatcher", "allgather"))
     return TorchTrainer(model, recipe, cfg, parallel=parallel)
 
 
@@ -105,6 +122,8 @@ def main(scenario: str, out: Path, args: dict) -> None:
     res: dict = {}
     if scenario == "step":
         b = batch(args["rows"])
+        if args.get("replay"):
+            b = with_routes(b, args.get("model", {}))
         b.prev_logprobs = tr.compute_logprobs(b)
         res["logprobs"] = b.prev_logprobs.clone()
         tr.optimizer.step = lambda: None  # keep the gradients for inspection
@@ -112,6 +131,11 @@ def main(scenario: str, out: Path, args: dict) -> None:
         res["metrics"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
         res["grads"] = full_grads(tr)
         res["megatron_ddp"] = torch.tensor(int(getattr(tr, "_ddp", None) is not None))
+        experts = {n.split(".local_experts.")[1].split(".")[0] for n, _ in tr.model.named_parameters()
+                   if ".local_experts." in n}
+        res["local_experts"] = torch.tensor(len(experts))  # experts this rank holds (per layer)
+        dispatchers = {type(m.token_dispatcher).__name__ for m in tr.model.modules() if hasattr(m, "token_dispatcher")}
+        res["dispatchers"] = sorted(dispatchers)  # the token dispatcher classes that ran
     elif scenario == "save":
         for s in range(args.get("steps", 1)):
             tr.train_step(batch(args["rows"], seed=10 + s))

@@ -245,6 +245,21 @@ def test_model_parallel_keys_are_checked_against_the_backend():
     assert (job.trainer_model_parallel, job.trainer_ranks) == (4, 8)
 
 
+def test_expert_parallel_keys_are_checked_and_add_no_ranks():
+    from fp8rl.config import JobConfig
+
+    ep = "policy.training.megatron_cfg.expert_model_parallel_size"
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size=2 applies to policy.training.backend=megatron"):
+        JobConfig().with_settings({ep: 2, "policy.training.dp_size": 2})
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size=2 must divide policy.training.dp_size \(3\)"):
+        JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 3, ep: 2})
+    with pytest.raises(ConfigError, match="moe_token_dispatcher_type"):
+        JobConfig().with_settings({"policy.training.megatron_cfg.moe_token_dispatcher_type": "flex"})
+    job = JobConfig().with_settings({"policy.training.backend": "megatron", "policy.training.dp_size": 2, ep: 2,
+                                     "policy.training.megatron_cfg.moe_token_dispatcher_type": "alltoall"})
+    assert (job.trainer_model_parallel, job.trainer_ranks) == (1, 2)  # inside the data-parallel ranks
+
+
 def test_every_job_file_in_deploy_parses():
     """The example jobs users copy (deploy/*-job.yaml) are valid job files, whatever key they show."""
     files = sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*-job.yaml"))

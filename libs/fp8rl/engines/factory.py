@@ -45,7 +45,9 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
         mc = job.policy.training.megatron_cfg
         return MegatronTrainer(policy, job.fp8_recipe("trainer"), job.trainer_config(), **common,
                                tensor_model_parallel_size=mc.tensor_model_parallel_size,
-                               pipeline_model_parallel_size=mc.pipeline_model_parallel_size, parallel=parallel)
+                               pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+                               expert_model_parallel_size=mc.expert_model_parallel_size,
+                               moe_token_dispatcher_type=mc.moe_token_dispatcher_type, parallel=parallel)
     raise ValueError(f"policy.training.backend: {backend!r} is not one of {', '.join(TRAINER_BACKENDS)}")
 
 

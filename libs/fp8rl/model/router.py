@@ -170,8 +170,9 @@ class Routing:
 
 
 def routers(model: nn.Module) -> list[TopKRouter]:
-    """The model's routers in layer order (each one's ``moe_index`` is its place in this list)."""
-    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+    """The model's routers in layer order (each one's ``moe_index`` is its place in this list): :class:`TopKRouter`,
+    or another backend's router that takes routing plans (``takes_routing_plan``: the Megatron backend's)."""
+    return [m for m in model.modules() if isinstance(m, TopKRouter) or getattr(m, "takes_routing_plan", False)]
 
 
 @contextmanager

@@ -105,3 +105,4 @@ def test_batch_invariance_gives_zero_moe_mismatch_without_replay_on_two_trainer_
         assert r.metrics["response_len"] > 1
         assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
         assert "moe/router_agreement" not in r.metrics  # no replay: the rollout shipped no routes
+        assert r.metrics["moe/load_max_over_mean"] >= 1.0  # the load, summed over both ranks, reaches the report

@@ -196,11 +196,21 @@ def batch_major_moe_layer() -> type:
     dispatcher flattens ``(S, B, H)`` sequence-major and keeps that order within each expert; the torch backend
     (and the rollout) flatten ``(B, T)`` batch-major. This layer hands the dispatcher ``(B, S, H)`` — the same
     tokens, batch-major — and returns the output in Megatron's ``(S, B, H)``, so every expert sees the torch
-    backend's token order (its 1×128 groups, hence its gradients). Defined on first call (megatron-core is optional).
+    backend's token order (its 1×128 groups, hence its gradients). Its ``allgather`` dispatcher is
+    :func:`uneven_allgather_dispatcher`'s (ranks' micro-batches may differ in rows), and its experts
+    (:func:`weights_after_experts`) read from the dispatcher which rank each of their tokens came from.
+    Defined on first call (megatron-core is optional).
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     class BatchMajorMoELayer(MoELayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if type(self.token_dispatcher) is MoEAllGatherTokenDispatcher:
+                self.token_dispatcher.__class__ = uneven_allgather_dispatcher()
+            self.experts.dispatcher = self.token_dispatcher  # not a module: no state, no parameters
+
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if padding_mask is not None:
                 padding_mask = padding_mask.transpose(0, 1).contiguous()
@@ -211,20 +221,158 @@ def batch_major_moe_layer() -> type:
 
 
 @functools.cache
+def uneven_allgather_dispatcher() -> type:
+    """``UnevenAllGatherDispatcher``: Megatron's ``allgather`` token dispatcher for ranks whose token counts differ.
+
+    Megatron's all-gathers (and the reduce-scatter that combines) assume every rank of the tensor x expert parallel
+    group holds as many tokens; the trainer's rounds give ranks micro-batches of different rows (the last one
+    shorter, a one-row filler past the end). This one all-gathers the counts first and passes them as the split
+    sizes Megatron's gather / reduce-scatter take, keeping them (:attr:`source_tokens`: tokens per source rank, in
+    rank order) for the experts. Nothing else differs."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import (
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    class UnevenAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+        source_tokens: list[int] | None = None
+
+        def token_dispatch(self, hidden_states, probs):
+            if self.tp_size == 1 and self.ep_size == 1:
+                self.source_tokens = [hidden_states.shape[0]]
+                return hidden_states, probs
+            group = self.tp_ep_group
+            counts = torch.empty(group.size(), dtype=torch.long, device=hidden_states.device)
+            dist.all_gather_into_tensor(counts, torch.tensor([hidden_states.shape[0]], device=counts.device),
+                                        group=group)
+            sizes = self.source_tokens = counts.tolist()
+            with torch.no_grad():
+                self.routing_map = gather_from_sequence_parallel_region(self.routing_map, group=group,
+                                                                        output_split_sizes=sizes)
+            probs = gather_from_sequence_parallel_region(probs, group=group, output_split_sizes=sizes)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=group, output_split_sizes=sizes)
+            return hidden_states, probs
+
+        def token_combine(self, hidden_states):
+            if self.tp_size == 1 and self.ep_size == 1:
+                return hidden_states
+            return reduce_scatter_to_sequence_parallel_region(
+                hidden_states.to(self.local_probs.dtype), group=self.tp_ep_group,
+                input_split_sizes=self.source_tokens).to(hidden_states.dtype)
+
+    return UnevenAllGatherDispatcher
+
+
+def source_segments(dispatcher, num_local: int) -> torch.Tensor | None:
+    """``(sources, num_local)`` tokens each local expert received from each source rank, in the order the
+    dispatcher lays them out (per expert: source 0's tokens, then source 1's, ...); None with one source."""
+    if dispatcher.ep_size * dispatcher.tp_size == 1:
+        return None
+    if hasattr(dispatcher, "source_tokens"):  # allgather: the gathered rows come rank after rank
+        rows = dispatcher.local_map.split(dispatcher.source_tokens, dim=0)
+        return torch.stack([r.sum(dim=0) for r in rows]).long().cpu()
+    if num_local > 1:  # alltoall: kept per (source, local expert) to sort the received chunks by expert
+        return torch.as_tensor(dispatcher.num_global_tokens_per_local_expert).reshape(-1, num_local).long().cpu()
+    return torch.as_tensor(dispatcher.output_splits).reshape(-1, 1).long().cpu()
+
+
+@functools.cache
+def planned_router() -> type:
+    """``PlannedTopKRouter``: Megatron's ``TopKRouter`` taking the torch backend's routing plans
+    (:class:`fp8rl.model.router.Routing`: replay the rollout's routes, record the ones used, count the load).
+
+    The replay goes through Megatron's own hook: with ``moe_enable_routing_replay`` the router hands its top-k to a
+    ``RouterReplay`` (``router_replay.get_replay_topk``), which returns the experts to use and their scores. Megatron's
+    class replays a whole target tensor; the rollout's routes leave tokens out (-1: padding, a row's last token), so
+    this router's replay is a subclass that asks the installed plan, token by token (the router's own top-k where the
+    plan gives none, as :meth:`Routing.ids_for` does for the torch backend), and hands the plan what was used. Its
+    instances stay out of ``RouterReplay.global_router_replay_instances`` (a class-level list every build appends to):
+    each model's routers answer only to the plan installed on *that* model, so a second model built in the same
+    process never replays another's routes. Tokens reach the router batch-major (:func:`batch_major_moe_layer`), the
+    order of a plan's ``(B, T)`` rows. Defined on first call (megatron-core is optional).
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class PlanReplay(RouterReplay):
+        def __init__(self, router) -> None:  # not super().__init__: that would join the class-level list
+            self.target_topk_idx = self.recorded_topk_idx = None
+            self.replay_backward_list = []
+            self.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+            self.router = router
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            plan, index = self.router.plan, self.router.moe_index
+            if plan is None:
+                return values, own
+            ids = plan.ids_for(index, own)
+            # the plan's statistics take probabilities over all experts: the scores are those with a pre-softmax
+            # router, logits otherwise
+            probs = scores if self.router.config.moe_router_pre_softmax else torch.softmax(scores.float(), dim=-1)
+            plan.observe(index, ids, own, probs)
+            return scores.gather(1, ids), ids
+
+    class PlannedTopKRouter(TopKRouter):
+        takes_routing_plan = True  # fp8rl.model.router.routers() finds it
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.router_replay is None:
+                raise RuntimeError("PlannedTopKRouter needs moe_enable_routing_replay in the TransformerConfig")
+            instances = RouterReplay.global_router_replay_instances
+            instances[:] = [r for r in instances if r is not self.router_replay]
+            self.router_replay = PlanReplay(self)
+            self.plan = None  # the Routing of the forward in progress (set by fp8rl.model.router.routing)
+            self.moe_index = 0  # this router's place among the model's MoE layers (set by build_gpt_model)
+
+    return PlannedTopKRouter
+
+
+@functools.cache
 def weights_after_experts() -> type:
     """``WeightsAfterExperts``: Megatron's ``SequentialMLP`` with each row's routing weight applied to the expert's
     *output*, as the torch backend (and the rollout) combine, instead of to its intermediate activation (Megatron 0.16
     passes it to the expert MLP as ``per_token_scale``, multiplied in before ``linear_fc2``). The two are equal in
     exact arithmetic, but FP8 quantizes ``linear_fc2``'s input and output gradient: scaled rows change its 1×128 groups'
     amaxes, hence its wgrad (4.5 % on the test model). The expert runs with unit weights (an exact multiply by 1) and
-    its output is scaled here; the router's gradient flows through this product, as in the torch backend."""
+    its output is scaled here; the router's gradient flows through this product, as in the torch backend.
+
+    Under expert parallelism an expert receives the tokens of several ranks' micro-batches, one after another; it
+    runs on each rank's tokens separately (:func:`source_segments`), so its FP8 wgrad quantizes the 1×128 groups one
+    rank's micro-batch makes — those of expert parallelism 1, where each rank runs its own micro-batch — and the
+    gradient is their sum, as data parallelism's all-reduce sums them. Per token nothing changes."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     class WeightsAfterExperts(SequentialMLP):
+        dispatcher = None  # the MoELayer's token dispatcher (set by BatchMajorMoELayer)
+        per_source = True  # False: each expert over all its tokens at once (the tests' negative control)
+
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-            out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert,
-                                        torch.ones_like(permuted_probs))
+            segments = None if self.dispatcher is None or not self.per_source else \
+                source_segments(self.dispatcher, self.num_local_experts)
+            if segments is None:
+                out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                            torch.ones_like(permuted_probs))
+            else:
+                out, bias = self._per_source(permuted_local_hidden_states, tokens_per_expert, segments), None
             return out * permuted_probs.unsqueeze(-1).to(out.dtype), bias
+
+        def _per_source(self, hidden, tokens_per_expert, segments):
+            per_expert = [int(n) for n in tokens_per_expert.tolist()]
+            if segments.sum(dim=0).tolist() != per_expert:
+                raise RuntimeError(f"expert token counts {per_expert} differ from their sources' {segments.tolist()}")
+            outs = []
+            for j, (expert, rows) in enumerate(zip(self.local_experts, hidden.split(per_expert), strict=True)):
+                for part in rows.split(segments[:, j].tolist()):
+                    if part.shape[0]:
+                        out, _ = expert(part, hidden.new_ones(part.shape[0]))
+                        outs.append(out)
+            if not outs:
+                return hidden.new_zeros(0, self.config.hidden_size)
+            return torch.cat(outs, dim=0)
 
     return WeightsAfterExperts
 
@@ -240,13 +388,14 @@ def _check_supported(config: ModelConfig) -> None:
                          f"Megatron's add_bias_linear cannot express that (use backend: torch)")
 
 
-def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype, te: bool):
+def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype, te: bool,
+                       moe_token_dispatcher_type: str = "allgather"):
     """The Megatron ``TransformerConfig`` equal to ``config`` (dropout off, fusions off on CPU)."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     _check_supported(config)
-    kw = _moe_config(config)
+    kw = _moe_config(config, moe_token_dispatcher_type)
     if te and recipe.fp8_linears:
         n_first, n_last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
         kw |= dict(fp8="e4m3", fp8_recipe=recipe.scaling, first_last_layers_bf16=bool(n_first or n_last),
@@ -274,13 +423,13 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
     return tc
 
 
-def _moe_config(config: ModelConfig) -> dict:
+def _moe_config(config: ModelConfig, dispatcher: str = "allgather") -> dict:
     """The ``TransformerConfig`` keys of a mixture-of-experts model (empty for a dense one): Megatron's ``MoELayer``
     with ``SequentialMLP`` experts where :attr:`~fp8rl.model.ModelConfig.moe_layers` says, routing as the torch
     backend's :class:`~fp8rl.model.router.TopKRouter` — FP32 softmax top-k (``moe_router_pre_softmax``: softmax over
     all experts, then top-k, when the weights are not renormalised; else top-k of the logits, then softmax over them,
-    the same renormalised weights), no load-balancing loss, no capacity (no token dropped), the ``allgather``
-    dispatcher (expert parallelism is not run yet)."""
+    the same renormalised weights), no load-balancing loss, no capacity (no token dropped), the experts spread over
+    Megatron's expert-parallel group, tokens moved by ``dispatcher`` (``allgather`` or ``alltoall``)."""
     from megatron.core import parallel_state
 
     if not config.moe_layers:
@@ -290,12 +439,15 @@ def _moe_config(config: ModelConfig) -> dict:
     if (tp, pp) != (1, 1):
         raise ValueError(f"policy.training.megatron_cfg: a mixture-of-experts model ({config.num_experts} experts) "
                          f"runs at tensor_model_parallel_size 1 and pipeline_model_parallel_size 1 on the megatron "
-                         f"backend (got {tp} / {pp}); scale it with dp_size")
+                         f"backend (got {tp} / {pp}): Megatron's MoE with TP > 1 needs sequence parallelism, which "
+                         f"the local spec's torch norm refuses; scale it with dp_size and expert_model_parallel_size")
     return dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
                 moe_ffn_hidden_size=config.moe_intermediate_size,
                 moe_layer_freq=[int(config.is_moe_layer(i)) for i in range(config.num_hidden_layers)],
                 moe_router_pre_softmax=not config.norm_topk_prob, moe_router_dtype="fp32",
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher,
+                expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                moe_enable_routing_replay=True,  # the hook planned_router's replay answers through
                 moe_permute_fusion=False, moe_grouped_gemm=False)
 
 
@@ -325,6 +477,11 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if te:  # TE handles FP8 (and the high-precision first/last layers) through the config
+        if config.moe_layers:
+            raise ValueError(f"{config.architecture}: a mixture-of-experts model on the Transformer Engine path (CUDA "
+                             f"+ transformer_engine) is not mapped yet: TE's grouped experts keep their weights under "
+                             f"other names than SequentialMLP's, which the HF conversion does not know; run it where "
+                             f"transformer_engine is not installed (the local spec, fp8rl's FP8 linears)")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
     base = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm)
     moe = None
@@ -332,6 +489,7 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
         moe = get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                        qk_layernorm=config.qk_norm)
         moe.submodules.mlp.module = batch_major_moe_layer()
+        moe.submodules.mlp.submodules.router = planned_router()
         moe.submodules.mlp.submodules.experts.module = weights_after_experts()
     column, row = fp8_parallel_linears()
     pow2 = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
@@ -388,7 +546,8 @@ class RowPositionRotary(nn.Module):
         return emb.transpose(0, 1)[:, :, None, :]  # (S, B, 1, D)
 
 
-def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype = torch.float32):
+def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype = torch.float32,
+                    moe_token_dispatcher_type: str = "allgather"):
     """A Megatron ``GPTModel`` with the architecture of ``config`` (weights uninitialised: load them).
 
     Needs ``megatron.core.parallel_state`` initialised (the trainer does it) and, on CPU, the shims. With pipeline
@@ -400,7 +559,7 @@ def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype =
 
     te = use_te()
     gpt = GPTModel(
-        transformer_config(config, recipe, dtype, te), _layer_specs(config, recipe, te),
+        transformer_config(config, recipe, dtype, te, moe_token_dispatcher_type), _layer_specs(config, recipe, te),
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(config.rope_theta), rotary_percent=1.0,
@@ -410,6 +569,8 @@ def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype =
     # RoPE at per-row positions from our inverse frequencies (theta as a float, llama3 scaling if set)
     gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), gpt.rotary_pos_emb)
     gpt.fused_norms = te
+    for i, router in enumerate(m for m in gpt.modules() if getattr(m, "takes_routing_plan", False)):
+        router.moe_index = i  # a route's layer axis: the model's MoE layers in order
     held = stage_layers(config.num_hidden_layers)
     if [layer.layer_number - 1 for layer in gpt.decoder.layers] != list(held):  # Megatron's own offset agrees
         raise RuntimeError(f"Megatron built layers {[layer.layer_number - 1 for layer in gpt.decoder.layers]} on "

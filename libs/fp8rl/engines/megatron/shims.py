@@ -51,6 +51,21 @@ Mixture-of-experts layers (``transformer/moe``) need two more:
    Engine the module never defines the name, so the router's logits raise ``NameError``. Shim: define it as None;
    the function then computes the logits with ``torch.mm`` in the router's dtype (FP32), which is its own fallback.
 
+Expert parallelism (``expert_model_parallel_size`` > 1) and the ``alltoall`` dispatcher need three more:
+
+10. ``token_dispatcher.MoEAlltoAllTokenDispatcher`` creates a ``torch.cuda.Stream`` in ``__init__`` (a class-level
+    side stream for its device-to-host copies) and ``_maybe_dtoh_and_synchronize`` copies the split sizes to the host
+    on it, then waits on a CUDA event. On CPU the tensors are already on the host but stay *tensors*, which
+    ``all_to_all_single`` rejects as split sizes. Shim: no side stream (the class attribute is set to a placeholder
+    so ``__init__`` skips creating one), and the method, at the same point, turns the split sizes into NumPy arrays
+    as its CUDA branch does (``maybe_move_tensor_to_cpu(..., as_numpy=True)``); there is nothing to wait for.
+11. ``tensor_parallel.mappings._AllToAll.forward`` (the dispatcher's all-to-all, forward and backward) allocates its
+    uneven output on ``torch.cuda.current_device()``. Shim: the scoped current-device swap of shims 3-5.
+12. ``tensor_parallel.mappings._gather_along_first_dim`` with uneven ``output_split_sizes`` calls
+    ``torch.distributed.all_gather`` with tensors of different sizes, which gloo refuses ("invalid tensor size").
+    Shim: on a gloo group, every rank's part padded to the largest, gathered, and cut back to its size — the
+    same rows in the same order. (The uneven ``reduce_scatter`` it is paired with in backward runs on gloo.)
+
 Two more CUDA-only spots are avoided rather than shimmed: the default causal mask
 (``transformer.utils.get_default_causal_mask``, the trainer always passes an explicit mask) and
 ``RotaryEmbedding.get_emb`` (which moves ``inv_freq`` to CUDA; the trainer replaces that module
@@ -147,6 +162,42 @@ _schedule_on_cpu = _within(_cuda_zeros_on_cpu)  # torch.zeros(device="cuda") on 
 _stays_on_cpu = _within(_tensor_cuda_is_identity)  # Tensor.cuda the identity (shim 7)
 
 
+_NO_STREAM = object()  # MoEAlltoAllTokenDispatcher's side stream on CPU: a placeholder, never used (shim 10)
+
+
+def _splits_on_host(self, point: str, tokens_per_expert=None):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on CPU (shim 10): at the dispatcher's
+    device-to-host point the split sizes become NumPy arrays, as the CUDA branch makes them; no stream, no event."""
+    import numpy as np
+
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy() if value.dim() else np.asarray(value.item()))
+    return tokens_per_expert
+
+
+def _uneven_gather_on_gloo(gather):
+    """``mappings._gather_along_first_dim`` with uneven splits on a gloo group (shim 12): pad, gather, cut."""
+
+    @functools.wraps(gather)
+    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
+        import torch.distributed as dist
+
+        if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)], dim=0)
+
+    return wrapped
+
+
 _MAPPINGS_ALLOCATING = ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_last_dim",
                         "_reduce_scatter_along_first_dim")
 
@@ -190,5 +241,12 @@ def apply() -> bool:
     router.Router.gating = _on_cpu(router.Router.gating)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import token_dispatcher
+
+    a2a = token_dispatcher.MoEAlltoAllTokenDispatcher
+    a2a.cuda_dtoh_stream = _NO_STREAM
+    a2a._maybe_dtoh_and_synchronize = _splits_on_host
+    mappings._AllToAll.forward = staticmethod(_on_cpu(mappings._AllToAll.forward))
+    mappings._gather_along_first_dim = _uneven_gather_on_gloo(mappings._gather_along_first_dim)
     _APPLIED = True
     return True

@@ -38,6 +38,16 @@ Parallelism:
   Checkpoints and published weights are whole, in the P = 1 layout (each tensor broadcast from the stage that
   owns it), so any pipeline size resumes any other. A stop request is agreed by every rank before each
   micro-batch is scheduled, not inside the schedule.
+* **Expert parallel** (``megatron_cfg.expert_model_parallel_size`` = EP, a mixture-of-experts model; no extra ranks:
+  EP divides the data-parallel ranks, as Megatron-Core defines it): each MoE layer's experts are spread over the EP
+  ranks of an expert-parallel group (:mod:`.expert_parallel`), tokens sent to them by Megatron's ``allgather`` or
+  ``alltoall`` dispatcher (``moe_token_dispatcher_type``). Megatron DDP reduces the experts' gradients over the
+  expert-data-parallel group and the rest over the data-parallel one; the clip counts each expert once. An expert
+  runs each source rank's tokens on their own (:func:`.model.weights_after_experts`), so its FP8 wgrad quantizes
+  the groups one rank's micro-batch makes, as at EP 1: logprobs are bitwise one rank's and gradients differ by FP32
+  summation order only. Checkpoints and published weights are whole, in the EP = 1 layout (each expert broadcast
+  from the rank holding it), so any EP size resumes any other. MoE runs at TP = PP = 1 here (Megatron's MoE with
+  TP > 1 needs sequence parallelism, which the local spec's torch norm refuses).
 * **Not here**: Megatron's ``DistributedOptimizer`` (ZeRO-1 sharding of the AdamW state) and its other
   optimizers are CUDA-only in megatron-core 0.16 (``clip_grads`` builds ``device='cuda'`` tensors;
   ``DistributedOptimizer`` accepts only ``torch.cuda.*Tensor`` parameters), so the AdamW state is torch's,
@@ -67,6 +77,7 @@ from ..parallel import DataParallel
 from ..torch_trainer import TorchTrainer, TrainerConfig, _add_metrics, token_logprobs_and_entropy
 from . import shims
 from .convert import hf_to_megatron, megatron_to_hf
+from .expert_parallel import check_expert_parallel, expert_owner, is_expert, whole_expert_name, whole_expert_order
 from .model import MegatronCausalLM, build_gpt_model, stage_layers, use_te
 from .pipeline_parallel import EMBEDDING, TIED_COPY, owner_stage, whole_name, whole_param_order
 from .tensor_parallel import check_tensor_parallel, gather, partition_dims, to_local
@@ -76,19 +87,22 @@ __all__ = ["MegatronTrainer", "init_model_parallel"]
 
 
 def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                        seed: int = 0) -> None:
+                        seed: int = 0, expert_model_parallel_size: int = 1) -> None:
     """Join (or create) the process group and Megatron's model-parallel state, once per process.
 
     Raises:
         ValueError: tensor- and pipeline-parallel sizes whose product does not divide the ranks started, or
             sizes that differ from the ones this process was already initialised with.
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ValueError(f"policy.training.megatron_cfg.tensor_model_parallel_size={tp} x "
                          f"pipeline_model_parallel_size={pp} needs a multiple of {tp * pp} ranks (this trainer runs "
                          f"as {world}: start dp_size x {tp * pp} under torchrun)")
+    if ep < 1 or (world // (tp * pp)) % ep:
+        raise ValueError(f"policy.training.megatron_cfg.expert_model_parallel_size={ep} must divide the data-parallel "
+                         f"size ({world // (tp * pp)} ranks): expert parallelism runs inside the data-parallel group")
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
@@ -99,13 +113,15 @@ def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_para
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         if torch.cuda.is_available():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
     held = (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size())
-    if held != (tp, pp):
-        raise ValueError(f"this process already runs Megatron at TP x PP = {held[0]} x {held[1]}, not {tp} x {pp}")
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size())
+    if held != (tp, pp, ep):
+        raise ValueError(f"this process already runs Megatron at TP x PP x EP = {held[0]} x {held[1]} x {held[2]}, "
+                         f"not {tp} x {pp} x {ep}")
 
 
 class MegatronTrainer(TorchTrainer):
@@ -125,6 +141,9 @@ class MegatronTrainer(TorchTrainer):
             must divide the model's layers).
         parallel: the group of every trainer rank (data x tensor x pipeline parallel; every rank builds the same
             trainer), or None for one process.
+        expert_model_parallel_size: Megatron's expert-parallel size (a mixture-of-experts model's experts spread
+            over this many of the data-parallel ranks; it must divide the experts and the data-parallel size).
+        moe_token_dispatcher_type: Megatron's token dispatcher, ``allgather`` or ``alltoall``.
     """
 
     CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
@@ -141,9 +160,15 @@ class MegatronTrainer(TorchTrainer):
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         parallel: DataParallel | None = None,
+        expert_model_parallel_size: int = 1,
+        moe_token_dispatcher_type: str = "allgather",
     ) -> None:
         check_tensor_parallel(model.config, recipe, tensor_model_parallel_size)
-        init_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, seed)
+        world = parallel.world if parallel is not None else 1
+        check_expert_parallel(model.config, expert_model_parallel_size,
+                              world // (tensor_model_parallel_size * pipeline_model_parallel_size),
+                              moe_token_dispatcher_type)
+        init_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, seed, expert_model_parallel_size)
         from megatron.core import parallel_state
 
         self.model_config: ModelConfig = model.config
@@ -154,6 +179,10 @@ class MegatronTrainer(TorchTrainer):
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._pp_group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
         self._pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.ep, self.dispatcher = expert_model_parallel_size, moe_token_dispatcher_type
+        self._ep_group = parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None
+        self._ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self._num_local_experts = model.config.num_experts // self.ep if model.config.moe_layers else 0
         self._layers = stage_layers(model.config.num_hidden_layers)  # the global layers of this stage
         self._tp_dims: dict[str, int | None] = {}  # Megatron name -> split dimension (None: whole), from the build
         self._names: dict[str, str] = {}  # this stage's Megatron name -> the whole (TP = PP = 1) model's
@@ -162,14 +191,14 @@ class MegatronTrainer(TorchTrainer):
         if parallel is not None and (self.tp > 1 or self.pp > 1):  # micro-batches, row collectives: by DP rank
             parallel = DataParallel.over(parallel_state.get_data_parallel_group())
         config = config if config is not None else TrainerConfig()
-        if model.num_moe_layers and (config.router_replay or config.router_aux_loss_coef):
-            raise ValueError("policy.router_replay.enabled / loss.router_aux_loss_coef: the megatron backend routes a "
-                             "mixture-of-experts model with Megatron's own router and neither replays the rollout's "
-                             "routes nor trains a load-balancing loss yet; use backend torch")
+        if model.num_moe_layers and config.router_aux_loss_coef:
+            raise ValueError("loss.router_aux_loss_coef: the megatron backend does not train a load-balancing loss on "
+                             "a mixture-of-experts model yet; use backend torch")
         # the GRPO step, optimizer and bookkeeping are TorchTrainer's; the modules come from the hooks below
+        # a mixture-of-experts model routes with Megatron's TopKRouter, which takes the torch backend's routing plans
+        # (replay, the moe/* statistics) through Megatron's RouterReplay hook (.model.planned_router)
         super().__init__(model, recipe, config, ref_model=ref_model, initial_version=initial_version, seed=seed,
                          parallel=parallel)
-        self._moe_layers = 0  # MoELayer routes inside Megatron: no routing plans of the torch backend (no moe/* stats)
 
     @property
     def backend(self) -> str:
@@ -191,20 +220,24 @@ class MegatronTrainer(TorchTrainer):
     def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
         built = self._build(model, recipe)
         local = [n.removeprefix("gpt.") for n, _ in built.named_parameters()]
-        self._whole_order = local if self.pp == 1 else whole_param_order(local, sorted(self._whole), self._layers)
+        if self.ep > 1:
+            self._whole_order = whole_expert_order(local, self.model_config.num_experts)
+        else:
+            self._whole_order = local if self.pp == 1 else whole_param_order(local, sorted(self._whole), self._layers)
         return built
 
     def _build_reference(self, ref_model: CausalLM) -> MegatronCausalLM:
         return self._build(ref_model, Fp8Recipe(linear="bf16"))
 
     def _build(self, model: CausalLM, recipe: Fp8Recipe) -> MegatronCausalLM:
-        gpt = build_gpt_model(model.config, recipe, self.dtype)
+        gpt = build_gpt_model(model.config, recipe, self.dtype, self.dispatcher)
         adapter = MegatronCausalLM(gpt, model.config)
         full = hf_to_megatron(model.state_dict(), model.config, fused_norms=use_te())
         self._whole = {k: (v.shape, v.dtype) for k, v in full.items()}
         local = {k: v.shape for k, v in adapter.state_dict().items()}
         tied_copy = self.pp > 1 and model.config.tie_word_embeddings and gpt.post_process
-        self._names = {k: whole_name(k, self._layers, tied_copy) for k in local}
+        self._names = {k: whole_expert_name(whole_name(k, self._layers, tied_copy), self._ep_rank,
+                                            self._num_local_experts) for k in local}
         self._tp_dims = partition_dims(local, {k: full[self._names[k]].shape for k in local}, self.tp)
         with torch.no_grad():
             adapter.load_state_dict(self._local(full))
@@ -214,8 +247,8 @@ class MegatronTrainer(TorchTrainer):
 
     @property
     def _split(self) -> bool:
-        """Whether this rank holds less than the whole model (tensor or pipeline parallel)."""
-        return self.tp > 1 or self.pp > 1
+        """Whether this rank holds less than the whole model (tensor, pipeline or expert parallel)."""
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
 
     def _local(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors (its stage's, sliced) from whole ones under the whole model's names."""
@@ -235,6 +268,9 @@ class MegatronTrainer(TorchTrainer):
             return local
         mine = {self._names[k]: gather(k, local[k], self._tp_dims[k], self._tp_group)
                 for k in sorted(local) if self._owned(k)}
+        if self.ep > 1:  # (pipeline parallel is 1) each expert from the expert-parallel rank that holds it
+            return {w: self._from_expert_owner(w, mine.get(w), *self._whole[w]) if is_expert(w) else mine[w]
+                    for w in sorted(self._whole)}
         if self.pp == 1:
             return mine
         return {w: self._from_owner(w, mine.get(w), *self._whole[w]) for w in sorted(self._whole)}
@@ -244,6 +280,14 @@ class MegatronTrainer(TorchTrainer):
         owner = owner_stage(whole, self.model_config.num_hidden_layers, self.pp)
         t = held.contiguous() if owner == self._pp_rank else torch.empty(shape, dtype=dtype)
         dist.broadcast(t, src=dist.get_global_rank(self._pp_group, owner), group=self._pp_group)
+        return t
+
+    def _from_expert_owner(self, whole: str, held: torch.Tensor | None, shape: torch.Size,
+                           dtype: torch.dtype) -> torch.Tensor:
+        """The expert tensor ``whole`` on every rank of the expert-parallel group, from the rank holding it."""
+        owner = expert_owner(whole, self._num_local_experts)
+        t = held.contiguous() if owner == self._ep_rank else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=dist.get_global_rank(self._ep_group, owner), group=self._ep_group)
         return t
 
     def _param_names(self) -> list[str]:
@@ -274,9 +318,11 @@ class MegatronTrainer(TorchTrainer):
                 v = None if mine is None else mine[key]
                 if v is not None and v.dim() > 0:
                     v = gather(whole_ix[w], v, self._tp_dims[whole_ix[w]], self._tp_group)
+                shape = self._whole[w][0] if ref[key].dim() > 0 else torch.Size([])
                 if self.pp > 1:
-                    shape = self._whole[w][0] if ref[key].dim() > 0 else torch.Size([])
                     v = self._from_owner(w, v, shape, ref[key].dtype)
+                elif self.ep > 1 and is_expert(w):
+                    v = self._from_expert_owner(w, v, shape, ref[key].dtype)
                 st[key] = v
             if st:
                 out[j] = st
@@ -299,21 +345,27 @@ class MegatronTrainer(TorchTrainer):
 
     def _clip_grads(self) -> torch.Tensor:
         """Clip by the global gradient norm; with TP or PP > 1 each slice counts once, each whole tensor (norms)
-        once and the tied embedding once, summed over the model-parallel (tensor x pipeline) group."""
+        once and the tied embedding once, summed over the model-parallel (tensor x pipeline) group; with EP > 1 each
+        expert once, summed over the expert-parallel group (every other tensor is on every rank)."""
         if not self._split:
             return super()._clip_grads()
         from megatron.core import parallel_state
 
         names = self._param_names()
-        sq = torch.zeros((), dtype=torch.float32)
+        sq, sq_experts = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
         grads = []
         for name, p in zip(names, self.model.parameters(), strict=True):
             if p.grad is None:
                 continue
             grads.append(p.grad)
-            if self._owned(name) and (self._tp_dims[name] is not None or self._tp_rank == 0):
+            if self.ep > 1 and is_expert(name):
+                sq_experts += torch.linalg.vector_norm(p.grad.float()) ** 2
+            elif self._owned(name) and (self._tp_dims[name] is not None or self._tp_rank == 0):
                 sq += torch.linalg.vector_norm(p.grad.float()) ** 2
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        if self.ep > 1:
+            dist.all_reduce(sq_experts, group=self._ep_group)
+            sq = sq + sq_experts
         gn = sq.sqrt()
         clip = self.config.grad_clip
         if clip > 0 and torch.isfinite(gn):  # torch's clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
@@ -366,7 +418,7 @@ class MegatronTrainer(TorchTrainer):
 
     @torch.no_grad()
     def _logprobs_of(self, model, batch: TrainBatch, should_stop: ShouldStop | None = None, **routing) -> torch.Tensor:
-        # ``routing`` (replay, stats): mixture-of-experts only, which this backend refuses (the factory): no plans here
+        # ``routing`` (replay, stats): mixture-of-experts only, which runs at pipeline-parallel size 1
         if self.pp == 1:
             return super()._logprobs_of(model, batch, should_stop, **routing)
         rounds = list(self._micro_batches(batch, should_stop))  # the stop agreed by every rank, round by round
