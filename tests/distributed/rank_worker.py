@@ -66,7 +66,8 @@ def with_routes(b: TrainBatch, model: dict, seed: int = 5) -> TrainBatch:
     cfg = ModelConfig(**{**CONFIG, **model})
     rows, t = b.input_ids.shape
     r = torch.rand(rows, t, len(cfg.moe_layers), cfg.num_experts, generator=g).argsort(-1)
-    b.routes = r[..., :cfg.num_experts_per_tok].to(torch.int16).masked_fill(~b.attention_mask.bool()[:, :, None, None], -1)
+    pad = ~b.attention_mask.bool()[:, :, None, None]
+    b.routes = r[..., :cfg.num_experts_per_tok].to(torch.int16).masked_fill(pad, -1)
     return b
 
 

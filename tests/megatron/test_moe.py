@@ -209,7 +209,8 @@ def test_a_second_megatron_model_in_the_process_never_replays_anothers_routes(me
     b = copy.copy(batch)
     b.routes = _routes(batch, seed=2)
     lp_b = second.compute_logprobs(b)
-    ours = {id(m.router_replay) for tr in (first, second) for m in tr.model.modules() if hasattr(m, "takes_routing_plan")}
+    ours = {id(m.router_replay) for tr in (first, second) for m in tr.model.modules()
+            if hasattr(m, "takes_routing_plan")}
     assert len(ours) == 2 and not ours & {id(r) for r in RouterReplay.global_router_replay_instances}
     alone = TorchTrainer(policy, recipe, _replay(measure_unreplayed=False))
     assert float((_real(lp_b, batch) - _real(alone.compute_logprobs(b), batch)).abs().max()) <= LOGPROB_ATOL

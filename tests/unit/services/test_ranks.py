@@ -142,7 +142,8 @@ def _channel_rank(rank: int, store_path: str, out_path: str) -> None:
             op, args, got = channel.recv()
             ok = (op, args) == ("train_step", {"k": 1}) and list(got) == list(sent) and all(
                 got[k].dtype == sent[k].dtype and torch.equal(got[k], sent[k]) for k in sent)
-            Path(out_path).write_text("ok" if ok else f"differ: {[k for k in sent if not torch.equal(got[k], sent[k])]}")
+            differ = [k for k in sent if not torch.equal(got[k], sent[k])]
+            Path(out_path).write_text("ok" if ok else f"differ: {differ}")
     finally:
         dist.destroy_process_group()
 
