@@ -1,0 +1,138 @@
+"""LoRA adapters on a model's linear projections, the same way in every engine (issue 33, first piece).
+
+A targeted projection ``W`` (any linear module: ``nn.Linear``, :class:`~fp8rl.model.invariant.TiledLinear`, the
+trainer's :class:`~fp8rl.fp8.Fp8Linear`, the rollout's :class:`~fp8rl.fp8.Fp8InferenceLinear`) keeps its own forward
+and gets a low-rank update added to its output::
+
+    y = W(x) + (dropout(x) @ Aᵀ) @ Bᵀ · alpha / rank
+
+``A`` ``(rank, in)`` and ``B`` ``(out, rank)`` are FP32 parameters held *on the projection itself*, under PEFT's
+names (``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``), so the base weight keeps its name
+(``...q_proj.weight``) and every path that knows the model's tensors by name (refit, checkpoints, FP8 conversion)
+sees the base unchanged. Initialisation is PEFT's: ``A`` Kaiming-uniform (``a = √5``), ``B`` zero, so a fresh adapter
+changes no number. The adapters' GEMMs follow the projection's batch-invariant tiling (its ``row_tile``), so under
+``policy.numerics.batch_invariant`` a row's adapter output does not depend on the rows beside it, in the rollout's
+decode or the trainer's forward alike.
+
+Apply adapters *after* FP8 conversion and batch invariance are set up (:func:`~fp8rl.fp8.convert_model` does both):
+those replace plain linears with new modules, which would not carry the adapters over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .invariant import tiled_linear
+
+__all__ = ["LoraSettings", "DEFAULT_TARGETS", "apply_lora", "lora_parameters", "lora_state_dict", "has_lora"]
+
+# every attention and MLP projection (PEFT's / NeMo RL's module names); a mixture-of-experts layer's experts
+# match gate_proj / up_proj / down_proj too, its router (mlp.gate) never
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``rank`` ≥ 1, ``alpha`` (the update is scaled by ``alpha / rank``), ``dropout`` in [0, 1) on the adapter's
+    input (training passes only), ``target_modules``: projection names (the last part of a module's name)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"policy.lora.rank must be at least 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"policy.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("policy.lora.target_modules names no module")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class _AdapterWeight(nn.Module):
+    """One adapter matrix under PEFT's state-dict name (``lora_A.weight``); deliberately not an ``nn.Linear``, so
+    FP8 conversion and batch invariance, which swap plain linears, leave it alone."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, cols, dtype=torch.float32))
+
+
+def _adapter_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Forward hook on a targeted projection: its output plus the low-rank update (module docstring)."""
+    (x,) = args
+    a, b = module.lora_A.weight, module.lora_B.weight
+    h = module.lora_dropout(x.to(a.dtype))
+    tile = getattr(module, "row_tile", None)
+    if tile is None:
+        low = F.linear(F.linear(h, a), b)
+    else:  # the projection's tiles: each row's numbers independent of the batch
+        low = tiled_linear(tiled_linear(h, a, None, tile), b, None, tile)
+    return out + (low * module.lora_scaling).to(out.dtype)
+
+
+def _targets(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    wanted = set(names)
+    found = [(n, m) for n, m in model.named_modules()
+             if n.rsplit(".", 1)[-1] in wanted and hasattr(m, "in_features") and hasattr(m, "out_features")]
+    missing = wanted - {n.rsplit(".", 1)[-1] for n, _ in found}
+    if missing:
+        raise ValueError(f"policy.lora.target_modules: no projection named {sorted(missing)} in the model")
+    return found
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0) -> list[str]:
+    """Give every targeted projection of ``model`` an adapter (in place) and freeze every other parameter.
+
+    Returns the adapted projections' names. ``seed`` draws the ``A`` matrices (the same seed gives the same adapters
+    in every engine and process).
+
+    Raises:
+        ValueError: a target name matches no projection, or ``model`` already has adapters.
+    """
+    if has_lora(model):
+        raise ValueError("this model already has LoRA adapters")
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    done = []
+    for name, mod in _targets(model, settings.target_modules):
+        mod.lora_A = _AdapterWeight(settings.rank, mod.in_features)
+        mod.lora_B = _AdapterWeight(mod.out_features, settings.rank)
+        # PEFT's init: A ~ kaiming_uniform(a=√5), i.e. U(-1/√in, 1/√in); B = 0
+        bound = 1.0 / math.sqrt(mod.in_features)
+        with torch.no_grad():
+            mod.lora_A.weight.copy_(torch.rand(mod.lora_A.weight.shape, generator=g) * 2 * bound - bound)
+        mod.lora_A.to(next(model.parameters()).device)
+        mod.lora_B.to(next(model.parameters()).device)
+        mod.lora_dropout = nn.Dropout(settings.dropout) if settings.dropout else nn.Identity()
+        mod.lora_scaling = settings.scaling
+        mod.register_forward_hook(_adapter_forward)
+        done.append(name)
+    return done
+
+
+def has_lora(model: nn.Module) -> bool:
+    """Whether ``model`` carries adapters."""
+    return any(isinstance(m, _AdapterWeight) for m in model.modules())
+
+
+def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The adapters' ``(name, parameter)`` pairs, in ``named_parameters()`` order."""
+    return [(n, p) for n, p in model.named_parameters() if n.endswith((".lora_A.weight", ".lora_B.weight"))]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters alone (what a refit after the first version, a checkpoint or a PEFT export holds)."""
+    return {n: p.detach() for n, p in lora_parameters(model)}
