@@ -154,9 +154,24 @@ def _torch_version() -> str:
     return pin.split("==", 1)[1].strip()
 
 
+SERVICES_DOCKERFILE = "deploy/docker/fp8rl.Dockerfile"  # every role's image, one target each
+# what an image leaves out of the shared CPU venv (the Dockerfile's REQUIREMENTS_EXCLUDE)
+REQUIREMENTS_EXCLUDE = {"reward": "matplotlib tensorboard"}
+
+
 def dockerfile(image: str) -> str:
     """The Dockerfile of ``image`` (a role, or ``redis``), relative to the repository."""
-    return "deploy/docker/redis.Dockerfile" if image == "redis" else f"services/{image}/Dockerfile"
+    return "deploy/docker/redis.Dockerfile" if image == "redis" else SERVICES_DOCKERFILE
+
+
+def image_build_args(image: str) -> list[str]:
+    """The ``podman build`` arguments that pick ``image``'s CPU target (and what it leaves out) in its Dockerfile."""
+    if image == "redis":
+        return []
+    args = ["--target", image]
+    if image in REQUIREMENTS_EXCLUDE:
+        args += ["--build-arg", f"REQUIREMENTS_EXCLUDE={REQUIREMENTS_EXCLUDE[image]}"]
+    return args
 
 
 INPUTS_LABEL = "org.fp8rl.inputs"
@@ -203,7 +218,7 @@ def build_images(roles=ROLES, *, base: str = BASE_IMAGE, log=print, rebuild: boo
     unless ``rebuild``."""
     wheels = local_torch_wheels()
     # docker format: OCI images have no HEALTHCHECK, and the images' health checks are the gRPC probe
-    args = ["--format", "docker", "--network", "host", "--target", "cpu", "--build-arg", f"BASE_IMAGE={base}",
+    args = ["--format", "docker", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
             "--build-arg", f"TORCH_VERSION={_torch_version()}"]
     if wheels is not None:  # the CPU wheel is on this disk: no download.pytorch.org needed
         args += ["--build-context", f"wheels={wheels}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
@@ -212,13 +227,14 @@ def build_images(roles=ROLES, *, base: str = BASE_IMAGE, log=print, rebuild: boo
     context = context_digest()
     for role in roles:
         t0 = time.monotonic()
-        digest = inputs_digest(role, args, base_id, context)
+        role_args = args + image_build_args(role)
+        digest = inputs_digest(role, role_args, base_id, context)
         if not rebuild and image_inputs(image_tag(role)) == digest:
             sizes[role] = image_size(image_tag(role))
             log(f"image {image_tag(role)}: {sizes[role] / 1e6:.0f} MB, up to date (inputs {digest[:12]})")
             continue
         log(f"image {image_tag(role)}: building" + (f" (torch from {wheels})" if wheels and role != "redis" else ""))
-        p = podman("build", *args, "--label", f"{INPUTS_LABEL}={digest}", "-f", dockerfile(role), "-t",
+        p = podman("build", *role_args, "--label", f"{INPUTS_LABEL}={digest}", "-f", dockerfile(role), "-t",
                    image_tag(role), ".", check=False, cwd=REPO)
         if p.returncode != 0:
             tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:])

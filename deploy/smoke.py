@@ -135,6 +135,7 @@ class ImageBuild:
     context: str
     dockerfile: str
     target: str | None
+    args: tuple[tuple[str, str], ...] = ()  # the build arguments, sorted
 
 
 def build_plan(config: dict) -> list[ImageBuild]:
@@ -146,7 +147,8 @@ def build_plan(config: dict) -> list[ImageBuild]:
             continue
         if "image" not in svc:
             raise SmokeFailure(f"compose service {name!r} builds an image but names no `image:` tag")
-        b = ImageBuild(svc["image"], build["context"], build.get("dockerfile", "Dockerfile"), build.get("target"))
+        args = tuple(sorted((str(k), str(v)) for k, v in (build.get("args") or {}).items()))
+        b = ImageBuild(svc["image"], build["context"], build.get("dockerfile", "Dockerfile"), build.get("target"), args)
         if plan.setdefault(b.tag, b) != b:
             raise SmokeFailure(f"image {b.tag} is built two different ways ({plan[b.tag]} and {b})")
     return list(plan.values())
@@ -160,7 +162,7 @@ def build_images(client, plan: list[ImageBuild], log=print) -> None:
         t0 = time.monotonic()
         try:
             client.images.build(path=b.context, dockerfile=b.dockerfile, target=b.target, tag=b.tag, rm=True,
-                                pull=False)
+                                pull=False, buildargs=dict(b.args) or None)
         except BuildError as exc:
             tail = "".join(chunk.get("stream", "") for chunk in exc.build_log if isinstance(chunk, dict))[-3000:]
             raise SmokeFailure(f"building {b.tag} failed: {exc.msg}\n{tail}") from None

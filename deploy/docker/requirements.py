@@ -6,12 +6,16 @@ they were compiled against::
 
     python deploy/docker/requirements.py --exclude torch > /tmp/requirements.txt
 
+``--exclude-from-env NAME`` leaves out the space-separated project names in the environment variable ``NAME`` too
+(a Dockerfile ``ARG``: one build stage serves images that leave out different ones).
+
 Standard library only: it runs before anything is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tomllib
@@ -39,9 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parents[2] / "pyproject.toml")
     p.add_argument("--exclude", action="append", default=[], help="project name to leave out (repeatable)")
+    p.add_argument("--exclude-from-env", metavar="NAME", help="environment variable of project names to leave out "
+                   "(space-separated)")
     p.add_argument("--extra", action="append", default=[], help="optional-dependencies extra to add (repeatable)")
     args = p.parse_args(argv)
-    exclude = {e.lower().replace("_", "-") for e in args.exclude}
+    names = args.exclude + (os.environ.get(args.exclude_from_env, "").split() if args.exclude_from_env else [])
+    exclude = {e.lower().replace("_", "-") for e in names}
     print("\n".join(requirements(args.pyproject, exclude, args.extra)))
     return 0
 

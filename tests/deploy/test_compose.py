@@ -79,7 +79,7 @@ def test_volumes_and_gpu_reservations(profile_config):
         devices = (svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices")
         if name.endswith("-gpu"):
             assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
-            assert svc["build"]["target"] == "gpu"
+            assert svc["build"]["target"] == name  # rollout-gpu / trainer-gpu: the Dockerfile's GPU targets
         else:
             assert not devices, name
     if profile == "gpu":
@@ -94,7 +94,10 @@ def test_build_plan_names_real_dockerfile_targets(profile_config):
         dockerfile = os.path.join(b.context, b.dockerfile)
         stages = re.findall(r"^FROM \S+ AS (\S+)$", open(dockerfile).read(), re.M)
         assert (b.target or stages[-1]) in stages, b
-        assert b.target == ("gpu" if profile == "gpu" and ("rollout" in b.tag or "trainer" in b.tag) else b.target)
+        role = b.tag.rsplit("/", 1)[-1].split(":")[0]  # fp8rl/<role>:<tag>
+        gpu = profile == "gpu" and role in ("rollout", "trainer")
+        assert b.target == (f"{role}-gpu" if gpu else role), b
+        assert dict(b.args).get("GPU_ENGINE") == ({"rollout": "vllm", "trainer": "megatron"}[role] if gpu else None)
 
 
 def test_missing_password_is_refused_with_its_name(repo):
@@ -222,5 +225,5 @@ def test_the_ranks_override_runs_the_trainer_as_the_launcher_does(repo):
     assert trainer["command"] == list(extra)
     # --resume auto looks in the image's FP8RL_CHECKPOINT_DIR: it must be the checkpoints volume
     ckpt = "/var/lib/fp8rl/checkpoints"
-    assert f"FP8RL_CHECKPOINT_DIR={ckpt}" in (repo / "services" / "trainer" / "Dockerfile").read_text()
+    assert f"FP8RL_CHECKPOINT_DIR={ckpt}" in (repo / "deploy" / "docker" / "fp8rl.Dockerfile").read_text()
     assert any(v["target"] == ckpt and v["type"] == "volume" for v in trainer["volumes"])
