@@ -409,6 +409,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @rpc_method
     def Status(self, request, context):
         s = self.s
+        # a version trained while Redis refused the publish is published (its lineage first) before anyone is told
+        # it is held: a controller resuming a job reads that lineage right after this call. A step in flight holds
+        # the lock and publishes its own version; Status then answers without waiting.
+        if s.published != s.trainer.version and s.lock.acquire(blocking=False):
+            try:
+                self._publish()
+            finally:
+                s.lock.release()
         return trainer_pb2.TrainerStatusResponse(version=s.trainer.version, backend=s.backend, recipe=s.ctx.job.recipe,
                                                  weights_endpoint=s.ctx.endpoint, ready=s.ready)
 

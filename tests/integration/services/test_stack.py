@@ -395,6 +395,35 @@ def test_a_trainer_refuses_a_step_past_its_memory_limit_and_keeps_serving(spawne
     assert health_pb2_grpc.HealthStub(tr.channel()).Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
 
 
+def test_a_version_trained_while_redis_refused_writes_is_published_with_its_lineage_before_status(
+        spawner, tiny_checkpoint, module_job_id, redis_url, write_job, tmp_path):
+    """Redis refuses writes while a step trains (``min-replicas-to-write``: a real Redis answering NOREPLICAS): the
+    step's update is held but cannot be published, and TrainStep says so (UNAVAILABLE). Once Redis takes writes
+    again, Status publishes it — its lineage (``trained_from``) first — before answering, so a controller resuming
+    the job reads where the held version came from (it failed the job as "unknown" when a Redis restart landed in
+    that window)."""
+    job_id = module_job_id + "-lineage"
+    cfg = write_job(tmp_path / "job.yaml", tiny_checkpoint, job_id,
+                    vllm_cfg={"precision": "fp8", "kv_cache_dtype": "auto"})  # no FP8 KV: no QKV scales to wait for
+    tr = spawner.start("trainer", cfg, "trainer-lineage", "--checkpoint-dir", str(tmp_path / "ckpt")).wait_listening()
+    stub = trainer_pb2_grpc.TrainerServiceStub(tr.channel())
+    rows = [trainer_pb2.Sequence(prompt_ids=p, response_ids=[50, 51, 52], gen_logprobs=[-1.0] * 3, advantage=a)
+            for p, a in zip(PROMPTS, (1.0, -1.0), strict=True)]
+    client = connect(redis_url)
+    store = RefitStore(client, job_id)
+    assert store.latest() == 0
+    client.config_set("min-replicas-to-write", 1)
+    try:
+        code, details = code_of(lambda: stub.TrainStep(
+            trainer_pb2.TrainStepRequest(expected_version=0, rows=rows, step=0), timeout=T))
+    finally:
+        client.config_set("min-replicas-to-write", 0)
+    assert code == grpc.StatusCode.UNAVAILABLE and "could not publish" in details, details
+    assert store.latest() == 0 and store.trained_from(1) is None  # held, not published
+    assert stub.Status(trainer_pb2.TrainerStatusRequest(), timeout=T).version == 1
+    assert (store.latest(), store.trained_from(1)) == (1, 0)
+
+
 def test_vllm_backend_without_vllm_installed_is_a_clear_startup_error(spawner, tiny_checkpoint, module_job_id,
                                                                      write_job, tmp_path):
     if importlib.util.find_spec("vllm") is not None:  # the default venv never has it (vLLM lives in .venv-vllm)
