@@ -329,7 +329,10 @@ def test_a_job_flood_hits_the_caps_lists_by_page_and_is_pruned(hostile_stack):
             w.close()
 
     for job_id in accepted:  # pending ones at once; the running one after its step
-        jobs.CancelJob(controller_pb2.CancelJobRequest(job_id=job_id, reason="flood"), timeout=60)
+        try:
+            jobs.CancelJob(controller_pb2.CancelJobRequest(job_id=job_id, reason="flood"), timeout=60)
+        except grpc.RpcError as err:  # a one-step job that ran, finished and was pruned to the cap meanwhile
+            assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
     keep = int(LIMITS["FP8RL_MAX_FINISHED_JOBS"])
     r = redis.Redis.from_url(st.info["redis_url"])
     deadline = time.monotonic() + 90
