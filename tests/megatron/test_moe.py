@@ -45,14 +45,16 @@ def moe_config(norm_topk_prob: bool = True, mlp_only_layers: tuple[int, ...] = (
                        mlp_only_layers=list(mlp_only_layers))
 
 
-def moe_policy(seed: int = 0, **kw) -> CausalLM:
+def moe_policy(seed: int = 0, sharpen: float = 20.0, **kw) -> CausalLM:
+    """``sharpen``: the router's logits scaled up, so its own top-2 choices sit far from ties and both backends route
+    alike (1: as initialised, for replayed routes — see the replay test)."""
     torch.manual_seed(seed)
     m = CausalLM(moe_config(**kw))
-    with torch.no_grad():  # sharper router logits: top-2 choices far from ties, so both backends route alike
+    with torch.no_grad():
         for layer in m.model.layers:
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
-                gate.weight.mul_(20.0)
+                gate.weight.mul_(sharpen)
     return m
 
 
@@ -157,8 +159,13 @@ def test_megatron_replays_the_rollouts_routes_as_the_torch_backend(megatron_core
     """Routes unlike the router's own, replayed through Megatron's RouterReplay hook: logprobs within the dense
     bounds of the torch backend's replay, the routing metrics (agreement of the router's own choice with the replayed
     one, the load) equal, and one train step's loss and gradients within the bounds. Negative control: the same
-    batch without routes is far off."""
-    policy, batch = moe_policy(), make_batch(vocab=128)
+    batch without routes is far off.
+
+    The router is left as initialised: random routes replayed on the sharpened router give ~9 % of the routing weights
+    below 1e-3 (some 4e-7), which scale the experts' outputs and gradients into E4M3's subnormal range, where one
+    rounding step is far more than the 2**-3 that ``GRAD_RTOL_FP8``'s error model assumes (seen under AVX2 kernels:
+    6.6e-3 on a layer-0 gradient)."""
+    policy, batch = moe_policy(sharpen=1.0), make_batch(vocab=128)
     batch.routes = _routes(batch)
     recipe = recipe_for_role(recipe_name, "trainer")
     torch_tr, mt = TorchTrainer(policy, recipe, _replay()), _megatron(policy, recipe, _replay())
