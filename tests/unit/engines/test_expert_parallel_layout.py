@@ -52,6 +52,8 @@ def test_layouts_that_cannot_run_are_refused_naming_the_key():
         check_expert_parallel(cfg, 3, 3, "allgather")
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=4 must divide the data-parallel size \(2"):
         check_expert_parallel(cfg, 4, 2, "allgather")
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=0 must be at least 1"):
+        check_expert_parallel(cfg, 0, 2, "allgather")
     with pytest.raises(ValueError, match=r"moe_token_dispatcher_type='flex'"):
         check_expert_parallel(cfg, 1, 1, "flex")
     dense = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128,

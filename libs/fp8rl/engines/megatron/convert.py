@@ -53,16 +53,19 @@ def qkv_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q, k, v
 
 
+def _stacked_rows(f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``[gate; up]`` stacked along the output rows, ``f`` each."""
+    return torch.arange(f), f + torch.arange(f)
+
+
 def gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices of HF ``gate_proj`` and ``up_proj`` inside Megatron's fused ``linear_fc1``."""
-    f = config.intermediate_size
-    return torch.arange(f), f + torch.arange(f)
+    return _stacked_rows(config.intermediate_size)
 
 
 def expert_gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices of one expert's HF ``gate_proj`` and ``up_proj`` inside its Megatron ``linear_fc1``."""
-    f = config.moe_intermediate_size
-    return torch.arange(f), f + torch.arange(f)
+    return _stacked_rows(config.moe_intermediate_size)
 
 
 def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):

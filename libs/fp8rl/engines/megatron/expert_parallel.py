@@ -72,6 +72,8 @@ def check_expert_parallel(config: ModelConfig, ep: int, dp: int, dispatcher: str
             dispatcher other than :data:`DISPATCHERS`.
     """
     key = "policy.training.megatron_cfg"
+    if ep < 1:
+        raise ValueError(f"{key}.expert_model_parallel_size={ep} must be at least 1")
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"{key}.moe_token_dispatcher_type={dispatcher!r}: one of {', '.join(DISPATCHERS)} (flex "
                          f"needs DeepEP / HybridEP kernels on CUDA)")

@@ -168,13 +168,11 @@ _NO_STREAM = object()  # MoEAlltoAllTokenDispatcher's side stream on CPU: a plac
 def _splits_on_host(self, point: str, tokens_per_expert=None):
     """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on CPU (shim 10): at the dispatcher's
     device-to-host point the split sizes become NumPy arrays, as the CUDA branch makes them; no stream, no event."""
-    import numpy as np
-
     if not self.drop_and_pad and point == self.cuda_dtoh_point:
         for name in ("input_splits", "output_splits", "output_splits_tp"):
             value = getattr(self, name, None)
             if torch.is_tensor(value):
-                setattr(self, name, value.numpy() if value.dim() else np.asarray(value.item()))
+                setattr(self, name, value.numpy())
     return tokens_per_expert
 
 

@@ -45,8 +45,8 @@ Parallelism:
   expert-data-parallel group and the rest over the data-parallel one; the clip counts each expert once. An expert
   runs each source rank's tokens on their own (:func:`.model.weights_after_experts`), so its FP8 wgrad quantizes
   the groups one rank's micro-batch makes, as at EP 1: logprobs are bitwise one rank's and gradients differ by FP32
-  summation order only. Checkpoints and published weights are whole, in the EP = 1 layout (each expert broadcast
-  from the rank holding it), so any EP size resumes any other. MoE runs at TP = PP = 1 here (Megatron's MoE with
+  summation order only. Checkpoints and published weights are whole, in the EP = 1 layout (each expert from the
+  rank holding it), so any EP size resumes any other. MoE runs at TP = PP = 1 here (Megatron's MoE with
   TP > 1 needs sequence parallelism, which the local spec's torch norm refuses).
 * **Not here**: Megatron's ``DistributedOptimizer`` (ZeRO-1 sharding of the AdamW state) and its other
   optimizers are CUDA-only in megatron-core 0.16 (``clip_grads`` builds ``device='cuda'`` tensors;
@@ -92,7 +92,9 @@ def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_para
 
     Raises:
         ValueError: tensor- and pipeline-parallel sizes whose product does not divide the ranks started, or
-            sizes that differ from the ones this process was already initialised with.
+            sizes that differ from the ones this process was already initialised with. (The expert-parallel size is
+            checked against the model and the data-parallel ranks by :func:`.expert_parallel.check_expert_parallel`,
+            which the trainer calls first.)
     """
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -100,9 +102,6 @@ def init_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_para
         raise ValueError(f"policy.training.megatron_cfg.tensor_model_parallel_size={tp} x "
                          f"pipeline_model_parallel_size={pp} needs a multiple of {tp * pp} ranks (this trainer runs "
                          f"as {world}: start dp_size x {tp * pp} under torchrun)")
-    if ep < 1 or (world // (tp * pp)) % ep:
-        raise ValueError(f"policy.training.megatron_cfg.expert_model_parallel_size={ep} must divide the data-parallel "
-                         f"size ({world // (tp * pp)} ranks): expert parallelism runs inside the data-parallel group")
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
@@ -268,9 +267,13 @@ class MegatronTrainer(TorchTrainer):
             return local
         mine = {self._names[k]: gather(k, local[k], self._tp_dims[k], self._tp_group)
                 for k in sorted(local) if self._owned(k)}
-        if self.ep > 1:  # (pipeline parallel is 1) each expert from the expert-parallel rank that holds it
-            return {w: self._from_expert_owner(w, mine.get(w), *self._whole[w]) if is_expert(w) else mine[w]
-                    for w in sorted(self._whole)}
+        if self.ep > 1:  # (pipeline parallel is 1) every rank's experts, one all-gather per local expert tensor
+            for k in sorted(local):
+                if is_expert(k):
+                    parts = [torch.empty_like(local[k]) for _ in range(self.ep)]
+                    dist.all_gather(parts, local[k].contiguous(), group=self._ep_group)
+                    mine.update({whole_expert_name(k, r, self._num_local_experts): t for r, t in enumerate(parts)})
+            return mine
         if self.pp == 1:
             return mine
         return {w: self._from_owner(w, mine.get(w), *self._whole[w]) for w in sorted(self._whole)}
