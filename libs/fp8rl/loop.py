@@ -191,7 +191,8 @@ class GRPOLoop:
         self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=stop_token_ids(self.tok),
                                           pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256,
                                           record_routes=job.policy.router_replay.enabled,
-                                          shared_with=self.trainer.model if share else None)
+                                          shared_with=self.trainer.model if share else None,
+                                          lora=job.lora_settings())
         del policy  # the trainer's copy (and the rollout's, when not shared) are all that stay
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
         cal = job.calibration

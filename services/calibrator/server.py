@@ -62,7 +62,8 @@ class CalibratorService(Service):
         policy, tok, _ = load_policy(ctx.job.policy.model)
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         # the loaded model is the calibrator's own (converted in place): never two copies in this process
-        self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"), take_model=True)
+        self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"), take_model=True,
+                                       lora=ctx.job.lora_settings())
         del policy
         cal = ctx.job.calibration
         self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal.percentile,

@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 __all__ = ["build_publisher", "build_subscriber", "start_broadcaster"]
 
 
-def build_publisher(store: RefitStore, refit, *, shard_bytes: int) -> RefitPublisher:
-    """The trainer's publisher for the job's ``refit`` config section."""
+def build_publisher(store: RefitStore, refit, *, shard_bytes: int, lora: bool = False) -> RefitPublisher:
+    """The trainer's publisher for the job's ``refit`` config section (``lora``: the job trains LoRA adapters, so
+    versions after the base ship them alone)."""
     shm = None
     if refit.transport in ("auto", "shm"):
         try:
@@ -32,7 +33,7 @@ def build_publisher(store: RefitStore, refit, *, shard_bytes: int) -> RefitPubli
                 raise
             log.warning("refit.transport auto: no shared memory (%s); replicas pull over gRPC", exc)
     log.info("refit: transport %s, shared memory %s", refit.transport, shm.dir if shm else "off")
-    return RefitPublisher(store, shard_bytes=shard_bytes, shm=shm, delta=refit.delta)
+    return RefitPublisher(store, shard_bytes=shard_bytes, shm=shm, delta=refit.delta, lora=lora)
 
 
 def start_broadcaster(publisher: RefitPublisher, refit, endpoint: str) -> None:

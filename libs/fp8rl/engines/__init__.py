@@ -8,6 +8,8 @@ Invariant: an engine serves or trains at exactly the version it holds (a request
 :class:`VersionMismatchError`), and a refit applies weights and QKV scales of one version together or not at all.
 """
 
+from fp8rl.model.lora import LoraSettings  # policy.lora's settings, as the engines take them
+
 from .base import (
     Cancelled,
     RolloutEngine,
@@ -30,7 +32,8 @@ from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
 __all__ = [
     "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",
     "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
-    "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "QKVCalibrator", "CalibrationModel", "sequence_logprobs",
+    "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "LoraSettings", "QKVCalibrator", "CalibrationModel",
+    "sequence_logprobs",
     "make_trainer_backend", "make_rollout_engine", "TrainOutcome", "build_train_batch", "train_on_batch",
     "StaleSampleError", "MemoryBudgetError",
 ]

@@ -267,8 +267,9 @@ class TrainerBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Master weights under Hugging Face names (what a refit publishes)."""
+    def state_dict(self, *, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+        """Master weights under Hugging Face names (what a refit publishes); ``adapters_only``: a LoRA trainer's
+        adapters alone (a refit after the base; ValueError from a trainer without adapters)."""
 
     @abc.abstractmethod
     def save_checkpoint(self, path: str) -> None:

@@ -72,7 +72,7 @@ def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: li
         return TorchRolloutEngine(policy, job.fp8_recipe("rollout"), eos_token_ids=eos_token_ids,
                                   pad_token_id=pad_token_id, initial_version=None, max_batch_size=max_batch_size,
                                   seed=job.job.seed, record_routes=job.policy.router_replay.enabled,
-                                  take_model=take_model)
+                                  take_model=take_model, lora=job.lora_settings())
     if backend == "vllm":  # imported here: vLLM is an optional install
         from .vllm.rollout import VllmRolloutEngine
 

@@ -53,6 +53,7 @@ from fp8rl.fp8 import (
     load_qkv_scales,
 )
 from fp8rl.model import CausalLM, KVCache, Routing, routing
+from fp8rl.model.lora import LoraSettings, apply_lora, share_adapters
 
 from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
 
@@ -101,6 +102,9 @@ class TorchRolloutEngine(RolloutEngine):
             (:attr:`Sample.routes`: what routing replay gives the trainer).
         shared_with: the trainer's model (same parameter names as ``model``): share its tensors instead of copying
             them (see the module docstring); refits are then :meth:`follow`.
+        lora: LoRA adapters on every targeted projection (``policy.lora``; :mod:`fp8rl.model.lora`), computed as the
+            trainer computes them; a refit then carries the base and adapters, or the adapters alone. Shared with the
+            trainer's model: its adapters are served (the same parameter objects).
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class TorchRolloutEngine(RolloutEngine):
         record_routes: bool = False,
         shared_with: torch.nn.Module | None = None,
         take_model: bool = False,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.recipe = recipe
         if take_model and shared_with is not None:
@@ -138,7 +143,12 @@ class TorchRolloutEngine(RolloutEngine):
             memo = {id(p): theirs[n] for n, p in model.named_parameters()}
             self.model = convert_model(copy.deepcopy(model, memo), recipe, mode="inference").eval()
             self._take_fp8_forms(first=True)
-        self._spec = PayloadSpec.for_model(self.model)  # what every refit payload must hold
+        if lora is not None:  # after conversion (it swaps the linears); a shared engine serves the trainer's adapters
+            apply_lora(self.model, lora, seed=seed, freeze=shared_with is None)
+            if shared_with is not None:
+                share_adapters(self.model, shared_with)
+        # what every refit payload must hold (or, with LoRA, the adapters alone after the base)
+        self._spec = PayloadSpec.for_model(self.model)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
@@ -166,7 +176,8 @@ class TorchRolloutEngine(RolloutEngine):
         if self._shared is not None:
             raise WeightLoadError("this engine shares the trainer's weights (shared_with): a refit is follow(version), "
                                   "never a copy into them")
-        payload = RefitPayload.create(self._spec, version, tensors, qkv_scales, held=self._version).process()
+        spec = self._spec.for_payload(tensors, self._version)  # LoRA: the adapters alone on the base held
+        payload = RefitPayload.create(spec, version, tensors, qkv_scales, held=self._version).process()
         with self._lock:
             payload.apply(self.model)  # weights and the same version's QKV scales together
             self._version = version

@@ -33,6 +33,7 @@ from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
 from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
+from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_state_dict
 from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
@@ -70,6 +71,7 @@ class TrainerConfig:
         activation_checkpointing: the training passes keep each layer's input only and recompute the layer in the
             backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models). None ("auto"):
             per micro-batch, as :func:`fp8rl.engines.footprint.recompute_by_default` decides from its shape.
+        lora: train LoRA adapters on the frozen base (``policy.lora``), or None: every weight trains.
     """
 
     lr: float = 1e-5
@@ -84,6 +86,7 @@ class TrainerConfig:
     router_aux_loss_coef: float = 0.0
     measure_unreplayed: bool = True
     activation_checkpointing: bool | None = None
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -160,6 +163,7 @@ class TorchTrainer(TrainerBackend):
     """
 
     CHECKPOINT_FORMAT = "fp8rl-torch-trainer/1"
+    supports_lora = True  # computes LoRA adapters on its linears (policy.lora)
     DCP_META = "fp8rl.json"  # beside a .dcp checkpoint's shards: format, version, recipe, world size
 
     def __init__(
@@ -178,7 +182,15 @@ class TorchTrainer(TrainerBackend):
         self.parallel = parallel
         self._moe_layers = model.num_moe_layers  # 0: dense (no routing plans, no moe/* metrics)
         self._route_metrics: dict[str, float] = {}
+        self.lora = config.lora
+        if self.lora is not None and not self.supports_lora:
+            raise ValueError(f"policy.lora.enabled=true: the {type(self).__name__} backend does not compute LoRA "
+                             "adapters; use policy.training.backend: torch")
+        # LoRA: the base's identity (checkpoints record it; resuming on another base is refused)
+        self._lora_base = base_checksum(model.state_dict()) if self.lora is not None else None
         self.model = self._build_policy(model, recipe).train()
+        if self.lora is not None:  # after FP8 conversion, which swaps the linears the adapters hang on
+            apply_lora(self.model, self.lora, seed=seed)
         if config.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
         self._trained_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -202,7 +214,7 @@ class TorchTrainer(TrainerBackend):
         # its foreach kernels loop over the same per-tensor ops anyway — the same numbers, bitwise (tested)
         on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+            self._trained(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
             foreach=False if on_cpu else None,
         )
         self._version = initial_version
@@ -211,7 +223,16 @@ class TorchTrainer(TrainerBackend):
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self._model_record = {"model_config": model.config.to_hf_dict(torch_dtype=dtype),
                               "model_source": getattr(model, "name_or_path", None), "recipe": asdict(recipe)}
+        if self.lora is not None:  # the adapters' settings and the base they belong to
+            self._model_record["lora"] = {**asdict(self.lora), "target_modules": list(self.lora.target_modules),
+                                          "base_checksum": self._lora_base}
         torch.manual_seed(seed)
+
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (a LoRA trainer's adapters; else every weight), in model order."""
+        if self.lora is None:
+            return list(self.model.parameters())
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> torch.nn.Module:
         """The trained module: a deep copy of ``model`` with its linears converted per ``recipe``."""
@@ -506,9 +527,15 @@ class TorchTrainer(TrainerBackend):
         return torch.linalg.vector_norm(
             torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]))
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full master weights under HF names; with a group, each gathered from its shards (every rank must
-        call this, in the same order: rank 0 publishes, the others drop theirs)."""
+    def state_dict(self, *, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full master weights under HF names (a LoRA trainer's adapters included, under PEFT's names); with a
+        group, each gathered from its shards (every rank must call this, in the same order: rank 0 publishes, the
+        others drop theirs). ``adapters_only``: a LoRA trainer's adapters alone (what a refit after the base ships).
+        """
+        if adapters_only:
+            if self.lora is None:
+                raise ValueError("adapters_only: this trainer trains every weight (policy.lora is off)")
+            return {k: full_tensor(v) for k, v in lora_state_dict(self.model).items()}
         sd = {k: full_tensor(v.detach()) for k, v in self.model.state_dict().items()}
         if self.model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
@@ -542,7 +569,8 @@ class TorchTrainer(TrainerBackend):
         return {
             "format": self.CHECKPOINT_FORMAT,
             "version": self._version,
-            "model": self.model.state_dict(),
+            # a LoRA trainer's checkpoint holds the adapters; its record names the base (lora.base_checksum)
+            "model": self.model.state_dict() if self.lora is None else lora_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
             "recipe_linear": self.recipe.linear,
@@ -551,7 +579,15 @@ class TorchTrainer(TrainerBackend):
 
     def _restore_checkpoint_state(self, state: dict) -> None:
         """Load a ``.pt`` checkpoint's weights and optimizer state (held whole by this trainer)."""
-        self.model.load_state_dict(state["model"])
+        if self.lora is None:
+            self.model.load_state_dict(state["model"])
+        else:  # the adapters alone, every one of them
+            want = set(lora_state_dict(self.model))
+            got = set(state["model"])
+            if got != want:
+                raise ValueError(f"the checkpoint's adapters do not fit this model's (policy.lora): missing "
+                                 f"{sorted(want - got)[:3]}, unknown {sorted(got - want)[:3]}")
+            self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
 
     @staticmethod
@@ -574,6 +610,7 @@ class TorchTrainer(TrainerBackend):
         if state.get("format") != self.CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint (format={state.get('format')!r})")
         self._check_recipe(path, state["recipe_linear"])
+        self._check_lora(path, state.get("lora"))
         if not self._sharded_state:
             self._restore_checkpoint_state(state)
         else:  # a single rank's file, every rank reading it: keep this rank's shards of weights and AdamW state
@@ -584,11 +621,37 @@ class TorchTrainer(TrainerBackend):
             )
 
             full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, state["model"], options=full)
+            set_model_state_dict(self.model, state["model"],  # a LoRA checkpoint: the adapters (checked above)
+                                 options=StateDictOptions(full_state_dict=True, strict=self.lora is None))
             set_optimizer_state_dict(self.model, self.optimizer, _by_name(self.model, state["optimizer"]),
                                      options=full)
         torch.set_rng_state(state["rng"])
         self._version = int(state["version"])
+
+    def _check_lora(self, path: str, record: dict | None) -> None:
+        """A checkpoint resumes on the training it was written by: LoRA adapters on the same base, or every weight.
+
+        Raises:
+            ValueError: naming what differs (LoRA on one side only, other adapter settings, another base).
+        """
+        mine = self._model_record.get("lora")
+        if (record is None) != (mine is None):
+            has = "LoRA adapters" if record is not None else "every weight (no LoRA)"
+            wants = "LoRA adapters (policy.lora.enabled=true)" if mine is not None else "every weight"
+            raise ValueError(f"{path} holds {has}, this trainer trains {wants}")
+        if record is None:
+            return
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: its lora record is not a mapping: {record!r:.200}")
+        if record.get("base_checksum") != mine["base_checksum"]:
+            raise ValueError(f"{path} holds LoRA adapters of another base model (base checksum "
+                             f"{record.get('base_checksum')!r}, trained on {self._model_record['model_source']!r}); "
+                             f"this trainer's base is {mine['base_checksum']!r}: resume on the base the adapters "
+                             "were trained on (policy.model)")
+        for key in ("rank", "alpha", "target_modules"):
+            if record.get(key) != mine[key]:
+                raise ValueError(f"{path} holds adapters with policy.lora.{key}={record.get(key)!r}, this trainer "
+                                 f"uses {mine[key]!r}")
 
     def _check_recipe(self, path: str, linear: str) -> None:
         if linear != self.recipe.linear:
@@ -637,6 +700,7 @@ class TorchTrainer(TrainerBackend):
         if not isinstance(meta, dict) or meta.get("format") != self.CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint ({self.DCP_META}: {meta!r:.200})")
         self._check_recipe(path, meta.get("recipe_linear"))
+        self._check_lora(path, meta.get("lora"))
         msd, osd = get_state_dict(self.model, self.optimizer)  # this world's layout; DCP reshards into it
         state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
         dcp.load(state, checkpoint_id=path)
@@ -668,7 +732,11 @@ def _filler(batch: TrainBatch) -> TrainBatch:
 
 def _by_name(model: torch.nn.Module, osd: dict) -> dict:
     """``torch.optim`` state (keyed by parameter position) keyed by parameter name instead, as
-    ``set_optimizer_state_dict`` takes it; positions follow ``model.parameters()``, which built the optimizer."""
-    names = [n for n, _ in model.named_parameters()]
+    ``set_optimizer_state_dict`` takes it; positions follow the trained parameters, in model order, which built the
+    optimizer."""
+    named = list(model.named_parameters())
+    if any(not p.requires_grad for _, p in named):  # a LoRA trainer's optimizer holds its adapters alone
+        named = [(n, p) for n, p in named if p.requires_grad]
+    names = [n for n, _ in named]
     return {"state": {names[i]: st for i, st in osd["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}

@@ -49,6 +49,16 @@ __all__ = [
 _CPU = torch.device("cpu")
 
 
+# A LoRA adapter matrix's name ends so (PEFT's state-dict names, fp8rl.model.lora): a refit payload after a LoRA job's
+# base holds these alone; every other tensor is the frozen base's
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether tensor ``name`` is a LoRA adapter matrix (else it belongs to the model's base)."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
 class WeightLoadError(ValueError):
     """A refit payload was refused (missing/unknown tensor, wrong shape/dtype, NaN, stale version).
 
@@ -111,6 +121,8 @@ class PayloadSpec:
             dequantize it (the calibrator, whose recipe may keep linears the rollout runs in FP8
             in high precision).
         scaling: the format such an E4M3 ``X.weight`` arrives in (the job's ``fp8_recipe``).
+        adapters: the names of a LoRA model's adapter matrices (:mod:`fp8rl.model.lora`; in ``tensors`` too): a
+            payload of exactly these is a refit after the base (:meth:`for_payload`).
     """
 
     tensors: Mapping[str, TensorSpec]
@@ -118,6 +130,7 @@ class PayloadSpec:
     num_kv_layers: int | None = None
     dequantize_fp8: bool = False
     scaling: str = "blockwise"
+    adapters: frozenset[str] = frozenset()
 
     @classmethod
     def for_model(cls, model: nn.Module, *, dequantize_fp8: bool = False) -> PayloadSpec:
@@ -132,7 +145,29 @@ class PayloadSpec:
                    for p, m in fp8.items()}
         recipe = getattr(model, "fp8_recipe", None)
         return cls(tensors, linears, len(qkv_quantizers(model)) or None, dequantize_fp8,
-                   getattr(recipe, "scaling", "blockwise"))
+                   getattr(recipe, "scaling", "blockwise"), frozenset(n for n in tensors if is_adapter(n)))
+
+    def adapters_only(self) -> PayloadSpec | None:
+        """The spec of a payload holding a LoRA model's adapters alone (a refit after the base: the engine keeps its
+        base), or None for a model without adapters."""
+        if not self.adapters:
+            return None
+        return PayloadSpec({n: self.tensors[n] for n in sorted(self.adapters)}, {}, self.num_kv_layers,
+                           self.dequantize_fp8, self.scaling, self.adapters)
+
+    def for_payload(self, tensors: Mapping[str, torch.Tensor], held: int | None) -> PayloadSpec:
+        """This spec, or its :meth:`adapters_only` one when ``tensors`` are exactly a LoRA model's adapters.
+
+        Raises:
+            WeightLoadError: adapters alone, but the engine holds no version yet (its base came from no refit).
+        """
+        part = self.adapters_only()
+        if part is None or set(tensors) != set(part.tensors):
+            return self
+        if held is None:
+            raise WeightLoadError("refit payload holds LoRA adapters only, but this engine holds no weight version "
+                                  "yet: the first refit must carry the base")
+        return part
 
     def expected_names(self) -> set[str]:
         """The tensor names a full payload must provide (block scales of shipped FP8 weights come on top)."""

@@ -21,16 +21,22 @@ those replace plain linears with new modules, which would not carry the adapters
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import xxhash
 from torch import nn
+
+from fp8rl.fp8.payload import ADAPTER_SUFFIXES, is_adapter
 
 from .invariant import tiled_linear
 
-__all__ = ["LoraSettings", "DEFAULT_TARGETS", "apply_lora", "lora_parameters", "lora_state_dict", "has_lora"]
+__all__ = ["LoraSettings", "DEFAULT_TARGETS", "ADAPTER_SUFFIXES", "apply_lora", "lora_parameters", "lora_state_dict",
+           "has_lora", "is_adapter", "base_checksum", "share_adapters", "peft_config", "settings_from_peft",
+           "to_peft_names", "from_peft_names"]
+
 
 # every attention and MLP projection (PEFT's / NeMo RL's module names); a mixture-of-experts layer's experts
 # match gate_proj / up_proj / down_proj too, its router (mlp.gate) never
@@ -92,8 +98,9 @@ def _targets(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Modul
     return found
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0) -> list[str]:
-    """Give every targeted projection of ``model`` an adapter (in place) and freeze every other parameter.
+def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0, freeze: bool = True) -> list[str]:
+    """Give every targeted projection of ``model`` an adapter (in place) and freeze every other parameter
+    (``freeze=False``: leave them as they are — an engine whose base tensors are another model's own objects).
 
     Returns the adapted projections' names. ``seed`` draws the ``A`` matrices (the same seed gives the same adapters
     in every engine and process).
@@ -104,8 +111,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0) -> li
     if has_lora(model):
         raise ValueError("this model already has LoRA adapters")
     g = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
     done = []
     for name, mod in _targets(model, settings.target_modules):
         mod.lora_A = _AdapterWeight(settings.rank, mod.in_features)
@@ -130,9 +138,90 @@ def has_lora(model: nn.Module) -> bool:
 
 def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The adapters' ``(name, parameter)`` pairs, in ``named_parameters()`` order."""
-    return [(n, p) for n, p in model.named_parameters() if n.endswith((".lora_A.weight", ".lora_B.weight"))]
+    return [(n, p) for n, p in model.named_parameters() if is_adapter(n)]
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone (what a refit after the first version, a checkpoint or a PEFT export holds)."""
     return {n: p.detach() for n, p in lora_parameters(model)}
+
+
+def base_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The identity of a frozen base: XXH3-128 hex over every non-adapter tensor's name, dtype, shape and bytes, in
+    name order (the same weights give the same checksum in any process; a checkpoint records it, and resuming on
+    another base is refused)."""
+    h = xxhash.xxh3_128()
+    for name in sorted(n for n in tensors if not is_adapter(n)):
+        t = tensors[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def share_adapters(model: nn.Module, source: nn.Module) -> None:
+    """Make ``model``'s adapter parameters ``source``'s own objects (same names): an engine sharing the trainer's
+    tensors serves the adapters the trainer holds, with no copy.
+
+    Raises:
+        ValueError: the two models' adapters differ in names or shapes.
+    """
+    theirs = dict(lora_parameters(source))
+    mine = lora_parameters(model)
+    if set(theirs) != {n for n, _ in mine}:
+        raise ValueError("the models' LoRA adapters differ (policy.lora must be the same in both engines)")
+    for name, p in mine:
+        if theirs[name].shape != p.shape:
+            raise ValueError(f"{name}: shape {tuple(theirs[name].shape)} != {tuple(p.shape)}")
+        owner = model.get_submodule(name.removesuffix(".weight"))
+        owner.weight = theirs[name]
+
+
+# PEFT's adapter directory: adapter_config.json (these keys) + adapter_model.safetensors, whose names carry the
+# wrapper prefix of PeftModel.from_pretrained's model (base_model.model.) and no adapter name
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(settings: LoraSettings, base_model: str | None) -> dict:
+    """The ``adapter_config.json`` of ``settings`` (PEFT's LoraConfig fields, plain LoRA: no DoRA, no rsLoRA)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
+            "lora_dropout": settings.dropout, "target_modules": sorted(settings.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+            "base_model_name_or_path": base_model, "modules_to_save": None, "init_lora_weights": True}
+
+
+def settings_from_peft(cfg: Mapping) -> LoraSettings:
+    """The :class:`LoraSettings` of an ``adapter_config.json`` (what fp8rl runs: plain LoRA on named projections).
+
+    Raises:
+        ValueError: another PEFT type or a LoRA variant fp8rl does not compute (named).
+    """
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"adapter_config.json: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
+        if cfg.get(key, plain) != plain:
+            raise ValueError(f"adapter_config.json: {key}={cfg.get(key)!r} is not supported (fp8rl computes plain "
+                             f"LoRA: {key}={plain!r})")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if cfg.get(key):
+            raise ValueError(f"adapter_config.json: {key} is not supported (one rank and alpha for every module)")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) or not targets:
+        raise ValueError(f"adapter_config.json: target_modules must be a list of module names, got {targets!r}")
+    return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0)),
+                        target_modules=tuple(sorted(targets)))
+
+
+def to_peft_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors under the names of PEFT's ``adapter_model.safetensors``."""
+    return {PEFT_PREFIX + n: t for n, t in tensors.items() if is_adapter(n)}
+
+
+def from_peft_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_peft_names` (PEFT's names → fp8rl's); a name that is not an adapter's is refused."""
+    out = {}
+    for n, t in tensors.items():
+        if not n.startswith(PEFT_PREFIX) or not is_adapter(n):
+            raise ValueError(f"adapter_model.safetensors: {n!r} is not a LoRA matrix under {PEFT_PREFIX!r}")
+        out[n.removeprefix(PEFT_PREFIX)] = t
+    return out

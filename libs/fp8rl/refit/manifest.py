@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fp8rl.fp8 import linear_format
+from fp8rl.fp8.payload import is_adapter
 from fp8rl.fp8.quant import all_finite
 
 from .keys import validate_job_id, validate_version
@@ -45,13 +46,14 @@ from .shards import (
     verify_shard,
 )
 
-__all__ = ["MANIFEST_FORMAT", "Manifest", "build_shards", "assemble"]
+__all__ = ["MANIFEST_FORMAT", "Manifest", "build_shards", "assemble", "frozen_checksum"]
 
-MANIFEST_FORMAT = 2  # 2: 64-byte aligned shard layout, XXH3-128 checksums, shm / collective / base fields
+# 2: 64-byte aligned shard layout, XXH3-128 checksums, shm / collective / base fields; 3: adapters_on (LoRA)
+MANIFEST_FORMAT = 3
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _FIELDS = {
     "format", "version", "job", "recipe", "tensors", "shard_sizes", "shard_checksums", "endpoint", "created",
-    "total_bytes", "shm", "collective", "base",
+    "total_bytes", "shm", "collective", "base", "adapters_on",
 }
 
 
@@ -89,6 +91,10 @@ class Manifest:
             trainer broadcasts nothing (:mod:`fp8rl.refit.transport.collective`).
         base: None for a full version; for a delta manifest (``weights:{v}:delta``), the version
             its entries patch (:mod:`fp8rl.refit.delta`).
+        adapters_on: None for a version that holds every tensor; for a LoRA job's version after its base, the
+            version holds the adapters alone and this names the frozen base they apply to: ``{"version": b,
+            "checksum": frozen_checksum(manifest of b)}`` (a replica holding another base, or none, pulls ``b``
+            first).
     """
 
     version: int
@@ -103,6 +109,7 @@ class Manifest:
     shm: dict[str, str] | None = None
     collective: str = ""
     base: int | None = None
+    adapters_on: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for key in ("tensors", "shard_sizes", "shard_checksums"):
@@ -127,6 +134,16 @@ class Manifest:
             if self.base >= self.version:
                 raise ValueError(f"a delta manifest of version {self.version} must patch an older version, "
                                  f"got base {self.base}")
+        if self.adapters_on is not None:
+            a = self.adapters_on
+            if not (isinstance(a, dict) and set(a) == {"version", "checksum"} and _is_int(a["version"])
+                    and isinstance(a["checksum"], str) and _HEX32.fullmatch(a["checksum"])):
+                raise ValueError(f"manifest adapters_on must be null or {{'version': int, 'checksum': 32 hex}}, got "
+                                 f"{a!r:.200}")
+            validate_version(a["version"])
+            if a["version"] >= self.version:
+                raise ValueError(f"version {self.version}'s adapters must apply to an older base, got "
+                                 f"{a['version']}")
         if not (_is_int(self.created) or isinstance(self.created, float)) or not math.isfinite(self.created):
             raise ValueError(f"manifest created must be a finite number of seconds, got {self.created!r}")
         if not self.shard_sizes:
@@ -170,6 +187,7 @@ class Manifest:
             "tensors": [e.to_dict() for e in self.tensors], "shard_sizes": list(self.shard_sizes),
             "shard_checksums": list(self.shard_checksums), "endpoint": self.endpoint, "created": self.created,
             "total_bytes": self.total_bytes, "shm": self.shm, "collective": self.collective, "base": self.base,
+            "adapters_on": self.adapters_on,
         }
         return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -195,8 +213,16 @@ class Manifest:
             tensors=tuple(TensorEntry.from_dict(e) for e in d["tensors"]),
             shard_sizes=d["shard_sizes"], shard_checksums=d["shard_checksums"], endpoint=d["endpoint"],
             created=d["created"], total_bytes=d["total_bytes"], shm=d["shm"], collective=d["collective"],
-            base=d["base"],
+            base=d["base"], adapters_on=d["adapters_on"],
         )
+
+
+def frozen_checksum(manifest: Manifest) -> str:
+    """The identity of a LoRA job's frozen base as a version ships it: XXH3-128 over the name and checksum of every
+    tensor of ``manifest`` that is not an adapter (:func:`fp8rl.model.lora.is_adapter`), in name order. Versions
+    that ship the same base bytes have the same one."""
+    parts = sorted(f"{e.name}={e.checksum}" for e in manifest.tensors if not is_adapter(e.name))
+    return checksum("\n".join(parts).encode())
 
 
 def _check_finite_all(state_dict: Mapping[str, torch.Tensor], version: int, skip: set[str]) -> None:

@@ -20,8 +20,10 @@ from typing import Any, Protocol
 
 import torch
 
+from fp8rl.fp8.payload import is_adapter
+
 from .delta import build_delta, delta_stats
-from .manifest import Manifest, build_shards
+from .manifest import Manifest, build_shards, frozen_checksum
 from .shards import DEFAULT_SHARD_BYTES, unpack_tensors
 from .store import RefitStore, StaleVersionError
 from .transport import InProcessShardSource
@@ -61,16 +63,21 @@ class RefitPublisher:
         broadcaster: offered every published version (the collective transport), or None.
         delta: also publish each version as a delta against the previous one (:mod:`.delta`), served
             next to the full version; skipped (logged) when the layouts differ.
+        lora: a LoRA job (``policy.lora``): the first version published holds every tensor and stays servable
+            for good (the frozen base, pinned: replicas that join later pull it); every later version holds the
+            adapters alone, its manifest naming the base (``adapters_on``).
     """
 
     def __init__(
         self, store: RefitStore, shard_bytes: int = DEFAULT_SHARD_BYTES, *, keep: int = 2, endpoint: str = "",
         shm: ShmShardWriter | None = None, broadcaster: Broadcaster | None = None, delta: bool = False,
+        lora: bool = False,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.store, self.shard_bytes, self.keep, self.endpoint = store, shard_bytes, keep, endpoint
-        self.shm, self.broadcaster, self.delta = shm, broadcaster, delta
+        self.shm, self.broadcaster, self.delta, self.lora = shm, broadcaster, delta, lora
+        self._pinned: dict[str, Any] | None = None  # LoRA: the base's version and frozen_checksum, once published
         self._shards: dict[int, list[Any]] = {}
         self._delta_shards: dict[int, list[Any]] = {}
         self._manifests: dict[int, Manifest] = {}
@@ -89,12 +96,25 @@ class RefitPublisher:
         pow2_scale: bool = False,
         scaling: str = "blockwise",
     ) -> Manifest:
-        """Quantize/serialise ``state_dict`` as ``version`` and publish it (see :func:`build_shards`).
+        """Quantize/serialise ``state_dict`` as ``version`` and publish it (see :func:`build_shards`). A LoRA
+        publisher whose base is published ships only ``state_dict``'s adapters (the caller may pass them alone:
+        :attr:`wants_base` says when every tensor is needed).
 
         Raises:
             StaleVersionError: ``version`` is not newer than ``weights:latest`` (nothing kept or published).
-            ValueError: NaN/Inf in a tensor, or a bad FP8 prefix (nothing published).
+            ValueError: NaN/Inf in a tensor, or a bad FP8 prefix; a LoRA publisher given adapters alone before its
+                base, or no adapters (nothing published).
         """
+        adapters_on = None
+        if self.lora:
+            adapters = {n: t for n, t in state_dict.items() if is_adapter(n)}
+            if not adapters:
+                raise ValueError(f"weight version {version}: a LoRA job's state dict holds no adapters")
+            if self._pinned is not None:
+                state_dict, fp8_prefixes, adapters_on = adapters, (), dict(self._pinned)
+            elif len(adapters) == len(state_dict):
+                raise ValueError(f"weight version {version}: a LoRA job's first version must carry the base too, "
+                                 "not the adapters alone")
         latest = self.store.latest()
         if latest is not None and version <= latest:  # cheap early refusal; publish() re-checks atomically
             raise StaleVersionError(version, latest)
@@ -122,6 +142,8 @@ class RefitPublisher:
             self._spare_buffers.clear()  # what this version could not reuse (another size)
             if self.broadcaster is not None:
                 extra["collective"] = self.broadcaster.endpoint
+            if adapters_on is not None:
+                extra["adapters_on"] = adapters_on
             if extra:
                 manifest = dataclasses.replace(manifest, **extra)
             delta = self._build_delta(manifest, shards) if self.delta else None
@@ -140,6 +162,10 @@ class RefitPublisher:
             if self.shm:
                 self.shm.abort(version)
             raise
+        if self.lora and self._pinned is None:  # the base: servable for as long as this publisher lives
+            self._pinned = {"version": version, "checksum": frozen_checksum(manifest)}
+            log.info("weight version %d carries the frozen LoRA base (%.1f MiB); later versions ship adapters alone",
+                     version, manifest.total_bytes / 2**20)
         self._evict(self.keep)
         if self.broadcaster is not None:
             self.broadcaster.offer(manifest, shards)
@@ -150,8 +176,9 @@ class RefitPublisher:
         pages: allocating and faulting them in is most of what building costs here) only when no refit lease
         can still be reading them: every live rollout / calibrator lease holds that version or a newer one
         (a replica never re-reads the version it holds, and one behind it may be reading it right now)."""
+        pinned = None if self._pinned is None else self._pinned["version"]
         with self._lock:
-            evicted = {v: self._shards.pop(v) for v in sorted(self._shards)[:-keep]}
+            evicted = {v: self._shards.pop(v) for v in sorted(self._shards)[:-keep] if v != pinned}
             for v in evicted:
                 self._delta_shards.pop(v, None)
                 self._manifests.pop(v, None)
@@ -165,6 +192,12 @@ class RefitPublisher:
                 self.shm.evict(v, recycle=recycle)
             elif recycle:
                 self._spare_buffers += [b for b in bufs if isinstance(b, bytearray)]
+
+    @property
+    def wants_base(self) -> bool:
+        """Whether the next publish must hold every tensor: always, unless this is a LoRA publisher whose base is
+        published (then the adapters alone suffice)."""
+        return not self.lora or self._pinned is None
 
     def _alloc(self, index: int, size: int, entries) -> bytearray:
         """A shard buffer: a recycled one of the same size, else a new one."""

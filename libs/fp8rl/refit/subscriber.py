@@ -26,9 +26,10 @@ from typing import Protocol
 import torch
 
 from fp8rl.fp8 import QKVScales
+from fp8rl.fp8.payload import is_adapter
 
 from .delta import apply_delta, owned
-from .manifest import Manifest, assemble
+from .manifest import Manifest, assemble, frozen_checksum
 from .shards import CorruptShardError, verify_shard
 from .store import RefitError, RefitStore, StaleVersionError, UnknownVersionError
 from .transport import ShardSource
@@ -101,6 +102,9 @@ class RefitSubscriber:
         self.store, self.engine, self.source = store, engine, source
         self.replica_id = replica_id
         self.requires_scales = requires_scales
+        # LoRA: frozen_checksum of the base the engine holds (None: no version applied by this subscriber yet)
+        self._frozen: str | None = None
+        self._base_bytes = 0
         self.retries, self.scales_timeout_s, self.poll_s = retries, scales_timeout_s, poll_s
 
     def sync_latest(self) -> int | None:
@@ -134,27 +138,56 @@ class RefitSubscriber:
         if manifest is None:
             raise UnknownVersionError(f"no manifest for weight version {version} (latest: {self.store.latest()})")
         t0 = time.perf_counter()
-        tensors, pulled = None, manifest
+        tensors, pulled, pulled_bytes = None, manifest, 0
+        on = manifest.adapters_on  # LoRA: adapters alone, on a frozen base this replica may not hold
+        base_tensors: dict[str, torch.Tensor] = {}
+        if on is not None and on["checksum"] != self._frozen:
+            base_tensors, pulled_bytes = self._fetch_base(manifest), self._base_bytes
         if self.delta and self._base is not None and self._base[0].version == held and not self._same_host(manifest):
             tensors, pulled = self._try_delta(manifest)
         if tensors is None:
             tensors, pulled = self._fetch_verified(manifest), manifest
+        pulled_bytes += pulled.total_bytes
         scales = self._wait_for_scales(version) if self.requires_scales else None
-        self.engine.load_weights(version, tensors, scales)  # atomic: raises WeightLoadError, old weights stay
+        # atomic: raises WeightLoadError, old weights stay
+        self.engine.load_weights(version, {**base_tensors, **tensors} if base_tensors else tensors, scales)
+        self._frozen = on["checksum"] if on is not None else frozen_checksum(manifest)
         if self.delta:  # the next delta's base; a full refit's tensors view transport buffers, so they are copied
             self._base = (manifest, tensors if pulled is not manifest else owned(tensors))
         self.store.ack(self.replica_id, version)
-        how = "delta" if pulled is not manifest else "full"
-        self.last_refit = {"version": version, "how": how, "bytes": pulled.total_bytes,
-                           "seconds": time.perf_counter() - t0}
-        log.info("replica %s applied weight version %d (%d tensors, %s: %.1f MiB) in %.3f s", self.replica_id,
-                 version, len(tensors), how, pulled.total_bytes / 2**20, time.perf_counter() - t0)
+        how = ("delta" if pulled is not manifest else "full") + ("+base" if base_tensors else "")
+        self.last_refit = {"version": version, "how": how, "bytes": pulled_bytes, "seconds": time.perf_counter() - t0}
+        log.info("replica %s applied weight version %d (%d tensors, %s: %d bytes, %.1f MiB) in %.3f s", self.replica_id,
+                 version, len(tensors) + len(base_tensors), how, pulled_bytes, pulled_bytes / 2**20,
+                 time.perf_counter() - t0)
         if self.on_applied is not None:
             try:
                 self.on_applied(self.last_refit)
             except Exception:  # noqa: BLE001 - an observer never fails an applied refit
                 log.exception("replica %s: the refit observer failed", self.replica_id)
         return version
+
+    def _fetch_base(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """The frozen base (every tensor but the adapters) of a LoRA version that holds its adapters alone, pulled
+        from the version that shipped it (``manifest.adapters_on``) and checked against the identity it names.
+
+        Raises:
+            UnknownVersionError: the base version's manifest is gone.
+            RefitFailedError: it ships another base than the one named, or stayed unfetchable.
+        """
+        on = manifest.adapters_on
+        bm = self.store.get_manifest(on["version"])
+        if bm is None:
+            raise UnknownVersionError(f"weight version {manifest.version} holds LoRA adapters on base version "
+                                      f"{on['version']}, whose manifest is gone")
+        if frozen_checksum(bm) != on["checksum"]:
+            raise RefitFailedError(f"weight version {manifest.version} names base version {on['version']} with "
+                                   f"frozen checksum {on['checksum']}, but that version ships another base "
+                                   f"({frozen_checksum(bm)}); still serving version {self.engine.weight_version}")
+        self._base_bytes = bm.total_bytes
+        log.info("replica %s pulls the frozen LoRA base (version %d, %.1f MiB) under weight version %d",
+                 self.replica_id, bm.version, bm.total_bytes / 2**20, manifest.version)
+        return {n: t for n, t in self._fetch_verified(bm).items() if not is_adapter(n)}
 
     def _same_host(self, manifest: Manifest) -> bool:
         """The full version is mapped from this host's shared memory: no bytes to save, so no delta."""

@@ -67,3 +67,32 @@ def test_each_fp8_recipe_variant_runs_the_stack_with_zero_mismatch(tmp_path, sca
     for r in reports:
         assert r.metrics["response_len"] > 1
         assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+
+
+def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_path):
+    """Issue 33: a LoRA job through the stack (fp8_e2e, FP8 KV). The trainer publishes version 1 with the frozen base
+    and every later version with the adapters alone; the rollout replica and the calibrator apply them on the base
+    they hold; the trainer's logprobs are the rollout's bitwise, every step (the adapters computed the same way)."""
+    import re
+
+    model_dir = tiny_model(tmp_path / "model")
+    job = tiny_job(model_dir, max_new_tokens=12)
+    job["policy"]["numerics"] = {"batch_invariant": True}
+    job["policy"]["lora"] = {"enabled": True, "rank": 4, "alpha": 16.0}
+    job["policy"]["training"]["lr"] = 0.02  # the adapters move visibly in 3 steps
+    job["job"]["steps"] = 3
+    reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
+    down(stack)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert r.metrics["response_len"] > 1
+        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+    logs = "\n".join(p.read_text(errors="replace") for p in stack.run_dir.rglob("*.log"))
+    assert "carries the frozen LoRA base" in logs
+    pulled = [(int(v), how, int(n)) for v, how, n in
+              re.findall(r"applied weight version (\d+) \(\d+ tensors, (\S+): (\d+) bytes", logs)]
+    by_version = {v: (how, n) for v, how, n in pulled}  # the rollout's and the calibrator's agree
+    assert by_version[0][0] == "full" and set(by_version) == {0, 1, 2, 3}, pulled
+    for v in (1, 2, 3):  # adapters alone after the base (or their delta)
+        assert by_version[v][1] < 0.25 * by_version[0][1], pulled

@@ -146,6 +146,7 @@ class MegatronTrainer(TorchTrainer):
     """
 
     CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
+    supports_lora = False  # Megatron-Core's LoRA is NeMo's PEFT wrappers, not in megatron-core (policy.lora refused)
 
     def __init__(
         self,
@@ -495,9 +496,11 @@ class MegatronTrainer(TorchTrainer):
 
     # --- weights under HF names ---------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, *, adapters_only: bool = False) -> dict[str, torch.Tensor]:
         """Master weights under HF names and layout (fused Q/K/V and gate/up split back out); with TP > 1
         gathered whole from the ranks' slices (every rank of the group must call this, in the same order)."""
+        if adapters_only:
+            raise ValueError("adapters_only: the megatron backend trains every weight (no LoRA)")
         mg = self._full({k: v.detach() for k, v in self.model.state_dict().items()})
         return megatron_to_hf(mg, self.model_config, fused_norms=self.model.gpt.fused_norms)
 

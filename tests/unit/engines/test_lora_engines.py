@@ -1,0 +1,171 @@
+"""LoRA in the engines (issue 33): the trainer trains the adapters alone on a frozen base, the rollout computes them
+the same way, refits after the base carry the adapters alone, and checkpoints hold the adapters and name their base.
+
+Equality claims are ``torch.equal`` (batch-invariant numerics: no tolerance); each has a negative control that the
+same comparison fails when the adapters the rollout serves are not the trainer's.
+"""
+
+import pytest
+import torch
+
+from fp8rl.engines.base import SamplingParams, WeightLoadError
+from fp8rl.engines.batch import build_train_batch
+from fp8rl.engines.calibration_model import CalibrationModel
+from fp8rl.engines.calibrator import QKVCalibrator
+from fp8rl.engines.torch_rollout import TorchRolloutEngine
+from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
+from fp8rl.fp8 import recipe_for_role
+from fp8rl.fp8.payload import is_adapter
+from fp8rl.model import CausalLM
+from fp8rl.model.lora import LoraSettings
+
+from .conftest import tiny_config
+
+LORA = LoraSettings(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(5)
+    cfg = tiny_config(vocab_size=97, hidden_size=192, intermediate_size=320, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=32, initializer_range=0.08)
+    return CausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in (2, 19, 7, 31)]
+
+
+def _engines(model, recipe, kv, lora=LORA, *, lr=2e-2):
+    rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=True)
+    tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=True)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=5, lr=lr, lora=lora))
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=3, lora=lora)
+    return trainer, engine
+
+
+def _scales(trainer, prompts, version):
+    return QKVCalibrator(trainer.model, pad_token_id=0).calibrate(version, prompts)
+
+
+def _batch(engine, prompts, seed):
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=2, seed=seed))
+    adv = torch.tensor([(-1.0) ** i for i in range(len(samples))])  # a signal, so the adapters move
+    return build_train_batch(samples, adv, 2, 0)
+
+
+def _base_bytes(trainer):
+    return {n: t.clone() for n, t in trainer.state_dict().items() if not is_adapter(n)}
+
+
+@pytest.mark.parametrize("recipe,kv", [("bf16", "auto"), ("fp8_e2e", "fp8")])
+def test_lora_trains_adapters_only_and_the_rollout_stays_bitwise_the_trainer(base, prompts, recipe, kv):
+    trainer, engine = _engines(base, recipe, kv)
+    stale = TorchRolloutEngine(base, engine.recipe, eos_token_ids=[2], max_batch_size=3, lora=LORA)
+    if kv == "fp8":
+        s0 = _scales(trainer, prompts, 0)
+        for e in (engine, stale):
+            e.load_scales(s0)
+        trainer.load_qkv_scales(s0)
+    before = _base_bytes(trainer)
+    adapters0 = {n: t.clone() for n, t in trainer.state_dict(adapters_only=True).items()}
+    trainer.train_step(_batch(engine, prompts, 3))
+
+    # only the adapters changed; the base's bytes did not, and AdamW holds state for the adapters alone
+    after = trainer.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    moved = [n for n, t in trainer.state_dict(adapters_only=True).items() if not torch.equal(t, adapters0[n])]
+    assert moved and all(n.endswith(".lora_B.weight") or n.endswith(".lora_A.weight") for n in moved)
+    assert len(trainer.optimizer.state) == len(adapters0) == 2 * 7 * base.config.num_hidden_layers
+    assert all(p.grad is None for n, p in trainer.model.named_parameters() if not is_adapter(n))
+
+    # refit after the base: the adapters alone (the engine keeps its base), with version 1's scales
+    s1 = _scales(trainer, prompts, 1) if kv == "fp8" else None
+    if s1 is not None:
+        trainer.load_qkv_scales(s1)
+    engine.load_weights(1, trainer.state_dict(adapters_only=True), s1)
+    batch = _batch(engine, prompts, 4)
+    mask = batch.loss_mask.bool()
+    got, want = trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask]
+    assert got.numel() > 50
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} logprobs differ"
+
+    # negative control: an engine serving version 0's adapters (same base, same scales) samples other numbers
+    stale_base_only = {n: t for n, t in trainer.state_dict().items() if not is_adapter(n)}
+    stale.load_weights(1, {**stale_base_only, **adapters0}, s1)
+    stale_batch = _batch(stale, prompts, 4)
+    m2 = stale_batch.loss_mask.bool()
+    assert not torch.equal(trainer.compute_logprobs(stale_batch)[m2], stale_batch.gen_logprobs[m2])
+
+
+def test_an_adapters_only_payload_needs_a_base_and_exactly_the_adapters(base):
+    trainer, engine = _engines(base, "fp8_e2e", "auto")
+    fresh = TorchRolloutEngine(base, engine.recipe, eos_token_ids=[2], initial_version=None, lora=LORA)
+    with pytest.raises(WeightLoadError, match="first refit must carry the base"):
+        fresh.load_weights(1, trainer.state_dict(adapters_only=True))
+    adapters = trainer.state_dict(adapters_only=True)
+    one = next(iter(adapters))
+    with pytest.raises(WeightLoadError, match="missing"):  # not all the adapters: a partial base payload, refused
+        engine.load_weights(1, {k: v for k, v in adapters.items() if k != one})
+    bad = dict(adapters)
+    bad[one] = torch.full_like(bad[one], float("nan"))
+    with pytest.raises(WeightLoadError, match=one.replace(".", r"\.")):
+        engine.load_weights(1, bad)
+    assert engine.weight_version == 0
+    fresh.load_weights(1, trainer.state_dict())  # base + adapters: accepted, then adapters alone
+    fresh.load_weights(2, adapters)
+    assert fresh.weight_version == 2
+
+
+def test_the_calibrator_applies_the_adapters(base, prompts):
+    """The QKV scales depend on the adapters (k_proj / v_proj outputs): the calibrator's model loads them."""
+    trainer, _ = _engines(base, "fp8_e2e", "fp8")
+    trainer.load_qkv_scales(_scales(trainer, prompts, 0))
+    with torch.no_grad():  # adapters far from zero: their share of K and V is visible in the amax
+        for n, p in trainer.model.named_parameters():
+            if n.endswith("lora_B.weight"):
+                p.normal_(0, 0.5)
+    recipe = recipe_for_role("fp8_e2e", "calibrator", kv_cache_dtype="fp8", batch_invariant=True)
+    cal = CalibrationModel(base, recipe, lora=LORA)
+    cal.load_weights(1, trainer.state_dict())
+    with_adapters = QKVCalibrator(cal.model, pad_token_id=0).calibrate(1, prompts)
+    assert with_adapters == _scales(trainer, prompts, 1)  # the same numbers as the trainer's own model (invariant)
+    plain = CalibrationModel(base, recipe)
+    plain.load_weights(1, {n: t for n, t in trainer.state_dict().items() if not is_adapter(n)})
+    assert QKVCalibrator(plain.model, pad_token_id=0).calibrate(1, prompts) != with_adapters
+
+
+def test_checkpoints_hold_the_adapters_and_refuse_another_base(base, prompts, tmp_path):
+    trainer, engine = _engines(base, "fp8_e2e", "auto")
+    trainer.train_step(_batch(engine, prompts, 3))
+    path = str(tmp_path / "lora.pt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    assert set(saved["model"]) == set(trainer.state_dict(adapters_only=True))  # adapters only, no base
+    assert saved["lora"]["rank"] == LORA.rank and len(saved["lora"]["base_checksum"]) == 32
+
+    again, _ = _engines(base, "fp8_e2e", "auto")
+    again.load_checkpoint(path)
+    assert again.version == 1
+    for n, t in trainer.state_dict().items():
+        assert torch.equal(again.state_dict()[n], t), n
+    b = _batch(engine, prompts, 5)
+    trainer.train_step(b)
+    again.train_step(b)
+    assert all(torch.equal(again.state_dict()[n], t) for n, t in trainer.state_dict().items())  # AdamW resumed
+
+    other = CausalLM(base.config)
+    other.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        other.model.norm.weight.add_(1e-3)  # one tensor of the base differs
+    foreign, _ = _engines(other, "fp8_e2e", "auto")
+    with pytest.raises(ValueError, match="another base model"):
+        foreign.load_checkpoint(path)
+    full = TorchTrainer(base, trainer.recipe, TrainerConfig())
+    with pytest.raises(ValueError, match="holds LoRA adapters, this trainer trains every weight"):
+        full.load_checkpoint(path)
+    wider, _ = _engines(base, "fp8_e2e", "auto", lora=LoraSettings(rank=8, alpha=8.0))
+    with pytest.raises(ValueError, match="policy.lora.rank"):
+        wider.load_checkpoint(path)
