@@ -26,7 +26,9 @@ def build_parser(prog: str = "python -m fp8rl.export") -> argparse.ArgumentParse
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created; must be empty)")
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="hf",
                    help="hf: the master weights in their dtype; hf-fp8: blockwise FP8 (E4M3 + weight_scale_inv per "
-                        "128x128 block), the trainer's own FP8 weights (default hf)")
+                        "128x128 block), the trainer's own FP8 weights; of a LoRA checkpoint both merge the "
+                        "adapters into the base; peft: a LoRA checkpoint's adapters as a PEFT adapter directory "
+                        "(adapter_config.json + adapter_model.safetensors) (default hf)")
     p.add_argument("--model", default=None, metavar="PRESET_OR_HF_DIR",
                    help="the checkpoint's model: a preset or an HF model directory (tokenizer, chat template, "
                         "config); default the one the checkpoint records")

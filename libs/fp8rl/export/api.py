@@ -21,16 +21,17 @@ from fp8rl.fp8 import E4M3, Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig, model_from_tensors
 from fp8rl.model.hf_io import CONFIG_FILE
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
-from fp8rl.presets import PRESETS, prepare_preset
+from fp8rl.presets import PRESETS, load_policy, prepare_preset
 
 from .hf_fp8 import fp8_recipe_for_export, hub_fp8_tensors
+from .peft import check_base, lora_settings_of, merge_adapters, write_peft_dir
 from .readers import ExportError, TrainerCheckpoint, check_tensors, read_checkpoint
 from .writer import check_out_dir, write_hf_dir
 
 __all__ = ["FORMATS", "ExportResult", "export_checkpoint", "load_checkpoint_policy", "resolve_model",
            "save_policy_hf"]
 
-FORMATS = ("hf", "hf-fp8")
+FORMATS = ("hf", "hf-fp8", "peft")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
     Args:
         checkpoint: the checkpoint (:func:`~fp8rl.export.readers.read_checkpoint` tells its kind).
         out: the directory to write; refused when it holds files, unless ``force``.
-        fmt: ``"hf"`` (the master weights in their dtype) or ``"hf-fp8"`` (:mod:`fp8rl.export.hf_fp8`).
+        fmt: ``"hf"`` (the master weights in their dtype) or ``"hf-fp8"`` (:mod:`fp8rl.export.hf_fp8`); of a LoRA
+            checkpoint, the base with the adapters merged in; ``"peft"``: a LoRA checkpoint's adapters as a PEFT
+            adapter directory (:mod:`fp8rl.export.peft`).
         model: preset name or HF model directory of the checkpoint's model; default the one it records.
         progress: progress bars on stderr.
         force: replace a non-empty ``out``.
@@ -82,7 +85,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
     if source_dir is None:
         raise ExportError(f"{ck.path} records no model directory to take the tokenizer from; pass --model "
                           f"PRESET_OR_HF_DIR ({', '.join(PRESETS)} or a directory with config.json)")
-    tensors = ck.hf_tensors(config)
+    record = {"checkpoint": str(src), "kind": ck.kind, "version": ck.version,
+              "model_source": source, "format": fmt}
+    if fmt == "peft" or ck.lora is not None:
+        tensors = _lora_tensors(ck, fmt, config, source)
+        if fmt == "peft":
+            settings = lora_settings_of(ck.lora, ck.path)
+            size = write_peft_dir(out, ck.adapters, settings, base_model=source,
+                                  record={**record, "base_checksum": ck.lora["base_checksum"]}, force=force)
+            return ExportResult(out, fmt, size, time.perf_counter() - t0)
+    else:
+        tensors = ck.hf_tensors(config)
     use = ck.recipe
     overrides = {k: v for k, v in (("num_first_layers_in_bf16", num_first_layers_in_bf16),
                                    ("num_last_layers_in_bf16", num_last_layers_in_bf16)) if v is not None}
@@ -91,8 +104,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
             use = dataclasses.replace(use or Fp8Recipe(), **overrides)
         except ValueError as e:
             raise ExportError(str(e)) from None
-    record = {"checkpoint": str(src), "kind": ck.kind, "version": ck.version,
-              "model_source": source, "format": fmt}
     size = _write(out, tensors, config, source_dir, fmt, use, record, force, progress)
     return ExportResult(out, fmt, size, time.perf_counter() - t0)
 
@@ -178,6 +189,31 @@ def resolve_model(name_or_path: str) -> Path:
         raise ExportError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a model "
                           f"directory with {CONFIG_FILE}")
     return path
+
+
+def _lora_tensors(ck: TrainerCheckpoint, fmt: str, config: ModelConfig,
+                  source: str | None) -> dict[str, torch.Tensor] | None:
+    """A LoRA checkpoint's merged HF weights (``hf`` / ``hf-fp8``), or None for ``peft`` (the adapters alone); the
+    base comes from the checkpoint where it holds one (``.dcp``), else from the model source, checked either way
+    against the base checksum the checkpoint records."""
+    if ck.lora is None:
+        raise ExportError(f"--format peft needs a LoRA checkpoint (policy.lora.enabled: true); {ck.path} holds every "
+                          "weight: export it as hf or hf-fp8")
+    if fmt == "peft":
+        return None
+    if ck.tensors:
+        base = ck.hf_tensors(config)
+    else:
+        try:  # as the trainer loaded it (FP32), which the recorded checksum was taken over
+            base = {k: v.detach() for k, v in load_policy(source)[0].state_dict().items()}
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{ck.path}: its base model {source!r} cannot be loaded: {e}") from None
+    check_base(base, ck.lora, ck.path)
+    merged = merge_adapters(base, ck.adapters, lora_settings_of(ck.lora, ck.path))
+    if config.tie_word_embeddings:
+        merged.pop("lm_head.weight", None)
+    check_tensors(merged, config, ck.path)
+    return merged
 
 
 def _check_format(fmt: str) -> None:

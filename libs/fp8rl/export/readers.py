@@ -33,6 +33,7 @@ import torch
 from fp8rl.engines.megatron import megatron_to_hf
 from fp8rl.engines.torch_trainer import TorchTrainer
 from fp8rl.fp8 import Fp8Recipe
+from fp8rl.fp8.payload import is_adapter
 from fp8rl.model import ModelConfig, load_hf_checkpoint
 from fp8rl.model.hf_io import CONFIG_FILE, hf_shapes
 
@@ -63,6 +64,10 @@ class TrainerCheckpoint:
         model_config: the config the checkpoint records (``config.json`` of an HF directory), or None.
         model_source: the preset name or model directory it records, or None.
         recipe: the trainer's recipe as recorded (only ``linear`` for checkpoints older than the record).
+        lora: a LoRA trainer's record (its ``policy.lora`` settings and ``base_checksum``), else None; its
+            adapters are then in ``adapters`` and ``tensors`` hold the base only where the checkpoint has it (a
+            ``.dcp``), else nothing (a ``.pt`` holds the adapters alone).
+        adapters: the LoRA adapters (PEFT's names without the wrapper prefix), else empty.
     """
 
     path: Path
@@ -72,6 +77,8 @@ class TrainerCheckpoint:
     model_config: ModelConfig | None = None
     model_source: str | None = None
     recipe: Fp8Recipe | None = None
+    lora: dict | None = None
+    adapters: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def hf_tensors(self, config: ModelConfig) -> dict[str, torch.Tensor]:
         """The weights under HF names and layout for ``config``, checked by :func:`check_tensors` (a tied
@@ -142,8 +149,8 @@ def read_checkpoint(path: str | Path) -> TrainerCheckpoint:
     if fmt not in (TORCH_FORMAT, MEGATRON_FORMAT) or not isinstance(state.get("model"), dict):
         raise ExportError(f"{path} is not a trainer checkpoint: format {fmt!r}, expected {TORCH_FORMAT!r} or "
                           f"{MEGATRON_FORMAT!r} with a 'model' state dict")
-    return TrainerCheckpoint(path, "torch .pt" if fmt == TORCH_FORMAT else "megatron .pt", dict(state["model"]),
-                             **_record(state, path))
+    return TrainerCheckpoint(path, "torch .pt" if fmt == TORCH_FORMAT else "megatron .pt",
+                             **_split_adapters(dict(state["model"]), state, path), **_record(state, path))
 
 
 def _read_dcp(path: Path) -> TrainerCheckpoint:
@@ -181,7 +188,20 @@ def _read_dcp(path: Path) -> TrainerCheckpoint:
         raise ExportError(f"{path}: its shards cannot be read whole (a corrupt .distcp file?): "
                           f"{type(cause).__name__}: {_short(cause)}") from None
     tensors = {k.removeprefix("model."): v for k, v in state.items()}
-    return TrainerCheckpoint(path, "torch .dcp", tensors, **_record(meta, path))
+    return TrainerCheckpoint(path, "torch .dcp", **_split_adapters(tensors, meta, path), **_record(meta, path))
+
+
+def _split_adapters(tensors: dict, record: dict, path: Path) -> dict:
+    """``tensors`` / ``adapters`` / ``lora`` of a checkpoint: a LoRA trainer's adapters apart from its base."""
+    lora = record.get("lora")
+    if lora is None:
+        return {"tensors": tensors}
+    if not isinstance(lora, dict) or not isinstance(lora.get("base_checksum"), str):
+        raise ExportError(f"{path}: its lora record is not valid: {lora!r:.200}")
+    adapters = {k: v for k, v in tensors.items() if is_adapter(k)}
+    if not adapters:
+        raise ExportError(f"{path} records LoRA training but holds no adapter tensors")
+    return {"tensors": {k: v for k, v in tensors.items() if not is_adapter(k)}, "adapters": adapters, "lora": lora}
 
 
 def _check_shard_files(path: Path, storage: dict) -> None:

@@ -60,6 +60,8 @@ class LoraSettings:
             raise ValueError(f"policy.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ValueError("policy.lora.target_modules names no module")
+        # a set of names: one order everywhere (checkpoint records, PEFT's adapter_config.json)
+        object.__setattr__(self, "target_modules", tuple(sorted(set(self.target_modules))))
 
     @property
     def scaling(self) -> float:
@@ -185,7 +187,7 @@ PEFT_PREFIX = "base_model.model."
 def peft_config(settings: LoraSettings, base_model: str | None) -> dict:
     """The ``adapter_config.json`` of ``settings`` (PEFT's LoraConfig fields, plain LoRA: no DoRA, no rsLoRA)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
-            "lora_dropout": settings.dropout, "target_modules": sorted(settings.target_modules), "bias": "none",
+            "lora_dropout": settings.dropout, "target_modules": list(settings.target_modules), "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
             "base_model_name_or_path": base_model, "modules_to_save": None, "init_lora_weights": True}
 
@@ -209,7 +211,7 @@ def settings_from_peft(cfg: Mapping) -> LoraSettings:
     if isinstance(targets, str) or not targets:
         raise ValueError(f"adapter_config.json: target_modules must be a list of module names, got {targets!r}")
     return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0)),
-                        target_modules=tuple(sorted(targets)))
+                        target_modules=tuple(targets))
 
 
 def to_peft_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,133 @@
+"""LoRA checkpoints out (issue 33): a PEFT adapter directory, or the base with the adapters merged in.
+
+``--format peft`` writes what ``peft.PeftModel.from_pretrained(base, DIR)`` and vLLM's LoRA loader read:
+
+* ``adapter_model.safetensors`` — every adapter matrix under PEFT's names (``base_model.model.`` + fp8rl's name,
+  ``...q_proj.lora_A.weight``), FP32 as trained;
+* ``adapter_config.json`` — PEFT's LoraConfig (:func:`fp8rl.model.lora.peft_config`): rank, alpha, dropout,
+  target modules, and the base model it belongs to;
+* ``fp8rl_export.json`` — where it came from, the base's checksum among it.
+
+``hf`` / ``hf-fp8`` of a LoRA checkpoint write the merged model: ``W + (B @ A) * alpha / rank`` per targeted
+projection, summed in FP32 and rounded once to the base's dtype, after the base loaded from the model source is
+checked against the checksum the checkpoint records (adapters merged into another base would be silently wrong).
+:func:`read_peft_dir` reads such a directory back (fp8rl's names and :class:`~fp8rl.model.lora.LoraSettings`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8rl.model.lora import (
+    LoraSettings,
+    base_checksum,
+    from_peft_names,
+    peft_config,
+    settings_from_peft,
+    to_peft_names,
+)
+
+from .readers import ExportError
+from .writer import EXPORT_RECORD, check_out_dir
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "lora_settings_of", "merge_adapters", "read_peft_dir",
+           "write_peft_dir", "check_base"]
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def lora_settings_of(record: Mapping, where: object) -> LoraSettings:
+    """The :class:`LoraSettings` a checkpoint's ``lora`` record holds.
+
+    Raises:
+        ExportError: the record does not make valid settings (named).
+    """
+    try:
+        return LoraSettings(rank=int(record["rank"]), alpha=float(record["alpha"]),
+                            dropout=float(record.get("dropout", 0.0)), target_modules=tuple(record["target_modules"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{where}: its lora record is not valid settings: {e}") from None
+
+
+def check_base(base: Mapping[str, torch.Tensor], record: Mapping, where: object) -> None:
+    """Refuse a base whose :func:`~fp8rl.model.lora.base_checksum` is not the one the checkpoint records."""
+    got = base_checksum(base)
+    if got != record["base_checksum"]:
+        raise ExportError(f"{where}: its adapters were trained on a base with checksum {record['base_checksum']}, "
+                          f"but the model given has {got}: pass --model the base they were trained on")
+
+
+def merge_adapters(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],
+                   settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """``base`` with every adapter merged into its projection's weight (module docstring); the base's dtypes.
+
+    Raises:
+        ExportError: an adapter pair is incomplete or does not fit its projection (named).
+    """
+    out = dict(base)
+    for a_name in sorted(n for n in adapters if n.endswith(".lora_A.weight")):
+        prefix = a_name.removesuffix(".lora_A.weight")
+        b = adapters.get(f"{prefix}.lora_B.weight")
+        w = base.get(f"{prefix}.weight")
+        a = adapters[a_name]
+        if b is None or w is None or tuple(w.shape) != (b.shape[0], a.shape[1]) or b.shape[1] != a.shape[0]:
+            raise ExportError(f"adapter {prefix} does not fit its projection (B {None if b is None else tuple(b.shape)}"
+                              f", A {tuple(a.shape)}, weight {None if w is None else tuple(w.shape)})")
+        merged = w.float() + (b.float() @ a.float()) * settings.scaling
+        out[f"{prefix}.weight"] = merged.to(w.dtype)
+    if len(adapters) != 2 * sum(1 for n in adapters if n.endswith(".lora_A.weight")):
+        raise ExportError("the adapters are not pairs of lora_A and lora_B matrices")
+    return out
+
+
+def write_peft_dir(out: Path, adapters: Mapping[str, torch.Tensor], settings: LoraSettings, *, base_model: str | None,
+                   record: dict, force: bool = False) -> int:
+    """Write the PEFT directory of the module docstring, whole or not at all; the bytes written.
+
+    Raises:
+        ExportError: ``out`` is a file or not empty without ``force``.
+    """
+    out = Path(out).absolute()
+    check_out_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.export-{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in to_peft_names(adapters).items()},
+                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(settings, base_model), indent=2) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        size = sum(f.stat().st_size for f in tmp.iterdir())
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return size
+
+
+def read_peft_dir(path: str | Path) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory as ``(settings, adapters under fp8rl's names)``.
+
+    Raises:
+        ExportError: a file is missing or unreadable, or the adapter is not plain LoRA (named).
+    """
+    path = Path(path)
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path} is not a readable PEFT adapter directory: {type(e).__name__}: {e}") from None
+    try:
+        return settings_from_peft(cfg), from_peft_names(tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{path}: {e}") from None

@@ -1,0 +1,111 @@
+"""Export of a LoRA checkpoint (issue 33): a PEFT adapter directory that PEFT itself loads onto transformers' model
+of the base (the independent reference), that reads back into fp8rl with identical logits, and the merged model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fp8rl.engines import TorchTrainer, TrainerConfig
+from fp8rl.export import export_checkpoint
+from fp8rl.export.peft import ADAPTER_CONFIG, read_peft_dir
+from fp8rl.export.readers import ExportError
+from fp8rl.fp8 import recipe_for_role
+from fp8rl.model.lora import LoraSettings, apply_lora
+from fp8rl.presets import load_policy, prepare_preset
+
+from .conftest import batch
+
+# FP32 throughout; fp8rl and transformers + PEFT (or the merged weight) differ only in op order: a few ulps of O(1)
+# logits (the model tests' ATOL_HF)
+ATOL = 1e-4
+LORA = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    policy, _, _ = load_policy("tiny-arith")
+    tr = TorchTrainer(policy, recipe_for_role("bf16", "trainer"), TrainerConfig(lr=3e-2, micro_batch_size=8,
+                                                                                lora=LORA))
+    for s in range(2):
+        tr.train_step(batch(seed=s))
+    ck = tmp_path_factory.mktemp("lora") / "trainer-v000002.pt"
+    tr.save_checkpoint(str(ck))
+    ids = torch.randint(4, 100, (2, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = tr.model(ids).float()
+    assert any(p.abs().max() > 0 for n, p in tr.model.named_parameters() if n.endswith("lora_B.weight"))
+    return tr, ck, ids, logits
+
+
+def test_peft_loads_the_exported_adapter_onto_transformers_model_with_the_same_logits(lora_run, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    tr, ck, ids, logits = lora_run
+    out = tmp_path / "adapter"
+    res = export_checkpoint(ck, out, fmt="peft", progress=False)
+    assert res.fmt == "peft" and res.bytes_written > 0
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["base_model_name_or_path"]) == (4, 8.0, "tiny-arith")
+    base = AutoModelForCausalLM.from_pretrained(prepare_preset("tiny-arith", progress=False), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    with torch.no_grad():
+        theirs = model(ids).logits.float()
+    torch.testing.assert_close(theirs, logits, atol=ATOL, rtol=0)
+    with model.disable_adapter(), torch.no_grad():  # control: the adapters do move the logits
+        plain = model(ids).logits.float()
+    assert (plain - logits).abs().max() > 100 * ATOL
+
+
+def test_the_adapter_directory_reads_back_into_fp8rl_with_identical_logits(lora_run, tmp_path):
+    tr, ck, ids, logits = lora_run
+    out = tmp_path / "adapter"
+    export_checkpoint(ck, out, fmt="peft", progress=False)
+    settings, adapters = read_peft_dir(out)
+    assert settings == LORA
+    mine = {n: t for n, t in tr.state_dict(adapters_only=True).items()}
+    assert adapters.keys() == mine.keys() and all(torch.equal(adapters[n], t) for n, t in mine.items())
+    policy, _, _ = load_policy("tiny-arith")
+    again = TorchTrainer(policy, recipe_for_role("bf16", "trainer"), TrainerConfig(lora=settings))
+    again.model.load_state_dict(adapters, strict=False)
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).float(), logits)
+
+
+def test_hf_export_of_a_lora_checkpoint_merges_the_adapters(lora_run, tmp_path):
+    tr, ck, ids, logits = lora_run
+    out = tmp_path / "merged"
+    export_checkpoint(ck, out, fmt="hf", progress=False)
+    merged, _, _ = load_policy(str(out))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).float(), logits, atol=ATOL, rtol=0)
+    assert not any("lora" in n for n in merged.state_dict())
+
+
+def test_lora_exports_refuse_the_wrong_base_and_a_full_checkpoint(lora_run, tmp_path):
+    _, ck, _, _ = lora_run
+    other, _, _ = load_policy("tiny-arith")
+    with torch.no_grad():
+        other.model.norm.weight.add_(1e-3)
+    from fp8rl.model import save_hf_checkpoint
+    from fp8rl.model.tokenizer import CharTokenizer
+
+    d = tmp_path / "other"
+    save_hf_checkpoint(other, other.config, d)
+    CharTokenizer().save(d)
+    with pytest.raises(ExportError, match="trained on a base with checksum"):
+        export_checkpoint(ck, tmp_path / "m", fmt="hf", model=str(d), progress=False)
+    assert not (tmp_path / "m").exists()
+    policy, _, _ = load_policy("tiny-arith")
+    full = TorchTrainer(policy, recipe_for_role("bf16", "trainer"), TrainerConfig())
+    fck = tmp_path / "full.pt"
+    full.save_checkpoint(str(fck))
+    with pytest.raises(ExportError, match="needs a LoRA checkpoint"):
+        export_checkpoint(fck, tmp_path / "p", fmt="peft", progress=False)
+    # a model directory that is not a PEFT adapter
+    with pytest.raises(ExportError, match="not a readable PEFT adapter directory"):
+        read_peft_dir(d)
