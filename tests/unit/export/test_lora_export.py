@@ -14,7 +14,7 @@ from fp8rl.export import export_checkpoint
 from fp8rl.export.peft import ADAPTER_CONFIG, read_peft_dir
 from fp8rl.export.readers import ExportError
 from fp8rl.fp8 import recipe_for_role
-from fp8rl.model.lora import LoraSettings, apply_lora
+from fp8rl.model.lora import LoraSettings
 from fp8rl.presets import load_policy, prepare_preset
 
 from .conftest import batch

@@ -1,0 +1,180 @@
+"""LoRA on an FP8 base (issue 33): refit bytes, trainer step time and memory, and the mismatch, against full
+fine-tuning measured in the same run.
+
+    python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--versions 4]
+
+Prints, each a ratio against the baseline measured here:
+
+    ratio lora_refit_bytes/full_refit_bytes X      target <= 0.05 at rank 16
+    ratio train_step_seconds/lora_vs_full X
+    ratio peak_rss/lora_vs_full X
+    token_mult_prob_error lora fp8_e2e kv=fp8 invariant=<on|off> X
+
+* refit bytes: a trainer publishes ``--versions`` versions (one train step apart) through a real RefitPublisher,
+  Redis (a throwaway ``redis-server``) and the gRPC WeightStore; a rollout engine pulls each with a
+  RefitSubscriber. The bytes are counted as the gRPC source hands each shard over (what moved), per version after
+  the first (LoRA: the first carries the base, once);
+* step time: median of ``--repeats`` train steps on one batch after a warm-up;
+* peak RSS: a child process per mode builds the trainer and takes two steps (``ru_maxrss``);
+* mismatch: the in-process loop, 2 steps of fp8_e2e with FP8 KV and LoRA, with and without batch invariance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "libs"))
+
+from refit import _grpc_server, _start_redis  # noqa: E402  (bench/refit.py: throwaway redis, WeightStore server)
+
+from fp8rl.engines import LoraSettings, TorchRolloutEngine, TorchTrainer, TrainBatch, TrainerConfig  # noqa: E402
+from fp8rl.fp8 import fp8_linear_names, recipe_for_role  # noqa: E402
+from fp8rl.presets import load_policy  # noqa: E402
+from fp8rl.refit import RefitPublisher, RefitStore, RefitSubscriber  # noqa: E402
+from fp8rl.refit.transport.grpc import GrpcShardSource  # noqa: E402
+
+
+class CountingSource:
+    """The gRPC shard source, counting the bytes of every shard it delivers."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.bytes = inner, 0
+
+    def fetch(self, manifest, i):
+        data = self.inner.fetch(manifest, i)
+        self.bytes += len(data)
+        return data
+
+
+def batch(rows: int, length: int, vocab: int, seed: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, min(vocab, 1000), (rows, length), generator=g)
+    loss = torch.zeros(rows, length, dtype=torch.long)
+    loss[:, length // 2:] = 1
+    return TrainBatch(ids, torch.ones(rows, length, dtype=torch.long), loss, torch.randn(rows, generator=g),
+                      -torch.rand(rows, length, generator=g) * loss)
+
+
+def trainer_for(policy, lora: LoraSettings | None, rows: int) -> TorchTrainer:
+    return TorchTrainer(policy, recipe_for_role("fp8_e2e", "trainer"),
+                        TrainerConfig(lr=1e-4, micro_batch_size=rows, lora=lora))
+
+
+def refit_bytes(policy, lora: LoraSettings | None, args, port: int) -> list[int]:
+    """Bytes moved per version after the first (module docstring)."""
+    rr = recipe_for_role("fp8_e2e", "rollout")
+    prefixes = fp8_linear_names(policy, rr)
+    trainer = trainer_for(policy, lora, args.rows)
+    store = RefitStore(redis.Redis(host="127.0.0.1", port=port), f"bench-lora-{'lora' if lora else 'full'}")
+    pub = RefitPublisher(store, keep=2, lora=lora is not None)
+    server = _grpc_server(pub)  # sets pub.endpoint: manifests name it
+    engine = TorchRolloutEngine(policy, rr, eos_token_ids=[2], initial_version=None, lora=lora)
+    src = CountingSource(GrpcShardSource())
+    store.register_replica("bench", "", None, ttl_s=600)
+    sub = RefitSubscriber(store, engine, src, "bench", requires_scales=False)
+    moved = []
+    try:
+        for v in range(1, args.versions + 1):
+            if v > 1:
+                trainer.train_step(batch(args.rows, args.seq, policy.config.vocab_size, v))
+            sd = trainer.state_dict() if pub.wants_base else trainer.state_dict(adapters_only=True)
+            pub.publish(sd, v, recipe="fp8_e2e", fp8_prefixes=prefixes)
+            before = src.bytes
+            sub.sync_to(v)
+            moved.append(src.bytes - before)
+    finally:
+        server.stop(0)
+        pub.close()
+    return moved[1:]
+
+
+def step_seconds(policy, lora, args) -> float:
+    tr = trainer_for(policy, lora, args.rows)
+    b = batch(args.rows, args.seq, policy.config.vocab_size, 0)
+    tr.train_step(b)  # warm-up: AdamW state, FP8 caches
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        tr.train_step(b)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def child_peak_rss(mode: str, args) -> int:
+    """Peak RSS (bytes) of a child that builds the ``mode`` trainer and takes two steps."""
+    cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--rank", str(args.rank),
+           "--rows", str(args.rows), "--seq", str(args.seq)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return int(json.loads(out.strip().splitlines()[-1])["peak_rss"])
+
+
+def mismatch(args, invariant: bool) -> float:
+    from fp8rl.loop import LoopConfig, run
+
+    cfg = LoopConfig.from_flags(model=args.model, recipe="fp8_e2e", kv_cache_dtype="fp8", steps=2,
+                                prompts_per_step=4, group_size=2, max_tokens=24, micro_batch_size=8, eval_size=2,
+                                seed=0, batch_invariant=invariant, lora=True, lora_rank=args.rank, lr=1e-4)
+    return float(run(cfg, progress=False)["summary"]["token_mult_prob_error_median"])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--versions", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-mismatch", action="store_true", help="skip the loop runs")
+    ap.add_argument("--child", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank)
+    torch.manual_seed(0)
+    policy, _, _ = load_policy(args.model)
+    if args.child:
+        tr = trainer_for(policy, lora if args.child == "lora" else None, args.rows)
+        for s in range(2):
+            tr.train_step(batch(args.rows, args.seq, policy.config.vocab_size, s))
+        print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        return {}
+    res: dict = {"model": args.model, "rank": args.rank}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = _start_redis(tmp)
+        try:
+            full = refit_bytes(policy, None, args, port)
+            mine = refit_bytes(policy, lora, args, port)
+        finally:
+            proc.terminate()
+    res["full_refit_bytes"], res["lora_refit_bytes"] = statistics.mean(full), statistics.mean(mine)
+    res["refit_ratio"] = res["lora_refit_bytes"] / res["full_refit_bytes"]
+    print(f"refit bytes per version: full {res['full_refit_bytes'] / 2**20:.2f} MiB, LoRA rank {args.rank} "
+          f"{res['lora_refit_bytes'] / 2**20:.3f} MiB", flush=True)
+    print(f"ratio lora_refit_bytes/full_refit_bytes {res['refit_ratio']:.4f}", flush=True)
+    res["step_full"], res["step_lora"] = step_seconds(policy, None, args), step_seconds(policy, lora, args)
+    print(f"ratio train_step_seconds/lora_vs_full {res['step_lora'] / res['step_full']:.4f}  (full "
+          f"{res['step_full']:.2f} s, LoRA {res['step_lora']:.2f} s)", flush=True)
+    del policy
+    res["rss_full"], res["rss_lora"] = child_peak_rss("full", args), child_peak_rss("lora", args)
+    print(f"ratio peak_rss/lora_vs_full {res['rss_lora'] / res['rss_full']:.4f}  (full {res['rss_full'] / 2**30:.2f} "
+          f"GiB, LoRA {res['rss_lora'] / 2**30:.2f} GiB)", flush=True)
+    if not args.no_mismatch:
+        for inv in (False, True):
+            res[f"mismatch_invariant_{inv}"] = m = mismatch(args, inv)
+            print(f"token_mult_prob_error lora fp8_e2e kv=fp8 invariant={'on' if inv else 'off'} {m:.6f}", flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
