@@ -81,7 +81,9 @@ def _adapter_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> torch
     """Forward hook on a targeted projection: its output plus the low-rank update (module docstring)."""
     (x,) = args
     a, b = module.lora_A.weight, module.lora_B.weight
-    h = module.lora_dropout(x.to(a.dtype))
+    h = x.to(a.dtype)
+    if torch.is_grad_enabled():  # dropout in training passes only: a logprob pass (no grad) never drops
+        h = module.lora_dropout(h)
     tile = getattr(module, "row_tile", None)
     if tile is None:
         low = F.linear(F.linear(h, a), b)
