@@ -274,3 +274,20 @@ def test_a_stack_validation_must_fit_one_generate_and_one_score():
     with pytest.raises(ConfigError, match=r"eval.k: job.eval_size x eval.k = 4096 x 4 = 16384"):
         parse_job_config({"job": {"eval_size": 4096, "eval_every": 1}})
     parse_job_config({"job": {"eval_size": 4096, "eval_every": 1}, "eval": {"k": 2}})
+
+
+def test_lora_settings_and_the_engines_that_refuse_them():
+    """policy.lora (issue 33): its settings reach the trainer; vLLM and Megatron are refused naming the key and why."""
+    from fp8rl.config import JobConfig
+
+    job = JobConfig().with_settings({"policy.lora.enabled": True, "policy.lora.rank": 8,
+                                     "policy.lora.target_modules": ["v_proj", "q_proj"]})
+    lora = job.trainer_config().lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 32.0, ("q_proj", "v_proj"))
+    assert JobConfig().trainer_config().lora is None and JobConfig().lora_settings() is None
+    with pytest.raises(ConfigError, match=r"policy.lora.enabled=true needs policy.generation.backend=torch: .*vLLM"):
+        job.with_settings({"policy.generation.backend": "vllm"})
+    with pytest.raises(ConfigError, match=r"policy.lora.enabled=true needs policy.training.backend=torch .*NeMo"):
+        job.with_settings({"policy.training.backend": "megatron"})
+    with pytest.raises(ConfigError, match=r"^policy.lora.rank: must be > 0"):
+        job.with_settings({"policy.lora.rank": 0})

@@ -188,6 +188,10 @@ class LoraConfig(Section):
                                     "Projections that get adapters, by module name (PEFT's target_modules); the "
                                     "default is every attention and MLP projection, a mixture-of-experts model's "
                                     "experts included (its router never).")
+    dtype: str = setting("bfloat16", "The precision the adapters are computed and shipped in: the trainer keeps FP32 "
+                         "masters (AdamW updates them) and every engine computes with their rounding to this dtype, "
+                         "which is what a refit carries (bfloat16 halves the adapters' refit bytes).",
+                         choices=("bfloat16", "float32"))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
 from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
-from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_state_dict
+from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_computed_state_dict, lora_state_dict
 from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
@@ -528,15 +528,17 @@ class TorchTrainer(TrainerBackend):
             torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]))
 
     def state_dict(self, *, adapters_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full master weights under HF names (a LoRA trainer's adapters included, under PEFT's names); with a
-        group, each gathered from its shards (every rank must call this, in the same order: rank 0 publishes, the
-        others drop theirs). ``adapters_only``: a LoRA trainer's adapters alone (what a refit after the base ships).
-        """
+        """Full master weights under HF names (a LoRA trainer's adapters included, under PEFT's names, as the forward
+        computes with them: rounded to ``policy.lora.dtype``); with a group, each gathered from its shards (every
+        rank must call this, in the same order: rank 0 publishes, the others drop theirs). ``adapters_only``: a LoRA
+        trainer's adapters alone (what a refit after the base ships)."""
         if adapters_only:
             if self.lora is None:
                 raise ValueError("adapters_only: this trainer trains every weight (policy.lora is off)")
-            return {k: full_tensor(v) for k, v in lora_state_dict(self.model).items()}
+            return {k: full_tensor(v) for k, v in lora_computed_state_dict(self.model).items()}
         sd = {k: full_tensor(v.detach()) for k, v in self.model.state_dict().items()}
+        if self.lora is not None:
+            sd.update({k: full_tensor(v) for k, v in lora_computed_state_dict(self.model).items()})
         if self.model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         return sd

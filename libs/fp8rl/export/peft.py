@@ -16,6 +16,7 @@ checked against the checksum the checkpoint records (adapters merged into anothe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,10 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8rl.model.lora import (
+    ADAPTER_DTYPES,
     LoraSettings,
     base_checksum,
     from_peft_names,
     peft_config,
+    round_adapters,
     settings_from_peft,
     to_peft_names,
 )
@@ -51,7 +54,8 @@ def lora_settings_of(record: Mapping, where: object) -> LoraSettings:
     """
     try:
         return LoraSettings(rank=int(record["rank"]), alpha=float(record["alpha"]),
-                            dropout=float(record.get("dropout", 0.0)), target_modules=tuple(record["target_modules"]))
+                            dropout=float(record.get("dropout", 0.0)), target_modules=tuple(record["target_modules"]),
+                            dtype=str(record.get("dtype", "float32")))
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{where}: its lora record is not valid settings: {e}") from None
 
@@ -68,9 +72,12 @@ def merge_adapters(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torc
                    settings: LoraSettings) -> dict[str, torch.Tensor]:
     """``base`` with every adapter merged into its projection's weight (module docstring); the base's dtypes.
 
+    The adapters are taken as the forward computes with them (rounded to ``settings.dtype``).
+
     Raises:
         ExportError: an adapter pair is incomplete or does not fit its projection (named).
     """
+    adapters = round_adapters(adapters, settings)
     out = dict(base)
     for a_name in sorted(n for n in adapters if n.endswith(".lora_A.weight")):
         prefix = a_name.removesuffix(".lora_A.weight")
@@ -101,7 +108,8 @@ def write_peft_dir(out: Path, adapters: Mapping[str, torch.Tensor], settings: Lo
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in to_peft_names(adapters).items()},
+        save_file({n: t.detach().to("cpu").contiguous()
+                   for n, t in to_peft_names(round_adapters(adapters, settings)).items()},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(settings, base_model), indent=2) + "\n")
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -128,6 +136,12 @@ def read_peft_dir(path: str | Path) -> tuple[LoraSettings, dict[str, torch.Tenso
     except (OSError, ValueError) as e:
         raise ExportError(f"{path} is not a readable PEFT adapter directory: {type(e).__name__}: {e}") from None
     try:
-        return settings_from_peft(cfg), from_peft_names(tensors)
+        settings, adapters = settings_from_peft(cfg), from_peft_names(tensors)
+        names = {v: k for k, v in ADAPTER_DTYPES.items()}
+        dtypes = {t.dtype for t in adapters.values()}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in names:
+            raise ValueError(f"the adapter tensors must all be one of {', '.join(ADAPTER_DTYPES)}, got "
+                             f"{sorted(map(str, dtypes))}")
+        return dataclasses.replace(settings, dtype=names[dtypes.pop()]), adapters
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{path}: {e}") from None

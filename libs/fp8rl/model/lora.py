@@ -35,23 +35,28 @@ from .invariant import tiled_linear
 
 __all__ = ["LoraSettings", "DEFAULT_TARGETS", "ADAPTER_SUFFIXES", "apply_lora", "lora_parameters", "lora_state_dict",
            "has_lora", "is_adapter", "base_checksum", "share_adapters", "peft_config", "settings_from_peft",
-           "to_peft_names", "from_peft_names"]
+           "to_peft_names", "from_peft_names", "lora_computed_state_dict", "round_adapters", "ADAPTER_DTYPES"]
 
 
 # every attention and MLP projection (PEFT's / NeMo RL's module names); a mixture-of-experts layer's experts
 # match gate_proj / up_proj / down_proj too, its router (mlp.gate) never
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # policy.lora.dtype
 
 
 @dataclass(frozen=True)
 class LoraSettings:
     """``rank`` ≥ 1, ``alpha`` (the update is scaled by ``alpha / rank``), ``dropout`` in [0, 1) on the adapter's
-    input (training passes only), ``target_modules``: projection names (the last part of a module's name)."""
+    input (training passes only), ``target_modules``: projection names (the last part of a module's name),
+    ``dtype``: the precision the adapters are computed and shipped in (``bfloat16`` or ``float32``); the parameters
+    stay FP32 masters, and each forward uses their rounding to ``dtype`` (gradients pass straight through to the
+    masters), so what a refit ships in ``dtype`` is exactly what every engine computes with."""
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -60,12 +65,18 @@ class LoraSettings:
             raise ValueError(f"policy.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ValueError("policy.lora.target_modules names no module")
+        if self.dtype not in ADAPTER_DTYPES:
+            raise ValueError(f"policy.lora.dtype must be one of {', '.join(ADAPTER_DTYPES)}, got {self.dtype!r}")
         # a set of names: one order everywhere (checkpoint records, PEFT's adapter_config.json)
         object.__setattr__(self, "target_modules", tuple(sorted(set(self.target_modules))))
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ADAPTER_DTYPES[self.dtype]
 
 
 class _AdapterWeight(nn.Module):
@@ -77,10 +88,17 @@ class _AdapterWeight(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, cols, dtype=torch.float32))
 
 
+def _computed(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP32 master as the forward uses it: its rounding to ``dtype`` (exact in FP32), gradient straight through."""
+    if dtype == torch.float32:
+        return master
+    return master + (master.detach().to(dtype).float() - master.detach())
+
+
 def _adapter_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """Forward hook on a targeted projection: its output plus the low-rank update (module docstring)."""
     (x,) = args
-    a, b = module.lora_A.weight, module.lora_B.weight
+    a, b = _computed(module.lora_A.weight, module.lora_dtype), _computed(module.lora_B.weight, module.lora_dtype)
     h = x.to(a.dtype)
     if torch.is_grad_enabled():  # dropout in training passes only: a logprob pass (no grad) never drops
         h = module.lora_dropout(h)
@@ -130,6 +148,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0, freez
         mod.lora_B.to(next(model.parameters()).device)
         mod.lora_dropout = nn.Dropout(settings.dropout) if settings.dropout else nn.Identity()
         mod.lora_scaling = settings.scaling
+        mod.lora_dtype = settings.torch_dtype
         mod.register_forward_hook(_adapter_forward)
         done.append(name)
     return done
@@ -146,8 +165,19 @@ def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters alone (what a refit after the first version, a checkpoint or a PEFT export holds)."""
+    """The adapters' FP32 masters alone (what a checkpoint holds)."""
     return {n: p.detach() for n, p in lora_parameters(model)}
+
+
+def lora_computed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters as the forward computes with them, in their ``dtype`` (what a refit ships and a PEFT export
+    writes): the masters rounded once."""
+    return {n: p.detach().to(model.get_submodule(n.rsplit(".", 2)[0]).lora_dtype) for n, p in lora_parameters(model)}
+
+
+def round_adapters(tensors: Mapping[str, torch.Tensor], settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """Adapter masters (a checkpoint's) rounded to ``settings.dtype``, as :func:`lora_computed_state_dict`."""
+    return {n: t.detach().to(settings.torch_dtype) for n, t in tensors.items() if is_adapter(n)}
 
 
 def base_checksum(tensors: Mapping[str, torch.Tensor]) -> str:

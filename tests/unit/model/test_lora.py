@@ -16,7 +16,15 @@ import torch.nn.functional as F
 
 from fp8rl.fp8 import Fp8Recipe, convert_model
 from fp8rl.model import CausalLM, ModelConfig
-from fp8rl.model.lora import DEFAULT_TARGETS, LoraSettings, apply_lora, has_lora, lora_parameters, lora_state_dict
+from fp8rl.model.lora import (
+    DEFAULT_TARGETS,
+    LoraSettings,
+    apply_lora,
+    has_lora,
+    lora_computed_state_dict,
+    lora_parameters,
+    lora_state_dict,
+)
 
 U = 2.0 ** -24
 
@@ -76,7 +84,7 @@ def test_a_fresh_adapter_changes_no_number_and_only_adapters_train():
 
 def test_forward_and_gradients_equal_the_adapter_math():
     model = _model()
-    apply_lora(model, LoraSettings(rank=4, alpha=8, target_modules=("q_proj",)))
+    apply_lora(model, LoraSettings(rank=4, alpha=8, target_modules=("q_proj",), dtype="float32"))
     _randomize_b(model)
     proj = model.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 5, 128, requires_grad=False)
@@ -123,3 +131,30 @@ def test_the_adapter_is_computed_alike_on_the_trainer_and_rollout_fp8_linears_an
     assert torch.equal(lt, lr)
     assert torch.equal(alone, lr[2:3])
     assert not torch.equal(lr, untouched)  # the adapters act
+
+
+def test_bfloat16_adapters_compute_with_their_rounding_and_train_the_fp32_masters():
+    """``dtype: bfloat16`` (the default): the forward is exactly the FP32 computation on the masters rounded to BF16
+    (what a refit ships), and the masters' gradients are that computation's, passed straight through."""
+    x = torch.randn(2, 5, 128)
+    g = torch.randn(2, 5, 128)
+    runs = {}
+    for dtype in ("bfloat16", "float32"):
+        model = _model()
+        apply_lora(model, LoraSettings(rank=4, alpha=8, target_modules=("q_proj",), dtype=dtype))
+        _randomize_b(model)
+        proj = model.model.layers[0].self_attn.q_proj
+        if dtype == "float32":  # the masters pre-rounded: the same numbers the bf16 forward must use
+            with torch.no_grad():
+                for p in (proj.lora_A.weight, proj.lora_B.weight):
+                    p.copy_(p.to(torch.bfloat16).float())
+        y = proj(x)
+        (y * g).sum().backward()
+        runs[dtype] = (y.detach(), proj.lora_A.weight.grad, proj.lora_B.weight.grad, model)
+    (y16, ga16, gb16, p16), (y32, ga32, gb32, _) = runs["bfloat16"], runs["float32"]
+    assert torch.equal(y16, y32) and torch.equal(ga16, ga32) and torch.equal(gb16, gb32)
+    a16 = p16.model.layers[0].self_attn.q_proj.lora_A.weight
+    assert a16.dtype == torch.float32  # the masters stay FP32
+    shipped = lora_computed_state_dict(p16)
+    assert len(shipped) == 4 and {t.dtype for t in shipped.values()} == {torch.bfloat16}  # 2 layers x (A, B)
+    assert not torch.equal(a16, a16.to(torch.bfloat16).float())  # the rounding mattered
