@@ -49,7 +49,6 @@ from fp8rl.engines import (
     train_on_batch,
 )
 from fp8rl.fp8 import RECIPES, QKVScales
-from fp8rl.fp8.payload import is_adapter
 from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
@@ -272,13 +271,14 @@ class GRPOLoop:
         blockwise FP8 layout of the trainer's recipe); replaced when it exists."""
         from fp8rl.export import save_policy_hf  # safetensors writing only when a policy is written
 
-        tensors = {k: v for k, v in self.trainer.state_dict().items() if ".kv_quant." not in k}
         lora = self.job.lora_settings()
-        if lora is not None:  # the adapters merged into the base (fp8rl.export.peft)
+        if lora is None:
+            tensors = {k: v for k, v in self.trainer.state_dict().items() if ".kv_quant." not in k}
+        else:  # the adapters merged into the base as loaded (the trainer holds it in FP8 only): fp8rl.export.peft
             from fp8rl.export.peft import merge_adapters
 
-            adapters = {k: tensors.pop(k) for k in [k for k in tensors if is_adapter(k)]}
-            tensors = merge_adapters(tensors, adapters, lora)
+            base = load_policy(self.job.policy.model)[0].state_dict()
+            tensors = merge_adapters(base, self.trainer.state_dict(adapters_only=True), lora)
         policy = model_from_tensors(self.model_config, tensors)
         policy.name_or_path = self.model_name
         return save_policy_hf(policy, self.model_path, out, fmt=fmt, recipe=self.job.fp8_recipe("trainer"),

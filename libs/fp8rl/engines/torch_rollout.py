@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fp8rl.fp8 import (
+    E4M3,
     Fp8InferenceLinear,
     Fp8Linear,
     Fp8Recipe,
@@ -137,10 +138,12 @@ class TorchRolloutEngine(RolloutEngine):
                 p.requires_grad_(False)
         else:  # the module structure copied, every parameter the trainer's own object (never its requires_grad)
             theirs = dict(shared_with.named_parameters())
-            missing = sorted(n for n, _ in model.named_parameters() if n not in theirs)
+            # a frozen LoRA base's FP8 linears hold their E4M3 form only (Fp8Linear.freeze): served from there below
+            frozen = {n for n, b in shared_with.named_buffers() if b.dtype == E4M3}
+            missing = sorted(n for n, _ in model.named_parameters() if n not in theirs and n not in frozen)
             if missing:
                 raise ValueError(f"shared_with lacks parameters of the model: {missing[:3]}")
-            memo = {id(p): theirs[n] for n, p in model.named_parameters()}
+            memo = {id(p): theirs.get(n, p) for n, p in model.named_parameters()}
             self.model = convert_model(copy.deepcopy(model, memo), recipe, mode="inference").eval()
             self._take_fp8_forms(first=True)
         if lora is not None:  # after conversion (it swaps the linears); a shared engine serves the trainer's adapters

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl.fp8 import Fp8Linear, Fp8Recipe, QKVScales, convert_model
+from fp8rl.fp8.payload import is_adapter
 from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
@@ -191,6 +192,10 @@ class TorchTrainer(TrainerBackend):
         self.model = self._build_policy(model, recipe).train()
         if self.lora is not None:  # after FP8 conversion, which swaps the linears the adapters hang on
             apply_lora(self.model, self.lora, seed=seed)
+            # the frozen base's FP8 linears keep their FP8 form only (E4M3 + scales; mxfp8 keeps its master for dgrad)
+            for m in self.model.modules():
+                if isinstance(m, Fp8Linear):
+                    m.freeze()
         if config.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
         self._trained_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -545,12 +550,29 @@ class TorchTrainer(TrainerBackend):
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite the master weights in place (e.g. to start from a published version); with a group, every
-        rank passes the same full tensors and keeps its shard."""
+        rank passes the same full tensors and keeps its shard. A LoRA trainer takes its adapters alone (its base is
+        frozen, in FP8 where the recipe computes in FP8).
+
+        Raises:
+            ValueError: a LoRA trainer given base tensors.
+        """
+        if self.lora is not None:
+            base = sorted(n for n in tensors if not is_adapter(n))
+            if base:
+                raise ValueError(f"a LoRA trainer's base is frozen: load_state_dict takes its adapters alone, got "
+                                 f"{len(base)} base tensor(s), e.g. {base[:3]}")
+            tensors = {n: t.to(torch.float32) for n, t in tensors.items()}  # into the FP32 masters
+            if self.parallel is None:
+                missing = set(lora_state_dict(self.model)) - set(tensors)
+                if missing:
+                    raise ValueError(f"load_state_dict: {len(missing)} adapter(s) missing, e.g. {sorted(missing)[:3]}")
+                self.model.load_state_dict(tensors, strict=False)
+                return
         if self.parallel is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, tensors, options=StateDictOptions(
-                full_state_dict=True, strict=not self.model.config.tie_word_embeddings))
+                full_state_dict=True, strict=not self.model.config.tie_word_embeddings and self.lora is None))
             return
         self.model.load_state_dict(tensors, strict=not self.model.config.tie_word_embeddings)
 

@@ -31,6 +31,7 @@ relative Frobenius error is ~2–4 % on Gaussian data.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -132,13 +133,21 @@ def _reads_dequantized(fmt: LinearFormat, device: torch.device) -> bool:
 class WeightCache:
     """The FP8 form of one master weight at one version (see the module docstring)."""
 
-    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses")
+    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses", "frozen")
 
     def __init__(self) -> None:
         self._ref, self._key = None, None
         self.q = self.scale = self.dequantized = None
         self.fmt: LinearFormat = _BLOCKWISE
         self.hits = self.misses = 0
+        self.frozen = False  # holds a frozen weight's only form (Fp8Linear.freeze): never quantized again
+
+    @classmethod
+    def holding(cls, q: torch.Tensor, scale: torch.Tensor, fmt: LinearFormat) -> WeightCache:
+        """A cache that is the frozen weight's FP8 form itself (``get`` returns it, whatever it is given)."""
+        c = cls()
+        c.q, c.scale, c.fmt, c.frozen = q, scale, fmt, True
+        return c
 
     def get(self, weight: torch.Tensor, pow2: bool, fmt: LinearFormat | None = None) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
@@ -146,6 +155,12 @@ class WeightCache:
         it changed. Releases any FP32 dequantization held (:meth:`dequantize_held`): the trainer's passes
         dequantize per call, so it holds 1 byte per weight element, not 5."""
         fmt = fmt or _BLOCKWISE
+        if self.frozen:
+            if fmt.name != self.fmt.name:
+                raise ValueError(f"a frozen {self.fmt.name} FP8 weight cannot be used as {fmt.name}")
+            self.hits += 1
+            self.dequantized = None
+            return self.q, self.scale
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2, fmt.name)
         if self._ref is not None and self._ref() is weight and self._key == key:
             self.hits += 1
@@ -166,6 +181,8 @@ class WeightCache:
         return self.dequantized
 
     def __deepcopy__(self, memo) -> WeightCache:  # a copied module starts empty: its weight is another tensor
+        if self.frozen:  # the copy holds the copied module's buffers (the same objects, through memo)
+            return WeightCache.holding(copy.deepcopy(self.q, memo), copy.deepcopy(self.scale, memo), self.fmt)
         return WeightCache()
 
 
@@ -296,6 +313,40 @@ class Fp8Linear(nn.Linear):
             pow2_scale=self.pow2_weight_scale, pow2_activation_scale=self.pow2_activation_scale,
             weight_cache=self.weight_cache, row_tile=self.row_tile, scaling=self.scaling,
         )
+
+    # formats whose dgrad multiplies the forward form's transpose (128x128 blocks; one scale): a frozen weight needs
+    # nothing else. mxfp8's dgrad quantizes the weight along N from the master, which a frozen mxfp8 layer keeps.
+    FREEZES_TO_FP8 = ("blockwise", "tensorwise")
+
+    @property
+    def frozen_fp8(self) -> bool:
+        """Whether this layer holds its weight only in FP8 (:meth:`freeze`)."""
+        return self.weight_cache is not None and self.weight_cache.frozen
+
+    @torch.no_grad()
+    def freeze(self) -> bool:
+        """A frozen base layer (LoRA: its weight never trains) keeps only its weight's FP8 forward form: the
+        ``weight`` parameter becomes an E4M3 buffer and ``weight_scale`` the format's scales (the layout a refit
+        ships), the high-precision master is released. Forward and dgrad are the numbers they were (the same FP8
+        form; blockwise and tensorwise dgrad multiply it). Returns False, keeping the master, for a format whose
+        dgrad needs it (mxfp8).
+
+        Raises:
+            ValueError: the weight still trains.
+        """
+        if self.frozen_fp8:
+            return True
+        if self.weight.requires_grad:
+            raise ValueError("freeze: the weight still trains (requires_grad); freeze only a frozen base")
+        if self.scaling not in self.FREEZES_TO_FP8:
+            return False
+        fmt = linear_format(self.scaling)
+        q, s = fmt.quantize_weight(self.weight.detach(), pow2=self.pow2_weight_scale)
+        del self.weight
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale", s)
+        self.weight_cache = WeightCache.holding(q, s, fmt)
+        return True
 
     def refresh_weight_cache(self) -> None:
         """Quantize the weight now (after an optimizer step) rather than in the next forward: the same numbers,

@@ -31,7 +31,7 @@ import torch
 
 from fp8rl.fp8 import linear_format
 from fp8rl.fp8.payload import is_adapter
-from fp8rl.fp8.quant import all_finite
+from fp8rl.fp8.quant import E4M3, all_finite
 
 from .keys import validate_job_id, validate_version
 from .shards import (
@@ -217,6 +217,10 @@ class Manifest:
         )
 
 
+def _scale_of(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".weight_scale"
+
+
 def frozen_checksum(manifest: Manifest) -> str:
     """The identity of a LoRA job's frozen base as a version ships it: XXH3-128 over the name and checksum of every
     tensor of ``manifest`` that is not an adapter (:func:`fp8rl.model.lora.is_adapter`), in name order. Versions
@@ -262,7 +266,9 @@ def build_shards(
         fp8_prefixes: linears to ship in FP8 (``model.layers.3.self_attn.q_proj``), e.g. from
             :func:`fp8rl.fp8.fp8_linear_names`; each ``{p}.weight`` becomes E4M3 and gains
             ``{p}.weight_scale`` (``scaling``'s forward form: FP32 per 128×128 block, uint8 E8M0 per 1×32 along
-            the input dimension, or one FP32), placed right after it.
+            the input dimension, or one FP32), placed right after it. A ``{p}.weight`` that is already E4M3 (a
+            frozen LoRA base the trainer holds in FP8 only) ships as it is, with the ``{p}.weight_scale`` beside it
+            in ``state_dict``.
         pow2_scale: round FP32 scales up to powers of two.
         scaling: the FP8 format (:mod:`fp8rl.fp8.formats`; the job's ``fp8_recipe``).
         shard_bytes: most bytes per shard.
@@ -286,11 +292,22 @@ def build_shards(
     fp8_weights = {f"{p}.weight" for p in prefixes}
     fmt = linear_format(scaling)
     scale_dtype = "uint8" if fmt.scale_dtype == torch.uint8 else "float32"
-    _check_finite_all(state_dict, version, fp8_weights)
+    # weights already in their FP8 form: E4M3 + the format's scale, copied in as they are
+    held = {n: _scale_of(n) for n in fp8_weights if state_dict[n].dtype == E4M3}
+    for name, sname in held.items():
+        s = state_dict.get(sname)
+        want = fmt.scale_shape(*state_dict[name].shape)
+        if s is None or tuple(s.shape) != tuple(want) or s.dtype != fmt.scale_dtype:
+            got = "missing" if s is None else f"{s.dtype} {tuple(s.shape)}"
+            raise ValueError(f"{name} is E4M3: it needs {sname} as {fmt.scale_dtype} {tuple(want)} ({fmt.name}), "
+                             f"got {got}")
+    _check_finite_all(state_dict, version, fp8_weights | set(held.values()))
     # Plan the layout from shapes alone, then quantize each FP8 weight once, straight into its place in
     # the shards (no E4M3 temporary, no second copy); every other tensor is copied in once.
     specs, order = [], []
     for name, t in state_dict.items():
+        if name in held.values():  # placed beside its weight
+            continue
         if name in fp8_weights:  # keep each scale beside its weight (same shard in the common case)
             grid, block = fmt.scale_shape(*t.shape), fmt.block_size(*t.shape)
             specs += [(name, "float8_e4m3fn", tuple(t.shape), block),
@@ -307,6 +324,10 @@ def build_shards(
         t = state_dict[name]
         if name not in fp8_weights:
             writer.write(i, t)
+            continue
+        if name in held:
+            writer.write(i, t)
+            writer.write(i + 1, state_dict[held[name]])
             continue
         qv, sv = writer.view(i), writer.view(i + 1)
         try:

@@ -96,3 +96,12 @@ def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_pat
     assert by_version[0][0] == "full" and set(by_version) == {0, 1, 2, 3}, pulled
     for v in (1, 2, 3):  # adapters alone after the base (or their delta)
         assert by_version[v][1] < 0.25 * by_version[0][1], pulled
+
+    # the in-process loop on the same job: the rollout shares the trainer's adapters and its FP8 base
+    loop = run(LoopConfig.from_flags(model=str(model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=3,
+                                     prompts_per_step=4, group_size=2, max_tokens=12, lr=0.02, micro_batch_size=8,
+                                     calibration_max_sequences=4, eval_size=2, seed=0, batch_invariant=True,
+                                     lora=True, lora_rank=4, lora_alpha=16.0), progress=False)["steps"]
+    assert [h["token_mult_prob_error"] for h in loop] == [1.0, 1.0, 1.0]
+    for r, h in zip(reports, loop, strict=True):  # the controller runs the loop's step: the same samples
+        assert r.reward_mean == pytest.approx(h["reward_mean"]) and r.metrics["response_len"] == h["response_len"]

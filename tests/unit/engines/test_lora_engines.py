@@ -169,3 +169,49 @@ def test_checkpoints_hold_the_adapters_and_refuse_another_base(base, prompts, tm
     wider, _ = _engines(base, "fp8_e2e", "auto", lora=LoraSettings(rank=8, alpha=8.0))
     with pytest.raises(ValueError, match="policy.lora.rank"):
         wider.load_checkpoint(path)
+
+
+@pytest.mark.parametrize("scaling", ["blockwise", "tensorwise", "mxfp8"])
+def test_the_trainer_keeps_the_frozen_base_in_fp8_only_with_the_same_numbers(base, scaling):
+    """What a LoRA trainer keeps of its base: each FP8 linear's E4M3 weight + scales, no high-precision master
+    (mxfp8 keeps its master: its dgrad quantizes the weight along N from it); the logits and the adapters' gradients
+    are bitwise those of the same model whose base keeps its masters."""
+    import copy
+
+    from fp8rl.fp8 import Fp8Linear, convert_model
+    from fp8rl.fp8.quant import E4M3
+    from fp8rl.model.lora import apply_lora
+
+    recipe = recipe_for_role("fp8_e2e", "trainer", scaling=scaling)
+    trainer = TorchTrainer(base, recipe, TrainerConfig(lora=LORA))
+    layers = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    assert layers
+    if scaling == "mxfp8":
+        assert not any(m.frozen_fp8 for m in layers)
+    else:
+        assert all(m.frozen_fp8 and m.weight.dtype == E4M3 and "weight" in m._buffers for m in layers)
+        params = dict(trainer.model.named_parameters())
+        assert not any(n.endswith(("proj.weight",)) for n in params)  # no master of any projection
+    kept = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    masters = sum(m.weight.numel() for m in layers) * 4
+    assert kept == (masters if scaling == "mxfp8" else masters // 4)
+
+    plain = convert_model(copy.deepcopy(base), recipe, mode="train")  # the same model, masters kept
+    apply_lora(plain, LORA)
+    with torch.no_grad():
+        theirs = dict(trainer.model.named_parameters())
+        for n, p in plain.named_parameters():
+            if n.endswith("lora_B.weight"):
+                theirs[n].normal_(0, 0.05)
+            if "lora_" in n:
+                p.copy_(theirs[n])
+    ids = torch.randint(3, 97, (3, 11), generator=torch.Generator().manual_seed(2))
+    g = torch.randn(3, 11, 97, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for m in (trainer.model, plain):
+        logits = m(ids)
+        (logits.float() * g).sum().backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters() if "lora_" in n}))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert outs[0][1].keys() == outs[1][1].keys()
+    assert all(torch.equal(outs[0][1][n], outs[1][1][n]) for n in outs[0][1])
