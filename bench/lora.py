@@ -7,7 +7,7 @@ Prints, each a ratio against the baseline measured here:
 
     ratio lora_refit_bytes/full_refit_bytes X      target <= 0.05 at rank 16
     ratio train_step_seconds/lora_vs_full X
-    ratio peak_rss/lora_vs_full X
+    ratio net_peak_rss/lora_vs_full X
     token_mult_prob_error lora fp8_e2e kv=fp8 invariant=<on|off> X
 
 * refit bytes: a trainer publishes ``--versions`` versions (one train step apart) through a real RefitPublisher,
@@ -15,7 +15,9 @@ Prints, each a ratio against the baseline measured here:
   RefitSubscriber. The bytes are counted as the gRPC source hands each shard over (what moved), per version after
   the first (LoRA: the first carries the base, once);
 * step time: median of ``--repeats`` train steps on one batch after a warm-up;
-* peak RSS: a child process per mode builds the trainer and takes two steps (``ru_maxrss``);
+* peak RSS: a child process per mode loads the model, then (peak reset) builds the trainer and takes two steps: the
+  net peak over the loaded model (the trainer's copy, its state and the steps' transients), and what the trainer
+  keeps of the base (``trainer_base_bytes``: a LoRA trainer's FP8 linears as E4M3 + scales);
 * mismatch: the in-process loop, 2 steps of fp8_e2e with FP8 KV and LoRA, with and without batch invariance.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ sys.path.insert(0, str(REPO / "libs"))
 
 from refit import _grpc_server, _start_redis  # noqa: E402  (bench/refit.py: throwaway redis, WeightStore server)
 
+from fp8rl import memory  # noqa: E402
 from fp8rl.engines import LoraSettings, TorchRolloutEngine, TorchTrainer, TrainBatch, TrainerConfig  # noqa: E402
 from fp8rl.fp8 import fp8_linear_names, recipe_for_role  # noqa: E402
 from fp8rl.presets import load_policy  # noqa: E402
@@ -112,12 +114,12 @@ def step_seconds(policy, lora, args) -> float:
     return statistics.median(times)
 
 
-def child_peak_rss(mode: str, args) -> int:
-    """Peak RSS (bytes) of a child that builds the ``mode`` trainer and takes two steps."""
+def child_peak_rss(mode: str, args) -> dict:
+    """The child's net peak RSS and base bytes (module docstring)."""
     cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--rank", str(args.rank),
            "--rows", str(args.rows), "--seq", str(args.seq)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return int(json.loads(out.strip().splitlines()[-1])["peak_rss"])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def mismatch(args, invariant: bool) -> float:
@@ -144,10 +146,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     policy, _, _ = load_policy(args.model)
     if args.child:
+        memory.release_free_memory()
+        before = memory.rss_bytes()
+        memory.reset_peak()
         tr = trainer_for(policy, lora if args.child == "lora" else None, args.rows)
         for s in range(2):
             tr.train_step(batch(args.rows, args.seq, policy.config.vocab_size, s))
-        print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        kept = sum(t.numel() * t.element_size() for n, t in tr.model.state_dict().items() if "lora_" not in n)
+        print(json.dumps({"net_peak": memory.peak_rss_bytes() - before, "base_bytes": kept}))
         return {}
     res: dict = {"model": args.model, "rank": args.rank}
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,9 +172,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ratio train_step_seconds/lora_vs_full {res['step_lora'] / res['step_full']:.4f}  (full "
           f"{res['step_full']:.2f} s, LoRA {res['step_lora']:.2f} s)", flush=True)
     del policy
-    res["rss_full"], res["rss_lora"] = child_peak_rss("full", args), child_peak_rss("lora", args)
-    print(f"ratio peak_rss/lora_vs_full {res['rss_lora'] / res['rss_full']:.4f}  (full {res['rss_full'] / 2**30:.2f} "
-          f"GiB, LoRA {res['rss_lora'] / 2**30:.2f} GiB)", flush=True)
+    full_m, lora_m = child_peak_rss("full", args), child_peak_rss("lora", args)
+    res["rss_full"], res["rss_lora"] = full_m["net_peak"], lora_m["net_peak"]
+    res["base_full"], res["base_lora"] = full_m["base_bytes"], lora_m["base_bytes"]
+    print(f"ratio net_peak_rss/lora_vs_full {res['rss_lora'] / res['rss_full']:.4f}  (full "
+          f"{res['rss_full'] / 2**30:.2f} GiB, LoRA {res['rss_lora'] / 2**30:.2f} GiB over the loaded model)",
+          flush=True)
+    print(f"ratio trainer_base_bytes/lora_vs_full {res['base_lora'] / res['base_full']:.4f}  (full "
+          f"{res['base_full'] / 2**20:.1f} MiB, LoRA {res['base_lora'] / 2**20:.1f} MiB)", flush=True)
     if not args.no_mismatch:
         for inv in (False, True):
             res[f"mismatch_invariant_{inv}"] = m = mismatch(args, inv)

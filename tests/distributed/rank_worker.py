@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fp8rl.engines import TorchTrainer, TrainBatch, TrainerConfig
+from fp8rl.engines import LoraSettings, TorchTrainer, TrainBatch, TrainerConfig
 from fp8rl.engines.parallel import DataParallel, full_tensor, init_from_env
 from fp8rl.fp8 import recipe_for_role
 from fp8rl.model import CausalLM, ModelConfig
@@ -75,7 +75,8 @@ def trainer(args: dict, parallel: DataParallel | None) -> TorchTrainer:
     """The torch backend (FSDP2), or with ``backend: megatron`` the Megatron-Core one (its DDP)."""
     cfg = TrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=args["micro_batch_size"],
                         grad_clip=args.get("grad_clip", 1.0), num_minibatches=args.get("num_minibatches", 1),
-                        router_replay=args.get("replay", False))
+                        router_replay=args.get("replay", False),
+                        lora=LoraSettings(rank=args["lora"], alpha=2.0 * args["lora"]) if args.get("lora") else None)
     recipe = recipe_for_role(args["recipe"], "trainer", scaling=args.get("scaling", "blockwise"))
     model = policy(**args.get("model", {}))
     if args.get("backend", "torch") == "megatron":
@@ -96,7 +97,8 @@ def full_grads(tr: TorchTrainer) -> dict[str, torch.Tensor]:
     stages)."""
     if getattr(tr, "_split", False):
         return tr._full({n.removeprefix("gpt."): p.grad for n, p in tr.model.named_parameters()})
-    return {n.removeprefix("gpt."): full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()}
+    return {n.removeprefix("gpt."): full_tensor(p.grad).clone() for n, p in tr.model.named_parameters()
+            if p.grad is not None}  # a LoRA trainer's frozen base has none
 
 
 def full_state(tr: TorchTrainer) -> dict[str, torch.Tensor]:

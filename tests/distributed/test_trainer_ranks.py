@@ -108,3 +108,22 @@ def test_refit_from_two_ranks_is_bit_identical_to_the_single_rank_export(tmp_pat
     assert m1 == m2 and any(t.get("dtype") == "float8_e4m3fn" for t in m1["tensors"])
     assert len(one["shards"]) == len(two["shards"]) >= 2
     assert all(torch.equal(x, y) for x, y in zip(one["shards"], two["shards"], strict=True))
+
+
+def test_lora_over_two_ranks_trains_like_one_and_its_checkpoints_reshard(tmp_path):
+    """Issue 33 over FSDP2: the adapters shard and train like one rank's (the frozen base's FP8 forms are buffers,
+    whole on every rank), and a 2-rank .dcp resumes on 1 rank with the same adapters and AdamW moments."""
+    args = dict(recipe="fp8_e2e", micro_batch_size=3, rows=10, lora=4)
+    one, two = torchrun(tmp_path, 1, "step", **args), torchrun(tmp_path, 2, "step", **args)
+    assert torch.equal(one["logprobs"], two["logprobs"])
+    assert set(one["grads"]) == set(two["grads"]) and all("lora_" in n for n in one["grads"])
+    worst = max(one["grads"], key=lambda n: rel(two["grads"][n], one["grads"][n]))
+    assert rel(two["grads"][worst], one["grads"][worst]) <= GRAD_RTOL, worst
+    path = str(tmp_path / "lora.dcp")
+    saved = torchrun(tmp_path, 2, "save", **args, path=path)
+    loaded = torchrun(tmp_path, 1, "load", **args, path=path)
+    assert int(loaded["version"]) == int(saved["version"]) == 1
+    opt = [k for k in saved["state"] if k.startswith("opt/")]
+    assert opt and all("lora_" in k for k in opt)
+    for k, v in saved["state"].items():
+        assert torch.equal(loaded["state"][k], v), k

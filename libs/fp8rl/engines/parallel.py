@@ -134,8 +134,8 @@ class DataParallel:
         from fp8rl.fp8 import Fp8Linear
 
         for m in model.modules():  # FSDP swaps unsharded storage in without a version bump: no weight cache
-            if isinstance(m, Fp8Linear):
-                m.weight_cache = None
+            if isinstance(m, Fp8Linear) and not m.frozen_fp8:  # (a frozen LoRA base's is its weight: a buffer,
+                m.weight_cache = None                           # whole on every rank, never swapped)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)

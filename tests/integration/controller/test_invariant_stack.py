@@ -69,10 +69,12 @@ def test_each_fp8_recipe_variant_runs_the_stack_with_zero_mismatch(tmp_path, sca
         assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
 
 
-def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_path):
-    """Issue 33: a LoRA job through the stack (fp8_e2e, FP8 KV). The trainer publishes version 1 with the frozen base
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_path, dp_size):
+    """Issue 33: a LoRA job through the stack (fp8_e2e, FP8 KV). The trainer publishes version 0 with the frozen base
     and every later version with the adapters alone; the rollout replica and the calibrator apply them on the base
-    they hold; the trainer's logprobs are the rollout's bitwise, every step (the adapters computed the same way)."""
+    they hold; the trainer's logprobs are the rollout's bitwise, every step (the adapters computed the same way).
+    With ``dp_size: 2`` the adapters shard over 2 FSDP2 ranks (rank 0 gathers them for each publish)."""
     import re
 
     model_dir = tiny_model(tmp_path / "model")
@@ -81,6 +83,8 @@ def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_pat
     job["policy"]["lora"] = {"enabled": True, "rank": 4, "alpha": 16.0}
     job["policy"]["training"]["lr"] = 0.02  # the adapters move visibly in 3 steps
     job["job"]["steps"] = 3
+    if dp_size > 1:
+        job["policy"]["training"].update(dp_size=dp_size, micro_batch_size=3)
     reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
     down(stack)
     assert (info.state, info.error) == ("succeeded", ""), info.error
@@ -96,6 +100,8 @@ def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_pat
     assert by_version[0][0] == "full" and set(by_version) == {0, 1, 2, 3}, pulled
     for v in (1, 2, 3):  # adapters alone after the base (or their delta)
         assert by_version[v][1] < 0.25 * by_version[0][1], pulled
+    if dp_size > 1:
+        return  # the loop runs one trainer process: compared once, at dp_size 1
 
     # the in-process loop on the same job: the rollout shares the trainer's adapters and its FP8 base
     loop = run(LoopConfig.from_flags(model=str(model_dir), recipe="fp8_e2e", kv_cache_dtype="fp8", steps=3,

@@ -123,7 +123,7 @@ def test_both_command_lines(tiny_arith, tmp_path, capsys):
     assert f"-> {tmp_path / 'a'} (hf," in out and f"-> {tmp_path / 'b'} (hf-fp8," in out
     assert json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     assert cli_main(["export", "--help"]) == 0
-    assert "--format {hf,hf-fp8}" in capsys.readouterr().out
+    assert "--format {hf,hf-fp8,peft}" in capsys.readouterr().out
     # the module runs as a program too (its own process: the entry point, the exit code)
     p = subprocess.run([sys.executable, "-m", "fp8rl.export", str(tmp_path / "nothing.pt"), "--out",
                         str(tmp_path / "c")], capture_output=True, text=True, timeout=120, cwd=REPO)
