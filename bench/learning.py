@@ -5,9 +5,10 @@
 
 Each run is the in-process loop (``fp8rl.loop``) with the settings of the e2e learning test
 (``tests/e2e/test_loop.py``: 16 prompts x 8 samples, lr 1e-4, 4 mini-batches, two-operand arithmetic up to 9), a
-run spec ``RECIPE[:KV][:invariant][:replay][:mxfp8|tensorwise]`` choosing the recipe, the KV cache dtype (default
-``auto``), batch-invariant numerics, the FP8 recipe variant (default blockwise) and (mixture-of-experts models,
-``--model tiny-arith-moe``) routing replay. The statistic
+run spec ``RECIPE[:KV][:invariant][:replay][:mxfp8|tensorwise][:lora]`` choosing the recipe, the KV cache dtype
+(default ``auto``), batch-invariant numerics, the FP8 recipe variant (default blockwise), (mixture-of-experts models,
+``--model tiny-arith-moe``) routing replay, and LoRA (rank 16, alpha 32, lr 1e-3: LoRA's usual 10x the full
+fine-tune's rate). The statistic
 is the test's: the rollout engine's expected reward over every distinct problem of the task (126), ``EVAL_SAMPLES``
 samples each at temperature 1, before step 0 and after the last step; the gain and its standard error
 (:func:`fp8rl.rl.metrics.expected_reward_gain`). Besides it each run reports the median and worst
@@ -44,15 +45,17 @@ def _spec(spec: str) -> dict:
             out["router_replay"] = True
         elif p in ("blockwise", "mxfp8", "tensorwise"):
             out["fp8_recipe"] = p
+        elif p == "lora":
+            out.update(lora=True, lora_rank=16, lora_alpha=32.0, lr=1e-3)
         else:
             raise SystemExit(f"run spec {spec!r}: unknown part {p!r} (RECIPE[:auto|fp8][:invariant][:replay]"
-                             "[:blockwise|mxfp8|tensorwise])")
+                             "[:blockwise|mxfp8|tensorwise][:lora])")
     return out
 
 
 def one(spec: str, steps: int, seed: int, model: str = "tiny-arith") -> dict:
-    cfg = LoopConfig.from_flags(model=model, steps=steps, prompts_per_step=16, group_size=8, lr=1e-4,
-                                num_minibatches=4, eval_size=64, seed=seed, arith=TASK, **_spec(spec))
+    cfg = LoopConfig.from_flags(model=model, steps=steps, prompts_per_step=16, group_size=8, num_minibatches=4,
+                                eval_size=64, seed=seed, arith=TASK, **{"lr": 1e-4, **_spec(spec)})
     loop = GRPOLoop(cfg)
     problems = loop.task_problems()
     before = loop.solve_rates(problems, n=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED)

@@ -9,6 +9,7 @@ Prints, each a ratio against the baseline measured here:
     ratio train_step_seconds/lora_vs_full X
     ratio net_peak_rss/lora_vs_full X
     token_mult_prob_error lora fp8_e2e kv=fp8 invariant=<on|off> X
+    ratio token_mult_prob_error/lora_vs_full X      invariance off: what the adapters add to the base's mismatch
 
 * refit bytes: a trainer publishes ``--versions`` versions (one train step apart) through a real RefitPublisher,
   Redis (a throwaway ``redis-server``) and the gRPC WeightStore; a rollout engine pulls each with a
@@ -18,7 +19,8 @@ Prints, each a ratio against the baseline measured here:
 * peak RSS: a child process per mode loads the model, then (peak reset) builds the trainer and takes two steps: the
   net peak over the loaded model (the trainer's copy, its state and the steps' transients), and what the trainer
   keeps of the base (``trainer_base_bytes``: a LoRA trainer's FP8 linears as E4M3 + scales);
-* mismatch: the in-process loop, 2 steps of fp8_e2e with FP8 KV and LoRA, with and without batch invariance.
+* mismatch: the in-process loop, 2 steps of fp8_e2e with FP8 KV and LoRA, with and without batch invariance, and the
+  same loop without LoRA (invariance off) as the baseline.
 """
 
 from __future__ import annotations
@@ -122,12 +124,12 @@ def child_peak_rss(mode: str, args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def mismatch(args, invariant: bool) -> float:
+def mismatch(args, invariant: bool, lora: bool = True) -> float:
     from fp8rl.loop import LoopConfig, run
 
     cfg = LoopConfig.from_flags(model=args.model, recipe="fp8_e2e", kv_cache_dtype="fp8", steps=2,
                                 prompts_per_step=4, group_size=2, max_tokens=24, micro_batch_size=8, eval_size=2,
-                                seed=0, batch_invariant=invariant, lora=True, lora_rank=args.rank, lr=1e-4)
+                                seed=0, batch_invariant=invariant, lora=lora, lora_rank=args.rank, lr=1e-4)
     return float(run(cfg, progress=False)["summary"]["token_mult_prob_error_median"])
 
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-mismatch", action="store_true", help="skip the loop runs")
+    ap.add_argument("--parts", default="refit,step,rss,mismatch", help="what to measure (comma-separated)")
     ap.add_argument("--child", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank)
@@ -152,10 +154,35 @@ def main(argv: list[str] | None = None) -> dict:
         tr = trainer_for(policy, lora if args.child == "lora" else None, args.rows)
         for s in range(2):
             tr.train_step(batch(args.rows, args.seq, policy.config.vocab_size, s))
-        kept = sum(t.numel() * t.element_size() for n, t in tr.model.state_dict().items() if "lora_" not in n)
+        seen = {}  # by storage: a tied lm_head counts once
+        for n, t in tr.model.state_dict().items():
+            if "lora_" not in n:
+                seen[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        kept = sum(seen.values())
         print(json.dumps({"net_peak": memory.peak_rss_bytes() - before, "base_bytes": kept}))
         return {}
     res: dict = {"model": args.model, "rank": args.rank}
+    parts = set(args.parts.split(","))
+    if "refit" in parts:
+        refit_part(policy, lora, args, res)
+    if "step" in parts:
+        res["step_full"], res["step_lora"] = step_seconds(policy, None, args), step_seconds(policy, lora, args)
+        print(f"ratio train_step_seconds/lora_vs_full {res['step_lora'] / res['step_full']:.4f}  (full "
+              f"{res['step_full']:.2f} s, LoRA {res['step_lora']:.2f} s)", flush=True)
+    del policy
+    if "rss" in parts:
+        rss_part(args, res)
+    if "mismatch" in parts:
+        for inv in (False, True):
+            res[f"mismatch_invariant_{inv}"] = m = mismatch(args, inv)
+            print(f"token_mult_prob_error lora fp8_e2e kv=fp8 invariant={'on' if inv else 'off'} {m:.6f}", flush=True)
+        res["mismatch_full"] = m = mismatch(args, False, lora=False)
+        print(f"token_mult_prob_error full fp8_e2e kv=fp8 invariant=off {m:.6f}", flush=True)
+        print(f"ratio token_mult_prob_error/lora_vs_full {res['mismatch_invariant_False'] / m:.4f}", flush=True)
+    return res
+
+
+def refit_part(policy, lora, args, res) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = _start_redis(tmp)
         try:
@@ -168,10 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"refit bytes per version: full {res['full_refit_bytes'] / 2**20:.2f} MiB, LoRA rank {args.rank} "
           f"{res['lora_refit_bytes'] / 2**20:.3f} MiB", flush=True)
     print(f"ratio lora_refit_bytes/full_refit_bytes {res['refit_ratio']:.4f}", flush=True)
-    res["step_full"], res["step_lora"] = step_seconds(policy, None, args), step_seconds(policy, lora, args)
-    print(f"ratio train_step_seconds/lora_vs_full {res['step_lora'] / res['step_full']:.4f}  (full "
-          f"{res['step_full']:.2f} s, LoRA {res['step_lora']:.2f} s)", flush=True)
-    del policy
+
+
+def rss_part(args, res) -> None:
     full_m, lora_m = child_peak_rss("full", args), child_peak_rss("lora", args)
     res["rss_full"], res["rss_lora"] = full_m["net_peak"], lora_m["net_peak"]
     res["base_full"], res["base_lora"] = full_m["base_bytes"], lora_m["base_bytes"]
@@ -180,11 +206,6 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)
     print(f"ratio trainer_base_bytes/lora_vs_full {res['base_lora'] / res['base_full']:.4f}  (full "
           f"{res['base_full'] / 2**20:.1f} MiB, LoRA {res['base_lora'] / 2**20:.1f} MiB)", flush=True)
-    if not args.no_mismatch:
-        for inv in (False, True):
-            res[f"mismatch_invariant_{inv}"] = m = mismatch(args, inv)
-            print(f"token_mult_prob_error lora fp8_e2e kv=fp8 invariant={'on' if inv else 'off'} {m:.6f}", flush=True)
-    return res
 
 
 if __name__ == "__main__":
