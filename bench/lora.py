@@ -1,7 +1,10 @@
 """LoRA on an FP8 base (issue 33): refit bytes, trainer step time and memory, and the mismatch, against full
 fine-tuning measured in the same run.
 
-    python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--versions 4]
+    python bench/lora.py [--model smollm2-135m-instruct | qwen2-600m] [--rank 16] [--versions 4] [--parts ...]
+
+(``qwen2-600m``: bench/memory.py's random-init 630M Qwen2 of the 0.5B class, the largest model whose full
+fine-tuning fits this machine's 24 GiB, made once.)
 
 Prints, each a ratio against the baseline measured here:
 
@@ -144,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parts", default="refit,step,rss,mismatch", help="what to measure (comma-separated)")
     ap.add_argument("--child", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.model == "qwen2-600m":
+        import memory as memory_bench  # bench/memory.py
+
+        args.model = str(memory_bench.qwen2_600m_dir())
     lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank)
     torch.manual_seed(0)
     policy, _, _ = load_policy(args.model)
