@@ -10,6 +10,15 @@ architecture could not round-trip through ``config.json``):
 | qwen2        | always             | never              | no      | dense                                      |
 | qwen3        | ``attention_bias`` | ``attention_bias`` | yes     | dense                                      |
 | qwen3_moe    | ``attention_bias`` | ``attention_bias`` | yes     | experts when :meth:`ModelConfig.is_moe_layer` |
+| deepseek_v3  | MLA (:mod:`.mla`)  | ``attention_bias`` | no      | experts (+ shared) from ``first_k_dense_replace`` |
+
+``deepseek_v3`` (DeepSeek-V3, Moonlight) keeps HF's names too: multi-head latent attention (``q_lora_rank`` — None
+for a plain ``q_proj`` —, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+``rope_interleave``; ``head_dim`` is the rotary width ``qk_rope_head_dim``, as transformers sets it), sigmoid routing
+with a per-expert score-correction bias for selection only (``topk_method: noaux_tc``), group-limited top-k
+(``n_group``, ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``, ``n_shared_experts`` shared experts
+added to every token, and dense first ``first_k_dense_replace`` layers. ``n_routed_experts`` is read into
+``num_experts`` and written back under both names.
 
 Mixture-of-experts keys keep HF's names (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
 ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``, ``router_aux_loss_coef``); transformers 5
@@ -35,12 +44,19 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe"})
-MOE_ARCHITECTURES = frozenset({"qwen3_moe"})
+MOE_ARCHITECTURES = frozenset({"qwen3_moe", "deepseek_v3"})
+MLA_ARCHITECTURES = frozenset({"deepseek_v3"})
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF config defaults for keys a config.json may omit (values of the transformers classes).
-_HF_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
+_HF_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768, "deepseek_v3": 4096}
+# transformers 5's DeepseekV3Config defaults, for the keys a config.json may omit
+_DEEPSEEK_DEFAULTS = {"n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                      "n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                      "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_interleave": True}
 # transformers 5's Qwen3MoeConfig defaults, for the keys a config.json may omit
 _QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                        "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001}
@@ -79,6 +95,10 @@ class ModelConfig:
             (and it is not in ``mlp_only_layers``).
         mlp_only_layers: layer indices kept dense whatever ``decoder_sparse_step`` says.
         router_aux_loss_coef: weight of the load-balancing loss added to the training loss (0: none).
+        n_shared_experts, first_k_dense_replace, n_group, topk_group, routed_scaling_factor: ``deepseek_v3``
+            routing (module docstring).
+        q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave: ``deepseek_v3``'s
+            multi-head latent attention (:mod:`fp8rl.model.mla`).
     """
 
     architecture: str
@@ -107,6 +127,17 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] | tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -124,6 +155,8 @@ class ModelConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {val!r}")
+        if self.architecture in MLA_ARCHITECTURES:
+            self._check_mla()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
@@ -165,6 +198,43 @@ class ModelConfig:
             if not (isinstance(eos, list | tuple) and all(isinstance(e, int) for e in eos)):
                 raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
             self.eos_token_id = list(eos)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (``deepseek_v3``)."""
+        return self.architecture in MLA_ARCHITECTURES
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: a query's and a key's width per head, ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int for {self.architecture}, got {val!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ValueError(f"ModelConfig.q_lora_rank must be None or a positive int, got {self.q_lora_rank!r}")
+        # every query head reads its own key and value, expanded from the one latent (MLA): no GQA grouping
+        self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim not in (None, self.qk_rope_head_dim):
+            raise ValueError(f"{self.architecture}: head_dim is the rotary width qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}), got {self.head_dim}")
+        self.head_dim = self.qk_rope_head_dim
+        if self.num_experts:
+            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} and "
+                                 f"1 <= topk_group={self.topk_group} <= n_group")
+            if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
+                                 f"topk_group={self.topk_group} groups")
+            if (self.num_experts // self.n_group) < 2:
+                raise ValueError("deepseek_v3 group scores sum each group's top 2 experts: groups need >= 2 experts")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ValueError(f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor}")
+        if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
+            raise ValueError("n_shared_experts and first_k_dense_replace must be >= 0")
 
     def _check_moe(self) -> None:
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers or ())
@@ -213,6 +283,8 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer ``i`` holds experts: HF's rule — not in ``mlp_only_layers``, experts configured,
         and ``(i + 1) % decoder_sparse_step == 0``."""
+        if self.is_mla:  # deepseek_v3: dense first layers, experts after
+            return self.num_experts > 0 and i >= self.first_k_dense_replace
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
@@ -290,7 +362,8 @@ class ModelConfig:
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
-            **(_moe_from_hf(d) if arch in MOE_ARCHITECTURES else {}),
+            **(_deepseek_from_hf(d) if arch in MLA_ARCHITECTURES else
+               _moe_from_hf(d) if arch in MOE_ARCHITECTURES else {}),
         )
 
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -334,7 +407,18 @@ class ModelConfig:
             d["attention_bias"] = bool(self.attention_bias)
         if self.architecture in QK_NORM_ARCHITECTURES:
             d["use_sliding_window"] = False
-        if self.architecture in MOE_ARCHITECTURES:
+        if self.is_mla:
+            d.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, n_shared_experts=self.n_shared_experts,
+                     first_k_dense_replace=self.first_k_dense_replace, n_group=self.n_group,
+                     topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                     norm_topk_prob=self.norm_topk_prob, topk_method="noaux_tc", scoring_func="sigmoid",
+                     q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                     v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave,
+                     attention_bias=bool(self.attention_bias))
+            d.pop("use_sliding_window", None)
+        elif self.architecture in MOE_ARCHITECTURES:
             d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
                      norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
@@ -359,6 +443,29 @@ def _moe_from_hf(d: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(get["norm_topk_prob"]), decoder_sparse_step=get["decoder_sparse_step"],
                 mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
                 router_aux_loss_coef=float(get["router_aux_loss_coef"]))
+
+
+def _deepseek_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    """The MLA and routing keys of a deepseek_v3 ``config.json`` (the class defaults for keys it omits).
+
+    Raises:
+        ValueError: a routing rule fp8rl does not compute (``scoring_func`` other than sigmoid, ``topk_method``
+            other than noaux_tc), named.
+    """
+    if d.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"deepseek_v3 scoring_func {d['scoring_func']!r} is not supported (sigmoid only)")
+    if d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"deepseek_v3 topk_method {d['topk_method']!r} is not supported (noaux_tc only)")
+    get = {k: d[k] if k in d else v for k, v in _DEEPSEEK_DEFAULTS.items()}
+    experts = d.get("n_routed_experts", d.get("num_local_experts", get["n_routed_experts"]))
+    return dict(num_experts=experts or 0, num_experts_per_tok=get["num_experts_per_tok"],
+                moe_intermediate_size=get["moe_intermediate_size"], n_shared_experts=get["n_shared_experts"] or 0,
+                first_k_dense_replace=get["first_k_dense_replace"], n_group=get["n_group"] or 1,
+                topk_group=get["topk_group"] or 1, routed_scaling_factor=float(get["routed_scaling_factor"]),
+                norm_topk_prob=bool(get["norm_topk_prob"]), q_lora_rank=get["q_lora_rank"],
+                kv_lora_rank=get["kv_lora_rank"], qk_nope_head_dim=get["qk_nope_head_dim"],
+                qk_rope_head_dim=get["qk_rope_head_dim"], v_head_dim=get["v_head_dim"],
+                rope_interleave=bool(get["rope_interleave"]))
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -162,15 +162,16 @@ def split_kv_attention(
 
     Args:
         q: ``(B, H, T, D)`` queries (after RoPE, and E4M3 rounding if FP8 attention).
-        k, v: ``(B, Hkv, S, D)`` keys and values by time slot (dequantized if the cache is FP8).
+        k, v: ``(B, Hkv, S, D)`` keys and ``(B, Hkv, S, Dv)`` values by time slot (dequantized if the cache is
+            FP8).
         layout: :meth:`KeyLayout.build` of this call.
         round_probs: applied to the normalised probabilities before ``P @ V`` (FP8 attention), or None.
 
     Returns:
-        ``(B, H, T, D)`` FP32. Queries with no visible key get finite garbage (uniform weights).
+        ``(B, H, T, Dv)`` FP32. Queries with no visible key get finite garbage (uniform weights).
     """
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Dv = k.shape[1], v.shape[-1]  # values may be narrower or wider than keys (MLA)
     rep, R, C = H // Hkv, layout.inv.row_tile, layout.inv.kv_chunk
     G, M = B * Hkv, rep * T
     sc = layout.index.shape[1]
@@ -185,9 +186,9 @@ def split_kv_attention(
         if short:
             kc, vc = (F.pad(t, (0, 0, 0, short)) for t in (kc, vc))
     else:
-        gather = layout.index[:, None, :, None].expand(B, Hkv, sc, D)
-        kc, vc = k.float().gather(2, gather), v.float().gather(2, gather)
-    kc, vc = kc.reshape(G, sc, D), vc.reshape(G, n_c, C, D)
+        index = layout.index[:, None, :, None]
+        kc, vc = k.float().gather(2, index.expand(B, Hkv, sc, D)), v.float().gather(2, index.expand(B, Hkv, sc, Dv))
+    kc, vc = kc.reshape(G, sc, D), vc.reshape(G, n_c, C, Dv)
     # scores: the query rows of one kv head ((rep, T) order) in whole tiles of R rows against the keys in whole
     # chunks of C: one GEMM per kv head, reduction over D, a row's and a key's numbers the same whatever else
     # is in the product (tiled_mm's property, in both dimensions)
@@ -204,8 +205,8 @@ def split_kv_attention(
         p = round_probs(p)
     # P @ V chunk by chunk (reduction over exactly C keys each, one batched GEMM), partial sums in chunk order
     pc = pad_rows(p.reshape(G, M, sc), R).view(G, -1, n_c, C).transpose(1, 2)  # (G, nC, Mp, C)
-    o = torch.matmul(pc, vc)  # (G, nC, Mp, D)
+    o = torch.matmul(pc, vc)  # (G, nC, Mp, Dv)
     out = o[:, 0]
     for c in range(1, n_c):
         out = out + o[:, c]
-    return out[:, :M].reshape(B, H, T, D)
+    return out[:, :M].reshape(B, H, T, Dv)

@@ -40,6 +40,8 @@ class KVCache:
         max_len: slots per row; writing past it raises ``RuntimeError``.
         head_dim: ``D``.
         dtype: storage dtype, one for all layers or a sequence with one per layer.
+        v_dim: the V slot's width when it differs from ``head_dim`` (multi-head latent attention stores its latent
+            in K and its rotary key in V: :mod:`fp8rl.model.mla`), else None.
         device: where the tensors live.
 
     Invariant: ``0 <= length <= max_len``; slots ``[0, length)`` of every layer hold valid K/V.
@@ -54,8 +56,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype | Sequence[torch.dtype] = torch.float32,
         device: torch.device | str = "cpu",
+        v_dim: int | None = None,
     ) -> None:
-        if min(num_layers, batch_size, num_kv_heads, max_len, head_dim) <= 0:
+        if min(num_layers, batch_size, num_kv_heads, max_len, head_dim, v_dim or head_dim) <= 0:
             raise ValueError(
                 f"KVCache sizes must be positive: layers={num_layers} batch={batch_size} "
                 f"kv_heads={num_kv_heads} max_len={max_len} head_dim={head_dim}"
@@ -66,7 +69,8 @@ class KVCache:
         # one more position than slots: row-aligned writes of left padding land there, and nothing reads it
         shape = (batch_size, num_kv_heads, max_len + 1, head_dim)  # (B, Hkv, max_len + 1, D)
         self.k = [torch.zeros(shape, dtype=dt, device=device) for dt in dtypes]
-        self.v = [torch.zeros(shape, dtype=dt, device=device) for dt in dtypes]
+        v_shape = shape[:3] + (v_dim or head_dim,)
+        self.v = [torch.zeros(v_shape, dtype=dt, device=device) for dt in dtypes]
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
@@ -95,14 +99,19 @@ class KVCache:
         cfg = model.config
         emb = model.model.embed_tokens.weight
         dtypes = [E4M3 if layer.self_attn.kv_quant is not None else emb.dtype for layer in model.model.layers]
+        if cfg.is_mla:  # one latent (K slot) and one rotary key (V slot) per token: what MLA compresses
+            heads, head_dim, v_dim = 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        else:
+            heads, head_dim, v_dim = cfg.num_key_value_heads, cfg.head_dim, None
         return cls(
             num_layers=cfg.num_hidden_layers,
             batch_size=batch_size,
-            num_kv_heads=cfg.num_key_value_heads,
+            num_kv_heads=heads,
             max_len=max_len,
-            head_dim=cfg.head_dim,
+            head_dim=head_dim,
             dtype=dtypes,
             device=emb.device if device is None else device,
+            v_dim=v_dim,
         )
 
     @property
@@ -147,8 +156,8 @@ class KVCache:
             return kc[:, :, :end], vc[:, :, :end]
         pos = torch.arange(self.length, end, device=kc.device)[None, :] - self.offsets[:, None]  # (B, T)
         pos = torch.where(pos >= 0, pos, self.max_len)  # left padding: the unread spare position
-        index = pos[:, None, :, None].expand_as(k)
         for store, new in ((kc, k), (vc, v)):
+            index = pos[:, None, :, None].expand_as(new)  # K and V may differ in width (MLA's latent and k_pe)
             if store.dtype == E4M3:  # scatter has no FP8 kernel: move the bytes
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store.scatter_(2, index, new)

@@ -57,10 +57,16 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        deepseek = config.is_mla
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                               config.norm_topk_prob)
+                               config.norm_topk_prob, scoring="sigmoid" if deepseek else "softmax",
+                               n_group=config.n_group, topk_group=config.topk_group,
+                               routed_scaling_factor=config.routed_scaling_factor)
         self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
+        # DeepSeek: shared experts (one SwiGLU of n_shared_experts x the expert width) added to every token
+        self.shared_experts = ExpertMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts) \
+            if deepseek and config.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -89,7 +95,10 @@ class SparseMoeBlock(nn.Module):
             # still get one (exactly 0), or the ranks' gradient collectives would differ in size (FSDP2, DDP).
             touch = sum(p.reshape(-1)[:1].sum() for e in unused for p in self.experts[e].parameters())
             out = out + 0.0 * touch
-        return out.to(x.dtype).view(B, T, C)
+        out = out.to(x.dtype).view(B, T, C)
+        if self.shared_experts is not None:  # transformers' order: the routed sum, then + the shared experts
+            out = out + self.shared_experts(x)
+        return out
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}"

@@ -10,6 +10,13 @@ in the activation dtype: equal in FP32, closer to FP32 truth in BF16).
 Routing (Qwen3-MoE): ``scores = softmax(x Wᵀ)`` over the experts, the top ``K`` experts by score (ties
 go to the lower index, as ``torch.topk``), their scores renormalised to sum to 1 when ``norm_topk_prob``.
 
+Routing (DeepSeek-V3, ``scoring="sigmoid"``): ``scores = sigmoid(x Wᵀ)``; the choice adds the per-expert
+``e_score_correction_bias`` (an FP32 buffer, HF's name; used for selection only, and never trained here: Moonlight
+updates it outside the loss, so RL keeps it fixed and ships it with every version); the experts form ``n_group``
+groups, each scored by the sum of its top-2 biased scores, and only the best ``topk_group`` groups may be chosen;
+the top ``K`` of those by biased score are the experts, their weights gathered from the *unbiased* scores,
+renormalised (``+ 1e-20``) when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+
 :class:`Routing` is the plan of one forward, installed on every router of a model by :func:`routing`:
 
 * **replay** ``(B, T, L, K)`` expert ids (``L`` = mixture-of-experts layers in order, -1 = not given): the
@@ -39,6 +46,15 @@ from .invariant import tiled_linear
 __all__ = ["Routing", "TopKRouter", "routers", "routing"]
 
 
+def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """``sigmoid`` as ``softmax([x, 0])[0]``: the same function, but computed by a kernel that treats every element
+    alike. ``torch.sigmoid`` runs the vectorized exp on whole vectors of the flattened tensor and the scalar exp on
+    the remainder, so an element's last bits depend on where the tensor ends — on the batch — which breaks batch
+    invariance (a row's routing weights alone and among other rows differed by an ulp). The softmax over a last
+    dimension of 2 computes each pair the same way whatever the rest of the tensor."""
+    return F.softmax(torch.stack([logits, torch.zeros_like(logits)], dim=-1), dim=-1)[..., 0]
+
+
 class TopKRouter(nn.Module):
     """``mlp.gate``: FP32 softmax top-k routing over ``num_experts`` (see the module docstring).
 
@@ -48,10 +64,18 @@ class TopKRouter(nn.Module):
         moe_index: this router's place among the model's mixture-of-experts layers (a route's layer axis).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
+                 scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring {scoring!r} is not softmax or sigmoid")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        if scoring == "sigmoid":  # DeepSeek's selection bias: a buffer (no gradient), in the state dict
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.row_tile: int | None = None
         self.plan: Routing | None = None
         self.moe_index = 0
@@ -61,19 +85,37 @@ class TopKRouter(nn.Module):
         w = self.weight.float()
         xf = x.float()
         logits = xf @ w.t() if self.row_tile is None else tiled_linear(xf, w, None, self.row_tile)  # (N, E)
-        scores = F.softmax(logits, dim=-1)  # (N, E) FP32
-        own = torch.topk(scores, self.top_k, dim=-1).indices  # (N, K)
+        if self.scoring == "softmax":
+            scores = F.softmax(logits, dim=-1)  # (N, E) FP32
+            own = torch.topk(scores, self.top_k, dim=-1).indices  # (N, K)
+        else:
+            scores = _sigmoid(logits)
+            own = self._group_limited_topk(scores.detach() + self.e_score_correction_bias.float())
         plan = self.plan
         ids = own if plan is None else plan.ids_for(self.moe_index, own)
         weights = scores.gather(1, ids)  # (N, K): from this router's scores, replayed or not (gradients flow)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        if self.scoring == "sigmoid":
+            weights = weights * self.routed_scaling_factor
         if plan is not None:
             plan.observe(self.moe_index, ids, own, scores)
         return ids, weights
 
+    def _group_limited_topk(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's selection (module docstring) on the biased scores ``choice`` ``(N, E)``: ``(N, K)`` ids."""
+        n, e = choice.shape
+        g = self.n_group
+        group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(-1)  # (N, G)
+        keep = torch.zeros_like(group_scores)
+        keep.scatter_(1, torch.topk(group_scores, self.topk_group, dim=-1).indices, 1.0)
+        allowed = keep[:, :, None].expand(n, g, e // g).reshape(n, e).bool()
+        return torch.topk(choice.masked_fill(~allowed, 0.0), self.top_k, dim=-1).indices
+
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
+        rule = "softmax" if self.scoring == "softmax" else (
+            f"sigmoid + bias, {self.topk_group} of {self.n_group} groups, x{self.routed_scaling_factor}")
+        return (f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, {rule}, "
                 f"fp32 (never quantized)")
 
 

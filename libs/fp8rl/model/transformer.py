@@ -30,8 +30,6 @@ backward (FSDP2) sees it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,79 +41,13 @@ from fp8rl.fp8.quant import E4M3
 from .config import ModelConfig
 from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attention
 from .kv_cache import KVCache
+from .layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .logprobs import chunked_token_logprobs
+from .mla import MLAttention
 from .moe import ExpertMLP, SparseMoeBlock
 from .router import TopKRouter, routers
 
 __all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm", "QKVPoint", "rope_inv_freq"]
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x**2) + eps)``; the statistics in FP32, the product in the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # cast back *before* the weight multiply, as HF does, so BF16 numbers match theirs
-        return self.weight * xf.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-# ---------------------------------------------------------------------------------------------
-# RoPE (rotate-half convention of HF Llama: dims [0, D/2) pair with [D/2, D))
-# ---------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """FP32 inverse frequencies ``(D/2,)``, with the llama3 long-context adjustment when configured.
-
-    llama3 scaling (Llama 3.1): wavelengths shorter than ``original / high_freq_factor`` keep
-    their frequency, longer than ``original / low_freq_factor`` are divided by ``factor``, and
-    the band between blends the two linearly in ``original / wavelength``.
-    """
-    d = config.head_dim
-    # explicit CPU: the model may be built under torch.device("meta"), and these must be real
-    exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
-    inv = 1.0 / (config.rope_theta**exponents)
-    rs = config.rope_scaling
-    if rs is None:
-        return inv
-    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old_len = rs["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    low_freq_wavelen, high_freq_wavelen = old_len / lo, old_len / hi
-    scaled = torch.where(wavelen > low_freq_wavelen, inv / factor, inv)
-    smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
-    blended = (1 - smooth) * inv / factor + smooth * inv
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_cos_sin(
-    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``(B, T, D)`` for ``position_ids`` ``(B, T)``; angles in FP32, tables in ``dtype``."""
-    freqs = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(B, H, T, D)`` by the tables ``(B, T, D)``."""
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
-    return x * cos + _rotate_half(x) * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +180,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = MLAttention(config, layer_idx) if config.is_mla else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
@@ -337,7 +269,16 @@ class CausalLM(nn.Module):
 
         Returns:
             The quantizers, layer order.
+
+        Raises:
+            NotImplementedError: a multi-head latent attention model (its FP8 cache would hold the latent and the
+                rotary key with their own scales: not built yet).
         """
+        if self.config.is_mla:
+            raise NotImplementedError(
+                f"kv_cache_dtype: fp8 on {self.config.architecture}: the FP8 KV cache of multi-head latent attention "
+                "(the latent and the rotary key in E4M3 with their own per-step scales) is not built yet; use "
+                "kv_cache_dtype: auto (the latent cache in the compute dtype)")
         device = self.model.embed_tokens.weight.device
         quants = []
         for layer in self.model.layers:

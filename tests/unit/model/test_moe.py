@@ -101,7 +101,7 @@ def test_config_keys_and_refusals():
         ModelConfig("qwen3_moe", **{**BASE, "num_experts_per_tok": 7})
     with pytest.raises(ValueError, match=r"mlp_only_layers \[5\]"):
         ModelConfig("qwen3_moe", **{**BASE, "mlp_only_layers": [5]})
-    with pytest.raises(ValueError, match="only qwen3_moe have experts"):
+    with pytest.raises(ValueError, match="only deepseek_v3/qwen3_moe have experts"):
         ModelConfig("qwen3", **{**BASE})
     with pytest.raises(ValueError, match="num_experts=6 but num_local_experts=4"):
         ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "num_local_experts": 4})

@@ -383,6 +383,10 @@ def weights_after_experts() -> type:
 
 
 def _check_supported(config: ModelConfig) -> None:
+    if config.is_mla:
+        raise ValueError(f"{config.architecture} (multi-head latent attention, sigmoid group-limited routing, shared "
+                         "experts) is not mapped onto Megatron-Core's multi_latent_attention and MoE yet: use "
+                         "policy.training.backend: torch")
     if config.attention_bias and config.o_proj_bias:
         raise ValueError(f"{config.architecture} with attention_bias=True puts a bias on o_proj but not on the MLP; "
                          f"Megatron's add_bias_linear cannot express that (use backend: torch)")

@@ -1,0 +1,140 @@
+"""The DeepSeek-V3 / Moonlight family (issue 34, first piece): ``deepseek_v3`` checkpoints made by transformers load
+into fp8rl and give transformers' own logits; the latent KV cache decodes bitwise like the full forward under batch
+invariance; the routing rule (sigmoid, a selection-only bias, group-limited top-k, scaled weights) is DeepSeek's.
+
+transformers' ``DeepseekV3ForCausalLM`` is the reference (random-init, scaled down from the Moonlight shape family:
+MLA with and without ``q_lora_rank``, dense first layers, shared experts, ``n_group`` > 1); nothing downloads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8rl.engines.base import SamplingParams
+from fp8rl.engines.batch import build_train_batch
+from fp8rl.engines.torch_rollout import TorchRolloutEngine
+from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
+from fp8rl.fp8 import Fp8Linear, recipe_for_role
+from fp8rl.model import KVCache, ModelConfig, load_hf_checkpoint, save_hf_checkpoint
+from fp8rl.model.router import TopKRouter
+
+from .test_transformer import ATOL_HF
+
+transformers = pytest.importorskip("transformers")
+
+
+def _reference(q_lora_rank=None, rope_interleave=True, n_group=2, topk_group=1, seed=0):
+    """transformers' model of a small Moonlight-shaped config, its correction bias randomized (it is zero at
+    init, which would hide a bias used for the weights instead of the choice)."""
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=n_group, topk_group=topk_group, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=64,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=rope_interleave, rope_theta=50000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ref = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, b in ref.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2)
+    return ref
+
+
+def _load(ref, tmp_path):
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = load_hf_checkpoint(tmp_path / "hf")
+    return model.eval(), cfg
+
+
+@pytest.mark.parametrize("q_lora_rank,rope_interleave,n_group,topk_group",
+                         [(None, True, 2, 1), (24, True, 4, 2), (24, False, 1, 1)])
+def test_logits_equal_transformers(tmp_path, q_lora_rank, rope_interleave, n_group, topk_group):
+    ref = _reference(q_lora_rank, rope_interleave, n_group, topk_group)
+    model, cfg = _load(ref, tmp_path)
+    assert cfg.is_mla and cfg.moe_layers == [1, 2] and cfg.head_dim == 8 and cfg.q_lora_rank == q_lora_rank
+    ids = torch.randint(3, 100, (3, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = model(ids)
+    torch.testing.assert_close(got, want, atol=ATOL_HF, rtol=0)
+    # and back: fp8rl's save is transformers' checkpoint (config keys and per-expert names)
+    save_hf_checkpoint(model, cfg, tmp_path / "ours")
+    again = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, want, atol=ATOL_HF, rtol=0)
+
+
+def test_the_correction_bias_chooses_experts_and_never_weighs_them():
+    """DeepSeek's rule: the bias moves which experts are chosen; their weights come from the unbiased sigmoid
+    scores, renormalised and scaled by routed_scaling_factor."""
+    r = TopKRouter(16, 8, 2, True, scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        r.weight.normal_(0, 0.3)
+    x = torch.randn(50, 16)
+    ids0, w0 = r(x)
+    with torch.no_grad():
+        r.e_score_correction_bias[5] = 10.0  # expert 5 (group 1) always wins its group and the choice
+    ids1, w1 = r(x)
+    assert bool((ids1 == 5).any(-1).all()) and not bool((ids0 == 5).any(-1).all())
+    scores = torch.sigmoid(x @ r.weight.t())
+    picked = scores.gather(1, ids1)
+    # the router's sigmoid is softmax([x, 0])[0] (batch-invariant): the same function to a few FP32 ulps (2**-24
+    # each) through the exp, the sum and the division; 2**-20 allows 16
+    torch.testing.assert_close(w1, picked / (picked.sum(-1, keepdim=True) + 1e-20) * 2.5, rtol=2.0**-20, atol=0)
+    assert bool((ids1 >= 4).all())  # topk_group 1: both experts from the winning group
+    assert "e_score_correction_bias" in r.state_dict() and not any(
+        "bias" in n for n, _ in r.named_parameters())  # a buffer: no gradient, shipped with the weights
+
+
+def test_the_latent_cache_holds_what_mla_compresses(tmp_path):
+    _, cfg = _load(_reference(), tmp_path)
+    model, _ = load_hf_checkpoint(tmp_path / "hf")
+    cache = KVCache.for_model(model, batch_size=2, max_len=10)
+    assert cache.k[0].shape == (2, 1, 11, cfg.kv_lora_rank) and cache.v[0].shape == (2, 1, 11, cfg.qk_rope_head_dim)
+    per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert per_token < cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)  # 40 vs 4 * (24 + 16)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+def test_rollout_decode_is_bitwise_the_trainers_forward(tmp_path, recipe):
+    """Batch invariance on MLA: the rollout decodes through the latent cache (each step expands every cached latent
+    through kv_b_proj), the trainer recomputes the whole sequences; the logprobs are equal bit for bit. Every MLA
+    and expert linear is FP8 in fp8_e2e; the router and its bias stay FP32 and the bias is not trained."""
+    model, _ = _load(_reference(24), tmp_path)
+    rr = recipe_for_role(recipe, "rollout", batch_invariant=True)
+    tr = recipe_for_role(recipe, "trainer", batch_invariant=True)
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=3)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=5, lr=1e-2))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (2, 9, 5, 14)]
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, n=2, seed=4))
+    batch = build_train_batch(samples, torch.tensor([(-1.0) ** i for i in range(len(samples))]), 2, 0)
+    mask = batch.loss_mask.bool()
+    got, want = trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask]
+    assert got.numel() > 40
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} logprobs differ"
+    if recipe == "fp8_e2e":
+        fp8 = {n.rsplit(".", 1)[-1] for n, m in trainer.model.named_modules() if isinstance(m, Fp8Linear)}
+        assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj"} <= fp8
+    bias = {n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")}
+    trainer.train_step(batch)
+    assert bias and all(torch.equal(b, dict(trainer.model.named_buffers())[n]) for n, b in bias.items())
+
+
+def test_an_fp8_kv_cache_on_mla_is_refused_naming_why(tmp_path):
+    model, _ = _load(_reference(), tmp_path)
+    with pytest.raises(NotImplementedError, match="FP8 KV cache of multi-head latent attention"):
+        TorchRolloutEngine(model, recipe_for_role("fp8_e2e", "rollout", kv_cache_dtype="fp8"), eos_token_ids=[2])
+
+
+def test_configs_the_family_does_not_compute_are_refused():
+    base = transformers.DeepseekV3Config(n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+                                         q_lora_rank=None).to_dict()
+    ModelConfig.from_hf_dict(base)
+    with pytest.raises(ValueError, match="scoring_func 'softmax'"):
+        ModelConfig.from_hf_dict({**base, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="n_group=3 must divide"):
+        ModelConfig.from_hf_dict({**base, "n_group": 3})
