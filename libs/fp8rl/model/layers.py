@@ -1,4 +1,5 @@
-"""The small layers every decoder block uses: RMSNorm and rotary position embeddings (both of HF's conventions)."""
+"""The small layers every decoder block uses: RMSNorm, rotary position embeddings (both of HF's conventions) and the
+calibration point of attention."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from .config import ModelConfig
 
-__all__ = ["RMSNorm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "apply_rope_interleaved"]
+__all__ = ["QKVPoint", "RMSNorm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "apply_rope_interleaved"]
 
 
 class RMSNorm(nn.Module):
@@ -90,3 +91,14 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
+
+
+class QKVPoint(nn.Module):
+    """Identity on ``(q, k, v)``; a named spot where calibration hooks read the tensors an FP8 KV cache is scaled for:
+    post-RoPE Q/K/V of standard attention, and for multi-head latent attention the query, the latent and the rotary
+    key (:mod:`fp8rl.model.mla`)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return q, k, v

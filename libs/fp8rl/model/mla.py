@@ -16,8 +16,16 @@ Shapes: C hidden, H heads, ``r`` = ``kv_lora_rank``, ``n`` = ``qk_nope_head_dim`
 (:meth:`KVCache.for_model`): ``r + p`` numbers per token and layer instead of ``H·(dq + dv)``. Each forward
 expands the cached latents through ``kv_b_proj`` (the naive form, not the weight-absorbed one): every row's expansion
 is a row of one GEMM, so under batch invariance (the projection's row tiles) a decode step's keys and values are
-bitwise those of the trainer's full forward. The FP8 KV cache of MLA (the latent and ``k_pe`` in E4M3 with their own
-scales) is not built yet: :meth:`~fp8rl.model.CausalLM.enable_fp8_kv` refuses an MLA model.
+bitwise those of the trainer's full forward.
+
+**FP8 KV for MLA** (``kv_cache_dtype: fp8``): the layer's :class:`~fp8rl.fp8.kv.QKVQuantizer` keeps its three
+per-tensor FP32 scales, recalibrated after every step and shipped with each version, but for MLA they mean
+*what the cache stores*: ``q_scale`` the query ``[q_nope, q_pe]`` (post-RoPE; FP8 attention rounds it to E4M3),
+``k_scale`` the normalized latent ``c`` and ``v_scale`` the rotated ``k_pe``; the calibrator reads the three at
+``qkv_point`` (amax over heads and width, per real token). The cache holds ``c`` and ``k_pe`` in E4M3 (``r + p``
+bytes per token and layer); each forward dequantizes them and expands ``c`` through ``kv_b_proj`` (an FP8 linear in
+an FP8 recipe, which quantizes its input 1×128 again); FP8 attention also rounds the softmax probabilities to E4M3.
+Without a cache (the trainer's passes) the same quantize → dequantize runs, so both sides see the same latents.
 """
 
 from __future__ import annotations
@@ -26,10 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8rl.fp8.kv import QKVQuantizer
+from fp8rl.fp8.quant import E4M3
+
 from .config import ModelConfig
 from .invariant import KeyLayout, split_kv_attention
 from .kv_cache import KVCache
-from .layers import RMSNorm, apply_rope, apply_rope_interleaved
+from .layers import QKVPoint, RMSNorm, apply_rope, apply_rope_interleaved
 
 __all__ = ["MLAttention"]
 
@@ -41,7 +52,8 @@ class MLAttention(nn.Module):
     """``self_attn`` of a ``deepseek_v3`` layer (module docstring); the forward of :class:`~.transformer.Attention`.
 
     Attributes:
-        kv_quant: always None (an FP8 latent cache is not built yet).
+        kv_quant: None (the latent cache in the compute dtype), or a :class:`QKVQuantizer` whose scales are the
+            query's, the latent's and the rotary key's (module docstring).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -62,7 +74,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=bias)
-        self.kv_quant = None
+        self.qkv_point = QKVPoint()  # (query, latent, rotary key): what the FP8 scales are calibrated on
+        self.kv_quant: QKVQuantizer | None = None
 
     def forward(
         self,
@@ -84,22 +97,37 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)[:, None]  # (B, 1, T, r)
         k_pe = k_pe[:, None]  # (B, 1, T, p)
         rope = apply_rope_interleaved if self.interleave else apply_rope
-        q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe, cos, sin)
+        q = torch.cat([q_nope, rope(q_pe, cos, sin)], dim=-1)  # (B, H, T, dq)
+        q, latent, k_pe = self.qkv_point(q, latent, rope(k_pe, cos, sin))
+        quant = self.kv_quant
+        if quant is not None:
+            q = quant.fake_quantize_q(q)
         if kv_cache is not None:  # the compressed form is what is stored; every slot so far comes back
+            stored = kv_cache.dtype(self.layer_idx)
+            if (quant is not None) != (stored == E4M3):
+                raise RuntimeError(f"layer {self.layer_idx}: the latent cache stores {stored} but the layer "
+                                   f"{'has' if quant is not None else 'has no'} FP8 kv_quant; rebuild the cache")
+            c_st, pe_st = quant.quantize_kv(latent, k_pe) if quant is not None else (latent, k_pe)
             reach = layout.index.shape[1] if layout is not None else 0
-            latent, k_pe = kv_cache.update(self.layer_idx, latent.to(kv_cache.dtype(self.layer_idx)),
-                                           k_pe.to(kv_cache.dtype(self.layer_idx)), reach)
-            latent, k_pe = latent.to(dtype), k_pe.to(dtype)
+            c_st, pe_st = kv_cache.update(self.layer_idx, c_st.to(stored), pe_st.to(stored), reach)
+            if quant is not None:
+                latent, k_pe = kv_cache.read_dequantized(self.layer_idx, c_st.shape[2], quant.dequantize_kv, dtype)
+            else:
+                latent, k_pe = c_st.to(dtype), pe_st.to(dtype)
+        elif quant is not None:  # the trainer's passes: the numbers a cache round trip gives
+            latent, k_pe = quant.fake_quantize_kv(latent, k_pe, dtype)
         S = latent.shape[2]
         kv = self.kv_b_proj(latent[:, 0]).view(B, S, H, n + dv).transpose(1, 2)  # (B, H, S, n + dv)
         k_nope, v = kv.split([n, dv], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(B, H, S, p)], dim=-1)  # (B, H, S, dq)
-        q = torch.cat([q_nope, q_pe], dim=-1)
+        round_probs = quant.round_probs if quant is not None else None
         if layout is not None:
-            out = split_kv_attention(q, k, v, layout)  # (B, H, T, dv)
+            out = split_kv_attention(q, k, v, layout, round_probs)  # (B, H, T, dv)
         else:
             scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * ((n + p) ** -0.5)  # (B, H, T, S)
             probs = F.softmax(scores + mask, dim=-1)
+            if round_probs is not None:
+                probs = round_probs(probs)
             out = torch.matmul(probs, v.float())
         return self.o_proj(out.to(dtype).transpose(1, 2).reshape(B, T, H * dv))
 

@@ -41,7 +41,7 @@ from fp8rl.fp8.quant import E4M3
 from .config import ModelConfig
 from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attention
 from .kv_cache import KVCache
-from .layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .layers import QKVPoint, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .logprobs import chunked_token_logprobs
 from .mla import MLAttention
 from .moe import ExpertMLP, SparseMoeBlock
@@ -53,15 +53,6 @@ __all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm",
 # ---------------------------------------------------------------------------------------------
 # blocks
 # ---------------------------------------------------------------------------------------------
-
-
-class QKVPoint(nn.Module):
-    """Identity on ``(q, k, v)``; a named spot where calibration hooks read post-RoPE Q/K/V."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return q, k, v
 
 
 class Attention(nn.Module):
@@ -270,15 +261,9 @@ class CausalLM(nn.Module):
         Returns:
             The quantizers, layer order.
 
-        Raises:
-            NotImplementedError: a multi-head latent attention model (its FP8 cache would hold the latent and the
-                rotary key with their own scales: not built yet).
+        Multi-head latent attention: the scales are the query's, the latent's and the rotary key's
+        (:mod:`fp8rl.model.mla`).
         """
-        if self.config.is_mla:
-            raise NotImplementedError(
-                f"kv_cache_dtype: fp8 on {self.config.architecture}: the FP8 KV cache of multi-head latent attention "
-                "(the latent and the rotary key in E4M3 with their own per-step scales) is not built yet; use "
-                "kv_cache_dtype: auto (the latent cache in the compute dtype)")
         device = self.model.embed_tokens.weight.device
         quants = []
         for layer in self.model.layers:

@@ -124,10 +124,55 @@ def test_rollout_decode_is_bitwise_the_trainers_forward(tmp_path, recipe):
     assert bias and all(torch.equal(b, dict(trainer.model.named_buffers())[n]) for n, b in bias.items())
 
 
-def test_an_fp8_kv_cache_on_mla_is_refused_naming_why(tmp_path):
-    model, _ = _load(_reference(), tmp_path)
-    with pytest.raises(NotImplementedError, match="FP8 KV cache of multi-head latent attention"):
-        TorchRolloutEngine(model, recipe_for_role("fp8_e2e", "rollout", kv_cache_dtype="fp8"), eos_token_ids=[2])
+def test_the_fp8_latent_cache_decodes_bitwise_like_the_trainer_with_calibrated_scales(tmp_path):
+    """FP8 KV for MLA: the cache holds the latent and the rotary key in E4M3 with their per-tensor scales (the
+    QKVScales' k and v); the calibrator measures exactly those tensors; the rollout's decode through the E4M3 cache
+    and the trainer's fake-quantized passes give the same logprobs bit for bit. Negative control: the trainer with
+    another latent scale does not."""
+    import dataclasses
+
+    from fp8rl.engines.calibrator import QKVCalibrator
+    from fp8rl.fp8.kv import calibrated_scale
+    from fp8rl.fp8.quant import E4M3
+
+    model, cfg = _load(_reference(24), tmp_path)
+    rr = recipe_for_role("fp8_e2e", "rollout", kv_cache_dtype="fp8", batch_invariant=True)
+    tr = recipe_for_role("fp8_e2e", "trainer", kv_cache_dtype="fp8", batch_invariant=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (2, 9, 5, 14)]
+
+    # the calibrator's k / v scales are the latent's and the rotary key's amax (one pass: the max over real tokens)
+    seen = {"c": [], "pe": []}
+    attn = model.model.layers[1].self_attn
+    hooks = [attn.kv_a_layernorm.register_forward_hook(lambda m, a, o: seen["c"].append(o.abs().max())),
+             attn.kv_a_proj_with_mqa.register_forward_hook(
+                 lambda m, a, o: seen["pe"].append(o[..., cfg.kv_lora_rank:].abs().max()))]
+    scales = QKVCalibrator(model, pad_token_id=0, max_sequences=1).calibrate(0, prompts[3:])
+    for h in hooks:
+        h.remove()
+    assert scales.k[1] == pytest.approx(calibrated_scale(float(seen["c"][0])), rel=1e-6)
+    # the rotary key's amax: RoPE rotates pairs, so its amax is bounded by the pair norms, not equal to the
+    # pre-RoPE amax; it must lie within sqrt(2) of it
+    pre = calibrated_scale(float(seen["pe"][0]))
+    assert pre / 2 ** 0.5 <= scales.v[1] <= pre * 2 ** 0.5
+
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=3)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=5))
+    engine.load_scales(scales)
+    trainer.load_qkv_scales(scales)
+    assert engine.model.model.layers[0].self_attn.kv_quant is not None
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, n=2, seed=4))
+    batch = build_train_batch(samples, torch.zeros(len(samples)), 2, 0)
+    mask = batch.loss_mask.bool()
+    got, want = trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask]
+    assert got.numel() > 40
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} logprobs differ"
+    cache = KVCache.for_model(engine.model, batch_size=1, max_len=4)
+    assert cache.k[0].dtype == E4M3 and cache.k[0].shape[-1] == cfg.kv_lora_rank  # r + p bytes per token and layer
+
+    other = dataclasses.replace(scales, k=[x * 1.5 for x in scales.k])
+    trainer.load_qkv_scales(other)
+    assert not torch.equal(trainer.compute_logprobs(batch)[mask], want)
 
 
 def test_configs_the_family_does_not_compute_are_refused():
@@ -138,3 +183,28 @@ def test_configs_the_family_does_not_compute_are_refused():
         ModelConfig.from_hf_dict({**base, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="n_group=3 must divide"):
         ModelConfig.from_hf_dict({**base, "n_group": 3})
+
+
+def test_routing_replay_covers_the_deepseek_router(tmp_path):
+    """R3 on this family: the rollout records each token's experts in every MoE layer; the trainer replays them,
+    weights gathered from its own sigmoid scores. Under batch invariance the replayed routes are the trainer's own
+    (agreement 1, logprobs bitwise); replaying other experts changes the logprobs and the agreement says so."""
+    model, cfg = _load(_reference(24), tmp_path)
+    rr = recipe_for_role("fp8_e2e", "rollout", batch_invariant=True)
+    tr = recipe_for_role("fp8_e2e", "trainer", batch_invariant=True)
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=3, record_routes=True)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=5, router_replay=True))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (3, 8, 6)]
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=6))
+    assert samples[0].routes.shape[1:] == (2, 2)  # 2 MoE layers (first_k_dense_replace 1), top-2
+    batch = build_train_batch(samples, torch.zeros(len(samples)), 2, 0, route_shape=cfg.route_shape)
+    mask = batch.loss_mask.bool()
+    assert torch.equal(trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask])
+    assert trainer.routing_metrics()["moe/router_agreement"] == 1.0
+    forged = batch.routes.clone()
+    real = forged >= 0
+    forged[real] = (forged[real] + 1) % cfg.num_experts  # other experts, still valid ids
+    batch.routes = forged
+    assert not torch.equal(trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask])
+    assert trainer.routing_metrics()["moe/router_agreement"] < 1.0
