@@ -137,7 +137,7 @@ class PayloadSpec:
         """The spec of a model converted with ``convert_model(..., mode="inference")``: its parameters
         (a tied ``lm_head`` counted once), its :class:`Fp8InferenceLinear` layers and its QKV quantizers."""
         fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)}
-        tensors = {n: TensorSpec(tuple(p.shape), p.dtype, p.device) for n, p in model.named_parameters()}
+        tensors = {n: TensorSpec(tuple(p.shape), p.dtype, p.device) for n, p in _weights(model)}
         for prefix, mod in fp8.items():
             if mod.bias is not None:
                 tensors[f"{prefix}.bias"] = TensorSpec(tuple(mod.bias.shape), mod.bias.dtype, mod.bias.device)
@@ -217,6 +217,19 @@ def _check_scale(fmt: LinearFormat, name: str, s: torch.Tensor, weight_shape: tu
         fmt.check_scale(name, s, tuple(weight_shape))
     except ValueError as e:
         raise WeightLoadError(str(e)) from None
+
+
+def _weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a version holds besides the FP8 linears: every parameter, and every persistent float buffer that is model
+    state (a DeepSeek router's ``e_score_correction_bias``: not trained by gradient, but part of the weights), not the
+    runtime state of an FP8 layer or of the QKV quantizers (their scales come with the version separately)."""
+    out = list(model.named_parameters())
+    skip = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear | QKVQuantizer)
+            for b, _ in m.named_buffers(recurse=False)}
+    persistent = set(model.state_dict())
+    out += [(n, b) for n, b in model.named_buffers()
+            if n in persistent and n not in skip and b.is_floating_point() and b.dtype != E4M3]
+    return out
 
 
 @dataclass(frozen=True)
@@ -351,7 +364,7 @@ class ProcessedPayload:
         Raises:
             WeightLoadError: ``model`` is not the one the spec was made for (checked before any copy).
         """
-        params = dict(model.named_parameters())
+        params = dict(_weights(model))
         modules = dict(model.named_modules())
         linears = {p: modules.get(p) for p in self.fp8}
         wrong = sorted(p for p, m in linears.items() if not isinstance(m, Fp8InferenceLinear))

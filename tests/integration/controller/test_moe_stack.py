@@ -106,3 +106,40 @@ def test_batch_invariance_gives_zero_moe_mismatch_without_replay_on_two_trainer_
         assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
         assert "moe/router_agreement" not in r.metrics  # no replay: the rollout shipped no routes
         assert r.metrics["moe/load_max_over_mean"] >= 1.0  # the load, summed over both ranks, reaches the report
+
+
+def tiny_deepseek_model(path) -> tuple:
+    """A seeded random 3-layer, 128-wide DeepSeek-V3 (issue 34): MLA (latent 64, rotary 32), 4 routed experts in 2
+    groups (top-2 within 1 group), one shared expert, layer 0 dense, + the character tokenizer."""
+    tok = CharTokenizer()
+    cfg = ModelConfig(architecture="deepseek_v3", vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=64,
+                      bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                      num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=128, norm_topk_prob=True,
+                      n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                      routed_scaling_factor=2.5, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                      v_head_dim=64, rope_interleave=True, initializer_range=0.05)
+    torch.manual_seed(0)
+    save_hf_checkpoint(CausalLM(cfg), cfg, path)
+    tok.save(path)
+    return path, cfg
+
+
+def test_a_deepseek_family_job_with_an_fp8_latent_cache_has_zero_mismatch_and_replays(tmp_path):
+    """A 3-step job on a DeepSeek-V3-shaped model: fp8_e2e, the FP8 latent KV cache (the calibrator service measures
+    the latent's and the rotary key's scales each step and they ship with the version), batch invariance, and
+    routing replay (the routes of the sigmoid group-limited router travel with the samples): every step's
+    trainer logprobs are the rollout's bitwise and the replayed routes are the trainer's own."""
+    model_dir, _ = tiny_deepseek_model(tmp_path / "model")
+    job = tiny_job(model_dir, max_new_tokens=10)
+    job["job"]["steps"] = 3
+    job["policy"]["numerics"] = {"batch_invariant": True}
+    job["policy"]["router_replay"] = {"enabled": True}
+    reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 3)
+    down(stack)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert r.metrics["response_len"] > 1
+        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+        assert r.metrics["moe/router_agreement"] == 1.0
