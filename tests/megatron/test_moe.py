@@ -362,3 +362,20 @@ def test_expert_parallel_ranks_replay_routes_like_one(megatron_core, tmp_path):
     assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=R.LOSS_RTOL)
     worst = max(one["grads"], key=lambda n: R.rel(two["grads"][n], one["grads"][n]))
     assert R.rel(two["grads"][worst], one["grads"][worst]) <= R.GRAD_RTOL, worst
+
+
+def test_the_deepseek_family_and_lora_are_refused_naming_the_key():
+    """Issue 34: deepseek_v3 (MLA, sigmoid group-limited routing, shared experts) is not mapped onto Megatron-Core
+    yet; issue 33: LoRA is not computed by this backend. Both refused at build, saying what to use instead."""
+    from fp8rl.engines import LoraSettings, TrainerConfig
+
+    torch.manual_seed(0)
+    ds = CausalLM(ModelConfig(architecture="deepseek_v3", vocab_size=128, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=128, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                              v_head_dim=64))
+    with pytest.raises(ValueError, match="multi_latent_attention .* policy.training.backend: torch"):
+        _megatron(ds, recipe_for_role("bf16", "trainer"))
+    with pytest.raises(ValueError, match="policy.lora.enabled=true: the MegatronTrainer backend"):
+        _megatron(moe_policy(), recipe_for_role("bf16", "trainer"), TrainerConfig(lora=LoraSettings(rank=4)))
