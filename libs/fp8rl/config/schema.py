@@ -184,10 +184,13 @@ class LoraConfig(Section):
     alpha: float = setting(32.0, "The update is scaled by alpha / rank (PEFT's lora_alpha).", gt=0)
     dropout: float = setting(0.0, "Dropout on the adapters' input in training passes (PEFT's lora_dropout); "
                              "logprob passes never drop.", ge=0, le=0.99)
-    target_modules: tuple = setting(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    target_modules: tuple = setting(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
                                     "Projections that get adapters, by module name (PEFT's target_modules); the "
-                                    "default is every attention and MLP projection, a mixture-of-experts model's "
-                                    "experts included (its router never).")
+                                    "default is every attention and MLP projection the model has (multi-head latent "
+                                    "attention's too), a mixture-of-experts model's experts and shared experts "
+                                    "included (its router never). Names given otherwise must each match a "
+                                    "projection.")
     dtype: str = setting("bfloat16", "The precision the adapters are computed and shipped in: the trainer keeps FP32 "
                          "masters (AdamW updates them) and every engine computes with their rounding to this dtype, "
                          "which is what a refit carries (bfloat16 halves the adapters' refit bytes).",

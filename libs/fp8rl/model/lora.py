@@ -40,7 +40,9 @@ __all__ = ["LoraSettings", "DEFAULT_TARGETS", "ADAPTER_SUFFIXES", "apply_lora", 
 
 # every attention and MLP projection (PEFT's / NeMo RL's module names); a mixture-of-experts layer's experts
 # match gate_proj / up_proj / down_proj too, its router (mlp.gate) never
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   # multi-head latent attention (deepseek_v3): the low-rank query and the latent's projections
+                   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 ADAPTER_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # policy.lora.dtype
 
 
@@ -111,11 +113,13 @@ def _adapter_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> torch
 
 
 def _targets(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """The projections named ``names``. Every name given must match one, except with the default set, which names
+    both attention families' projections and takes those the model has."""
     wanted = set(names)
     found = [(n, m) for n, m in model.named_modules()
              if n.rsplit(".", 1)[-1] in wanted and hasattr(m, "in_features") and hasattr(m, "out_features")]
     missing = wanted - {n.rsplit(".", 1)[-1] for n, _ in found}
-    if missing:
+    if missing and (wanted != set(DEFAULT_TARGETS) or not found):
         raise ValueError(f"policy.lora.target_modules: no projection named {sorted(missing)} in the model")
     return found
 

@@ -208,3 +208,28 @@ def test_routing_replay_covers_the_deepseek_router(tmp_path):
     batch.routes = forged
     assert not torch.equal(trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask])
     assert trainer.routing_metrics()["moe/router_agreement"] < 1.0
+
+
+def test_lora_on_mla_adapts_the_latent_projections_and_keeps_the_engines_bitwise(tmp_path):
+    """Issue 33 on this family: the default targets find MLA's projections (and the experts'); the rollout's and the
+    trainer's logprobs stay bitwise equal with trained adapters under batch invariance."""
+    from fp8rl.model.lora import LoraSettings
+
+    model, _ = _load(_reference(24), tmp_path)
+    lora = LoraSettings(rank=4, alpha=8.0)
+    rr = recipe_for_role("fp8_e2e", "rollout", batch_invariant=True)
+    tr = recipe_for_role("fp8_e2e", "trainer", batch_invariant=True)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=5, lr=2e-2, lora=lora))
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=3, lora=lora)
+    adapted = {n.split(".")[-3] for n in trainer.state_dict(adapters_only=True)}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "down_proj"} <= adapted
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (2, 9, 5)]
+    batch = build_train_batch(engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=4)),
+                              torch.tensor([1.0, -1.0] * 3), 2, 0)
+    trainer.train_step(batch)
+    engine.load_weights(1, trainer.state_dict(adapters_only=True))
+    batch = build_train_batch(engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=5)),
+                              torch.zeros(6), 2, 0)
+    mask = batch.loss_mask.bool()
+    assert torch.equal(trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask])

@@ -67,7 +67,9 @@ def test_a_fresh_adapter_changes_no_number_and_only_adapters_train():
     ids = torch.randint(3, 64, (3, 10))
     before = model(ids)
     names = apply_lora(model, LoraSettings(rank=4, alpha=8))
-    assert len(names) == 2 * len(DEFAULT_TARGETS) and has_lora(model)
+    assert len(names) == 2 * 7 and has_lora(model)  # 2 layers x the 7 standard projections the default names
+    assert {n.rsplit(".", 1)[-1] for n in names} == set(DEFAULT_TARGETS) - {"q_a_proj", "q_b_proj",
+                                                                              "kv_a_proj_with_mqa", "kv_b_proj"}
     assert torch.equal(model(ids), before)  # B = 0
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {n for n, _ in lora_parameters(model)} and len(trainable) == 2 * len(names)
