@@ -50,19 +50,8 @@ from fp8rl.engines import LoraSettings, TorchRolloutEngine, TorchTrainer, TrainB
 from fp8rl.fp8 import fp8_linear_names, recipe_for_role  # noqa: E402
 from fp8rl.presets import load_policy  # noqa: E402
 from fp8rl.refit import RefitPublisher, RefitStore, RefitSubscriber  # noqa: E402
+from fp8rl.refit.transport import CountingSource  # noqa: E402
 from fp8rl.refit.transport.grpc import GrpcShardSource  # noqa: E402
-
-
-class CountingSource:
-    """The gRPC shard source, counting the bytes of every shard it delivers."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.bytes = inner, 0
-
-    def fetch(self, manifest, i):
-        data = self.inner.fetch(manifest, i)
-        self.bytes += len(data)
-        return data
 
 
 def batch(rows: int, length: int, vocab: int, seed: int) -> TrainBatch:

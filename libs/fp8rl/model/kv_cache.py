@@ -165,6 +165,21 @@ class KVCache:
         span = self.aligned_span(t, reach)
         return kc[:, :, :span], vc[:, :, :span]
 
+    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, fp8: bool, reach: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` from an attention layer that stores E4M3 exactly when ``fp8`` (it carries a ``kv_quant``):
+        ``k``/``v`` cast to the layer's storage dtype.
+
+        Raises:
+            RuntimeError: the cache was built for the other kind (rebuild it with :meth:`for_model`).
+        """
+        stored = self.dtype(layer_idx)
+        if fp8 != (stored == E4M3):
+            raise RuntimeError(
+                f"layer {layer_idx}: KV cache stores {stored} but the layer {'has' if fp8 else 'has no'} FP8 "
+                f"kv_quant; rebuild the cache with KVCache.for_model after enable_fp8_kv()/disable_fp8_kv()")
+        return self.update(layer_idx, k.to(stored), v.to(stored), reach)
+
     def aligned_span(self, num_new: int, reach: int = 0) -> int:
         """Positions a row-aligned view covers after ``num_new`` more slots: the longest row's, or ``reach``
         where the storage has room (positions no row has written yet hold finite zeros; attention that

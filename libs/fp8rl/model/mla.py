@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8rl.fp8.kv import QKVQuantizer
-from fp8rl.fp8.quant import E4M3
 
 from .config import ModelConfig
 from .invariant import KeyLayout, split_kv_attention
@@ -103,13 +102,9 @@ class MLAttention(nn.Module):
         if quant is not None:
             q = quant.fake_quantize_q(q)
         if kv_cache is not None:  # the compressed form is what is stored; every slot so far comes back
-            stored = kv_cache.dtype(self.layer_idx)
-            if (quant is not None) != (stored == E4M3):
-                raise RuntimeError(f"layer {self.layer_idx}: the latent cache stores {stored} but the layer "
-                                   f"{'has' if quant is not None else 'has no'} FP8 kv_quant; rebuild the cache")
             c_st, pe_st = quant.quantize_kv(latent, k_pe) if quant is not None else (latent, k_pe)
             reach = layout.index.shape[1] if layout is not None else 0
-            c_st, pe_st = kv_cache.update(self.layer_idx, c_st.to(stored), pe_st.to(stored), reach)
+            c_st, pe_st = kv_cache.store(self.layer_idx, c_st, pe_st, fp8=quant is not None, reach=reach)
             if quant is not None:
                 latent, k_pe = kv_cache.read_dequantized(self.layer_idx, c_st.shape[2], quant.dequantize_kv, dtype)
             else:

@@ -36,7 +36,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fp8rl.fp8.kv import QKVQuantizer
-from fp8rl.fp8.quant import E4M3
 
 from .config import ModelConfig
 from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attention
@@ -148,14 +147,7 @@ class Attention(nn.Module):
     def _through_cache(
         self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, reach: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        stored = cache.dtype(self.layer_idx)
-        if (self.kv_quant is not None) != (stored == E4M3):
-            raise RuntimeError(
-                f"layer {self.layer_idx}: KV cache stores {stored} but the layer "
-                f"{'has' if self.kv_quant is not None else 'has no'} FP8 kv_quant; rebuild the cache "
-                f"with KVCache.for_model after enable_fp8_kv()/disable_fp8_kv()"
-            )
-        return cache.update(self.layer_idx, k.to(stored), v.to(stored), reach)
+        return cache.store(self.layer_idx, k, v, fp8=self.kv_quant is not None, reach=reach)
 
 
 class MLP(ExpertMLP):

@@ -156,6 +156,16 @@ def run_stack_job(tmp_path: Path, job: dict, model_dir: Path, *, watch_s: float)
         raise
 
 
+def assert_zero_mismatch(info, reports, steps: int) -> None:
+    """A job that succeeded with ``steps`` step reports, each with generated tokens and the trainer's logprobs
+    bitwise the rollout's (token_mult_prob_error exactly 1, gen_kl_k3 exactly 0)."""
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == list(range(steps))
+    for r in reports:
+        assert r.metrics["response_len"] > 1  # tokens were generated and compared
+        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+
+
 def down(stack: Stack) -> None:
     launcher("down", "--run-dir", str(stack.run_dir), "--grace", "10", timeout=60)
 

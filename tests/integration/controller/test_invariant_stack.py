@@ -9,11 +9,13 @@ negative control (the flag off) is the default-tier stack test, whose mismatch i
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fp8rl.loop import LoopConfig, run
 
-from .conftest import down, run_stack_job, tiny_job, tiny_model
+from .conftest import assert_zero_mismatch, down, run_stack_job, tiny_job, tiny_model
 from .test_controller import WATCH_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.invariant]
@@ -32,11 +34,7 @@ def test_fp8_e2e_with_fp8_kv_has_zero_mismatch_in_the_stack_and_the_loop(tmp_pat
         job["policy"]["training"].update(dp_size=dp_size, micro_batch_size=3)
     reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
     down(stack)
-    assert (info.state, info.error) == ("succeeded", ""), info.error
-    assert [r.step for r in reports] == [0, 1, 2]
-    for r in reports:
-        assert r.metrics["response_len"] > 1  # tokens were generated and compared
-        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+    assert_zero_mismatch(info, reports, 3)
     if dp_size > 1:
         return  # the loop runs one trainer process: compared once, at dp_size 1
 
@@ -62,11 +60,7 @@ def test_each_fp8_recipe_variant_runs_the_stack_with_zero_mismatch(tmp_path, sca
     job["job"]["steps"] = 2
     reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
     down(stack)
-    assert (info.state, info.error) == ("succeeded", ""), info.error
-    assert [r.step for r in reports] == [0, 1]
-    for r in reports:
-        assert r.metrics["response_len"] > 1
-        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+    assert_zero_mismatch(info, reports, 2)
 
 
 @pytest.mark.parametrize("dp_size", [1, 2])
@@ -75,8 +69,6 @@ def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_pat
     and every later version with the adapters alone; the rollout replica and the calibrator apply them on the base
     they hold; the trainer's logprobs are the rollout's bitwise, every step (the adapters computed the same way).
     With ``dp_size: 2`` the adapters shard over 2 FSDP2 ranks (rank 0 gathers them for each publish)."""
-    import re
-
     model_dir = tiny_model(tmp_path / "model")
     job = tiny_job(model_dir, max_new_tokens=12)
     job["policy"]["numerics"] = {"batch_invariant": True}
@@ -87,11 +79,7 @@ def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_pat
         job["policy"]["training"].update(dp_size=dp_size, micro_batch_size=3)
     reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 2)
     down(stack)
-    assert (info.state, info.error) == ("succeeded", ""), info.error
-    assert [r.step for r in reports] == [0, 1, 2]
-    for r in reports:
-        assert r.metrics["response_len"] > 1
-        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
+    assert_zero_mismatch(info, reports, 3)
     logs = "\n".join(p.read_text(errors="replace") for p in stack.run_dir.rglob("*.log"))
     assert "carries the frozen LoRA base" in logs
     pulled = [(int(v), how, int(n)) for v, how, n in

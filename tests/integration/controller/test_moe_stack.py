@@ -26,7 +26,7 @@ from fp8rl.rpc import trainer_pb2, trainer_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.rpc.routes import routes_to_proto
 
-from .conftest import Stack, down, run_stack_job, tiny_job
+from .conftest import Stack, assert_zero_mismatch, down, run_stack_job, tiny_job
 from .test_controller import WATCH_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.moe]
@@ -99,11 +99,8 @@ def test_batch_invariance_gives_zero_moe_mismatch_without_replay_on_two_trainer_
     reports, info, stack = _run_job(tmp_path, numerics={"batch_invariant": True},
                                     training={"dp_size": 2, "micro_batch_size": 3})
     down(stack)
-    assert (info.state, info.error) == ("succeeded", ""), info.error
-    assert [r.step for r in reports] == [0, 1, 2]
+    assert_zero_mismatch(info, reports, 3)
     for r in reports:
-        assert r.metrics["response_len"] > 1
-        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
         assert "moe/router_agreement" not in r.metrics  # no replay: the rollout shipped no routes
         assert r.metrics["moe/load_max_over_mean"] >= 1.0  # the load, summed over both ranks, reaches the report
 
@@ -137,9 +134,5 @@ def test_a_deepseek_family_job_with_an_fp8_latent_cache_has_zero_mismatch_and_re
     job["policy"]["router_replay"] = {"enabled": True}
     reports, info, stack = run_stack_job(tmp_path, job, model_dir, watch_s=WATCH_S * 3)
     down(stack)
-    assert (info.state, info.error) == ("succeeded", ""), info.error
-    assert [r.step for r in reports] == [0, 1, 2]
-    for r in reports:
-        assert r.metrics["response_len"] > 1
-        assert r.token_mult_prob_error == 1.0 and r.metrics["gen_kl_k3"] == 0.0, (r.step, r.token_mult_prob_error)
-        assert r.metrics["moe/router_agreement"] == 1.0
+    assert_zero_mismatch(info, reports, 3)
+    assert all(r.metrics["moe/router_agreement"] == 1.0 for r in reports)

@@ -18,22 +18,11 @@ from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.model.lora import LoraSettings
 from fp8rl.refit import RefitPublisher, RefitStore, RefitSubscriber, connect
 from fp8rl.refit.manifest import frozen_checksum
+from fp8rl.refit.transport import CountingSource
 
 pytestmark = pytest.mark.integration
 
 LORA = LoraSettings(rank=4, alpha=8.0)
-
-
-class CountingSource:
-    """Wraps a real shard source; counts the bytes of every shard it delivers."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.bytes = inner, 0
-
-    def fetch(self, manifest, i):
-        data = self.inner.fetch(manifest, i)
-        self.bytes += len(data)
-        return data
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,13 @@ import threading
 
 from ..manifest import Manifest
 from ..shards import verify_shard
-from .base import ShardSource
+from .base import CountingSource, ShardSource
 from .inprocess import InProcessShardSource
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TRANSPORTS", "AutoShardSource", "InProcessShardSource", "ShardSource", "make_shard_source"]
+__all__ = ["TRANSPORTS", "AutoShardSource", "CountingSource", "InProcessShardSource", "ShardSource",
+           "make_shard_source"]
 
 TRANSPORTS = ("auto", "grpc", "shm", "collective", "inprocess")
 

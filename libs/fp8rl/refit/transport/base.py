@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..manifest import Manifest
 
-__all__ = ["ShardHolder", "ShardSource"]
+__all__ = ["CountingSource", "ShardHolder", "ShardSource"]
 
 
 class _ManifestStore(Protocol):
@@ -42,3 +42,16 @@ class ShardSource(Protocol):
         """The bytes of shard ``shard_index`` of ``manifest.version`` (any bytes-like object, writable for
         zero-copy assembly: ``bytearray``, a writable ``memoryview``); may raise on transport errors."""
         ...
+
+
+class CountingSource:
+    """A :class:`ShardSource` around another, counting the bytes of every shard it delivers (``bytes``): what a
+    replica's transport moved, for benchmarks and tests that measure refits."""
+
+    def __init__(self, inner: ShardSource) -> None:
+        self.inner, self.bytes = inner, 0
+
+    def fetch(self, manifest: Manifest, shard_index: int):
+        data = self.inner.fetch(manifest, shard_index)
+        self.bytes += len(data)
+        return data
