@@ -274,11 +274,11 @@ class GRPOLoop:
         lora = self.job.lora_settings()
         if lora is None:
             tensors = {k: v for k, v in self.trainer.state_dict().items() if ".kv_quant." not in k}
-        else:  # the adapters merged into the base as loaded (the trainer holds it in FP8 only): fp8rl.export.peft
-            from fp8rl.export.peft import merge_adapters
+        else:  # the adapters merged into the base as loaded (the trainer holds it in FP8 only)
+            from fp8rl.export.peft import merged_with_base
 
-            base = load_policy(self.job.policy.model)[0].state_dict()
-            tensors = merge_adapters(base, self.trainer.state_dict(adapters_only=True), lora)
+            tensors = merged_with_base(self.job.policy.model, self.trainer.state_dict(adapters_only=True), lora,
+                                       recorded_checksum=None, where="the in-process loop")
         policy = model_from_tensors(self.model_config, tensors)
         policy.name_or_path = self.model_name
         return save_policy_hf(policy, self.model_path, out, fmt=fmt, recipe=self.job.fp8_recipe("trainer"),

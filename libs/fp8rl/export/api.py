@@ -21,10 +21,10 @@ from fp8rl.fp8 import E4M3, Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig, model_from_tensors
 from fp8rl.model.hf_io import CONFIG_FILE
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
-from fp8rl.presets import PRESETS, load_policy, prepare_preset
+from fp8rl.presets import PRESETS, prepare_preset
 
 from .hf_fp8 import fp8_recipe_for_export, hub_fp8_tensors
-from .peft import check_base, lora_settings_of, merge_adapters, write_peft_dir
+from .peft import lora_settings_of, merged_with_base, write_peft_dir
 from .readers import ExportError, TrainerCheckpoint, check_tensors, read_checkpoint
 from .writer import check_out_dir, write_hf_dir
 
@@ -87,15 +87,22 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
                           f"PRESET_OR_HF_DIR ({', '.join(PRESETS)} or a directory with config.json)")
     record = {"checkpoint": str(src), "kind": ck.kind, "version": ck.version,
               "model_source": source, "format": fmt}
-    if fmt == "peft" or ck.lora is not None:
-        tensors = _lora_tensors(ck, fmt, config, source)
+    if ck.lora is None:
         if fmt == "peft":
-            settings = lora_settings_of(ck.lora, ck.path)
+            raise ExportError(f"--format peft needs a LoRA checkpoint (policy.lora.enabled: true); {ck.path} holds "
+                              "every weight: export it as hf or hf-fp8")
+        tensors = ck.hf_tensors(config)
+    else:
+        settings = lora_settings_of(ck.lora, ck.path)
+        if fmt == "peft":
             size = write_peft_dir(out, ck.adapters, settings, base_model=source,
                                   record={**record, "base_checksum": ck.lora["base_checksum"]}, force=force)
             return ExportResult(out, fmt, size, time.perf_counter() - t0)
-    else:
-        tensors = ck.hf_tensors(config)
+        tensors = merged_with_base(source, ck.adapters, settings, recorded_checksum=ck.lora["base_checksum"],
+                                   where=ck.path)
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        check_tensors(tensors, config, ck.path)
     use = ck.recipe
     overrides = {k: v for k, v in (("num_first_layers_in_bf16", num_first_layers_in_bf16),
                                    ("num_last_layers_in_bf16", num_last_layers_in_bf16)) if v is not None}
@@ -189,31 +196,6 @@ def resolve_model(name_or_path: str) -> Path:
         raise ExportError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a model "
                           f"directory with {CONFIG_FILE}")
     return path
-
-
-def _lora_tensors(ck: TrainerCheckpoint, fmt: str, config: ModelConfig,
-                  source: str | None) -> dict[str, torch.Tensor] | None:
-    """A LoRA checkpoint's merged HF weights (``hf`` / ``hf-fp8``), or None for ``peft`` (the adapters alone); the
-    base comes from the checkpoint where it holds one (``.dcp``), else from the model source, checked either way
-    against the base checksum the checkpoint records."""
-    if ck.lora is None:
-        raise ExportError(f"--format peft needs a LoRA checkpoint (policy.lora.enabled: true); {ck.path} holds every "
-                          "weight: export it as hf or hf-fp8")
-    if fmt == "peft":
-        return None
-    if ck.tensors:
-        base = ck.hf_tensors(config)
-    else:
-        try:  # as the trainer loaded it (FP32), which the recorded checksum was taken over
-            base = {k: v.detach() for k, v in load_policy(source)[0].state_dict().items()}
-        except (OSError, ValueError) as e:
-            raise ExportError(f"{ck.path}: its base model {source!r} cannot be loaded: {e}") from None
-    check_base(base, ck.lora, ck.path)
-    merged = merge_adapters(base, ck.adapters, lora_settings_of(ck.lora, ck.path))
-    if config.tie_word_embeddings:
-        merged.pop("lm_head.weight", None)
-    check_tensors(merged, config, ck.path)
-    return merged
 
 
 def _check_format(fmt: str) -> None:

@@ -36,12 +36,13 @@ from fp8rl.model.lora import (
     settings_from_peft,
     to_peft_names,
 )
+from fp8rl.presets import load_policy
 
 from .readers import ExportError
 from .writer import EXPORT_RECORD, check_out_dir
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "lora_settings_of", "merge_adapters", "read_peft_dir",
-           "write_peft_dir", "check_base"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "lora_settings_of", "merge_adapters", "merged_with_base",
+           "read_peft_dir", "write_peft_dir"]
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -60,12 +61,26 @@ def lora_settings_of(record: Mapping, where: object) -> LoraSettings:
         raise ExportError(f"{where}: its lora record is not valid settings: {e}") from None
 
 
-def check_base(base: Mapping[str, torch.Tensor], record: Mapping, where: object) -> None:
-    """Refuse a base whose :func:`~fp8rl.model.lora.base_checksum` is not the one the checkpoint records."""
-    got = base_checksum(base)
-    if got != record["base_checksum"]:
-        raise ExportError(f"{where}: its adapters were trained on a base with checksum {record['base_checksum']}, "
-                          f"but the model given has {got}: pass --model the base they were trained on")
+def merged_with_base(source: str, adapters: Mapping[str, torch.Tensor], settings: LoraSettings, *,
+                     recorded_checksum: str | None, where: object) -> dict[str, torch.Tensor]:
+    """The base loaded from ``source`` (a preset or model directory, as :func:`~fp8rl.presets.load_policy` loads it
+    for a trainer: the weights a checkpoint's ``base_checksum`` was taken over) with ``adapters`` merged in
+    (:func:`merge_adapters`). A trainer's own base is in FP8 where its recipe computes in FP8, so the base always
+    comes from the source, checked against ``recorded_checksum`` when given.
+
+    Raises:
+        ExportError: the base cannot be loaded, is another than the one recorded, or the adapters do not fit it.
+    """
+    try:
+        base = {k: v.detach() for k, v in load_policy(source)[0].state_dict().items()}
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{where}: its base model {source!r} cannot be loaded: {e}") from None
+    if recorded_checksum is not None:
+        got = base_checksum(base)
+        if got != recorded_checksum:
+            raise ExportError(f"{where}: its adapters were trained on a base with checksum {recorded_checksum}, "
+                              f"but the model given has {got}: pass --model the base they were trained on")
+    return merge_adapters(base, adapters, settings)
 
 
 def merge_adapters(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],

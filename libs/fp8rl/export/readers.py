@@ -65,8 +65,9 @@ class TrainerCheckpoint:
         model_source: the preset name or model directory it records, or None.
         recipe: the trainer's recipe as recorded (only ``linear`` for checkpoints older than the record).
         lora: a LoRA trainer's record (its ``policy.lora`` settings and ``base_checksum``), else None; its
-            adapters are then in ``adapters`` and ``tensors`` hold the base only where the checkpoint has it (a
-            ``.dcp``), else nothing (a ``.pt`` holds the adapters alone).
+            adapters are then in ``adapters``, and ``tensors`` hold the base as the trainer held it where the checkpoint
+            has it (a ``.dcp``: FP8 forms in an FP8 recipe; exports load the base from the model source instead), else
+            nothing (a ``.pt`` holds the adapters alone).
         adapters: the LoRA adapters (PEFT's names without the wrapper prefix), else empty.
     """
 

@@ -301,17 +301,18 @@ def build_shards(
             got = "missing" if s is None else f"{s.dtype} {tuple(s.shape)}"
             raise ValueError(f"{name} is E4M3: it needs {sname} as {fmt.scale_dtype} {tuple(want)} ({fmt.name}), "
                              f"got {got}")
-    _check_finite_all(state_dict, version, fp8_weights | set(held.values()))
+    held_scales = set(held.values())
+    _check_finite_all(state_dict, version, fp8_weights | held_scales)
     # Plan the layout from shapes alone, then quantize each FP8 weight once, straight into its place in
     # the shards (no E4M3 temporary, no second copy); every other tensor is copied in once.
     specs, order = [], []
     for name, t in state_dict.items():
-        if name in held.values():  # placed beside its weight
+        if name in held_scales:  # placed beside its weight
             continue
         if name in fp8_weights:  # keep each scale beside its weight (same shard in the common case)
             grid, block = fmt.scale_shape(*t.shape), fmt.block_size(*t.shape)
             specs += [(name, "float8_e4m3fn", tuple(t.shape), block),
-                      (name.removesuffix(".weight") + ".weight_scale", scale_dtype, grid, block)]
+                      (_scale_of(name), scale_dtype, grid, block)]
             order += [name, None]
         else:
             specs.append((name, DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape), None))

@@ -104,7 +104,6 @@ class RefitSubscriber:
         self.requires_scales = requires_scales
         # LoRA: frozen_checksum of the base the engine holds (None: no version applied by this subscriber yet)
         self._frozen: str | None = None
-        self._base_bytes = 0
         self.retries, self.scales_timeout_s, self.poll_s = retries, scales_timeout_s, poll_s
 
     def sync_latest(self) -> int | None:
@@ -142,7 +141,7 @@ class RefitSubscriber:
         on = manifest.adapters_on  # LoRA: adapters alone, on a frozen base this replica may not hold
         base_tensors: dict[str, torch.Tensor] = {}
         if on is not None and on["checksum"] != self._frozen:
-            base_tensors, pulled_bytes = self._fetch_base(manifest), self._base_bytes
+            base_tensors, pulled_bytes = self._fetch_base(manifest)
         if self.delta and self._base is not None and self._base[0].version == held and not self._same_host(manifest):
             tensors, pulled = self._try_delta(manifest)
         if tensors is None:
@@ -151,7 +150,10 @@ class RefitSubscriber:
         scales = self._wait_for_scales(version) if self.requires_scales else None
         # atomic: raises WeightLoadError, old weights stay
         self.engine.load_weights(version, {**base_tensors, **tensors} if base_tensors else tensors, scales)
-        self._frozen = on["checksum"] if on is not None else frozen_checksum(manifest)
+        if on is not None:
+            self._frozen = on["checksum"]
+        else:  # a full version: its base's identity matters only in a LoRA job (it then holds adapters)
+            self._frozen = frozen_checksum(manifest) if any(is_adapter(e.name) for e in manifest.tensors) else None
         if self.delta:  # the next delta's base; a full refit's tensors view transport buffers, so they are copied
             self._base = (manifest, tensors if pulled is not manifest else owned(tensors))
         self.store.ack(self.replica_id, version)
@@ -167,9 +169,10 @@ class RefitSubscriber:
                 log.exception("replica %s: the refit observer failed", self.replica_id)
         return version
 
-    def _fetch_base(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+    def _fetch_base(self, manifest: Manifest) -> tuple[dict[str, torch.Tensor], int]:
         """The frozen base (every tensor but the adapters) of a LoRA version that holds its adapters alone, pulled
-        from the version that shipped it (``manifest.adapters_on``) and checked against the identity it names.
+        from the version that shipped it (``manifest.adapters_on``) and checked against the identity it names; and
+        the bytes that pull moved.
 
         Raises:
             UnknownVersionError: the base version's manifest is gone.
@@ -180,14 +183,14 @@ class RefitSubscriber:
         if bm is None:
             raise UnknownVersionError(f"weight version {manifest.version} holds LoRA adapters on base version "
                                       f"{on['version']}, whose manifest is gone")
-        if frozen_checksum(bm) != on["checksum"]:
+        shipped = frozen_checksum(bm)
+        if shipped != on["checksum"]:
             raise RefitFailedError(f"weight version {manifest.version} names base version {on['version']} with "
                                    f"frozen checksum {on['checksum']}, but that version ships another base "
-                                   f"({frozen_checksum(bm)}); still serving version {self.engine.weight_version}")
-        self._base_bytes = bm.total_bytes
+                                   f"({shipped}); still serving version {self.engine.weight_version}")
         log.info("replica %s pulls the frozen LoRA base (version %d, %.1f MiB) under weight version %d",
                  self.replica_id, bm.version, bm.total_bytes / 2**20, manifest.version)
-        return {n: t for n, t in self._fetch_verified(bm).items() if not is_adapter(n)}
+        return {n: t for n, t in self._fetch_verified(bm).items() if not is_adapter(n)}, bm.total_bytes
 
     def _same_host(self, manifest: Manifest) -> bool:
         """The full version is mapped from this host's shared memory: no bytes to save, so no delta."""

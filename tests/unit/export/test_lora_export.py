@@ -109,3 +109,21 @@ def test_lora_exports_refuse_the_wrong_base_and_a_full_checkpoint(lora_run, tmp_
     # a model directory that is not a PEFT adapter
     with pytest.raises(ExportError, match="not a readable PEFT adapter directory"):
         read_peft_dir(d)
+
+
+def test_a_dcp_of_an_fp8_lora_trainer_exports_like_its_pt(tmp_path):
+    """The trainer holds its FP8 base as E4M3 + scales, and a .dcp saves that form: the merged export takes the base
+    from the model source (checked by its checksum) whatever the checkpoint kind, so .dcp and .pt export the same
+    bytes."""
+    from safetensors.torch import load_file
+
+    policy, _, _ = load_policy("tiny-arith")
+    tr = TorchTrainer(policy, recipe_for_role("fp8_e2e", "trainer"), TrainerConfig(lr=3e-2, micro_batch_size=8,
+                                                                                   lora=LORA))
+    tr.train_step(batch(seed=0))
+    tr.save_checkpoint(str(tmp_path / "v1.pt"))
+    tr.save_checkpoint(str(tmp_path / "v1.dcp"))
+    for kind in ("pt", "dcp"):
+        export_checkpoint(tmp_path / f"v1.{kind}", tmp_path / kind, fmt="hf", progress=False)
+    a, b = (load_file(str(tmp_path / k / "model.safetensors")) for k in ("pt", "dcp"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
