@@ -2,7 +2,7 @@
 
     python bench/trainer_scaling.py [--hidden 512 --layers 4 --vocab 8000 --rows 32 --seq 64 --mb 8
                                      --recipe bf16 --steps 4 --backend torch|megatron --tp 1|2 --pp 1|2
-                                     --model dense|moe --ep 1|2 --dispatcher allgather|alltoall]
+                                     --model dense|moe|deepseek --ep 1|2 --dispatcher allgather|alltoall]
 
 ``--backend megatron`` runs :class:`~fp8rl.engines.megatron.MegatronTrainer` instead (megatron-core installed):
 its 2 ranks are data parallel through Megatron-Core DDP, or with ``--tp 2`` one tensor-parallel pair (weights and
@@ -10,6 +10,8 @@ AdamW state sliced in two, activations all-reduced per layer), or with ``--pp 2`
 layers each, Megatron's 1F1B schedule sending activations between them). ``--model moe`` trains a Qwen3-MoE of the
 same shape (``--experts`` experts of the dense FFN's width, top-2, every layer); with ``--ep 2`` the 2-rank run
 is data parallel with expert parallelism 2 (each rank holds half the experts, tokens moved by ``--dispatcher``).
+``--model deepseek`` trains a DeepSeek-V3-shaped MoE instead (multi-latent attention, sigmoid group-limited routing,
+a shared expert, layer 0 dense).
 
 Both runs train the same seeded Llama-shaped model on the same global batch (``--rows`` rows of ``--seq``
 tokens, micro-batches of ``--mb`` rows) with :class:`fp8rl.engines.TorchTrainer`; the 2-rank run is FSDP2 on
@@ -28,7 +30,8 @@ Prints ``ratio NAME VALUE`` lines:
 * ``ratio peak_rss_per_rank/2_vs_1`` — what a rank's process costs in all (the model build, torch and the
   batch are per process, so this stays above 0.5).
 
-With ``--model moe`` also ``ratio expert_params_per_rank/2_vs_1`` and ``ratio expert_optimizer_state_per_rank/2_vs_1``
+With ``--model moe`` (or ``deepseek``) also ``ratio expert_params_per_rank/2_vs_1`` and
+``ratio expert_optimizer_state_per_rank/2_vs_1``
 (EP 2 targets 0.5: each rank holds half the experts and their AdamW moments; DDP 1.0) and
 ``ratio dispatch_share/2x1`` (the all-to-all share of the 2-rank step: ``alltoall`` dispatcher only).
 """
@@ -60,13 +63,18 @@ def _model(args):
     heads = max(args.hidden // 64, 1)
     step = 128 * args.tp  # FFN rows in whole 128-row FP8 blocks on each tensor-parallel rank
     ffn = int(args.hidden * 2.75) // step * step
-    moe = dict(architecture="qwen3_moe", num_experts=args.experts, num_experts_per_tok=2, moe_intermediate_size=ffn,
-               norm_topk_prob=True) if args.model == "moe" else dict(architecture="llama")
+    experts = dict(num_experts=args.experts, num_experts_per_tok=2, moe_intermediate_size=ffn, norm_topk_prob=True)
+    kind = {"dense": dict(architecture="llama"), "moe": dict(architecture="qwen3_moe", **experts),
+            # DeepSeek-V3 / Moonlight-shaped: MLA (latent hidden/2, rotary and nope 64 per head), layer 0 dense,
+            # sigmoid routing over 2 groups, one shared expert
+            "deepseek": dict(architecture="deepseek_v3", **experts, n_group=2, topk_group=1, first_k_dense_replace=1,
+                             n_shared_experts=1, kv_lora_rank=args.hidden // 2, qk_nope_head_dim=64,
+                             qk_rope_head_dim=64, v_head_dim=64, rope_interleave=True)}[args.model]
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=ffn, num_hidden_layers=args.layers,
-                      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
+                      intermediate_size=ffn, num_hidden_layers=args.layers, num_attention_heads=heads,
+                      num_key_value_heads=heads if args.model == "deepseek" else max(heads // 2, 1), head_dim=64,
                       max_position_embeddings=max(args.seq, 64), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      **moe)
+                      **kind)
     return CausalLM(cfg)
 
 
@@ -164,11 +172,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="megatron: the 2-rank run is tensor parallel (2) instead of data parallel (1)")
     ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
                     help="megatron: the 2-rank run is two pipeline stages (2) instead of data parallel (1)")
-    ap.add_argument("--model", default="dense", choices=("dense", "moe"),
-                    help="moe: a Qwen3-MoE of the same shape, --experts experts of the FFN's width, top-2")
+    ap.add_argument("--model", default="dense", choices=("dense", "moe", "deepseek"),
+                    help="moe: a Qwen3-MoE of the same shape, --experts experts of the FFN's width, top-2; deepseek: a "
+                         "DeepSeek-V3-shaped one (MLA, sigmoid group routing, a shared expert, layer 0 dense)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--ep", type=int, default=1, choices=(1, 2),
-                    help="megatron, --model moe: the 2-rank run holds half the experts per rank (expert parallel 2)")
+                    help="megatron, --model moe|deepseek: the 2-rank run holds half the experts per rank (EP 2)")
     ap.add_argument("--dispatcher", default="alltoall", choices=("allgather", "alltoall"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -178,8 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--tp / --pp need --backend megatron (the torch backend scales with FSDP2 data parallel)")
     if args.tp * args.pp > 2:
         ap.error("the 2-rank run is one of data, tensor or pipeline parallel: --tp 2 or --pp 2, not both")
-    if args.ep > 1 and (args.backend != "megatron" or args.model != "moe" or args.tp * args.pp > 1):
-        ap.error("--ep 2 needs --backend megatron --model moe (data parallel with the experts split, no --tp/--pp)")
+    if args.ep > 1 and (args.backend != "megatron" or args.model == "dense" or args.tp * args.pp > 1):
+        ap.error("--ep 2 needs --backend megatron --model moe|deepseek (data parallel with the experts split, no "
+                 "--tp/--pp)")
     if args.worker:
         worker(args)
         return {}
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ratio optimizer_state_per_rank/2_vs_1 "
           f"{max(r['optimizer_state_bytes'] for r in two) / one[0]['optimizer_state_bytes']:.4f}")
     print(f"ratio peak_rss_per_rank/2_vs_1 {max(r['peak_rss_bytes'] for r in two) / one[0]['peak_rss_bytes']:.4f}")
-    if args.model == "moe":
+    if args.model != "dense":
         for key in ("expert_param_bytes", "expert_optimizer_state_bytes"):
             name = key.removesuffix("_bytes").replace("expert_param", "expert_params")
             print(f"ratio {name}_per_rank/2_vs_1 {max(r[key] for r in two) / one[0][key]:.4f}")

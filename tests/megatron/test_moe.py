@@ -59,7 +59,7 @@ def moe_policy(seed: int = 0, sharpen: float = 20.0, **kw) -> CausalLM:
 
 
 def test_hf_and_megatron_layouts_round_trip_exactly_with_experts():
-    from fp8rl.engines.megatron.convert import hf_to_megatron, megatron_names, megatron_to_hf
+    from fp8rl.engines.megatron.convert import hf_to_megatron, megatron_names
 
     policy = moe_policy()
     cfg = policy.config
@@ -70,11 +70,19 @@ def test_hf_and_megatron_layouts_round_trip_exactly_with_experts():
     fc1 = mg["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([hf["model.layers.1.mlp.experts.3.gate_proj.weight"],
                                        hf["model.layers.1.mlp.experts.3.up_proj.weight"]]))
+    assert_round_trip(hf, mg, cfg, left_out="experts.2.down_proj")
+
+
+def assert_round_trip(hf: dict, mg: dict, cfg: ModelConfig, left_out: str) -> None:
+    """Megatron -> HF gives ``hf`` back exactly (the tied head aside); HF -> Megatron without the tensors named
+    ``*left_out*`` is refused."""
+    from fp8rl.engines.megatron.convert import hf_to_megatron, megatron_to_hf
+
     back = megatron_to_hf(mg, cfg)
     assert set(back) == set(hf) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     assert all(torch.equal(back[k], hf[k]) for k in back)
     with pytest.raises(ValueError, match="missing"):
-        hf_to_megatron({k: v for k, v in hf.items() if "experts.2.down_proj" not in k}, cfg)
+        hf_to_megatron({k: v for k, v in hf.items() if left_out not in k}, cfg)
 
 
 @pytest.mark.parametrize("recipe_name", ["bf16", "fp8_e2e"])
@@ -154,30 +162,9 @@ def _replay(**kw):
     return TrainerConfig(**{**TRAIN.__dict__, "router_replay": True, **kw})
 
 
-@pytest.mark.parametrize("recipe_name", ["bf16", "fp8_e2e"])
-def test_megatron_replays_the_rollouts_routes_as_the_torch_backend(megatron_core, recipe_name):
-    """Routes unlike the router's own, replayed through Megatron's RouterReplay hook: logprobs within the dense
-    bounds of the torch backend's replay, the routing metrics (agreement of the router's own choice with the replayed
-    one, the load) equal, and one train step's loss and gradients within the bounds. Negative control: the same
-    batch without routes is far off.
-
-    The router is left as initialised: random routes replayed on the sharpened router give ~9 % of the routing weights
-    below 1e-3 (some 4e-7), which scale the experts' outputs and gradients into E4M3's subnormal range, where one
-    rounding step is far more than the 2**-3 that ``GRAD_RTOL_FP8``'s error model assumes (seen under AVX2 kernels:
-    6.6e-3 on a layer-0 gradient)."""
-    policy, batch = moe_policy(sharpen=1.0), make_batch(vocab=128)
-    batch.routes = _routes(batch)
-    recipe = recipe_for_role(recipe_name, "trainer")
-    torch_tr, mt = TorchTrainer(policy, recipe, _replay()), _megatron(policy, recipe, _replay())
-    ref, got = torch_tr.compute_logprobs(batch), mt.compute_logprobs(batch)
-    diff = float((_real(got, batch) - _real(ref, batch)).abs().max())
-    print(f"{recipe_name}: replayed, max |logprob diff| = {diff:.3g}")
-    assert diff <= LOGPROB_ATOL
-    ma, mm = torch_tr.routing_metrics(), mt.routing_metrics()
-    assert set(ma) == set(mm) and ma["moe/router_agreement"] < 0.9  # the routes are not the router's own
-    for k in ma:
-        assert mm[k] == pytest.approx(ma[k], rel=1e-6), k
-    # the experts Megatron's router used are the rollout's wherever the rollout gave them, its own elsewhere
+def assert_replayed_where_given(mt, batch, ref: torch.Tensor) -> None:
+    """The experts Megatron's routers used (one MoE layer) are the rollout's wherever ``batch.routes`` gives them, their
+    own elsewhere; negative control: the same batch without routes is far off the replayed logprobs ``ref``."""
     from fp8rl.model.router import Routing, routing
 
     plan = Routing(1, replay=batch.routes, record=True)
@@ -190,6 +177,38 @@ def test_megatron_replays_the_rollouts_routes_as_the_torch_backend(megatron_core
     own = copy.copy(batch)
     own.routes = None
     assert float((_real(mt.compute_logprobs(own), batch) - _real(ref, batch)).abs().max()) > 100 * LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "fp8_e2e"])
+def test_megatron_replays_the_rollouts_routes_as_the_torch_backend(megatron_core, recipe_name):
+    """Routes unlike the router's own, replayed through Megatron's RouterReplay hook: logprobs within the dense
+    bounds of the torch backend's replay, the routing metrics (agreement of the router's own choice with the replayed
+    one, the load) equal, and one train step's loss and gradients within the bounds. Negative control: the same
+    batch without routes is far off.
+
+    The router is left as initialised: random routes replayed on the sharpened router give ~9 % of the routing weights
+    below 1e-3 (some 4e-7), which scale the experts' outputs and gradients into E4M3's subnormal range, where one
+    rounding step is far more than the 2**-3 that ``GRAD_RTOL_FP8``'s error model assumes (seen under AVX2 kernels:
+    6.6e-3 on a layer-0 gradient)."""
+    check_replay_against_the_torch_backend(moe_policy(sharpen=1.0), recipe_name)
+
+
+def check_replay_against_the_torch_backend(policy: CausalLM, recipe_name: str) -> None:
+    """Random routes (one MoE layer) replayed by ``policy`` on both backends: logprobs, routing metrics, loss and
+    gradients within the bounds; the experts used are the routes' (:func:`assert_replayed_where_given`)."""
+    batch = make_batch(vocab=128)
+    batch.routes = _routes(batch)
+    recipe = recipe_for_role(recipe_name, "trainer")
+    torch_tr, mt = TorchTrainer(policy, recipe, _replay()), _megatron(policy, recipe, _replay())
+    ref, got = torch_tr.compute_logprobs(batch), mt.compute_logprobs(batch)
+    diff = float((_real(got, batch) - _real(ref, batch)).abs().max())
+    print(f"{recipe_name}: replayed, max |logprob diff| = {diff:.3g}")
+    assert diff <= LOGPROB_ATOL
+    ma, mm = torch_tr.routing_metrics(), mt.routing_metrics()
+    assert set(ma) == set(mm) and ma["moe/router_agreement"] < 0.9  # the routes are not the router's own
+    for k in ma:
+        assert mm[k] == pytest.approx(ma[k], rel=1e-6), k
+    assert_replayed_where_given(mt, batch, ref)
     batch.prev_logprobs = ref
     sa, sb = torch_tr.train_step(copy.copy(batch)), mt.train_step(copy.copy(batch))
     assert sb["loss"] == pytest.approx(sa["loss"], rel=LOSS_RTOL)
@@ -238,14 +257,26 @@ def test_a_three_step_moe_job_through_the_stack_on_the_megatron_backend(megatron
     on (rl.metrics.MISMATCH_PROMISE): on the trained tiny-arith-moe a 3-step job of ~80 tokens a step has single steps
     past that bound (1.105 at step 2, the same at EP 1 and EP 2; the torch backend 1.072), which the promise leaves to
     the median over a whole run."""
-    from fp8rl.model import save_hf_checkpoint
     from fp8rl.model.tokenizer import CharTokenizer
-    from fp8rl.rl.metrics import mismatch_promise
 
-    h = controller_stack
-    tok = CharTokenizer()
+    h, tok = controller_stack, CharTokenizer()
     cfg = ModelConfig(**{**moe_config().__dict__, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
                          "pad_token_id": tok.pad_id, "initializer_range": 0.05})
+    job, model_dir = megatron_moe_job(h, tmp_path, cfg, tok)
+    job["policy"]["training"]["dp_size"] = 2
+    job["policy"]["training"]["megatron_cfg"].update(expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")
+    reports, info, stack = h.run_stack_job(tmp_path, job, model_dir, watch_s=300.0)
+    log = Path(stack.process("trainer")["log"]).read_text()
+    h.down(stack)
+    assert "trainer rank 0 of 2 (Megatron-Core DDP, expert parallel 2 (alltoall dispatcher) over gloo)" in log
+    assert_moe_steps_within_promise(info, reports)
+
+
+def megatron_moe_job(h, tmp_path: Path, cfg: ModelConfig, tok) -> tuple[dict, Path]:
+    """A 3-step fp8_e2e job (FP8 KV, the torch rollout, routing replay, batch invariance off) on a random checkpoint of
+    ``cfg`` (with ``tok``'s tokens) whose trainer is the Megatron backend at dp_size 1: ``(job, model dir)``."""
+    from fp8rl.model import save_hf_checkpoint
+
     model_dir = tmp_path / "model"
     torch.manual_seed(0)
     save_hf_checkpoint(CausalLM(cfg), cfg, model_dir)
@@ -253,14 +284,16 @@ def test_a_three_step_moe_job_through_the_stack_on_the_megatron_backend(megatron
     job = h.tiny_job(model_dir, max_new_tokens=10)
     job["job"]["steps"] = 3
     job["policy"]["training"]["backend"] = "megatron"
-    job["policy"]["training"]["dp_size"] = 2
-    job["policy"]["training"]["megatron_cfg"].update(expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")
     job["policy"]["numerics"] = {"batch_invariant": False}
     job["policy"]["router_replay"] = {"enabled": True}  # the rollout's routes replayed by Megatron's routers
-    reports, info, stack = h.run_stack_job(tmp_path, job, model_dir, watch_s=300.0)
-    log = Path(stack.process("trainer")["log"]).read_text()
-    h.down(stack)
-    assert "trainer rank 0 of 2 (Megatron-Core DDP, expert parallel 2 (alltoall dispatcher) over gloo)" in log
+    return job, model_dir
+
+
+def assert_moe_steps_within_promise(info, reports) -> None:
+    """Three steps succeeded, each with the training and routing metrics and its mismatch within the recipe's
+    per-step promise."""
+    from fp8rl.rl.metrics import mismatch_promise
+
     assert (info.state, info.error) == ("succeeded", ""), info.error
     assert [r.step for r in reports] == [0, 1, 2]
     for r in reports:
@@ -364,18 +397,9 @@ def test_expert_parallel_ranks_replay_routes_like_one(megatron_core, tmp_path):
     assert R.rel(two["grads"][worst], one["grads"][worst]) <= R.GRAD_RTOL, worst
 
 
-def test_the_deepseek_family_and_lora_are_refused_naming_the_key():
-    """Issue 34: deepseek_v3 (MLA, sigmoid group-limited routing, shared experts) is not mapped onto Megatron-Core
-    yet; issue 33: LoRA is not computed by this backend. Both refused at build, saying what to use instead."""
+def test_lora_is_refused_naming_the_key():
+    """Issue 33: LoRA is not computed by this backend: refused at build, saying what to use instead."""
     from fp8rl.engines import LoraSettings, TrainerConfig
 
-    torch.manual_seed(0)
-    ds = CausalLM(ModelConfig(architecture="deepseek_v3", vocab_size=128, hidden_size=128, intermediate_size=256,
-                              num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64, num_experts=4,
-                              num_experts_per_tok=2, moe_intermediate_size=128, n_group=2, topk_group=1,
-                              first_k_dense_replace=1, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                              v_head_dim=64))
-    with pytest.raises(ValueError, match="multi_latent_attention .* policy.training.backend: torch"):
-        _megatron(ds, recipe_for_role("bf16", "trainer"))
     with pytest.raises(ValueError, match="policy.lora.enabled=true: the MegatronTrainer backend"):
         _megatron(moe_policy(), recipe_for_role("bf16", "trainer"), TrainerConfig(lora=LoraSettings(rank=4)))

@@ -72,8 +72,12 @@ def _real(lp, batch):
 def _grads_hf(trainer) -> dict[str, torch.Tensor]:
     if isinstance(trainer, TorchTrainer) and not hasattr(trainer.model, "gpt"):
         return {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
-    mg = {n: p.grad for n, p in trainer.model.gpt.named_parameters()}
-    return megatron_to_hf(mg, trainer.model_config)
+    gpt = trainer.model.gpt
+    mg = {n: p.grad for n, p in gpt.named_parameters()}
+    # DeepSeek's router bias is a buffer (no gradient): given as itself for the conversion's name check, then dropped
+    bias = {n: b for n, b in gpt.named_buffers() if n.endswith("router.expert_bias")}
+    return {k: v for k, v in megatron_to_hf(mg | bias, trainer.model_config).items()
+            if not k.endswith("e_score_correction_bias")}
 
 
 def _adam_first_step_error(w0, w1, grads, config: TrainerConfig) -> float:

@@ -43,7 +43,7 @@ from torch import nn
 
 from .invariant import tiled_linear
 
-__all__ = ["Routing", "TopKRouter", "routers", "routing"]
+__all__ = ["Routing", "RoutingRule", "TopKRouter", "routers", "routing"]
 
 
 def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
@@ -55,51 +55,48 @@ def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
     return F.softmax(torch.stack([logits, torch.zeros_like(logits)], dim=-1), dim=-1)[..., 0]
 
 
-class TopKRouter(nn.Module):
-    """``mlp.gate``: FP32 softmax top-k routing over ``num_experts`` (see the module docstring).
+@dataclass(frozen=True)
+class RoutingRule:
+    """How a router turns FP32 logits into experts and weights (module docstring): Qwen3-MoE's softmax top-k, or
+    DeepSeek-V3's sigmoid with a selection-only bias, group-limited top-k and scaled weights. One rule, used by
+    :class:`TopKRouter` and by the Megatron backend's router, so both route a token alike."""
 
-    Attributes:
-        row_tile: batch-invariant numerics (:mod:`fp8rl.model.invariant`): the logits GEMM over whole row tiles.
-        plan: the :class:`Routing` of the forward in progress (set by :func:`routing`), or None.
-        moe_index: this router's place among the model's mixture-of-experts layers (a route's layer axis).
-    """
+    top_k: int
+    norm_topk_prob: bool
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
-                 scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0) -> None:
-        super().__init__()
-        if scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"router scoring {scoring!r} is not softmax or sigmoid")
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
-        self.routed_scaling_factor = routed_scaling_factor
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
-        if scoring == "sigmoid":  # DeepSeek's selection bias: a buffer (no gradient), in the state dict
-            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.row_tile: int | None = None
-        self.plan: Routing | None = None
-        self.moe_index = 0
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring {self.scoring!r} is not softmax or sigmoid")
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``(N, C)`` -> expert ids ``(N, K)`` int64 and their routing weights ``(N, K)`` FP32."""
-        w = self.weight.float()
-        xf = x.float()
-        logits = xf @ w.t() if self.row_tile is None else tiled_linear(xf, w, None, self.row_tile)  # (N, E)
+    @classmethod
+    def of(cls, config) -> RoutingRule:
+        """The rule of a :class:`~fp8rl.model.ModelConfig`'s mixture-of-experts layers."""
+        return cls(config.num_experts_per_tok, config.norm_topk_prob, "sigmoid" if config.is_mla else "softmax",
+                   config.n_group, config.topk_group, config.routed_scaling_factor)
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None, plan: Routing | None = None,
+              index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 ``logits`` ``(N, E)`` -> expert ids ``(N, K)`` int64 and their weights ``(N, K)`` FP32; ``bias``:
+        the sigmoid rule's ``e_score_correction_bias``; ``plan``: the forward's :class:`Routing` (replayed ids,
+        statistics), this router being its layer ``index``."""
         if self.scoring == "softmax":
             scores = F.softmax(logits, dim=-1)  # (N, E) FP32
             own = torch.topk(scores, self.top_k, dim=-1).indices  # (N, K)
         else:
             scores = _sigmoid(logits)
-            own = self._group_limited_topk(scores.detach() + self.e_score_correction_bias.float())
-        plan = self.plan
-        ids = own if plan is None else plan.ids_for(self.moe_index, own)
+            own = self._group_limited_topk(scores.detach() + bias.float())
+        ids = own if plan is None else plan.ids_for(index, own)
         weights = scores.gather(1, ids)  # (N, K): from this router's scores, replayed or not (gradients flow)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
         if self.scoring == "sigmoid":
             weights = weights * self.routed_scaling_factor
         if plan is not None:
-            plan.observe(self.moe_index, ids, own, scores)
+            plan.observe(index, ids, own, scores)
         return ids, weights
 
     def _group_limited_topk(self, choice: torch.Tensor) -> torch.Tensor:
@@ -112,11 +109,44 @@ class TopKRouter(nn.Module):
         allowed = keep[:, :, None].expand(n, g, e // g).reshape(n, e).bool()
         return torch.topk(choice.masked_fill(~allowed, 0.0), self.top_k, dim=-1).indices
 
-    def extra_repr(self) -> str:
+    def __str__(self) -> str:
         rule = "softmax" if self.scoring == "softmax" else (
             f"sigmoid + bias, {self.topk_group} of {self.n_group} groups, x{self.routed_scaling_factor}")
-        return (f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, {rule}, "
-                f"fp32 (never quantized)")
+        return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, {rule}"
+
+
+class TopKRouter(nn.Module):
+    """``mlp.gate``: FP32 top-k routing over ``num_experts`` by a :class:`RoutingRule` (see the module docstring).
+
+    Attributes:
+        rule: the :class:`RoutingRule`.
+        row_tile: batch-invariant numerics (:mod:`fp8rl.model.invariant`): the logits GEMM over whole row tiles.
+        plan: the :class:`Routing` of the forward in progress (set by :func:`routing`), or None.
+        moe_index: this router's place among the model's mixture-of-experts layers (a route's layer axis).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
+                 scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        self.rule = RoutingRule(top_k, norm_topk_prob, scoring, n_group, topk_group, routed_scaling_factor)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        if scoring == "sigmoid":  # DeepSeek's selection bias: a buffer (no gradient), in the state dict
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.row_tile: int | None = None
+        self.plan: Routing | None = None
+        self.moe_index = 0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(N, C)`` -> expert ids ``(N, K)`` int64 and their routing weights ``(N, K)`` FP32."""
+        w = self.weight.float()
+        xf = x.float()
+        logits = xf @ w.t() if self.row_tile is None else tiled_linear(xf, w, None, self.row_tile)  # (N, E)
+        return self.rule.route(logits, getattr(self, "e_score_correction_bias", None), self.plan, self.moe_index)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, {self.rule}, fp32 (never quantized)"
 
 
 @dataclass

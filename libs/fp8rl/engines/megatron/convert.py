@@ -1,4 +1,5 @@
-"""Hugging Face ↔ Megatron-Core weight layout for Llama / Qwen2 / Qwen3 GPT models (the TP = 1 layout).
+"""Hugging Face ↔ Megatron-Core weight layout for Llama / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 GPT models (the TP = 1
+layout).
 
 The rollout side only ever sees Hugging Face names and layouts; this module is the one place that
 knows Megatron's. Both directions are pure index moves (no arithmetic), so a round trip is exact.
@@ -22,6 +23,16 @@ with ``SequentialMLP`` experts: HF's router ``mlp.gate.weight`` (``(E, C)``) is 
 are (rows of ``moe_intermediate_size``), its ``down_proj`` is ``...linear_fc2.weight``. Disk and refit names stay
 HF's per-expert ones.
 
+A ``deepseek_v3`` model (multi-head latent attention; :attr:`~fp8rl.model.ModelConfig.is_mla`) fuses nothing in
+attention: each HF projection is one Megatron linear of ``MLASelfAttention`` under ``self_attention.`` —
+``q_proj`` → ``linear_q_proj`` (or ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` → ``linear_q_down_proj`` /
+``q_layernorm`` / ``linear_q_up_proj`` with ``q_lora_rank``), ``kv_a_proj_with_mqa`` → ``linear_kv_down_proj`` (the
+latent's ``kv_lora_rank`` rows, then the rotary key's, as HF splits it), ``kv_a_layernorm`` → ``kv_layernorm``,
+``kv_b_proj`` → ``linear_kv_up_proj`` (per head: ``qk_nope_head_dim`` key rows, then ``v_head_dim`` value rows, as
+HF views it). Its MoE layers add the router's ``e_score_correction_bias`` (``mlp.router.expert_bias``, an FP32
+buffer) and the shared experts (``mlp.shared_experts.linear_fc1`` = ``[gate_proj; up_proj]``, ``linear_fc2`` =
+``down_proj``).
+
 Norm names differ between the local spec (``input_layernorm``, ``pre_mlp_layernorm``) and the
 Transformer Engine spec, where the norms are fused into the following linear
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``): pass ``fused_norms=True`` for
@@ -36,7 +47,8 @@ import torch
 
 from fp8rl.model import ModelConfig
 
-__all__ = ["qkv_rows", "gate_up_rows", "expert_gate_up_rows", "hf_to_megatron", "megatron_to_hf", "megatron_names"]
+__all__ = ["qkv_rows", "gate_up_rows", "expert_gate_up_rows", "shared_gate_up_rows", "hf_to_megatron", "megatron_to_hf",
+           "megatron_names"]
 
 
 def qkv_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,6 +80,20 @@ def expert_gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor
     return _stacked_rows(config.moe_intermediate_size)
 
 
+def shared_gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the shared experts' HF ``gate_proj`` and ``up_proj`` inside Megatron's ``linear_fc1``."""
+    return _stacked_rows(config.moe_intermediate_size * config.n_shared_experts)
+
+
+# multi-latent attention: one Megatron module per HF tensor (HF suffix under self_attn., Megatron's under
+# self_attention.); the query's low-rank pair replaces q_proj when q_lora_rank is set
+_MLA_QUERY = (("q_proj.weight", "linear_q_proj.weight"),)
+_MLA_LOW_RANK_QUERY = (("q_a_proj.weight", "linear_q_down_proj.weight"), ("q_a_layernorm.weight", "q_layernorm.weight"),
+                       ("q_b_proj.weight", "linear_q_up_proj.weight"))
+_MLA_LATENT = (("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight"),
+               ("kv_a_layernorm.weight", "kv_layernorm.weight"), ("kv_b_proj.weight", "linear_kv_up_proj.weight"))
+
+
 def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):
     """Layer ``layer``'s ``(renames, fused)``: ``(hf_suffix, mg_suffix)`` pairs and ``(mg, [hf...], rows)``."""
     moe = config.is_moe_layer(layer)
@@ -81,10 +107,17 @@ def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):
          "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"),
         ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
     ]
+    if config.is_mla:
+        query = _MLA_QUERY if config.q_lora_rank is None else _MLA_LOW_RANK_QUERY
+        renames += [(f"self_attn.{h}", f"self_attention.{m}") for h, m in query + _MLA_LATENT]
     if moe:
         renames.append(("mlp.gate.weight", "mlp.router.weight"))
         renames += [(f"mlp.experts.{j}.down_proj.weight", f"mlp.experts.local_experts.{j}.linear_fc2.weight")
                     for j in range(config.num_experts)]
+        if config.is_mla:  # DeepSeek's selection bias (an FP32 buffer) and shared experts
+            renames.append(("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
+            if config.n_shared_experts:
+                renames.append(("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight"))
     else:
         renames.append(("mlp.down_proj.weight", "mlp.linear_fc2.weight"))
     if config.o_proj_bias:
@@ -92,16 +125,22 @@ def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):
     if config.qk_norm:
         renames += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
                     ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
-    qkv = qkv_rows(config)
-    fused = [("self_attention.linear_qkv.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"], qkv)]
+    fused = []
+    if not config.is_mla:
+        qkv = qkv_rows(config)
+        fused.append(("self_attention.linear_qkv.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"], qkv))
     if moe:
         rows = expert_gate_up_rows(config)
         fused += [(f"mlp.experts.local_experts.{j}.linear_fc1.weight",
                    [f"mlp.experts.{j}.gate_proj.weight", f"mlp.experts.{j}.up_proj.weight"], rows)
                   for j in range(config.num_experts)]
+        if config.is_mla and config.n_shared_experts:
+            fused.append(("mlp.shared_experts.linear_fc1.weight",
+                          ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
+                          shared_gate_up_rows(config)))
     else:
         fused.append(("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], gate_up_rows(config)))
-    if config.attention_bias:
+    if config.attention_bias and not config.is_mla:
         fused.append(("self_attention.linear_qkv.bias", [f"self_attn.{p}_proj.bias" for p in "qkv"], qkv))
     return renames, fused
 

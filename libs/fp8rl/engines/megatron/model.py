@@ -29,9 +29,11 @@ from torch import nn
 
 from fp8rl.fp8 import Fp8Recipe, fp8_linear
 from fp8rl.model import ModelConfig
+from fp8rl.model.mla import LATENT_NORM_EPS
+from fp8rl.model.router import RoutingRule
 from fp8rl.model.transformer import rope_inv_freq
 
-from .convert import expert_gate_up_rows, gate_up_rows, qkv_rows
+from .convert import expert_gate_up_rows, gate_up_rows, qkv_rows, shared_gate_up_rows
 
 __all__ = [
     "build_gpt_model", "MegatronCausalLM", "RowPositionRotary", "fp8_parallel_linears", "stage_layers",
@@ -123,7 +125,8 @@ def _init_fp8(mod: nn.Module, fused: str | None, pow2_weight_scale: bool, pow2_a
     mod.tp = parallel_state.get_tensor_model_parallel_world_size()
     mod.hf_rows = None
     if fused is not None:
-        table = {"qkv": qkv_rows, "gate_up": gate_up_rows, "expert_gate_up": expert_gate_up_rows}[fused]
+        table = {"qkv": qkv_rows, "gate_up": gate_up_rows, "expert_gate_up": expert_gate_up_rows,
+                 "shared_gate_up": shared_gate_up_rows}[fused]
         rows = _local_rows(table(model_config), fused)
         mod.hf_rows = [r.to(mod.weight.device) for r in rows]
         mod.hf_inverse = torch.argsort(torch.cat(rows)).to(mod.weight.device)
@@ -196,7 +199,8 @@ def batch_major_moe_layer() -> type:
     dispatcher flattens ``(S, B, H)`` sequence-major and keeps that order within each expert; the torch backend
     (and the rollout) flatten ``(B, T)`` batch-major. This layer hands the dispatcher ``(B, S, H)`` — the same
     tokens, batch-major — and returns the output in Megatron's ``(S, B, H)``, so every expert sees the torch
-    backend's token order (its 1×128 groups, hence its gradients). Its ``allgather`` dispatcher is
+    backend's token order (its 1×128 groups, hence its gradients); the shared experts (DeepSeek), a dense MLP, get
+    Megatron's ``(S, B, H)`` as any MLP does. Its ``allgather`` dispatcher is
     :func:`uneven_allgather_dispatcher`'s (ranks' micro-batches may differ in rows), and its experts
     (:func:`weights_after_experts`) read from the dispatcher which rank each of their tokens came from.
     Defined on first call (megatron-core is optional).
@@ -216,6 +220,12 @@ def batch_major_moe_layer() -> type:
                 padding_mask = padding_mask.transpose(0, 1).contiguous()
             out, bias = super().forward(hidden_states.transpose(0, 1).contiguous(), intermediate_tensors, padding_mask)
             return out.transpose(0, 1).contiguous(), bias
+
+        def shared_experts_compute(self, hidden_states):
+            # the shared experts are a dense MLP: they take Megatron's (S, B, H), whose FP8 linears feed their GEMMs
+            # batch-major (the torch backend's 1x128 groups); hidden_states is batch-major here
+            out = super().shared_experts_compute(hidden_states.transpose(0, 1).contiguous())
+            return None if out is None else out.transpose(0, 1).contiguous()
 
     return BatchMajorMoELayer
 
@@ -291,7 +301,12 @@ def planned_router() -> type:
     instances stay out of ``RouterReplay.global_router_replay_instances`` (a class-level list every build appends to):
     each model's routers answer only to the plan installed on *that* model, so a second model built in the same
     process never replays another's routes. Tokens reach the router batch-major (:func:`batch_major_moe_layer`), the
-    order of a plan's ``(B, T)`` rows. Defined on first call (megatron-core is optional).
+    order of a plan's ``(B, T)`` rows.
+
+    DeepSeek's sigmoid routing (``rule.scoring == "sigmoid"``) is the torch backend's :class:`RoutingRule` on the
+    router's FP32 logits, its bias Megatron's ``expert_bias`` buffer (HF's ``e_score_correction_bias``; never updated:
+    ``moe_router_bias_update_rate`` 0), and it asks the plan directly. Defined on first call (megatron-core is
+    optional).
     """
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
@@ -318,8 +333,9 @@ def planned_router() -> type:
     class PlannedTopKRouter(TopKRouter):
         takes_routing_plan = True  # fp8rl.model.router.routers() finds it
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, rule: RoutingRule | None = None, **kwargs):
             super().__init__(*args, **kwargs)
+            self.rule = rule
             if self.router_replay is None:
                 raise RuntimeError("PlannedTopKRouter needs moe_enable_routing_replay in the TransformerConfig")
             instances = RouterReplay.global_router_replay_instances
@@ -327,6 +343,17 @@ def planned_router() -> type:
             self.router_replay = PlanReplay(self)
             self.plan = None  # the Routing of the forward in progress (set by fp8rl.model.router.routing)
             self.moe_index = 0  # this router's place among the model's MoE layers (set by build_gpt_model)
+
+        def routing(self, logits, padding_mask=None):
+            if self.rule is None or self.rule.scoring == "softmax":
+                return super().routing(logits, padding_mask=padding_mask)
+            # DeepSeek's rule, as the torch backend computes it (RoutingRule.route): Megatron's sigmoid router scores
+            # a group by its top (top_k / group_topk) experts where DeepSeek-V3 takes its top 2, and its
+            # torch.sigmoid rounds an element by where the tensor ends (fp8rl.model.router._sigmoid)
+            logits = logits.view(-1, self.config.num_moe_experts)
+            ids, weights = self.rule.route(logits.float(), self.expert_bias, self.plan, self.moe_index)
+            probs = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, ids, weights)
+            return probs, torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
 
     return PlannedTopKRouter
 
@@ -377,6 +404,68 @@ def weights_after_experts() -> type:
     return WeightsAfterExperts
 
 
+_MLA_COLUMNS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+@functools.cache
+def latent_attention() -> type:
+    """``LatentAttention``: Megatron-Core's ``MLASelfAttention`` (multi-head latent attention) with its five
+    column-parallel projections computed by fp8rl's FP8 linears in a layer the recipe puts in FP8 (``fp8``: the
+    linears' scaling settings; None keeps Megatron's own).
+
+    ``MLASelfAttention`` accepts only Megatron's own classes for its down projections (an identity check on the spec),
+    so the FP8 class is put in after construction: the same module, parameters and state, its forward
+    :class:`Fp8ColumnParallelLinear`'s. Each projection is one HF tensor (``q_proj`` or ``q_a_proj`` / ``q_b_proj``,
+    ``kv_a_proj_with_mqa``, ``kv_b_proj``), quantized in its own 128x128 blocks as the rollout does. The output
+    projection comes from the spec. Defined on first call (megatron-core is optional).
+    """
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class LatentAttention(MLASelfAttention):
+        def __init__(self, *args, fp8: dict | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if fp8 is None:
+                return
+            column, _ = fp8_parallel_linears()
+            for name in _MLA_COLUMNS:
+                mod = getattr(self, name, None)
+                if mod is not None:
+                    mod.__class__ = column
+                    _init_fp8(mod, None, fp8["pow2_weight_scale"], fp8["pow2_activation_scale"], None, fp8["scaling"])
+
+    return LatentAttention
+
+
+@functools.cache
+def latent_core_attention() -> type:
+    """``LatentDotProductAttention``: Megatron's local ``DotProductAttention`` for multi-latent attention, which builds
+    its core attention with the key's and value's widths (``k_channels``, ``v_channels``) that the local class does not
+    take. Its math needs neither — scores over whatever width the query and key have, at the softmax scale MLA passes —
+    only its output width, ``kv_channels`` per head, which the config sets to ``v_head_dim``; this class checks that
+    and drops the two. Defined on first call (megatron-core is optional)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LatentDotProductAttention(DotProductAttention):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            if v_channels is not None and v_channels != config.kv_channels:
+                raise ValueError(f"multi-latent attention: value width {v_channels} but kv_channels "
+                                 f"{config.kv_channels} (transformer_config sets it to v_head_dim)")
+            super().__init__(config, *args, **kwargs)
+
+    return LatentDotProductAttention
+
+
+class LatentNorm:
+    """The RMSNorm of MLA's compressed query and latent (``q_layernorm``, ``kv_layernorm``): Megatron's torch norm at
+    transformers' epsilon for them (:data:`~fp8rl.model.mla.LATENT_NORM_EPS`), which Megatron would take from the
+    model's ``rms_norm_eps``."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        return WrappedTorchNorm(config, hidden_size, eps=LATENT_NORM_EPS, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # config and spec
 # ---------------------------------------------------------------------------------------------
@@ -384,9 +473,13 @@ def weights_after_experts() -> type:
 
 def _check_supported(config: ModelConfig) -> None:
     if config.is_mla:
-        raise ValueError(f"{config.architecture} (multi-head latent attention, sigmoid group-limited routing, shared "
-                         "experts) is not mapped onto Megatron-Core's multi_latent_attention and MoE yet: use "
-                         "policy.training.backend: torch")
+        if not config.rope_interleave:
+            raise ValueError(f"{config.architecture} with rope_interleave=false: Megatron-Core's multi-latent "
+                             f"attention always de-interleaves the rotary dims (transformers' rope_interleave=true); "
+                             f"use policy.training.backend: torch")
+        if config.attention_bias:
+            raise ValueError(f"{config.architecture} with attention_bias=true: Megatron-Core's multi-latent attention "
+                             f"builds its projections without biases; use policy.training.backend: torch")
     if config.attention_bias and config.o_proj_bias:
         raise ValueError(f"{config.architecture} with attention_bias=True puts a bias on o_proj but not on the MLP; "
                          f"Megatron's add_bias_linear cannot express that (use backend: torch)")
@@ -396,18 +489,18 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
                        moe_token_dispatcher_type: str = "allgather"):
     """The Megatron ``TransformerConfig`` equal to ``config`` (dropout off, fusions off on CPU)."""
     from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     _check_supported(config)
-    kw = _moe_config(config, moe_token_dispatcher_type)
+    kw = _moe_config(config, moe_token_dispatcher_type) | _mla_config(config, te)
     if te and recipe.fp8_linears:
         n_first, n_last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
         kw |= dict(fp8="e4m3", fp8_recipe=recipe.scaling, first_last_layers_bf16=bool(n_first or n_last),
                   num_layers_at_start_in_bf16=n_first, num_layers_at_end_in_bf16=n_last)
-    tc = TransformerConfig(
+    tc = (MLATransformerConfig if config.is_mla else TransformerConfig)(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
-        kv_channels=config.head_dim, ffn_hidden_size=config.intermediate_size,
+        kv_channels=config.v_head_dim if config.is_mla else config.head_dim, ffn_hidden_size=config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps, qk_layernorm=config.qk_norm,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=bool(config.attention_bias),
@@ -427,28 +520,64 @@ def transformer_config(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtyp
     return tc
 
 
+def _unsliced(what: str, why: str) -> None:
+    """Refuse tensor or pipeline parallelism > 1 for ``what``, saying ``why`` and what to scale with instead."""
+    from megatron.core import parallel_state
+
+    tp, pp = (parallel_state.get_tensor_model_parallel_world_size(),
+              parallel_state.get_pipeline_model_parallel_world_size())
+    if (tp, pp) != (1, 1):
+        raise ValueError(f"policy.training.megatron_cfg: {what} runs at tensor_model_parallel_size 1 and "
+                         f"pipeline_model_parallel_size 1 on the megatron backend (got {tp} / {pp}): {why}; scale it "
+                         f"with dp_size and expert_model_parallel_size")
+
+
+def _mla_config(config: ModelConfig, te: bool) -> dict:
+    """The ``MLATransformerConfig`` keys of a multi-latent-attention model (empty for another): its ranks and head
+    widths, plain RoPE (``rope_type="rope"``: transformers' rotary without YaRN, which fp8rl refuses; Megatron's
+    softmax scale is then ``(qk_nope + qk_rope) ** -0.5``, transformers')."""
+
+    if not config.is_mla:
+        return {}
+    if te:
+        raise ValueError(f"{config.architecture} (multi-head latent attention) on the Transformer Engine path (CUDA + "
+                         f"transformer_engine) is not mapped: TE's MLA spec fuses the latent norms into the up "
+                         f"projections under other names than the local spec's, which the HF conversion does not "
+                         f"know; run it where transformer_engine is not installed (the local spec)")
+    _unsliced("a multi-latent-attention model", "slicing MLA's projections over tensor-parallel ranks is not mapped")
+    return dict(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_nope_head_dim,
+                qk_pos_emb_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rope_type="rope",
+                rotary_base=config.rope_theta, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
 def _moe_config(config: ModelConfig, dispatcher: str = "allgather") -> dict:
     """The ``TransformerConfig`` keys of a mixture-of-experts model (empty for a dense one): Megatron's ``MoELayer``
     with ``SequentialMLP`` experts where :attr:`~fp8rl.model.ModelConfig.moe_layers` says, routing as the torch
     backend's :class:`~fp8rl.model.router.TopKRouter` — FP32 softmax top-k (``moe_router_pre_softmax``: softmax over
     all experts, then top-k, when the weights are not renormalised; else top-k of the logits, then softmax over them,
     the same renormalised weights), no load-balancing loss, no capacity (no token dropped), the experts spread over
-    Megatron's expert-parallel group, tokens moved by ``dispatcher`` (``allgather`` or ``alltoall``)."""
+    Megatron's expert-parallel group, tokens moved by ``dispatcher`` (``allgather`` or ``alltoall``). DeepSeek's
+    routing (sigmoid, the selection-only ``expert_bias``, groups, ``routed_scaling_factor``) is :func:`planned_router`'s
+    rule, the keys here saying the same; its shared experts are Megatron's ``SharedExpertMLP`` (no gate)."""
     from megatron.core import parallel_state
 
     if not config.moe_layers:
         return {}
-    tp, pp = (parallel_state.get_tensor_model_parallel_world_size(),
-              parallel_state.get_pipeline_model_parallel_world_size())
-    if (tp, pp) != (1, 1):
-        raise ValueError(f"policy.training.megatron_cfg: a mixture-of-experts model ({config.num_experts} experts) "
-                         f"runs at tensor_model_parallel_size 1 and pipeline_model_parallel_size 1 on the megatron "
-                         f"backend (got {tp} / {pp}): Megatron's MoE with TP > 1 needs sequence parallelism, which "
-                         f"the local spec's torch norm refuses; scale it with dp_size and expert_model_parallel_size")
-    return dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
+    _unsliced(f"a mixture-of-experts model ({config.num_experts} experts)", "Megatron's MoE with TP > 1 needs "
+              "sequence parallelism, which the local spec's torch norm refuses")
+    deepseek = {}
+    if RoutingRule.of(config).scoring == "sigmoid":  # PlannedTopKRouter routes by the rule; Megatron's keys agree
+        deepseek = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=config.routed_scaling_factor)
+        if config.n_group > 1:
+            deepseek |= dict(moe_router_num_groups=config.n_group, moe_router_group_topk=config.topk_group)
+        if config.n_shared_experts:
+            deepseek |= dict(moe_shared_expert_intermediate_size=config.n_shared_experts * config.moe_intermediate_size,
+                             moe_shared_expert_overlap=False)
+    return deepseek | dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
                 moe_ffn_hidden_size=config.moe_intermediate_size,
                 moe_layer_freq=[int(config.is_moe_layer(i)) for i in range(config.num_hidden_layers)],
-                moe_router_pre_softmax=not config.norm_topk_prob, moe_router_dtype="fp32",
+                moe_router_pre_softmax=not config.norm_topk_prob and not deepseek, moe_router_dtype="fp32",
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher,
                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
                 moe_enable_routing_replay=True,  # the hook planned_router's replay answers through
@@ -487,14 +616,17 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
                              f"other names than SequentialMLP's, which the HF conversion does not know; run it where "
                              f"transformer_engine is not installed (the local spec, fp8rl's FP8 linears)")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
-    base = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm)
+    mla = config.is_mla
+    kw = dict(normalization="RMSNorm", qk_layernorm=config.qk_norm or mla, multi_latent_attention=mla)
+    base = _latent_norms(get_gpt_layer_local_spec(**kw), mla)
     moe = None
     if config.moe_layers:
-        moe = get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
-                                       qk_layernorm=config.qk_norm)
+        moe = _latent_norms(get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False, **kw), mla)
         moe.submodules.mlp.module = batch_major_moe_layer()
-        moe.submodules.mlp.submodules.router = planned_router()
+        moe.submodules.mlp.submodules.router = functools.partial(planned_router(), rule=RoutingRule.of(config))
         moe.submodules.mlp.submodules.experts.module = weights_after_experts()
+        if not config.n_shared_experts or not mla:
+            moe.submodules.mlp.submodules.shared_experts = None
     column, row = fp8_parallel_linears()
     pow2 = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
                 pow2_activation_scale=recipe.pow2_activation_scaling_factors, scaling=recipe.scaling)
@@ -507,15 +639,34 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
             continue
         layer = copy.deepcopy(spec)  # each FP8 layer edits its own submodule specs
         attn, mlp = layer.submodules.self_attention.submodules, layer.submodules.mlp.submodules
-        attn.linear_qkv = ModuleSpec(module=column, params=dict(fused="qkv", model_config=config, **pow2))
+        if mla:
+            layer.submodules.self_attention.params["fp8"] = pow2
+        else:
+            attn.linear_qkv = ModuleSpec(module=column, params=dict(fused="qkv", model_config=config, **pow2))
         attn.linear_proj = ModuleSpec(module=row, params=pow2)
         fc1 = "gate_up"
         if config.is_moe_layer(i):  # every expert's linears FP8, each HF tensor its own blocks; the router stays FP32
+            if mlp.shared_experts is not None:
+                shared = mlp.shared_experts.submodules
+                shared.linear_fc1 = ModuleSpec(module=column, params=dict(fused="shared_gate_up", model_config=config,
+                                                                          **pow2))
+                shared.linear_fc2 = ModuleSpec(module=row, params=pow2)
             mlp, fc1 = mlp.experts.submodules, "expert_gate_up"
         mlp.linear_fc1 = ModuleSpec(module=column, params=dict(fused=fc1, model_config=config, **pow2))
         mlp.linear_fc2 = ModuleSpec(module=row, params=pow2)
         specs.append(layer)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
+
+
+def _latent_norms(spec, mla: bool):
+    """``spec`` with, for multi-latent attention, :func:`latent_attention` and the latent norms at transformers'
+    epsilon (:class:`LatentNorm`)."""
+    if mla:
+        attn = spec.submodules.self_attention
+        attn.module = latent_attention()
+        attn.submodules.core_attention = latent_core_attention()
+        attn.submodules.q_layernorm = attn.submodules.kv_layernorm = LatentNorm
+    return spec
 
 
 class RowPositionRotary(nn.Module):
@@ -570,8 +721,15 @@ def build_gpt_model(config: ModelConfig, recipe: Fp8Recipe, dtype: torch.dtype =
         share_embeddings_and_output_weights=config.tie_word_embeddings,
         parallel_output=False,  # whole-vocabulary logits on every tensor-parallel rank (a no-op at TP = 1)
     )
-    # RoPE at per-row positions from our inverse frequencies (theta as a float, llama3 scaling if set)
-    gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), gpt.rotary_pos_emb)
+    # RoPE at per-row positions from our inverse frequencies (theta as a float, llama3 scaling if set); multi-latent
+    # attention layers each own their RoPE (the GPTModel builds none): one shared module serves them all
+    if config.is_mla:
+        attns = [layer.self_attention for layer in gpt.decoder.layers]
+        gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), attns[0].rotary_pos_emb)
+        for attn in attns:
+            attn.rotary_pos_emb = gpt.rotary_pos_emb
+    else:
+        gpt.rotary_pos_emb = RowPositionRotary(rope_inv_freq(config), gpt.rotary_pos_emb)
     gpt.fused_norms = te
     for i, router in enumerate(m for m in gpt.modules() if getattr(m, "takes_routing_plan", False)):
         router.moe_index = i  # a route's layer axis: the model's MoE layers in order

@@ -66,6 +66,20 @@ Expert parallelism (``expert_model_parallel_size`` > 1) and the ``alltoall`` dis
     Shim: on a gloo group, every rank's part padded to the largest, gathered, and cut back to its size — the
     same rows in the same order. (The uneven ``reduce_scatter`` it is paired with in backward runs on gloo.)
 
+DeepSeek-V3 models (multi-latent attention, a router with an expert bias) need two more:
+
+13. ``multi_latent_attention.MultiLatentAttention.__init__`` builds its ``RotaryEmbedding`` without passing
+    ``use_cpu_initialization``, so its ``inv_freq`` goes to ``torch.cuda.current_device()``. Shim: the scoped
+    current-device swap while the constructor runs. (The trainer then replaces that module with
+    :class:`~fp8rl.engines.megatron.model.RowPositionRotary`, as for every other model.)
+14. ``router.TopKRouter.__init__`` with ``moe_router_enable_expert_bias`` allocates ``expert_bias`` and
+    ``local_tokens_per_expert`` on ``torch.cuda.current_device()``. Shim: the same scoped swap while it runs.
+15. ``multi_latent_attention`` imports ``TELinear`` and ``TEColumnParallelLinear`` from Megatron's TE extension, which
+    without Transformer Engine hands out ``MagicMock`` placeholders, and its constructor asks
+    ``isinstance(self.linear_proj, TELinear)`` — a ``TypeError`` for a mock. Shim: when ``transformer_engine`` is not
+    importable, the two module names are a class nothing is an instance of (every check then takes its no-TE branch,
+    as with TE absent it should).
+
 Two more CUDA-only spots are avoided rather than shimmed: the default causal mask
 (``transformer.utils.get_default_causal_mask``, the trainer always passes an explicit mask) and
 ``RotaryEmbedding.get_emb`` (which moves ``inv_freq`` to CUDA; the trainer replaces that module
@@ -79,6 +93,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import operator
 
 import torch
@@ -162,6 +177,10 @@ _schedule_on_cpu = _within(_cuda_zeros_on_cpu)  # torch.zeros(device="cuda") on 
 _stays_on_cpu = _within(_tensor_cuda_is_identity)  # Tensor.cuda the identity (shim 7)
 
 
+class _NoTransformerEngine:
+    """Stands for a Transformer Engine class where TE is absent: no object is an instance of it (shim 15)."""
+
+
 _NO_STREAM = object()  # MoEAlltoAllTokenDispatcher's side stream on CPU: a placeholder, never used (shim 10)
 
 
@@ -237,6 +256,13 @@ def apply() -> bool:
     from megatron.core.transformer.moe import moe_utils, router
 
     router.Router.gating = _on_cpu(router.Router.gating)
+    router.TopKRouter.__init__ = _on_cpu(router.TopKRouter.__init__)
+    from megatron.core.transformer import multi_latent_attention
+
+    mla = multi_latent_attention.MultiLatentAttention
+    mla.__init__ = _on_cpu(mla.__init__)
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.TELinear = multi_latent_attention.TEColumnParallelLinear = _NoTransformerEngine
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     from megatron.core.transformer.moe import token_dispatcher
