@@ -63,7 +63,7 @@ test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ra
 	@$(BIN)/python -c "import ray.serve" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,ray]"
 	nice -n 10 $(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
 
-test-megatron: $(STAMP)  ## Megatron-Core trainer backend vs the torch backend, over 2 and 4 ranks (DDP, tensor and pipeline parallel), and a 3-step job on it at dp_size 1 and 2 and at 2 pipeline stages (installs the megatron extra)
+test-megatron: $(STAMP)  ## Megatron-Core trainer backend vs the torch backend (dense, Qwen3-MoE, DeepSeek-V3 MLA), over 2 and 4 ranks (DDP, tensor, pipeline and expert parallel), and 3-step jobs on it (installs the megatron extra)
 	@$(BIN)/python -c "import megatron.core" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,megatron]"
 	nice -n 10 $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
 

@@ -53,9 +53,12 @@ def deepseek_config(q_lora_rank: int | None = None, **kw) -> ModelConfig:
                           **DEEPSEEK, "q_lora_rank": q_lora_rank, **kw})
 
 
-def deepseek_policy(q_lora_rank: int | None = None, seed: int = 0, sharpen: float = 20.0, **kw) -> CausalLM:
+def deepseek_policy(q_lora_rank: int | None = None, seed: int = 0, sharpen: float = 4.0, **kw) -> CausalLM:
     """Norms away from 1 and a random correction bias (both are identity-like at init, which would hide a swapped
-    norm or a bias left out); ``sharpen`` scales the router's logits so its own choices sit far from ties."""
+    norm or a bias left out); ``sharpen`` scales the router's logits so its own choices sit farther from ties — not
+    so far that the sigmoid saturates (scores of exactly 1.0 tie, and implementations break ties differently). The
+    bias is non-negative: DeepSeek's rule (transformers') masks the experts of unchosen groups to 0.0, so a chosen
+    expert whose biased score is negative ties with them, a tie transformers and ``torch.topk`` break by position."""
     torch.manual_seed(seed)
     m = CausalLM(deepseek_config(q_lora_rank, **kw))
     with torch.no_grad():
@@ -66,7 +69,7 @@ def deepseek_policy(q_lora_rank: int | None = None, seed: int = 0, sharpen: floa
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
                 gate.weight.mul_(sharpen)
-                gate.e_score_correction_bias.normal_(0, 0.2)
+                gate.e_score_correction_bias.uniform_(0.0, 0.4)
     return m
 
 
@@ -143,15 +146,27 @@ def test_deepseek_logprobs_and_a_train_step_equal_the_torch_backend(megatron_cor
         assert moved > 100 * LOGPROB_ATOL, what
 
 
-def test_a_deepseek_checkpoint_resumes_bit_identically(megatron_core, tmp_path):
+def test_a_deepseek_checkpoint_resumes_bit_identically_and_exports(megatron_core, tmp_path):
     """Saved after one step and resumed into a trainer built on another correction bias: the checkpoint brings the
-    bias back (it is model state, not trained) and the resumed run's next step is bitwise the run that went on."""
+    bias back (it is model state, not trained) and the resumed run's next step is bitwise the run that went on. The
+    checkpoint exports as transformers' ``DeepseekV3ForCausalLM`` of the trained weights (``ATOL_HF``; the untrained
+    model far off)."""
+    from fp8rl.export import export_checkpoint
+    from fp8rl.model import save_hf_checkpoint
+    from fp8rl.model.tokenizer import CharTokenizer
+    from tests.unit.export.checks import assert_export_is_the_trained_policy
+
     policy, batch = deepseek_policy(64), make_batch(vocab=128)
     recipe = recipe_for_role("fp8_e2e", "trainer")
     a = _megatron(policy, recipe)
     a.train_step(copy.copy(batch))
     a.save_checkpoint(str(tmp_path / "ck.pt"))
+    trained = {k: v.clone() for k, v in a.state_dict().items()}  # views of the live weights otherwise
     a.train_step(copy.copy(batch))
+    save_hf_checkpoint(policy, policy.config, tmp_path / "model")
+    CharTokenizer().save(tmp_path / "model")
+    res = export_checkpoint(tmp_path / "ck.pt", tmp_path / "hf", model=str(tmp_path / "model"), progress=False)
+    assert_export_is_the_trained_policy(res, trained, policy)
     other = copy.deepcopy(policy)
     with torch.no_grad():
         other.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
