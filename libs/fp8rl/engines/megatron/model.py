@@ -1,4 +1,6 @@
-"""A Megatron-Core GPTModel built from a Hugging Face (Llama / Qwen2 / Qwen3) config, FP8 per recipe.
+"""A Megatron-Core GPTModel built from a Hugging Face (Llama / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3) config, FP8 per
+recipe. DeepSeek-V3 (``deepseek_v3``, Moonlight) is Megatron-Core's multi-latent attention (:func:`latent_attention`)
+and ``MoELayer`` with shared experts, routed by the torch backend's rule (:func:`planned_router`).
 
 Two ways to run FP8 linears, chosen by what the machine has (one decision, in :func:`use_te`):
 
