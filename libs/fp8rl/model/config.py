@@ -205,6 +205,12 @@ class ModelConfig:
         return self.architecture in MLA_ARCHITECTURES
 
     @property
+    def shared_expert_intermediate_size(self) -> int:
+        """DeepSeek's shared experts as one SwiGLU MLP: ``n_shared_experts x moe_intermediate_size`` wide (0: none;
+        only ``deepseek_v3`` has them)."""
+        return self.n_shared_experts * self.moe_intermediate_size if self.is_mla else 0
+
+    @property
     def qk_head_dim(self) -> int:
         """MLA: a query's and a key's width per head, ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim

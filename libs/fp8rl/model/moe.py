@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .router import TopKRouter
+from .router import RoutingRule, TopKRouter
 from .swiglu import swiglu
 
 __all__ = ["ExpertMLP", "SparseMoeBlock"]
@@ -57,16 +57,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
-        deepseek = config.is_mla
-        self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                               config.norm_topk_prob, scoring="sigmoid" if deepseek else "softmax",
-                               n_group=config.n_group, topk_group=config.topk_group,
-                               routed_scaling_factor=config.routed_scaling_factor)
+        self.gate = TopKRouter(config.hidden_size, config.num_experts, RoutingRule.of(config))
         self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         # DeepSeek: shared experts (one SwiGLU of n_shared_experts x the expert width) added to every token
-        self.shared_experts = ExpertMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts) \
-            if deepseek and config.n_shared_experts else None
+        shared = config.shared_expert_intermediate_size
+        self.shared_experts = ExpertMLP(config.hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape

@@ -125,14 +125,11 @@ class TopKRouter(nn.Module):
         moe_index: this router's place among the model's mixture-of-experts layers (a route's layer axis).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
-                 scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, rule: RoutingRule) -> None:
         super().__init__()
-        self.rule = RoutingRule(top_k, norm_topk_prob, scoring, n_group, topk_group, routed_scaling_factor)
-        self.num_experts, self.top_k = num_experts, top_k
+        self.rule, self.num_experts = rule, num_experts
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
-        if scoring == "sigmoid":  # DeepSeek's selection bias: a buffer (no gradient), in the state dict
+        if rule.scoring == "sigmoid":  # DeepSeek's selection bias: a buffer (no gradient), in the state dict
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.row_tile: int | None = None
         self.plan: Routing | None = None

@@ -17,7 +17,7 @@ from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
 from fp8rl.fp8 import Fp8Linear, recipe_for_role
 from fp8rl.model import KVCache, ModelConfig, load_hf_checkpoint, save_hf_checkpoint
-from fp8rl.model.router import TopKRouter
+from fp8rl.model.router import RoutingRule, TopKRouter
 
 from .test_transformer import ATOL_HF
 
@@ -70,7 +70,7 @@ def test_logits_equal_transformers(tmp_path, q_lora_rank, rope_interleave, n_gro
 def test_the_correction_bias_chooses_experts_and_never_weighs_them():
     """DeepSeek's rule: the bias moves which experts are chosen; their weights come from the unbiased sigmoid
     scores, renormalised and scaled by routed_scaling_factor."""
-    r = TopKRouter(16, 8, 2, True, scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    r = TopKRouter(16, 8, RoutingRule(2, True, scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5))
     with torch.no_grad():
         r.weight.normal_(0, 0.3)
     x = torch.randn(50, 16)

@@ -82,7 +82,7 @@ def expert_gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor
 
 def shared_gate_up_rows(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices of the shared experts' HF ``gate_proj`` and ``up_proj`` inside Megatron's ``linear_fc1``."""
-    return _stacked_rows(config.moe_intermediate_size * config.n_shared_experts)
+    return _stacked_rows(config.shared_expert_intermediate_size)
 
 
 # multi-latent attention: one Megatron module per HF tensor (HF suffix under self_attn., Megatron's under
@@ -116,7 +116,7 @@ def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):
                     for j in range(config.num_experts)]
         if config.is_mla:  # DeepSeek's selection bias (an FP32 buffer) and shared experts
             renames.append(("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
-            if config.n_shared_experts:
+            if config.shared_expert_intermediate_size:
                 renames.append(("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight"))
     else:
         renames.append(("mlp.down_proj.weight", "mlp.linear_fc2.weight"))
@@ -134,7 +134,7 @@ def _layer_tables(config: ModelConfig, fused_norms: bool, layer: int = 0):
         fused += [(f"mlp.experts.local_experts.{j}.linear_fc1.weight",
                    [f"mlp.experts.{j}.gate_proj.weight", f"mlp.experts.{j}.up_proj.weight"], rows)
                   for j in range(config.num_experts)]
-        if config.is_mla and config.n_shared_experts:
+        if config.shared_expert_intermediate_size:
             fused.append(("mlp.shared_experts.linear_fc1.weight",
                           ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
                           shared_gate_up_rows(config)))

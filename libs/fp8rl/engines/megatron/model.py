@@ -335,7 +335,7 @@ def planned_router() -> type:
     class PlannedTopKRouter(TopKRouter):
         takes_routing_plan = True  # fp8rl.model.router.routers() finds it
 
-        def __init__(self, *args, rule: RoutingRule | None = None, **kwargs):
+        def __init__(self, *args, rule: RoutingRule, **kwargs):
             super().__init__(*args, **kwargs)
             self.rule = rule
             if self.router_replay is None:
@@ -347,7 +347,7 @@ def planned_router() -> type:
             self.moe_index = 0  # this router's place among the model's MoE layers (set by build_gpt_model)
 
         def routing(self, logits, padding_mask=None):
-            if self.rule is None or self.rule.scoring == "softmax":
+            if self.rule.scoring == "softmax":
                 return super().routing(logits, padding_mask=padding_mask)
             # DeepSeek's rule, as the torch backend computes it (RoutingRule.route): Megatron's sigmoid router scores
             # a group by its top (top_k / group_topk) experts where DeepSeek-V3 takes its top 2, and its
@@ -573,8 +573,8 @@ def _moe_config(config: ModelConfig, dispatcher: str = "allgather") -> dict:
                         moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=config.routed_scaling_factor)
         if config.n_group > 1:
             deepseek |= dict(moe_router_num_groups=config.n_group, moe_router_group_topk=config.topk_group)
-        if config.n_shared_experts:
-            deepseek |= dict(moe_shared_expert_intermediate_size=config.n_shared_experts * config.moe_intermediate_size,
+        if config.shared_expert_intermediate_size:
+            deepseek |= dict(moe_shared_expert_intermediate_size=config.shared_expert_intermediate_size,
                              moe_shared_expert_overlap=False)
     return deepseek | dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
                 moe_ffn_hidden_size=config.moe_intermediate_size,
@@ -627,7 +627,7 @@ def _layer_specs(config: ModelConfig, recipe: Fp8Recipe, te: bool):
         moe.submodules.mlp.module = batch_major_moe_layer()
         moe.submodules.mlp.submodules.router = functools.partial(planned_router(), rule=RoutingRule.of(config))
         moe.submodules.mlp.submodules.experts.module = weights_after_experts()
-        if not config.n_shared_experts or not mla:
+        if not config.shared_expert_intermediate_size:
             moe.submodules.mlp.submodules.shared_experts = None
     column, row = fp8_parallel_linears()
     pow2 = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
