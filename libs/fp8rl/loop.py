@@ -23,6 +23,7 @@ import logging
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,10 +35,10 @@ from tqdm import tqdm
 from fp8rl import memory
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
 from fp8rl.controller.pipeline import Pipeline
-from fp8rl.controller.plan import JobPlan, sampling_seed
+from fp8rl.controller.plan import JobPlan, check_data, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.controller.validation import ValidationResult, validate
-from fp8rl.data import ArithDataset, get_grader
+from fp8rl.data import ArithDataset, DataFileError, DataRoot, get_grader
 from fp8rl.engines import (
     MemoryBudgetError,
     QKVCalibrator,
@@ -48,12 +49,14 @@ from fp8rl.engines import (
     make_trainer_backend,
     train_on_batch,
 )
+from fp8rl.envs import ChatRenderer, make_env
+from fp8rl.envs.trajectory import run_trajectories, trajectories_markdown
 from fp8rl.fp8 import RECIPES, QKVScales
 from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
 from fp8rl.presets import load_policy
-from fp8rl.rl import mismatch_promise
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, mismatch_promise
 from fp8rl.rundir import LoopState, RunDir, RunDirError
 
 log = logging.getLogger(__name__)
@@ -113,14 +116,18 @@ class LoopConfig:
             controller and the services do (``policy.generation.backend`` is always the embedded engine).
         out_dir: if set, a report (metrics.jsonl, summary.md, plots, TensorBoard), summary.json and the trained
             policy as an HF model directory (``policy/``) go there.
+        data_root: the directory a ``jsonl`` / ``dataset`` job's ``data.path`` and ``data.validation_path`` must lie
+            in, relative paths relative to it (the controller's ``--data-root``); None: the working directory.
+            ``python -m fp8rl.loop`` gives the job file's directory, as the controller does (:func:`main`).
     """
 
     job: JobConfig = field(default_factory=JobConfig)
     out_dir: str | None = None
+    data_root: str | None = None
 
     @classmethod
     def from_flags(cls, *, job: JobConfig | None = None, recipe: str | None = None, arith: dict | None = None,
-                   out_dir: str | None = None, **flags) -> LoopConfig:
+                   out_dir: str | None = None, data_root: str | None = None, **flags) -> LoopConfig:
         """``job`` (default: all defaults) with loop flags applied: ``recipe`` (the two keys of
         :data:`fp8rl.config.RECIPE_SETTINGS`), ``arith`` (keys of ``data.arith``) and any of
         :data:`LOOP_FLAGS`; a bad value is a :class:`~fp8rl.config.ConfigError` naming the job key."""
@@ -132,7 +139,7 @@ class LoopConfig:
         if "max_weight_lag" in flags:  # asking for a lag bound asks for asynchronous GRPO
             changes["grpo.async_grpo.enabled"] = True
         changes.update({f"data.arith.{k}": v for k, v in (arith or {}).items()})
-        return cls((job or JobConfig()).with_settings(changes), out_dir)
+        return cls((job or JobConfig()).with_settings(changes), out_dir, data_root)
 
     @property
     def recipe(self) -> str:
@@ -152,8 +159,13 @@ class LoopConfig:
     def steps(self) -> int:
         return self.job.job.steps
 
+    @property
+    def data(self) -> DataRoot:
+        """The :class:`~fp8rl.data.DataRoot` the job's data files are read under (default limits)."""
+        return DataRoot(Path(self.data_root or "."))
+
     def as_dict(self) -> dict:
-        return {"job": self.job.to_dict(), "out_dir": self.out_dir}
+        return {"job": self.job.to_dict(), "out_dir": self.out_dir, "data_root": self.data_root}
 
 
 class GRPOLoop:
@@ -202,17 +214,19 @@ class GRPOLoop:
         self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id, percentile=cal.percentile,
                                         margin=cal.margin, max_sequences=cal.max_sequences)
         # the controller's plan of this job: batches, seeds, group size, validation set
-        self.plan = JobPlan("loop", job, with_eval_set=True)  # the loop validates at the start and the end
+        self.plan = JobPlan("loop", job, cfg.data, with_eval_set=True)  # the loop validates at the start and the end
         self.data = ArithDataset(job.arith_config(), seed=job.job.seed) if job.data.task == "arith" else None
         self.eval_set = self.plan.eval_set
         self.grader = get_grader(job.reward.grader)
+        # multi-turn trajectories (env.name): the environment's messages rendered by the policy's chat template
+        self.renderer = ChatRenderer(self.tok) if self.plan.env is not None else None
         self.backends = _InProcess(self)
         prompts = self.plan.prompts(self.plan.batch(0))
         if isinstance(self.trainer, TorchTrainer):  # a batch that cannot fit is refused now, not in step 0's backward
             g = job.grpo
+            after = job.env.max_trajectory_tokens if self.plan.env is not None else job.policy.generation.max_new_tokens
             self.trainer.check_memory(g.num_prompts_per_step * g.num_generations_per_prompt,
-                                      max(map(len, prompts)) + job.policy.generation.max_new_tokens,
-                                      where="the in-process loop")
+                                      max(map(len, prompts)) + after, where="the in-process loop")
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
             scales = self.calibrator.calibrate(self.trainer.version, prompts)
             self.rollout.load_scales(scales)
@@ -357,6 +371,9 @@ class GRPOLoop:
         pipe.run(record)
 
 
+_TURN_SEED_STRIDE = 104_729  # a trajectory batch's turn t samples with the step's seed + t * this
+
+
 class _InProcess:
     """The loop's :class:`~fp8rl.controller.step.StepBackends`: the engines, called directly."""
 
@@ -366,6 +383,10 @@ class _InProcess:
         self._trainer_scales: dict[int, object] = {}  # version -> its scales, until the trainer trains on it
         self._calibrated: dict[int, object] = {}  # the last two versions' scales (a checkpoint takes its version's)
         self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
+        # env.partial finish: a refit waits for the trajectories in flight (each is sampled by one version)
+        self._trajectories = threading.Lock()
+        self.wants_problems = loop.plan.env is not None  # generate() is handed the problems (the tasks)
+        self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
 
     def restart(self, scales) -> None:
         """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
@@ -387,15 +408,42 @@ class _InProcess:
         if getattr(self.loop.trainer, "needs_qkv_scales", False):
             self._trainer_scales[scales.version] = scales
 
-    def generate(self, prompts, version, *, step, n, temperature):
+    def generate(self, prompts, version, *, step, n, temperature, problems=None):
         job = self.loop.job
+        if self.loop.plan.env is not None:
+            return self._trajectories_of(problems, version, step=step, n=n, temperature=temperature)
         params = SamplingParams(temperature=temperature, top_p=job.policy.generation.top_p,
                                 max_tokens=job.policy.generation.max_new_tokens, n=n,
                                 seed=sampling_seed(job.job.seed, step, 0))
         with memory.phase("rollout"):
             return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version)]
 
+    def _trajectories_of(self, problems, version, *, step, n, temperature):
+        """``n`` multi-turn trajectories of every problem (:func:`fp8rl.envs.trajectory.run_trajectories`), each
+        turn one batched generate at ``version``; the environment's reward rides on each."""
+        loop, job = self.loop, self.loop.job
+        spec, g = loop.plan.env, job.policy.generation
+        base = sampling_seed(job.job.seed, step, 0)
+
+        def generate_turn(prompts, max_tokens, turn, keys):
+            params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=max_tokens, n=1,
+                                    seed=base + _TURN_SEED_STRIDE * turn)
+            # each trajectory's K/V is kept between its turns: only the new tokens are prefilled (bitwise the same
+            # under batch invariance; fp8rl.engines.kv_sessions)
+            return loop.rollout.generate(prompts, params, weight_version=version, sessions=keys)
+
+        tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
+        with self._trajectories, memory.phase("rollout"):
+            trajs = run_trajectories(tasks, n, spec, lambda: make_env(spec.name, **spec.kwargs), loop.renderer,
+                                     generate_turn, max_context=loop.rollout.max_len,
+                                     decode=lambda ids: loop.tok.decode(ids, skip_special=False),
+                                     stop_ids=stop_token_ids(loop.tok), release=loop.rollout.drop_session)
+        self.last_trajectories = trajs[:4]  # what the report shows
+        return [(t.prompt_index, t) for t in trajs]
+
     def score(self, pairs):
+        if self.loop.plan.env is not None:  # the environment graded each trajectory (None: it failed, ungraded)
+            return [s.reward for _, s in pairs]
         with memory.phase("reward"):
             return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
 
@@ -432,7 +480,7 @@ class _InProcess:
     def await_refit(self, version):
         loop = self.loop
         scales = self._scales.pop(version, None) if loop.rollout_recipe.fp8_kv else None
-        with memory.phase("refit"):
+        with self._trajectories, memory.phase("refit"):
             if loop.shares_weights:  # the rollout computes with the trainer's tensors: the new version's FP8 forms
                 loop.rollout.follow(version, scales)
             else:
@@ -459,7 +507,8 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
     newest checkpoint — the synchronous loop then runs, sample for sample, what the run that was never stopped
     ran (the data order and every sampler seed are functions of the step; weights, AdamW and the RNG come from
     the checkpoint); an asynchronous run restarts its pipeline at the checkpoint's version (which rollouts overlap
-    which step depends on timing, so no two asynchronous runs with a lag are the same run).
+    which step depends on timing, so no two asynchronous runs with a lag are the same run). A run that stopped
+    before its first checkpoint kept nothing but its job: it starts over from step 0 (logged as a warning).
 
     ``loop`` is an already built :class:`GRPOLoop` of ``cfg`` to run (e.g. to measure its engines
     before and after); by default one is built.
@@ -468,14 +517,18 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
     if resume and rd is None:
         raise ValueError("resume needs the run's directory (cfg.out_dir)")
     state = rd.resume() if resume else None
-    if rd is not None and not resume:
-        rd.start(cfg.job.to_yaml())
+    if resume and state is None:
+        log.warning("%s holds no checkpoint (the run stopped before its first, due every job.checkpoint_every=%d "
+                    "steps), so nothing but its job was kept: starting the run over from step 0", cfg.out_dir,
+                    cfg.job.job.checkpoint_every)
+    if rd is not None and state is None:
+        rd.start(cfg.job.to_yaml(), data_root=cfg.data_root)
     if loop is None:
         loop = GRPOLoop(cfg)
     elif loop.cfg != cfg:
         raise ValueError("run(cfg, loop=...) needs the loop built from the same cfg")
-    if rd is not None and loop.job != cfg.job and not resume:  # auto_bf16_layers chose: a resume runs the choice
-        rd.start(loop.job.to_yaml())
+    if rd is not None and loop.job != cfg.job and state is None:  # auto_bf16_layers chose: a resume runs the choice
+        rd.start(loop.job.to_yaml(), data_root=cfg.data_root)
     history: list[dict] = []
     if state is not None:
         loop.restore(rd.checkpoints / state.checkpoint, state)
@@ -501,7 +554,8 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
             val[m["step"] + 1] = {k: v for k, v in m.items() if k in ("val_accuracy", "val_weight_version")
                                   or k.startswith("val/")}
         history.append(m)
-        bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}")
+        bar.set_postfix(reward=f"{m['reward_mean']:.2f}", err=f"{m['token_mult_prob_error']:.4f}",
+                        max_dlogp=f"{m[MAX_ABS_LOGPROB_DIFF]:.1e}")  # 0.0e+00: bitwise the rollout's
         bar.update()
         if rd is None:
             return
@@ -565,6 +619,10 @@ def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dic
 
     write_report(history, rd.path, title=f"in-process GRPO, {cfg.recipe_label}, kv={cfg.kv_cache_dtype}",
                  observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True), tensorboard=False)
+    if loop.backends.last_trajectories:  # multi-turn: a few trajectories, model and environment tokens told apart
+        RunDir._write(rd.path / "trajectories.md", trajectories_markdown(
+            loop.backends.last_trajectories, lambda ids: loop.tok.decode(ids, skip_special=False),
+            title=f"Trajectories of the last step ({cfg.job.env.name})"))
     RunDir._write(rd.path / "summary.json", json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                         "validation": val}, indent=2))
 
@@ -593,6 +651,8 @@ def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wa
         # samples); the reference gates recipes on the median over steps
         "token_mult_prob_error_median": statistics.median(h["token_mult_prob_error"] for h in history),
         "gen_kl_k3_mean": statistics.fmean(h["gen_kl_k3"] for h in history),
+        # exact (trainer bitwise the rollout) iff 0.0; a NaN step (a broken engine) ranks highest (d != d)
+        "max_abs_logprob_diff_max": max((h[MAX_ABS_LOGPROB_DIFF] for h in history), key=lambda d: (d != d, d)),
         "calibrate_share_mean": statistics.fmean(h["calibrate_share"] for h in history),
         "step_seconds_mean": statistics.fmean(h["time/step"] for h in history),
         "wall_seconds": wall,
@@ -617,8 +677,8 @@ def format_table(summaries: list[dict]) -> str:
     cols = [("recipe", "{}"), ("kv_cache_dtype", "{}"), ("reward_first", "{:.3f}"), ("reward_last", "{:.3f}"),
             ("val_accuracy_start", "{:.3f}"), ("val_accuracy_end", "{:.3f}"),
             ("token_mult_prob_error_median", "{:.6f}"),
-            ("token_mult_prob_error_mean", "{:.6f}"), ("gen_kl_k3_mean", "{:.2e}"),
-            ("calibrate_share_mean", "{:.2%}"), ("step_seconds_mean", "{:.2f}")]
+            ("token_mult_prob_error_mean", "{:.6f}"), ("max_abs_logprob_diff_max", "{:.1e}"),
+            ("gen_kl_k3_mean", "{:.2e}"), ("calibrate_share_mean", "{:.2%}"), ("step_seconds_mean", "{:.2f}")]
     head = " | ".join(c for c, _ in cols)
     lines = [head, "-" * len(head)]
     for s in summaries:
@@ -631,6 +691,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m fp8rl.loop", description="In-process GRPO with FP8 numerics. Runs a job file (--config, "
         "the same YAML the services read) or the defaults; each flag below sets the job key it names.")
     ap.add_argument("--config", metavar="JOB.yaml", help="job file to run (flags override its keys)")
+    ap.add_argument("--data-root", metavar="DIR", default=None,
+                    help="directory a jsonl / dataset job's data.path and data.validation_path must lie in; relative "
+                         "paths are relative to it (default: the directory of --config, else the working directory; "
+                         "with --resume: the run's, recorded in DIR/run.json)")
     ap.add_argument("--recipe", choices=RECIPES, help="precision recipe (sets policy.generation.vllm_cfg.precision "
                     "and policy.training.megatron_cfg.fp8_cfg.enabled; default: the job's, fp8_e2e)")
     docs = dict(walk(JobConfig))
@@ -647,8 +711,8 @@ def _parser() -> argparse.ArgumentParser:
                     "as each step ends, checkpoints every job.checkpoint_every steps, the report, summary.json and "
                     "the trained policy/ (see fp8rl.rundir)")
     ap.add_argument("--resume", metavar="DIR", default=None,
-                    help="continue the stopped run in DIR (its --out) from its newest checkpoint, with its job.yaml; "
-                         "takes no other flag")
+                    help="continue the stopped run in DIR (its --out) from its newest checkpoint, with its job.yaml "
+                         "(no checkpoint yet: start it over from step 0); takes no other flag but --data-root")
     ap.add_argument("--compare", nargs="*", metavar="RECIPE",
                     help="run these recipes (default: all three) with the same seed and print a comparison table")
     return ap
@@ -689,14 +753,20 @@ def main(argv: list[str] | None = None) -> int:
                            if k in flags or getattr(args, k, None) is not None)
             if given:
                 ap.error(f"--resume runs the job saved in its directory: drop {', '.join('--' + g for g in given)}")
-            job = load_job_config(RunDir(args.resume).job_file())
-            base = LoopConfig(job, args.resume)
+            rd = RunDir(args.resume)
+            job = load_job_config(rd.job_file())
+            base = LoopConfig(job, args.resume, args.data_root or rd.data_root())
         else:
             job = load_job_config(args.config) if args.config else JobConfig()
-            base = LoopConfig.from_flags(job=job, recipe=args.recipe, out_dir=args.out, **flags)
+            # the data root defaults to the job file's directory, as the controller's does (services.controller)
+            root = args.data_root or (str(Path(args.config).resolve().parent) if args.config else None)
+            base = LoopConfig.from_flags(job=job, recipe=args.recipe, out_dir=args.out, data_root=root, **flags)
         recipes = [base.recipe] if args.compare is None else (args.compare or list(RECIPES))
         for r in recipes:
             recipe_settings(r)
+        check_data(base.job, base.data)  # a data file outside the root, or missing, before any engine is built
+    except DataFileError as e:
+        ap.error(f"{e} (the loop's flag: --data-root)")
     except (ConfigError, RunDirError) as e:
         ap.error(str(e))
     handlers = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}

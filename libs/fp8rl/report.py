@@ -3,8 +3,9 @@
 :func:`write_report` takes the per-step dicts of either producer and writes::
 
     OUT/metrics.jsonl                one flat JSON row per step (the input, normalised)
-    OUT/summary.md                   headline table: first/last reward and accuracy, mean
-                                     token_mult_prob_error, calibrate share of step time, phase means
+    OUT/summary.md                   headline table: exact or not (mismatch/max_abs_logprob_diff == 0.0 on
+                                     every step), first/last reward and accuracy, mean token_mult_prob_error,
+                                     the largest |Δlogprob|, calibrate share of step time, phase means
     OUT/reward.png accuracy.png token_mult_prob_error.png phase_times.png (stacked per phase)
     OUT/validation.png               runs that validated: greedy accuracy, pass@j, mean@k over steps trained
     OUT/expert_load.png             mixture-of-experts models: each layer's expert load (mean over steps)
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PHASES", "flatten_step", "summarize", "tensorboard_writer", "write_report", "main"]
 
+# fp8rl.rl.metrics.MAX_ABS_LOGPROB_DIFF, spelled here: the report reads rows and imports only fp8rl.limits
+MAX_ABS_LOGPROB_DIFF = "mismatch/max_abs_logprob_diff"
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 _PLOTS = (("reward_mean", "reward.png", "mean reward"), ("accuracy", "accuracy.png", "accuracy"),
           ("token_mult_prob_error", "token_mult_prob_error.png", "token_mult_prob_error (1.0 = identical)"))
@@ -67,6 +70,11 @@ def _finite(values: Iterable[Any]) -> list[float]:
     return [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
 
 
+def _numbers(values: Iterable[Any]) -> list[float]:
+    """The numbers among ``values``, NaN included (a NaN max |Δlogprob| is a broken step, never an exact one)."""
+    return [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+
+
 def _mean(rows: list[dict], key: str) -> float:
     vals = _finite(r.get(key) for r in rows)
     return statistics.fmean(vals) if vals else math.nan
@@ -83,8 +91,11 @@ def summarize(rows: list[dict]) -> dict[str, float]:
     head, tail = done[:k], done[-k:]
     total = sum(_finite(r.get("time/total") for r in rows))
     errs = _finite(r.get("token_mult_prob_error") for r in rows)
-    numeric = _finite(r.get("numeric/token_mult_prob_error", r.get("token_mult_prob_error")) for r in rows
-                      if r.get("stale_fraction", 0.0) < 1.0)
+    own = [r for r in rows if r.get("stale_fraction", 0.0) < 1.0]  # steps with rows of the trainer's own version
+    numeric = _finite(r.get("numeric/token_mult_prob_error", r.get("token_mult_prob_error")) for r in own)
+    # exactness is bitwise: the largest |train - rollout| logprob on the raw values (fp8rl.rl.metrics, issue 47),
+    # not token_mult_prob_error == 1.0, which FP32 exp rounds to 1 for |Δ| below ~6e-8
+    diffs = _numbers(r.get(f"numeric/{MAX_ABS_LOGPROB_DIFF}", r.get(MAX_ABS_LOGPROB_DIFF)) for r in own)
     out = {
         "steps": float(len(rows)), "window": float(k),
         "reward_first": _mean(head, "reward_mean"), "reward_last": _mean(tail, "reward_mean"),
@@ -95,9 +106,10 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         # steps whose trainer logprobs were bitwise the rollout's on the rows of the trainer's own version
         # (asynchronous GRPO: older-version rows differ by their weights, not by numerics; a step with only those
         # measures no numerics)
-        "exact_steps": float(sum(e == 1.0 for e in numeric)), "measured_steps": float(len(numeric)),
+        "exact_steps": float(sum(d == 0.0 for d in diffs)), "measured_steps": float(len(diffs)),
         "stale_only_steps": float(sum(r.get("stale_fraction", 0.0) >= 1.0 for r in rows)),
         "token_mult_prob_error_max": max(numeric) if numeric else math.nan,
+        "max_abs_logprob_diff_max": (math.nan if not diffs or any(math.isnan(d) for d in diffs) else max(diffs)),
         "step_seconds_mean": _mean(rows, "time/total"),
     }
     out.update({f"phase_seconds/{p}": _mean(rows, f"time/{p}") for p in PHASES})
@@ -139,12 +151,13 @@ def _exactness(s: dict[str, float]) -> str:
     also = (f"; {stale} steps trained only on rows of older versions, which differ by their weights "
             "(asynchronous GRPO: stale/* metrics)") if stale else ""
     if n == 0:
-        return "no step measured the train/rollout numerics" + also
+        return f"no step measured the train/rollout numerics ({MAX_ABS_LOGPROB_DIFF}){also}"
     if exact == n:
         return (f"**exact**: the trainer's logprobs were bitwise the rollout's on all {n} steps with rows of its own "
-                f"version (1.000000){also}")
+                f"version (max |Δlogprob| 0){also}")
     return (f"**not exact**: trainer and rollout logprobs of the same version differed on {n - exact} of {n} steps "
-            f"(token_mult_prob_error up to {s['token_mult_prob_error_max']:.6f}){also}")
+            f"(max |Δlogprob| up to {_fmt(s['max_abs_logprob_diff_max'], '.3e')}, token_mult_prob_error up to "
+            f"{s['token_mult_prob_error_max']:.6f}){also}")
 
 
 def _summary_md(s: dict[str, float], title: str, notes: list[str], facts: Sequence[tuple[str, str]] = ()) -> str:
@@ -156,6 +169,7 @@ def _summary_md(s: dict[str, float], title: str, notes: list[str], facts: Sequen
              f"{_fmt(s['accuracy_last'], '.3f')} |",
              f"| token_mult_prob_error median / mean over steps | "
              f"{_fmt(s['token_mult_prob_error_median'], '.6f')} / {_fmt(s['token_mult_prob_error_mean'], '.6f')} |",
+             f"| max abs Δlogprob over steps (0 = bitwise) | {_fmt(s['max_abs_logprob_diff_max'], '.3e')} |",
              f"| calibrate share of step time (on the step's critical path) | "
              f"{_fmt(100 * s['calibrate_share'], '.2f', ' %')} (target ≤ 1 %) |",
              f"| mean step time | {_fmt(s['step_seconds_mean'], '.2f', ' s')} |",

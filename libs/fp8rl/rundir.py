@@ -3,6 +3,8 @@
 Layout::
 
     DIR/job.yaml                  the job the run executes (what ``--resume DIR`` runs again)
+    DIR/run.json                  what the run needs beyond its job: ``{"data_root": ABSOLUTE PATH}``, the directory a
+                                  ``jsonl`` / ``dataset`` job's data paths were resolved under (a resume uses it again)
     DIR/metrics.jsonl             one flat row per finished step, appended and flushed as the step ends
     DIR/tensorboard/              the same rows as TensorBoard scalars, flushed per step
     DIR/checkpoints/trainer-v<V>.pt   the trainer's checkpoint (weights, AdamW, RNG, version): the trainer
@@ -20,6 +22,9 @@ Invariants:
   (:data:`KEEP` are kept).
 * A new run never overwrites a directory that holds checkpoints of a run that did not finish (refused, naming
   ``--resume``); a finished run's directory is replaced as before.
+* A run that stopped before its first checkpoint kept nothing but its job: resuming it starts it over from step 0
+  (:meth:`RunDir.resume` returns None); one that finished without checkpoints (``job.checkpoint_every: 0``; its
+  ``summary.json`` does not say ``stopped``) is refused, like one whose final checkpoint says it finished.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class RunDir:
 
     JOB = "job.yaml"
     METRICS = "metrics.jsonl"
+    RUN = "run.json"
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -88,9 +94,9 @@ class RunDir:
         self._tb = None  # the TensorBoard writer, opened with the first row
 
     # -- starting and resuming ------------------------------------------------------------------------------
-    def start(self, job_yaml: str) -> None:
-        """A new run: the directory and ``job.yaml`` now, an empty ``metrics.jsonl``; refuses a directory holding an
-        unfinished run's checkpoints."""
+    def start(self, job_yaml: str, *, data_root: str | Path | None = None) -> None:
+        """A new run: the directory, ``job.yaml`` and ``run.json`` (``data_root``, made absolute; None: the working
+        directory) now, an empty ``metrics.jsonl``; refuses a directory holding an unfinished run's checkpoints."""
         state = self.latest()
         if state is not None and not state.finished:
             raise RunDirError(f"{self.path} holds an unfinished run (checkpoint at step {state.next_step}, weight "
@@ -102,6 +108,7 @@ class RunDir:
         for stale in ("summary.json", "summary.md"):  # a finished run's: never mistaken for this one's
             (self.path / stale).unlink(missing_ok=True)
         self._write(self.path / self.JOB, job_yaml)
+        self._write(self.path / self.RUN, json.dumps({"data_root": os.path.abspath(data_root or ".")}))
         (self.path / self.METRICS).write_text("")
 
     def job_file(self) -> Path:
@@ -110,14 +117,35 @@ class RunDir:
             raise RunDirError(f"{self.path} is not a loop run directory: it has no {self.JOB}")
         return f
 
-    def resume(self) -> LoopState:
+    def data_root(self) -> str | None:
+        """The absolute data root the run was started with (``run.json``); None where none was recorded (a run
+        directory from before ``run.json``: its data paths were relative to the working directory)."""
+        try:
+            return json.loads((self.path / self.RUN).read_text())["data_root"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RunDirError(f"{self.path / self.RUN} is unreadable ({exc}): give the run's data root with "
+                              f"--data-root") from None
+
+    def resume(self) -> LoopState | None:
         """The newest consistent checkpoint's state, the metrics and TensorBoard rewritten to its finished steps
-        (rows of steps after it, from the run that died, are dropped: the resumed run measures them again)."""
+        (rows of steps after it, from the run that died, are dropped: the resumed run measures them again).
+
+        None: the run stopped before its first checkpoint, so nothing but its job was kept; the caller starts the run
+        over from step 0 (:meth:`start`, which also empties ``metrics.jsonl``).
+
+        Raises:
+            RunDirError: no ``job.yaml`` (not a run directory), or the run finished (its final checkpoint says so,
+                or without checkpoints its ``summary.json`` does not say it stopped).
+        """
         self.job_file()
         state = self.latest()
         if state is None:
-            raise RunDirError(f"{self.path} holds no checkpoint to resume from (the loop checkpoints every "
-                              f"job.checkpoint_every steps; its metrics.jsonl keeps the steps it finished)")
+            if self._finished_without_checkpoint():
+                raise RunDirError(f"the run in {self.path} finished (its summary.json says so; it kept no checkpoint, "
+                                  f"job.checkpoint_every 0): nothing to resume")
+            return None
         if state.finished:
             raise RunDirError(f"the run in {self.path} finished all its {state.next_step} steps: nothing to resume")
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
@@ -125,6 +153,15 @@ class RunDir:
         for row in state.history:
             self.append(row)
         return state
+
+    def _finished_without_checkpoint(self) -> bool:
+        """``summary.json`` exists and does not say ``stopped``: without a checkpoint only the end of a run writes
+        that (a signal writes ``stopped``; a new run removes the old one's)."""
+        try:
+            summary = json.loads((self.path / "summary.json").read_text())["summary"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False  # none (killed before any report was written), or unreadable: not a finished run's
+        return not summary.get("stopped", False)
 
     def latest(self) -> LoopState | None:
         """The newest loop state whose trainer checkpoint exists (None: no checkpoint)."""

@@ -2,8 +2,13 @@
 
 Usage (every role the same way)::
 
-    python -m services.<role> --config JOB.yaml [--port N] [--host ADDR] [--redis-url URL] [--replica-id ID]
-                              [--job-id ID] [--advertise-host HOST] [--ready-file PATH] [role flags]
+    python -m services.<role> --config JOB.yaml [--port N] [--host ADDR] [--redis-url URL | --redis-url-file F]
+                              [--replica-id ID] [--job-id ID] [--advertise-host HOST] [--ready-file PATH] [role flags]
+
+A Redis password travels in the URL (``redis://:PASSWORD@host:port/db``); ``--redis-url-file`` (what
+``deploy.launcher`` passes: ``RUN/secrets/redis.url``, mode 0600) keeps it off the command line, and it wins over
+``--redis-url``. The URL is only ever logged redacted (:func:`fp8rl.refit.redact_url`); a wrong or missing password
+stops the service at start with one line naming the setting it came from (exit 2).
 
 Lifecycle:
 
@@ -46,8 +51,8 @@ from typing import Any
 from fp8rl import limits, memory
 from fp8rl.config import ConfigError, load_job_config
 from fp8rl.metrics import serve_metrics
-from fp8rl.refit import RefitConnectionError, RefitError, RefitStore, RoleLease, connect
-from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES
+from fp8rl.refit import RefitAuthenticationError, RefitConnectionError, RefitError, RefitStore, RoleLease, connect
+from fp8rl.rpc.channel import DEFAULT_MAX_MESSAGE_BYTES, read_token_file
 from fp8rl.rpc.server import SCOPE_SERVICE, build_server
 
 from . import security
@@ -63,7 +68,8 @@ __all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", 
 # flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
 ENV = {
     "config": "FP8RL_CONFIG", "port": "FP8RL_PORT", "host": "FP8RL_HOST", "advertise_host": "FP8RL_ADVERTISE_HOST",
-    "redis_url": "FP8RL_REDIS_URL", "job_id": "FP8RL_JOB_ID", "replica_id": "FP8RL_REPLICA_ID",
+    "redis_url": "FP8RL_REDIS_URL", "redis_url_file": "FP8RL_REDIS_URL_FILE", "job_id": "FP8RL_JOB_ID",
+    "replica_id": "FP8RL_REPLICA_ID",
     "ready_file": "FP8RL_READY_FILE", "log_level": "FP8RL_LOG_LEVEL", "max_message_bytes": "FP8RL_MAX_MESSAGE_BYTES",
     "lease_ttl": "FP8RL_LEASE_TTL_S", "grace": "FP8RL_SHUTDOWN_GRACE_S", "workers": "FP8RL_GRPC_WORKERS",
     "token": "FP8RL_AUTH_TOKEN", "metrics_port": "FP8RL_METRICS_PORT", "metrics_host": "FP8RL_METRICS_HOST",
@@ -117,7 +123,10 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
     a("--host", default=env_default("host", "[::]"), help="address to bind")
     a("--advertise-host", default=env_default("advertise_host"),
       help="host others reach this server at (default: --host, or this hostname when binding a wildcard)")
-    a("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"))
+    a("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"),
+      help="redis://[:PASSWORD@]HOST:PORT/DB; a password here is visible to every local user: prefer --redis-url-file")
+    a("--redis-url-file", default=env_default("redis_url_file"),
+      help="file holding the Redis URL with its password (mode 0600); wins over --redis-url")
     a("--job-id", default=env_default("job_id"), help="Redis namespace of the job (default: job.name)")
     a("--replica-id", default=env_default("replica_id", _default_replica_id(spec.name)))
     a("--ready-file", default=env_default("ready_file"), help="JSON written once the port is bound and started")
@@ -143,7 +152,24 @@ def parse_args(spec: ServiceSpec, argv: Sequence[str] | None) -> argparse.Namesp
     args = p.parse_args(argv)
     if not args.config:
         p.error(f"--config (or ${ENV['config']}) is required")
+    try:
+        _read_redis_url_file(args)
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
     return args
+
+
+def _redis_url_source(args: argparse.Namespace) -> str:
+    """The setting ``args.redis_url`` came from, for error messages."""
+    if args.redis_url_file:
+        return f"--redis-url-file {args.redis_url_file} (or ${ENV['redis_url_file']})"
+    return f"--redis-url (or ${ENV['redis_url']})"
+
+
+def _read_redis_url_file(args: argparse.Namespace) -> None:
+    """``--redis-url-file`` given: its content (one URL, surrounding whitespace removed) becomes ``args.redis_url``."""
+    if args.redis_url_file:
+        args.redis_url = read_token_file(args.redis_url_file, "--redis-url-file")
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -170,9 +196,14 @@ def _write_ready_file(path: str, payload: dict) -> None:
     os.replace(tmp, target)  # readers never see a half-written file
 
 
-def _redis(spec: ServiceSpec, url: str):
+def _redis(spec: ServiceSpec, args: argparse.Namespace):
+    """The job's Redis client. A refused password stops the start (:class:`StartupError` naming the setting);
+    an unreachable Redis too for a role that ``needs_redis``, else the role serves and connects later."""
+    url = args.redis_url
     try:
         return connect(url)
+    except RefitAuthenticationError as exc:
+        raise StartupError(f"{exc} given by {_redis_url_source(args)}") from None
     except RefitConnectionError as exc:
         if spec.needs_redis:
             raise
@@ -197,7 +228,7 @@ def serve(spec: ServiceSpec, argv: Sequence[str] | None = None) -> int:
         apply_security_args(args, spec.scopes)
         job = load_job_config(args.config)
         job.check_services()  # keys only the in-process loop runs
-        store = RefitStore(_redis(spec, args.redis_url), args.job_id or job.job.name)
+        store = RefitStore(_redis(spec, args), args.job_id or job.job.name)
         ctx = Context(spec.name, args, job, store)
         if spec.uses_compute_thread(job):  # one OpenMP team per process: services.common.compute says why
             compute = ComputeThread(f"{spec.name}-torch")

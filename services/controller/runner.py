@@ -469,9 +469,10 @@ class JobRunner:
         self._faults, self._events_after = {"retries": 0, "outage": 0.0}, after  # the next step's budget
         self._step_t0 = time.perf_counter()
         self._notify()
-        log.info("job %s step %d/%d: v%d -> v%d reward %.3f accuracy %.3f token_mult_prob_error %.4f (%.2f s)",
-                 plan.job_id, step + 1, plan.total, partial["weight_version"], v1, report["reward_mean"],
-                 report["accuracy"], metrics.get("token_mult_prob_error", math.nan), times["total"])
+        log.info("job %s step %d/%d: v%d -> v%d reward %.3f accuracy %.3f token_mult_prob_error %.4f "
+                 "max |dlogprob| %.1e (%.2f s)", plan.job_id, step + 1, plan.total, partial["weight_version"], v1,
+                 report["reward_mean"], report["accuracy"], metrics.get("token_mult_prob_error", math.nan),
+                 metrics.get("mismatch/max_abs_logprob_diff", math.nan), times["total"])
         return state
 
     def _refit_wait(self, version: int) -> list[str]:

@@ -49,7 +49,7 @@ from fp8rl.presets import load_policy
 from fp8rl.refit import RefitError, StaleVersionError
 from fp8rl.refit.transport.grpc import DEFAULT_CHUNK_BYTES, WeightStoreServicer
 from fp8rl.refit.transport.shm import ShmUnavailableError
-from fp8rl.rl import mismatch_metrics
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, mismatch_metrics
 from fp8rl.rpc import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2_grpc
 from fp8rl.rpc.routes import routes_from_proto
 from services.common.refit import build_publisher, start_broadcaster
@@ -361,9 +361,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             t_publish = self._publish()
         phases = common_pb2.PhaseTimes(logprobs=out.logprobs_s, train=out.train_s, publish=t_publish,
                                        calibrate=t_calibrate, total=time.perf_counter() - t0)
-        log.info("step %d: weight version %d -> %d, loss %.4f, token_mult_prob_error %.4f", request.step,
-                 request.expected_version, s.trainer.version, out.metrics.get("train/loss", float("nan")),
-                 out.metrics["token_mult_prob_error"])
+        log.info("step %d: weight version %d -> %d, loss %.4f, token_mult_prob_error %.4f, max |dlogprob| %.1e",
+                 request.step, request.expected_version, s.trainer.version, out.metrics.get("train/loss", float("nan")),
+                 out.metrics["token_mult_prob_error"], out.metrics[MAX_ABS_LOGPROB_DIFF])
         mem = memory.step_memory()  # this process's peaks of the step's phases (logprobs, train)
         s.ctx.metrics.observe_memory(mem)
         return trainer_pb2.TrainStepResponse(new_version=s.trainer.version, metrics={**out.metrics, **mem},

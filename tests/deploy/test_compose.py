@@ -63,7 +63,10 @@ def test_healthchecks_and_start_order(profile_config):
 def test_redis_has_a_password(profile_config):
     _, cfg = profile_config
     redis = cfg["services"]["redis"]
-    assert "--requirepass" in " ".join(redis["command"]) and redis["environment"]["REDIS_PASSWORD"] == "0123abcd"
+    script = " ".join(redis["command"])
+    # the password is given on redis-server's stdin, never in its argv (readable by every process of the host)
+    assert "\nrequirepass $$REDIS_PASSWORD\n" in script and "redis-server -" in script and "--requirepass" not in script
+    assert redis["environment"]["REDIS_PASSWORD"] == "0123abcd"
     assert "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
     url = cfg["services"]["trainer" if "trainer" in cfg["services"] else "trainer-gpu"]["environment"]
     assert url["FP8RL_REDIS_URL"] == "redis://:0123abcd@redis:6379/0"

@@ -25,6 +25,7 @@ CPU kernels round differently, so nothing here depends on exact numbers):
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +191,40 @@ def test_the_loop_runs_a_job_file_and_flags_set_its_keys(preset, tmp_path, capsy
     assert "fp8_e2e" in capsys.readouterr().out
 
 
+def _job_beside_its_data(jobs: Path, *extra: str) -> Path:
+    """``jobs/job.yaml``, a 1-step tiny-arith job, reading ``data.path: train.jsonl`` from beside it."""
+    from fp8rl.data import ArithDataset
+
+    jobs.mkdir()
+    rows = ArithDataset(seed=0).eval_set(8)
+    (jobs / "train.jsonl").write_text("".join(json.dumps({"prompt": r.prompt, "answer": r.answer}) + "\n"
+                                              for r in rows))
+    job = jobs / "job.yaml"
+    job.write_text("job: {steps: 1, eval_size: 2, seed: 3}\n"
+                   "grpo: {num_prompts_per_step: 2, num_generations_per_prompt: 2}\n"
+                   "policy: {generation: {max_new_tokens: 4}}\n"
+                   "data: {task: jsonl, path: train.jsonl}\n" + "".join(extra))
+    return job
+
+
+def test_the_loop_reads_data_beside_its_job_file_and_refuses_it_outside_data_root(preset, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Issue 47: the data root defaults to the job file's directory (the controller's rule), not the working
+    directory; ``--data-root`` names another, and a data file not under it is refused before any engine is built."""
+    job = _job_beside_its_data(tmp_path / "jobs")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # train.jsonl is not under the working directory
+    assert main(["--config", str(job), "--out", str(tmp_path / "out")]) == 0
+    recorded = json.loads((tmp_path / "out" / "run.json").read_text())["data_root"]
+    assert Path(recorded) == job.resolve().parent  # what --resume reads the data under again
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--config", str(job), "--data-root", str(tmp_path / "elsewhere"), "--out", str(tmp_path / "out2")])
+    err = capsys.readouterr().err
+    assert "data.path: 'train.jsonl' does not exist under the data root" in err and "--data-root" in err
+    assert not (tmp_path / "out2").exists()
+
+
 def _small(**kw) -> LoopConfig:
     return _config(3, prompts_per_step=4, group_size=4, num_minibatches=1, eval_size=8, **kw)
 
@@ -228,7 +263,8 @@ def test_shared_weights_run_number_for_number_as_copies_and_hold_one_copy(preset
 
 def test_async_with_lag_zero_is_the_synchronous_run_number_for_number(preset):
     sync, k0 = run(_small(), progress=False), run(_small(max_weight_lag=0), progress=False)
-    keys = ("reward_mean", "token_mult_prob_error", "gen_kl_k3", "train/loss", "response_len", "weight_version")
+    keys = ("reward_mean", "token_mult_prob_error", "mismatch/max_abs_logprob_diff", "gen_kl_k3", "train/loss",
+            "response_len", "weight_version")
     for a, b in zip(sync["steps"], k0["steps"], strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert sync["summary"]["val_accuracy_end"] == k0["summary"]["val_accuracy_end"]
@@ -252,7 +288,8 @@ def test_async_lag_one_overlaps_and_every_sample_has_its_versions_scales(preset)
     lags = [h["weight_lag_max"] for h in res["steps"]]
     assert max(lags) <= 1 and lags[1:] == [1.0] * (len(lags) - 1)
     assert all(w == s and versions <= {w} for w, s, versions in seen)
-    assert "stale/token_mult_prob_error" in res["steps"][-1] and res["summary"]["weight_lag_max"] == 1.0
+    assert {"stale/token_mult_prob_error", "stale/mismatch/max_abs_logprob_diff"} <= res["steps"][-1].keys()
+    assert res["summary"]["weight_lag_max"] == 1.0
 
 
 @pytest.mark.parametrize("lag", [None, 1])

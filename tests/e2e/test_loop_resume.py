@@ -121,9 +121,40 @@ def test_resume_refuses_what_it_cannot_continue(preset, tmp_path, capsys):
         main(["--resume", str(tmp_path)])  # no job.yaml: not a run directory
     assert "not a loop run directory" in capsys.readouterr().err
     (tmp_path / "job.yaml").write_text("job: {steps: 2}\n")
-    assert main(["--resume", str(tmp_path)]) == 2
-    assert "no checkpoint to resume from" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--resume", str(tmp_path), "--steps", "3"])
     assert "--resume runs the job saved in its directory: drop --steps" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_resume_before_the_first_checkpoint_starts_over_from_step_0_with_the_runs_data_root(
+        preset, tmp_path, monkeypatch, caplog, capsys):
+    """Issue 47: a run killed before its first checkpoint kept only its job (and the rows of the steps it finished):
+    ``--resume`` runs it from step 0, saying so, with its data read under the data root it started with (the job
+    file's directory, recorded in run.json) wherever the resume is run from; the finished run is then refused."""
+    from fp8rl.data import ArithDataset
+    from fp8rl.rundir import RunDir
+
+    jobs, run_dir = tmp_path / "jobs", tmp_path / "run"
+    jobs.mkdir()
+    (jobs / "train.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
+                                              for p in ArithDataset(seed=0).eval_set(8)))
+    job = ("job: {steps: 1, eval_size: 2, seed: 3, checkpoint_every: 0}\n"
+           "grpo: {num_prompts_per_step: 2, num_generations_per_prompt: 2}\n"
+           "policy: {generation: {max_new_tokens: 4}}\n"
+           "data: {task: jsonl, path: train.jsonl}\n")
+    # what `--config jobs/job.yaml --out run` leaves when SIGKILLed after step 0's row, before the run's end
+    # (checkpoint_every 0: no checkpoint ever)
+    RunDir(run_dir).start(job, data_root=jobs)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": -1.0}) + "\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # train.jsonl is not under the working directory
+    with caplog.at_level("WARNING", logger="fp8rl.loop"):
+        assert main(["--resume", str(run_dir)]) == 0
+    assert "holds no checkpoint" in caplog.text and "starting the run over from step 0" in caplog.text
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [0] and rows[0]["reward_mean"] != -1.0  # the dead run's row measured again
+    assert json.loads((run_dir / "summary.json").read_text())["config"]["data_root"] == str(jobs)
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir)]) == 2  # finished without a checkpoint: its summary.json says so
+    assert f"the run in {run_dir} finished" in capsys.readouterr().err

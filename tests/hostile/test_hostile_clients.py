@@ -5,7 +5,9 @@ What must hold (issue 35): a caller without a token can neither hold a worker (s
 service buffer its message (oversized calls); a stalled call with a token holds no worker either and ends
 after the first-message deadline; health answers throughout; a client-token holder flooding the controller
 hits its job caps, pages ListJobs from an index, and finished jobs are deleted by the retention; a Score
-whose caller is gone stops grading; and each of the smaller defects is refused with its own code.
+whose caller is gone stops grading; and each of the smaller defects is refused with its own code. Health is not a
+way in either (issue 47): no-token health Checks held open (and replaced as the server ends them) lock no one
+out, oversized ones are never buffered, and Watch and reflection without a token are refused unread.
 
 Bounds used below, and why they separate the behaviours (the old server shows the failure by far more):
 * ``FAST_S`` = 1 s: a health check or a refusal on loopback takes milliseconds; a starved one waits for its
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -334,7 +336,7 @@ def test_a_job_flood_hits_the_caps_lists_by_page_and_is_pruned(hostile_stack):
         except grpc.RpcError as err:  # a one-step job that ran, finished and was pruned to the cap meanwhile
             assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
     keep = int(LIMITS["FP8RL_MAX_FINISHED_JOBS"])
-    r = redis.Redis.from_url(st.info["redis_url"])
+    r = redis.Redis.from_url(st.redis_url)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         listed = jobs.ListJobs(controller_pb2.ListJobsRequest(limit=100), timeout=FAST_S).jobs
@@ -467,6 +469,175 @@ def _ppid(pid: int) -> int | None:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+# -- health without a token (issue 47): answered from the server's status, never held, never fed ----------------
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+STALLED_HEALTH = 64  # the old gate's max_waiting: this many stalled health calls locked every caller out
+
+
+def authed_call(stack, name: str) -> Callable[[], object]:
+    """One authenticated call of ``name`` that reads its request through the gate: health with the token, then
+    the service's own light (or quick) method where it has one."""
+    ch = make_channel(target(stack, name), token=token(stack, name), tls_ca="", own_connection=True)
+    checks = [lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=FAST_S)]
+    if name == "controller":
+        checks.append(lambda: controller_pb2_grpc.JobServiceStub(ch).ListJobs(
+            controller_pb2.ListJobsRequest(limit=1), timeout=FAST_S))
+    elif name == "trainer":
+        checks.append(lambda: trainer_pb2_grpc.TrainerServiceStub(ch).Status(trainer_pb2.TrainerStatusRequest(),
+                                                                            timeout=FAST_S))
+    elif name == "rollout-0":
+        checks.append(lambda: rollout_pb2_grpc.RolloutServiceStub(ch).Status(rollout_pb2.RolloutStatusRequest(),
+                                                                            timeout=FAST_S))
+    elif name == "reward":
+        checks.append(lambda: reward_pb2_grpc.RewardServiceStub(ch).Score(
+            reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="4", answer="4")]), timeout=FAST_S))
+    return lambda: [c() for c in checks]
+
+
+def fresh_probe_s(stack, name: str) -> float:
+    """Seconds a complete health Check without a token takes on a new connection (SERVING asserted)."""
+    ch = make_channel(target(stack, name), token="", tls_ca="", own_connection=True)
+    try:
+        t0 = time.monotonic()
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
+        return time.monotonic() - t0
+    finally:
+        ch.close()
+
+
+class HeldHealth:
+    """``calls`` stalled no-token health Checks (headers, never a message) on each of ``connections`` connections,
+    each replaced by a new one as soon as the server ends it — an attacker keeping the server's hands full."""
+
+    def __init__(self, tgt: str, calls: int, connections: int = 1) -> None:
+        self.stop, self.ended, self.codes, self.details = threading.Event(), [0], set(), set()
+        self.channels = [make_channel(tgt, token="", tls_ca="", own_connection=True) for _ in range(connections)]
+        self.threads = [threading.Thread(target=self._hold, args=(ch,), daemon=True)
+                        for ch in self.channels for _ in range(calls)]
+        for t in self.threads:
+            t.start()
+
+    def _hold(self, ch: grpc.Channel) -> None:
+        call = ch.stream_unary(HEALTH_CHECK)
+        while not self.stop.is_set():
+            release = threading.Event()
+
+            def never(release=release) -> Iterator[bytes]:
+                release.wait(30)
+                return
+                yield b""
+
+            try:
+                call(never(), timeout=30)
+                self.codes.add(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                self.codes.add(err.code())
+                self.details.add(f"{err.code().name}: {err.details()}")
+            finally:
+                release.set()
+            self.ended[0] += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=10)
+        for ch in self.channels:
+            ch.close()
+
+
+@pytest.mark.parametrize("connections", [1, 4], ids=["one-connection", "four-connections"])
+@pytest.mark.parametrize("name", list(LONG_METHOD))
+def test_stalled_health_without_a_token_locks_no_one_out(hostile_stack, name, connections):
+    """64 stalled no-token health Checks per connection, replaced as the server ends them: a fresh probe and the
+    authenticated calls still answer within ``FAST_S`` (the old gate counted them among its 64 waiting calls and
+    answered everyone RESOURCE_EXHAUSTED until their first-message deadline)."""
+    st = hostile_stack
+    held = HeldHealth(target(st, name), STALLED_HEALTH, connections)
+    authed = authed_call(st, name)
+    try:
+        time.sleep(0.5)  # every held call has started
+        worst_probe = max(fresh_probe_s(st, name) for _ in range(3))
+        worst_authed = 0.0
+        for _ in range(3):
+            t0 = time.monotonic()
+            authed()
+            worst_authed = max(worst_authed, time.monotonic() - t0)
+    finally:
+        held.close()
+    print(f"\n{name}: {STALLED_HEALTH} x {connections} stalled no-token health calls ({held.ended[0]} ended and "
+          f"replaced): fresh probe max {worst_probe * 1e3:.1f} ms, authenticated calls max {worst_authed * 1e3:.1f} ms")
+    assert worst_probe < FAST_S and worst_authed < FAST_S
+    # the server answered the stalled calls (SERVING) without waiting for the message that never came; a stream
+    # opened before the server let go of the one it replaces is past the connection's 64 and refused (REFUSED_STREAM)
+    assert grpc.StatusCode.OK in held.codes and held.ended[0] >= STALLED_HEALTH * connections
+    assert all(d.startswith("UNAVAILABLE") and "error code 7" in d for d in held.details), held.details
+
+
+def test_oversized_health_without_a_token_is_never_buffered_on_any_service(hostile_stack):
+    """16 no-token health Checks of 16 MiB each, sent over and over for 10 s to every service at once: no
+    service's RSS grows by 64 MiB (the old servers read each message whole — 16 x 16 MiB = 256 MiB at once per
+    service); every service still answers a fresh probe afterwards."""
+    st = hostile_stack
+    big = b"\x0a" + b"\xff" * 4 + b"\x01" + b"\x00" * (16 * MIB)  # a field that claims to be huge, then bytes
+    pids = {name: st.process(name)["pid"] for name in LONG_METHOD}
+    before = {name: rss_mib(pid) for name, pid in pids.items()}
+    peak, done = dict(before), threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for name, pid in pids.items():
+                peak[name] = max(peak[name], rss_mib(pid))
+            time.sleep(0.02)
+
+    codes: dict[str, set] = {name: set() for name in LONG_METHOD}
+
+    def flood(name: str, ch: grpc.Channel, until: float) -> None:
+        call = ch.unary_unary(HEALTH_CHECK)
+        while time.monotonic() < until:
+            try:
+                call(big, timeout=5)
+                codes[name].add(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                codes[name].add(err.code())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    channels = {name: make_channel(target(st, name), token="", tls_ca="", own_connection=True) for name in LONG_METHOD}
+    try:
+        until = time.monotonic() + 10.0
+        with ThreadPoolExecutor(16 * len(channels)) as ex:
+            for f in [ex.submit(flood, name, ch, until) for name, ch in channels.items() for _ in range(16)]:
+                f.result()
+    finally:
+        done.set()
+        watcher.join()
+        for ch in channels.values():
+            ch.close()
+    for name in LONG_METHOD:
+        print(f"\n{name}: RSS {before[name]:.0f} MiB before, peak {peak[name]:.0f} MiB during 10 s of 16 x 16 MiB "
+              f"no-token health messages; codes {sorted(c.name for c in codes[name])}")
+    for name in LONG_METHOD:
+        assert peak[name] - before[name] <= 64, (name, before[name], peak[name])
+        assert grpc.StatusCode.OK in codes[name]  # answered without the message being read
+        assert fresh_probe_s(st, name) < FAST_S
+
+
+def test_health_watch_and_reflection_need_a_token(hostile_stack):
+    """The two health-side streams that could be held open: Watch and reflection without a token are refused from
+    the metadata, their request streams still open (never read)."""
+    for name in LONG_METHOD:
+        ch = make_channel(target(hostile_stack, name), token="", tls_ca="")
+        for method in ("/grpc.health.v1.Health/Watch",
+                       "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
+            stalled = Stalled(ch, method, True, 1)
+            try:
+                assert stalled.codes(timeout=FAST_S) == [grpc.StatusCode.UNAUTHENTICATED], (name, method)
+            finally:
+                stalled.close()
+        ch.close()
 
 
 def test_every_service_is_healthy_after_the_abuse(hostile_stack):

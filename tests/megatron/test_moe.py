@@ -4,7 +4,8 @@
 
 Against the torch backend on the same checkpoint, with test_trainer's bounds (named there, from their error models):
 logprobs within ``LOGPROB_ATOL``; one train step's loss within ``LOSS_RTOL`` and every gradient within
-``GRAD_RTOL_FP32`` (bf16 recipe) or ``GRAD_RTOL_FP8`` (fp8_e2e). Negative controls show each comparison can fail.
+``GRAD_RTOL_FP32`` (bf16 recipe) or ``GRAD_RTOL_FP8`` (fp8_e2e; ``GRAD_RTOL_FP8_ONE_FLIP`` for routes replayed on a
+sharp router). Negative controls show each comparison can fail.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fp8rl.model import CausalLM, ModelConfig
 from .conftest import make_batch
 from .test_trainer import (
     GRAD_RTOL_FP8,
+    GRAD_RTOL_FP8_ONE_FLIP,
     GRAD_RTOL_FP32,
     LOGPROB_ATOL,
     LOSS_RTOL,
@@ -47,7 +49,7 @@ def moe_config(norm_topk_prob: bool = True, mlp_only_layers: tuple[int, ...] = (
 
 def moe_policy(seed: int = 0, sharpen: float = 20.0, **kw) -> CausalLM:
     """``sharpen``: the router's logits scaled up, so its own top-2 choices sit far from ties and both backends route
-    alike (1: as initialised, for replayed routes — see the replay test)."""
+    alike (1: as initialised)."""
     torch.manual_seed(seed)
     m = CausalLM(moe_config(**kw))
     with torch.no_grad():
@@ -181,21 +183,22 @@ def assert_replayed_where_given(mt, batch, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("recipe_name", ["bf16", "fp8_e2e"])
 def test_megatron_replays_the_rollouts_routes_as_the_torch_backend(megatron_core, recipe_name):
-    """Routes unlike the router's own, replayed through Megatron's RouterReplay hook: logprobs within the dense
-    bounds of the torch backend's replay, the routing metrics (agreement of the router's own choice with the replayed
-    one, the load) equal, and one train step's loss and gradients within the bounds. Negative control: the same
-    batch without routes is far off.
+    """Routes unlike the router's own, replayed through Megatron's RouterReplay hook on a sharp router (a trained one
+    is): logprobs within the dense bounds of the torch backend's replay, the routing metrics (agreement of the
+    router's own choice with the replayed one, the load) equal, and one train step's loss and gradients within the
+    bounds. Negative controls: the same batch without routes is far off, in logprobs and in gradients.
 
-    The router is left as initialised: random routes replayed on the sharpened router give ~9 % of the routing weights
-    below 1e-3 (some 4e-7), which scale the experts' outputs and gradients into E4M3's subnormal range, where one
-    rounding step is far more than the 2**-3 that ``GRAD_RTOL_FP8``'s error model assumes (seen under AVX2 kernels:
-    6.6e-3 on a layer-0 gradient)."""
-    check_replay_against_the_torch_backend(moe_policy(sharpen=1.0), recipe_name)
+    Random routes on the sharp router give ~9 % of the routing weights below 1e-3 (some 4e-7), so an expert's
+    gradient is carried by its few top-weighted tokens and one FP8 rounding flip there is not averaged away: the
+    gradients are held to ``GRAD_RTOL_FP8_ONE_FLIP`` (test_trainer's error model; issue 47). Also in the ISA tier."""
+    check_replay_against_the_torch_backend(moe_policy(), recipe_name)
 
 
 def check_replay_against_the_torch_backend(policy: CausalLM, recipe_name: str) -> None:
     """Random routes (one MoE layer) replayed by ``policy`` on both backends: logprobs, routing metrics, loss and
-    gradients within the bounds; the experts used are the routes' (:func:`assert_replayed_where_given`)."""
+    gradients within the bounds (FP8: ``GRAD_RTOL_FP8_ONE_FLIP``, as replayed routing weights concentrate an
+    expert's gradient); the experts used are the routes' (:func:`assert_replayed_where_given`). Negative control:
+    a step on the router's own routes is far outside the gradient bound."""
     batch = make_batch(vocab=128)
     batch.routes = _routes(batch)
     recipe = recipe_for_role(recipe_name, "trainer")
@@ -215,7 +218,16 @@ def check_replay_against_the_torch_backend(policy: CausalLM, recipe_name: str) -
     ga, gb = _grads_hf(torch_tr), _grads_hf(mt)
     worst = max(ga, key=lambda k: _rel(gb[k], ga[k]))
     print(f"{recipe_name}: replayed step, worst grad rel err {_rel(gb[worst], ga[worst]):.3g} ({worst})")
-    assert _rel(gb[worst], ga[worst]) <= (GRAD_RTOL_FP8 if recipe.fp8_linears else GRAD_RTOL_FP32), worst
+    rtol = GRAD_RTOL_FP8_ONE_FLIP if recipe.fp8_linears else GRAD_RTOL_FP32
+    assert _rel(gb[worst], ga[worst]) <= rtol, worst
+    own = copy.copy(batch)  # negative control: the step without the routes (Megatron routing on its own)
+    own.routes = None
+    plain = _megatron(policy, recipe)
+    plain.train_step(own)
+    gc = _grads_hf(plain)
+    off = max(_rel(gc[k], ga[k]) for k in ga)
+    print(f"{recipe_name}: unreplayed step vs replayed, worst grad rel err {off:.3g}")
+    assert off > 10 * rtol
 
 
 def test_a_second_megatron_model_in_the_process_never_replays_anothers_routes(megatron_core):

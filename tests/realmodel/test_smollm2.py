@@ -143,7 +143,7 @@ def test_a_grpo_job_runs_on_the_real_model_as_users_bring_it(ckpt, tmp_path, mon
     """The in-process loop (the controller's step) on SmolLM2 with what a user sets for a real instruct model:
     the math JSONL set through the tokenizer's chat template with a system prompt, math-verify rewards, EOS from
     the checkpoint's generation config — and fp8_e2e + FP8 KV with batch-invariant numerics, so every step's
-    token_mult_prob_error is exactly 1.0 on this 30-layer model too."""
+    mismatch/max_abs_logprob_diff is exactly 0 on this 30-layer model too."""
     from pathlib import Path
 
     import fp8rl.data
@@ -162,5 +162,6 @@ def test_a_grpo_job_runs_on_the_real_model_as_users_bring_it(ckpt, tmp_path, mon
     assert [h["weight_version"] for h in steps] == [1, 2]
     for h in steps:
         assert h["response_len"] > 1 and 0.0 <= h["reward_mean"] <= 1.0
-        assert h["token_mult_prob_error"] == 1.0, h["token_mult_prob_error"]
+        assert h["mismatch/max_abs_logprob_diff"] == 0.0, (h["mismatch/max_abs_logprob_diff"],
+                                                           h["token_mult_prob_error"])
     assert (tmp_path / "report" / "summary.md").is_file()

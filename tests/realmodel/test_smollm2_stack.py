@@ -4,8 +4,8 @@
 as real processes on the preset (converted once, cached, as in ``test_smollm2.py``); the SDK submits a 2-step
 job on the math JSONL set (beside the job file: the controller's data root) rendered through the tokenizer's
 chat template with a system prompt, graded by math-verify, fp8_e2e with an FP8 KV cache and batch-invariant
-numerics. Every step's ``token_mult_prob_error`` is exactly 1.0: the trainer service recomputes the rollout's
-logprobs bitwise on the 30-layer model.
+numerics. Every step's ``mismatch/max_abs_logprob_diff`` is exactly 0: the trainer service recomputes the
+rollout's logprobs bitwise on the 30-layer model.
 """
 
 from __future__ import annotations
@@ -62,4 +62,4 @@ def test_a_real_model_job_through_the_service_stack(tmp_path, controller_stack):
     assert [r.step for r in reports] == list(range(STEPS))
     for r in reports:
         assert r.metrics["response_len"] > 1 and 0.0 <= r.reward_mean <= 1.0
-        assert r.token_mult_prob_error == 1.0, (r.step, r.token_mult_prob_error)
+        assert r.max_abs_logprob_diff == 0.0, (r.step, r.max_abs_logprob_diff, r.token_mult_prob_error)

@@ -16,24 +16,26 @@ REPO = Path(__file__).resolve().parents[2]
 LIBS = {
     "fp8rl.limits": set(),
     "fp8rl.memory": set(),  # process memory: a leaf every role may measure with
+    "fp8rl.redis_server": set(),  # a private redis-server's password and files: the launcher's and the benches'
     "fp8rl.metrics": {"fp8rl.memory"},
     "fp8rl.fp8": set(),
     "fp8rl.rl": {"fp8rl.fp8"},
     "fp8rl.model": {"fp8rl.fp8"},
     "fp8rl.data": {"fp8rl.limits"},
     "fp8rl.rpc": {"fp8rl.limits"},
+    "fp8rl.envs": {"fp8rl.model", "fp8rl.data", "fp8rl.limits"},  # environments: text, a tokenizer, tasks
     "fp8rl.engines": {"fp8rl.fp8", "fp8rl.rl", "fp8rl.model", "fp8rl.data", "fp8rl.limits", "fp8rl.memory"},
     "fp8rl.refit": {"fp8rl.fp8", "fp8rl.rpc", "fp8rl.limits"},
-    "fp8rl.presets": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.data"},
-    "fp8rl.config": {"fp8rl.limits", "fp8rl.fp8", "fp8rl.rl", "fp8rl.data", "fp8rl.engines"},
+    "fp8rl.presets": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.data", "fp8rl.envs"},
+    "fp8rl.config": {"fp8rl.limits", "fp8rl.fp8", "fp8rl.rl", "fp8rl.data", "fp8rl.engines", "fp8rl.envs"},
     # export, eval: the local commands `fp8rl export` / `fp8rl eval`, imported when run
     "fp8rl.sdk": {"fp8rl.rpc", "fp8rl.config", "fp8rl.limits", "fp8rl.export", "fp8rl.eval"},
-    "fp8rl.controller": {"fp8rl.config", "fp8rl.data", "fp8rl.model", "fp8rl.presets", "fp8rl.rl", "fp8rl.refit",
-                         "fp8rl.rpc", "fp8rl.limits"},
+    "fp8rl.controller": {"fp8rl.config", "fp8rl.data", "fp8rl.envs", "fp8rl.model", "fp8rl.presets", "fp8rl.rl",
+                         "fp8rl.refit", "fp8rl.rpc", "fp8rl.limits"},
     "fp8rl.observatory": {"fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.rl", "fp8rl.presets", "fp8rl.data"},
-    "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.presets",
-                   "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory", "fp8rl.export",
-                   "fp8rl.rundir"},
+    "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.envs", "fp8rl.fp8", "fp8rl.model",
+                   "fp8rl.presets", "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory",
+                   "fp8rl.export", "fp8rl.rundir"},
     "fp8rl.rundir": {"fp8rl.report"},  # the loop's run directory: rows and checkpoints as a run goes
     "fp8rl.report": {"fp8rl.limits"},
     "fp8rl.export": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.presets"},

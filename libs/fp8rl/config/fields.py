@@ -11,6 +11,7 @@ quotes at most a short prefix of a bad value.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -37,7 +38,7 @@ def clip(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-_KINDS = {bool: "bool", int: "int", float: "float", str: "str", tuple: "list"}
+_KINDS = {bool: "bool", int: "int", float: "float", str: "str", tuple: "list", dict: "mapping"}
 
 
 def setting(default: Any, doc: str, *, kind: type | None = None, optional: bool = False, gt: float | None = None,
@@ -109,6 +110,14 @@ def _check_value(key: str, meta: Mapping, val: Any) -> Any:
         val = float(val) if ok and not isinstance(val, float) else val
     elif kind is str:
         ok = isinstance(val, str)
+    elif kind is dict:  # a YAML mapping of plain data (string keys), e.g. an environment's constructor arguments
+        ok = isinstance(val, Mapping) and all(isinstance(k, str) for k in val)
+        if ok:
+            try:
+                val = json.loads(json.dumps(dict(val), allow_nan=False))
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key}: expected a mapping of plain data (strings, numbers, booleans, lists, "
+                                  f"mappings), got {short(val)}") from None
     else:  # tuple: a YAML list
         ok = isinstance(val, list | tuple)
         val = tuple(val) if isinstance(val, list) else val

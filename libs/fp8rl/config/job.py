@@ -23,6 +23,7 @@ from .fields import ConfigError, Section, from_mapping, section, to_dict, walk
 from .schema import (
     CalibrationConfig,
     DataConfig,
+    EnvSection,
     EvalSection,
     GrpoConfig,
     JobSection,
@@ -64,9 +65,11 @@ class JobConfig(Section):
     eval: EvalSection = section(EvalSection, "Validation: greedy accuracy, pass@k and mean@k.")
     calibration: CalibrationConfig = section(CalibrationConfig, "The per-step Q/K/V scale calibration.")
     refit: RefitConfig = section(RefitConfig, "How each new version's weights reach the replicas.")
+    env: EnvSection = section(EnvSection, "Multi-turn, tool-using trajectories: the environment and its budgets.")
 
     def check(self) -> None:
         self._check_batch_shape()
+        self._check_env()
         _ = self.recipe  # the precision combination must be a recipe
         self._check_model_parallel()
         self._check_fp8_scaling()
@@ -104,6 +107,36 @@ class JobConfig(Section):
                                   "num_first_layers_in_bf16 / num_last_layers_in_bf16 itself; leave them at 0 (got "
                                   f"{v.num_first_layers_in_bf16} / {v.num_last_layers_in_bf16}) or turn it off")
 
+    def _check_env(self) -> None:
+        env = self.env
+        if self.data.task == "env" and env.name is None:
+            raise ConfigError("data.task: env draws the environment's own tasks; set env.name")
+        if env.name is None:
+            return
+        from fp8rl.envs import env_names, resolve
+
+        # a job file never imports code while it is validated (the controller parses jobs from the wire): a user
+        # environment's import path is checked for its shape here and imported by whatever runs it
+        if env.name not in env_names():
+            module, _, attr = env.name.partition(":")
+            if not (module and attr and all(part.isidentifier() for part in (*module.split("."), attr))):
+                raise ConfigError(f"env.name: {env.name!r} is neither a registered environment "
+                                  f"({', '.join(env_names())}) nor an import path package.module:Class")
+            if self.data.task == "env":
+                raise ConfigError("data.task: env draws a registered environment's generated tasks; give a user "
+                                  "environment's tasks as data.task jsonl / dataset rows")
+            return
+        cls = resolve(env.name)
+        if self.data.task == "env" and not callable(getattr(cls, "generate_tasks", None)):
+            raise ConfigError(f"data.task: env needs an environment that generates its tasks; {env.name!r} has no "
+                              f"generate_tasks (give its tasks as data.task jsonl / dataset rows)")
+        for key, val, want in (("policy.generation.backend", self.policy.generation.backend, "torch"),
+                               ("policy.training.backend", self.policy.training.backend, "torch")):
+            if val != want:
+                raise ConfigError(f"env.name: multi-turn trajectories run on the embedded engines for now ({key}="
+                                  f"{val}): vLLM's prefix-cached multi-turn mismatch and Megatron's packed loss mask "
+                                  f"are not measured yet, so they are refused rather than trained unchecked")
+
     def check_services(self) -> None:
         """Refuse (:class:`ConfigError`, naming the key) what only the in-process loop runs: the services call it
         where they read a job (the controller's submit, every service's start).
@@ -112,6 +145,10 @@ class JobConfig(Section):
         the services stack has no phase that would run it and tell every replica and trainer rank the result,
         so a job asks for the layer counts the observatory suggests (``python -m fp8rl.observatory``) instead.
         """
+        if self.env.name is not None:
+            raise ConfigError("env.name: multi-turn trajectories run in the in-process loop for now (python -m "
+                              "fp8rl.loop --config JOB); the service stack's sandboxed environment workers are not "
+                              "built yet, and environment code never runs in the controller")
         if self.policy.numerics.auto_bf16_layers:
             raise ConfigError("policy.numerics.auto_bf16_layers=true is run by the in-process loop only "
                               "(python -m fp8rl.loop --auto-bf16-layers); the services stack does not run the "

@@ -12,9 +12,9 @@ from fp8rl import limits
 from .fields import ConfigError, Section, section, setting
 
 __all__ = [
-    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "Fp8Cfg", "GenerationConfig", "GrpoConfig",
-    "EvalSection", "ImportanceSamplingConfig", "JobSection", "LoraConfig", "LossSection", "MegatronCfg", "PolicyConfig",
-    "RewardConfig", "RewardShapingConfig",
+    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "EnvSection", "Fp8Cfg", "GenerationConfig",
+    "GrpoConfig", "EvalSection", "ImportanceSamplingConfig", "JobSection", "LoraConfig", "LossSection", "MegatronCfg",
+    "PolicyConfig", "RewardConfig", "RewardShapingConfig",
     "RouterReplayConfig", "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
 ]
 
@@ -139,7 +139,7 @@ class NumericsConfig(Section):
     batch_invariant: bool | None = setting(None, "Batch-invariant numerics in both embedded engines (every GEMM "
                                            "over whole row tiles, split-KV attention over fixed key chunks, "
                                            "row-aligned KV cache): the rollout's logprobs are bitwise the "
-                                           "trainer's (token_mult_prob_error exactly 1.0), in every recipe, with "
+                                           "trainer's (mismatch/max_abs_logprob_diff exactly 0), in every recipe, with "
                                            "an FP8 KV cache too (the trainer then quantizes Q/K/V with the "
                                            "rollout's scales). Unset (the default): on when both engines are the "
                                            "embedded torch ones, off with vLLM or Megatron (they choose kernels "
@@ -328,9 +328,11 @@ class DataConfig(Section):
     task: str = setting("arith", "arith (generated problems), dataset (a local data file of prompt/answer rows: JSON "
                         "lines .jsonl/.json, .parquet, or an Arrow dataset directory written by datasets' "
                         "save_to_disk or an .arrow file; the format is told by the name) or jsonl (a JSON-lines file "
-                        "whatever its name, in file order unless shuffle).", choices=("arith", "jsonl", "dataset"))
-    path: str | None = setting(None, "jsonl, dataset: the training data, under the services' data root (relative "
-                               "paths are relative to it).", kind=str, optional=True)
+                        "whatever its name, in file order unless shuffle) or env (the tasks env.name's "
+                        "environment generates, seeded by job.seed).", choices=("arith", "jsonl", "dataset", "env"))
+    path: str | None = setting(None, "jsonl, dataset: the training data, under the data root (relative paths are "
+                               "relative to it): --data-root of the controller or the in-process loop, by default "
+                               "the directory of the job file it was started with.", kind=str, optional=True)
     validation_path: str | None = setting(None, "jsonl, dataset: held-out data (any format dataset reads) the "
                                           "validation problems come from, its first job.eval_size rows; unset: the "
                                           "first rows of path.", kind=str, optional=True)
@@ -372,13 +374,14 @@ class DataConfig(Section):
     def check(self) -> None:
         from fp8rl.data.keys import KeyPathError, parse_key
 
-        if self.task != "arith" and not self.path:
+        if self.task not in ("arith", "env") and not self.path:
             raise ConfigError(f"data.path: required when data.task is {self.task!r}")
-        if self.task == "arith":
-            for name in ("validation_path", "prompt_key", "answer_key", "max_prompt_tokens", "shuffle"):
+        if self.task in ("arith", "env"):
+            for name in ("validation_path", "prompt_key", "answer_key", "max_prompt_tokens", "shuffle") + \
+                    (("path",) if self.task == "env" else ()):
                 if getattr(self, name) is not None:
-                    raise ConfigError(f"data.{name}: only used with data.task jsonl or dataset (arith generates its "
-                                      f"problems)")
+                    raise ConfigError(f"data.{name}: only used with data.task jsonl or dataset ({self.task} generates "
+                                      f"its problems)")
         for name in ("prompt_key", "answer_key"):
             if getattr(self, name) is not None:
                 try:
@@ -392,6 +395,48 @@ class DataConfig(Section):
     def shuffled(self) -> bool:
         """Whether the training rows are visited in a seeded permutation per epoch (``shuffle``, resolved)."""
         return self.shuffle if self.shuffle is not None else self.task == "dataset"
+
+
+@dataclass(frozen=True)
+class EnvSection(Section):
+    KEY = "env"
+    name: str | None = setting(None, "Multi-turn, tool-using trajectories (fp8rl.envs): a registered environment "
+                               "(calculator, guess_number) or a user one as an import path package.module:Class. "
+                               "Unset: single-turn samples (one prompt, one answer). Each task is a problem of "
+                               "data (question and answer); data.task env draws the environment's own generated "
+                               "tasks.", kind=str, optional=True)
+    kwargs: dict | None = setting(None, "Constructor arguments of the environment, a mapping (e.g. tools_enabled: "
+                                  "false, the calculator's control).", kind=dict, optional=True)
+    max_turns: int = setting(8, "Model turns per trajectory; a trajectory still going after them ends with reward "
+                             "0 (end reason max_turns).", gt=0, le=1024)
+    max_tokens_per_turn: int = setting(64, "Tokens the model may write in one turn (policy.generation."
+                                       "max_new_tokens is not used with an environment).", gt=0,
+                                       le=limits.MAX_NEW_TOKENS)
+    max_trajectory_tokens: int = setting(1024, "Tokens after the opening prompt (the model's and the "
+                                         "environment's); a trajectory that cannot fit one more whole turn ends "
+                                         "with reward 0 (end reason budget).", gt=0, le=1 << 20)
+    step_timeout_s: float = setting(10.0, "Seconds one environment step may take; a step that takes longer (or "
+                                    "raises) ends its trajectory ungraded: left out of the loss and of its group's "
+                                    "advantages, and counted (env/ungraded), never a silent 0.", gt=0.0)
+    partial: str = setting("finish", "Asynchronous GRPO: finish (a refit waits until the trajectories in flight "
+                           "end, so every trajectory is sampled by one version); interrupt (continue on the new "
+                           "weights) is the agents-in-production issue's.", choices=("finish",))
+
+    def check(self) -> None:
+        if self.name is None and self.kwargs:
+            raise ConfigError("env.kwargs: only used with env.name")
+        if self.max_trajectory_tokens < self.max_tokens_per_turn:
+            raise ConfigError(f"env.max_trajectory_tokens ({self.max_trajectory_tokens}) must be >= "
+                              f"env.max_tokens_per_turn ({self.max_tokens_per_turn})")
+
+    def spec(self):
+        """The :class:`fp8rl.envs.EnvSpec` of this section (None when no environment is set)."""
+        if self.name is None:
+            return None
+        from fp8rl.envs import EnvSpec
+
+        return EnvSpec(self.name, dict(self.kwargs or {}), self.max_turns, self.max_tokens_per_turn,
+                       self.max_trajectory_tokens, self.step_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from fp8rl.rl.shaping import overlong_penalty
 
 __all__ = [
     "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "Split", "check_data",
-    "check_deployment", "deployment_mismatch", "encode_prompt", "eval_problems", "group_advantages", "load_split",
-    "load_job_tokenizer", "new_job_id", "problem_source",
+    "check_deployment", "deployment_mismatch", "encode_prompt", "env_tasks", "eval_problems", "graded_advantages",
+    "group_advantages", "load_split", "load_job_tokenizer", "new_job_id", "problem_source",
     "reward_summary", "sampling_seed", "split_evenly",
 ]
 
@@ -194,7 +194,21 @@ def problem_source(job: JobConfig, data: DataRoot | None = None,
     if job.data.task == "arith":
         arith = ArithDataset(job.arith_config(), seed=job.job.seed)
         return lambda step: arith.batch(step, n)
+    if job.data.task == "env":
+        return lambda step: env_tasks(job, n, job.job.seed * _ENV_SEED_STRIDE + step)
     return _epoch_batches(job, load_split(job, "train", data, tok).problems)
+
+
+_ENV_SEED_STRIDE = 1 << 24  # per-step task seeds of one job seed: more than limits.MAX_JOB_STEPS apart
+_ENV_EVAL_SEED = 1 << 60  # the validation tasks' seed stream, apart from every step's
+
+
+def env_tasks(job: JobConfig, n: int, seed: int) -> list[Problem]:
+    """``n`` tasks that ``env.name``'s environment generates from ``seed`` (``data.task: env``), as problems
+    (question, answer): what :func:`fp8rl.envs.trajectory.run_trajectories` hands ``env.reset``."""
+    from fp8rl.envs import resolve
+
+    return [Problem(str(t["question"]), str(t["answer"])) for t in resolve(job.env.name).generate_tasks(n, seed)]
 
 
 def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer | None = None) -> list[Problem]:
@@ -203,6 +217,8 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer |
     size = job.job.eval_size
     if job.data.task == "arith":
         return ArithDataset(job.arith_config(), seed=job.job.seed).eval_set(size)
+    if job.data.task == "env":
+        return env_tasks(job, size, _ENV_EVAL_SEED + job.job.seed)
     return load_split(job, "validation", data, tok).problems
 
 
@@ -239,8 +255,27 @@ def group_advantages(rewards: Sequence[float], group_size: int, leave_one_out: b
     return [float(a) for a in adv]
 
 
-def reward_summary(rewards: Sequence[float]) -> dict[str, float]:
-    """``reward_mean`` and ``accuracy`` (share of rewards above :data:`CORRECT_REWARD`) of one step."""
+def graded_advantages(rewards: Sequence[float | None], group_size: int, leave_one_out: bool = True,
+                      normalize_std: bool = True) -> list[float | None]:
+    """:func:`group_advantages` where some rewards are None (ungraded: an environment failed): each group's
+    advantages are computed over its graded members only (a lone graded member gets 0), and an ungraded one's
+    advantage is None — it is left out of the loss, and its missing reward moves no other's baseline."""
+    if all(r is not None for r in rewards):
+        return group_advantages(rewards, group_size, leave_one_out, normalize_std)  # type: ignore[arg-type]
+    out: list[float | None] = [None] * len(rewards)
+    for start in range(0, len(rewards), group_size):
+        idx = [k for k in range(start, start + group_size) if rewards[k] is not None]
+        advs = group_advantages([rewards[k] for k in idx], len(idx), leave_one_out, normalize_std) \
+            if len(idx) > 1 else [0.0] * len(idx)
+        for k, a in zip(idx, advs, strict=True):
+            out[k] = a
+    return out
+
+
+def reward_summary(rewards: Sequence[float | None]) -> dict[str, float]:
+    """``reward_mean`` and ``accuracy`` (share of rewards above :data:`CORRECT_REWARD`) of one step, over the graded
+    rewards (None: ungraded, left out)."""
+    rewards = [r for r in rewards if r is not None]
     if not rewards:
         return {"reward_mean": 0.0, "accuracy": 0.0}
     return {"reward_mean": statistics.fmean(rewards),
@@ -302,7 +337,8 @@ class JobPlan:
         self.eval_every = job.job.eval_every
         self.dropped_prompts = {"train": 0, "validation": 0}
         validating = bool(self.eval_every) if with_eval_set is None else with_eval_set
-        if job.data.task == "arith":
+        self.env = job.env.spec()  # multi-turn trajectories (None: single-turn samples)
+        if job.data.task in ("arith", "env"):
             self.batch = problem_source(job, data)
             self.eval_set = eval_problems(job, data) if validating else []
         else:
@@ -325,8 +361,9 @@ class JobPlan:
         rs = self.reward_shaping
         if not rs.enabled:
             return list(rewards)
-        return [r + overlong_penalty(len(s.token_ids), self.max_new_tokens, rs.overlong_buffer_length,
-                                     rs.overlong_buffer_penalty) for r, (_, s) in zip(rewards, samples, strict=True)]
+        return [None if r is None else r + overlong_penalty(len(s.token_ids), self.max_new_tokens,
+                                                            rs.overlong_buffer_length, rs.overlong_buffer_penalty)
+                for r, (_, s) in zip(rewards, samples, strict=True)]
 
     def refill(self, step: int, round_: int) -> list[Problem]:
         """The problems dynamic sampling draws in round ``round_`` (>= 1) of step ``step``: a data file's seeded draw
@@ -345,5 +382,14 @@ class JobPlan:
     def prompts(self, problems: Sequence[Problem]) -> list[list[int]]:
         """Prompt token ids (without EOS) of ``problems``: the one place prompts are tokenized (by
         :func:`encode_prompt`: chat-message prompts, and every prompt with ``data.chat_template``, through the
-        tokenizer's chat template; other text prompts as BOS + the text)."""
+        tokenizer's chat template; other text prompts as BOS + the text). A multi-turn job's prompts are its
+        trajectories' openings: the environment's first messages (reset on the problem) rendered with its tools."""
+        if self.env is not None:
+            from fp8rl.envs import ChatRenderer, make_env
+
+            renderer, out = ChatRenderer(self.tok), []
+            for p in problems:
+                env = make_env(self.env.name, **self.env.kwargs)
+                out.append(renderer.opening(env.reset({"question": p.prompt, "answer": p.answer}), env.tools()))
+            return out
         return [encode_prompt(self.tok, p, self.job.data) for p in problems]

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from fp8rl.data import Problem
 from fp8rl.rl.shaping import truncated
 
-from .plan import group_advantages, reward_summary
+from .plan import graded_advantages, reward_summary
 
 __all__ = ["PHASES", "StepBackends", "StepPlan", "Trained", "finish", "first_half", "rollout_phase", "run_step",
            "train_phase"]
@@ -102,7 +102,8 @@ def _sample_round(plan: StepPlan, b: StepBackends, problems: list[Problem], inde
     check()
     prompts = plan.prompts(problems)
     t = time.perf_counter()
-    samples = b.generate(prompts, version, step=index, n=plan.group, temperature=plan.temperature)
+    more = {"problems": problems} if getattr(b, "wants_problems", False) else {}  # multi-turn: the tasks
+    samples = b.generate(prompts, version, step=index, n=plan.group, temperature=plan.temperature, **more)
     times["rollout"] = times.get("rollout", 0.0) + time.perf_counter() - t
     check()
     t = time.perf_counter()
@@ -128,6 +129,10 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
     problems, prompts, samples, rewards = _sample_round(plan, b, plan.batch(step), step, version, times, check)
     shaped = plan.shaped_rewards(rewards, samples)
     summary, stats = reward_summary(rewards), {}
+    if samples and hasattr(samples[0][1], "end_reason"):  # multi-turn trajectories: turns, tools, env time
+        from fp8rl.envs.trajectory import trajectory_metrics
+
+        stats.update(trajectory_metrics([s for _, s in samples], times.get("rollout")))
     if plan.max_gen_rounds > 1:
         want, g = len(problems), plan.group
         rounds = [(problems, prompts, samples, rewards, shaped)]
@@ -169,11 +174,14 @@ def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
     check()
     step, prompts, samples = rollout["step"], rollout["prompts"], rollout["samples"]
     shaped = rollout.get("shaped", rollout["rewards"])
-    adv = group_advantages(shaped, plan.group, plan.leave_one_out, plan.normalize_rewards)
-    rows = [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True)]
+    adv = graded_advantages(shaped, plan.group, plan.leave_one_out, plan.normalize_rewards)
+    # ungraded samples (an environment failed: reward None) are left out of the loss
+    rows = [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True) if a is not None]
+    if not rows:  # every sample ungraded: the step still makes its version, on zero advantages (no policy gradient)
+        rows = [(prompts[i], s, 0.0) for i, s in samples]
     stats = dict(rollout.get("stats", {}))
     stats.update({f"data/dropped_prompts/{split}": float(n) for split, n in plan.dropped_prompts.items()})
-    cut = [truncated(s.finish_reason) for _, s in samples]
+    cut = [truncated(s.finish_reason) for _, s, _ in rows]
     stats["overlong/truncated_fraction"] = sum(cut) / len(cut) if cut else 0.0
     if plan.overlong_filtering:  # out of the loss, after their rewards shaped their groups' baselines
         kept = [r for r, c in zip(rows, cut, strict=True) if not c]

@@ -124,12 +124,13 @@ def validate(backends, problems: Sequence[Problem], prompts: Sequence[Sequence[i
     served: set[int] = set()
 
     def correct_counts(n: int, temp: float) -> list[int]:
-        samples = backends.generate([list(p) for p in prompts], version, step=step, n=n, temperature=temp)
+        more = {"problems": problems} if getattr(backends, "wants_problems", False) else {}  # multi-turn: tasks
+        samples = backends.generate([list(p) for p in prompts], version, step=step, n=n, temperature=temp, **more)
         served.update(getattr(s, "weight_version", version) for _, s in samples)
         rewards = backends.score([(problems[i], s) for i, s in samples])
         right = [0] * len(problems)
         for (i, _), r in zip(samples, rewards, strict=True):
-            right[i] += r > CORRECT_REWARD
+            right[i] += r is not None and r > CORRECT_REWARD  # ungraded (an environment failed): not right
         return right
 
     greedy = correct_counts(1, 0.0)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp8rl import memory
-from fp8rl.rl import grpo_advantages, mismatch_metrics
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, grpo_advantages, mismatch_metrics
 
 from .base import ShouldStop, TrainBatch, TrainerBackend
 
@@ -33,7 +33,8 @@ def build_train_batch(
     samples: Sequence, rewards: torch.Tensor | None, group_size: int, pad_id: int, *,
     advantages: torch.Tensor | None = None, route_shape: tuple[int, int, int] | None = None,
 ) -> TrainBatch:
-    """Right-padded :class:`TrainBatch` from prompt-major samples (``prompt_ids``, ``token_ids``, ``logprobs``).
+    """Right-padded :class:`TrainBatch` from prompt-major samples (``prompt_ids``, ``token_ids``, ``logprobs``; a
+    trajectory's ``token_mask`` makes the loss mask 0 on its environment tokens).
 
     Advantages are the GRPO advantages of ``rewards`` (groups of ``group_size`` consecutive
     samples), or given directly with ``advantages`` (e.g. already computed by a controller).
@@ -53,7 +54,13 @@ def build_train_batch(
         P, n = len(s.prompt_ids), len(s.token_ids)
         ids[b, :len(r)] = torch.tensor(r)
         attn[b, :len(r)] = 1
-        loss_mask[b, P:P + n] = 1.0
+        mask = getattr(s, "token_mask", None)  # a trajectory: only the model's tokens are trained
+        if mask is None:
+            loss_mask[b, P:P + n] = 1.0
+        else:
+            if len(mask) != n:
+                raise ValueError(f"sample {b}: token_mask has {len(mask)} entries for {n} tokens")
+            loss_mask[b, P:P + n] = torch.tensor(mask, dtype=loss_mask.dtype)
         gen[b, P:P + n] = torch.tensor(s.logprobs)
     adv = grpo_advantages(rewards, group_size).float() if advantages is None else advantages.float()
     known = [getattr(s, "weight_version", None) for s in samples]
@@ -136,7 +143,8 @@ def lag_metrics(batch: TrainBatch, held: int, overall: dict[str, float]) -> dict
         else:
             m = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs,
                                  batch.loss_mask * rows[:, None].to(batch.loss_mask.dtype))
-        out[f"{name}/token_mult_prob_error"], out[f"{name}/gen_kl_k3"] = m["token_mult_prob_error"], m["gen_kl_k3"]
+        for key in ("token_mult_prob_error", "gen_kl_k3", MAX_ABS_LOGPROB_DIFF):
+            out[f"{name}/{key}"] = m[key]  # e.g. numeric/mismatch/max_abs_logprob_diff: 0.0 iff that part is exact
     return out
 
 

@@ -28,6 +28,10 @@ Logprobs: ``log_softmax(logits / temperature)`` of the sampled token — the tem
 distribution the token was drawn from, before top-p renormalisation (the trainer computes the
 same quantity, so ratios compare like with like; with top_p = 1 it is exactly the sampling
 distribution). Greedy (temperature 0) reports temperature-1 logprobs.
+
+KV sessions (multi-turn trajectories, issue 48; :mod:`.kv_sessions`): ``generate(..., sessions=keys)`` keeps each
+keyed row's K/V after the call and prefills only the part of the next prompt they do not cover — bitwise the
+re-prefill under batch invariance. Refits and ``load_scales`` drop every session.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from fp8rl.model import CausalLM, KVCache, Routing, routing
 from fp8rl.model.lora import LoraSettings, apply_lora, share_adapters
 
 from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
+from .kv_sessions import KVSession, SessionStore, seed_cache
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,8 @@ class TorchRolloutEngine(RolloutEngine):
         lora: LoRA adapters on every targeted projection (``policy.lora``; :mod:`fp8rl.model.lora`), computed as the
             trainer computes them; a refit then carries the base and adapters, or the adapters alone. Shared with the
             trainer's model: its adapters are served (the same parameter objects).
+        session_cache_bytes: the bound on the K/V (and routes) kept for ``generate(..., sessions=)`` between
+            calls; least recently used sessions are evicted past it (:mod:`.kv_sessions`).
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class TorchRolloutEngine(RolloutEngine):
         shared_with: torch.nn.Module | None = None,
         take_model: bool = False,
         lora: LoraSettings | None = None,
+        session_cache_bytes: int = 256 * 2**20,
     ) -> None:
         self.recipe = recipe
         if take_model and shared_with is not None:
@@ -162,6 +170,7 @@ class TorchRolloutEngine(RolloutEngine):
         self.record_routes = record_routes and self.model.num_moe_layers > 0
         # expert ids as uint8 while they fit (at most 256 experts), else int16
         self._route_dtype = torch.uint8 if model.config.num_experts <= 256 else torch.int16
+        self._sessions = SessionStore(session_cache_bytes)
 
     # ------------------------------------------------------------------ versions and refit
     @property
@@ -184,6 +193,7 @@ class TorchRolloutEngine(RolloutEngine):
         with self._lock:
             payload.apply(self.model)  # weights and the same version's QKV scales together
             self._version = version
+            self._sessions.clear()  # K/V of the old weights: never served with the new ones
         log.info("rollout engine now serves weight version %d", version)
 
     def follow(self, version: int, qkv_scales: QKVScales | None = None) -> None:
@@ -200,6 +210,7 @@ class TorchRolloutEngine(RolloutEngine):
             if scales is not None:
                 load_qkv_scales(self.model, scales)
             self._version = version
+            self._sessions.clear()
         log.info("rollout engine now serves weight version %d (shared weights)", version)
 
     @torch.no_grad()
@@ -272,12 +283,40 @@ class TorchRolloutEngine(RolloutEngine):
             if check_qkv_scales(qkv_scales, self._version, self._spec.num_kv_layers, holder="the engine holds") is None:
                 raise WeightLoadError("QKV scales given, but this engine's KV cache is not FP8")
             load_qkv_scales(self.model, qkv_scales)
+            self._sessions.clear()  # E4M3 K/V quantized with other scales
+
+    # ------------------------------------------------------------------ KV sessions
+    def drop_session(self, key: str) -> bool:
+        """Forget the K/V kept for session ``key`` (a finished trajectory); whether any were kept."""
+        with self._lock:
+            return self._sessions.drop(key)
+
+    def session_stats(self) -> dict[str, int]:
+        """Counters of the KV sessions: ``hits``, ``misses``, ``evictions``, ``prefill_tokens``, ``reused_tokens``
+        (:class:`~fp8rl.engines.kv_sessions.SessionStore`), and the ``entries`` and ``bytes`` held now."""
+        with self._lock:
+            return self._sessions.stats()
 
     # ------------------------------------------------------------------ generation
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None,
-        should_stop: ShouldStop | None = None,
+        should_stop: ShouldStop | None = None, sessions: Sequence[str | None] | None = None,
     ) -> list[Sample]:
+        """:meth:`RolloutEngine.generate`; with ``sessions`` (one key or None per prompt, ``params.n`` 1), row ``i``
+        reuses the K/V kept for ``sessions[i]`` where they cover a prefix of ``prompts[i]`` at the served weight
+        and QKV scales versions, and keeps its K/V for every token it fed — the prompt and the generated tokens
+        but the last — under that key afterwards (:mod:`.kv_sessions`). Under batch invariance the samples are
+        bitwise those of the same call without ``sessions``."""
+        keys: list[str | None] = [None] * (len(prompts) * params.n)
+        if sessions is not None:
+            if params.n != 1:
+                raise ValueError(f"sessions need one sample per prompt (params.n = 1), got n = {params.n}")
+            if len(sessions) != len(prompts):
+                raise ValueError(f"sessions has {len(sessions)} keys for {len(prompts)} prompts")
+            named = [k for k in sessions if k is not None]
+            if len(set(named)) != len(named):
+                raise ValueError(f"a session key appears twice in one call: {sorted(named)}")
+            keys = list(sessions)
         with self._lock:
             check_stop(should_stop, "generation")  # gone while it waited for the engine: never start
             held = served_version(weight_version, self._version)
@@ -296,23 +335,38 @@ class TorchRolloutEngine(RolloutEngine):
             out: list[Sample] = []
             with self._dequantized_while_generating():
                 for start in range(0, len(rows), self.max_batch_size):
-                    out += self._generate_rows(rows[start:start + self.max_batch_size], params, gen, held,
-                                               should_stop)
+                    chunk = slice(start, start + self.max_batch_size)
+                    out += self._generate_rows(rows[chunk], params, gen, held, should_stop, keys[chunk])
             return out
 
     @torch.no_grad()
-    def _generate_rows(self, rows, params: SamplingParams, gen, version: int,
-                       should_stop: ShouldStop | None) -> list[Sample]:
+    def _generate_rows(self, rows, params: SamplingParams, gen, version: int, should_stop: ShouldStop | None,
+                       keys: Sequence[str | None]) -> list[Sample]:
         B = len(rows)
         P = max(len(p) for _, p in rows)
+        firsts = [P - len(p) for _, p in rows]  # left padding: every row's last prompt token at slot P-1
         ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(B, P + params.max_tokens, dtype=torch.long)
-        for b, (_, p) in enumerate(rows):  # left padding: every row's last prompt token at slot P-1
-            ids[b, P - len(p):] = torch.tensor(p)
-            mask[b, P - len(p):] = 1
+        for b, (_, p) in enumerate(rows):
+            ids[b, firsts[b]:] = torch.tensor(p)
+            mask[b, firsts[b]:] = 1
+        scales = self.scales_version
+        found = [self._sessions.lookup(k, p, version, scales) if k is not None else None
+                 for k, (_, p) in zip(keys, rows, strict=True)]
+        # Ragged reuse: one prefill feeds slots [L, P) of every row, L = P - the longest uncovered suffix (a row's
+        # last prompt token is always fed: its logits start the sampling). A row whose session covers more than
+        # the slots before L has the rest re-fed (bitwise the same K/V under batch invariance); a row without one
+        # is fed whole. Reused positions are copied into the cache first (seed_cache).
+        covered = [min(len(s.tokens), P - f - 1) if s is not None else 0 for s, f in zip(found, firsts, strict=True)]
+        L = P - max(P - f - c for f, c in zip(firsts, covered, strict=True))
+        reuse = [max(0, L - f) for f in firsts]  # positions [0, reuse[b]) of row b come from its session
+        self._sessions.prefill_tokens += B * P - sum(firsts) - sum(reuse)
+        self._sessions.reused_tokens += sum(reuse)
         cache = KVCache.for_model(self.model, B, P + params.max_tokens)
+        if L:
+            seed_cache(cache, firsts, found, reuse, L, row_aligned=self.model.batch_invariance is not None)
         routes: list[torch.Tensor] = []  # per forward: (B, T, L, K) experts used (record_routes)
-        logits = self._forward(ids, mask[:, :P], cache, routes)  # (B, V)
+        logits = self._forward(ids[:, L:], mask[:, :P], cache, routes)  # (B, V)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
         tokens = torch.zeros(B, params.max_tokens, dtype=torch.long)
         logps = torch.zeros(B, params.max_tokens)
@@ -329,18 +383,27 @@ class TorchRolloutEngine(RolloutEngine):
                 break
             mask[:, P + t] = 1
             logits = self._forward(tok[:, None], mask[:, :P + t + 1], cache, routes)
-        fed = torch.cat(routes, dim=1) if routes else None  # (B, P + steps, L, K): slot order
+        fed = torch.cat(routes, dim=1) if routes else None  # (B, P - L + steps, L, K): slot order from slot L
         samples = []
         for b, (pi, p) in enumerate(rows):
             n = int(lengths[b])
-            samples.append(Sample(
+            row_routes = None
+            if fed is not None:
+                # the row's prompt (left padding dropped) and its generated tokens but the last (never fed); reused
+                # positions take the routes recorded when they were fed
+                row_routes = fed[b, firsts[b] + reuse[b] - L:P + n - 1 - L].clone()
+                if reuse[b]:
+                    row_routes = torch.cat([found[b].routes[:reuse[b]], row_routes])
+            sample = Sample(
                 prompt_index=pi, prompt_ids=p, token_ids=tuple(tokens[b, :n].tolist()),
                 logprobs=tuple(logps[b, :n].tolist()),
                 finish_reason="stop" if bool(done[b]) else "length",
-                weight_version=version,
-                # the row's prompt (left padding dropped) and its generated tokens but the last (never fed)
-                routes=None if fed is None else fed[b, P - len(p):P + n - 1].clone(),
-            ))
+                weight_version=version, routes=row_routes,
+            )
+            samples.append(sample)
+            if keys[b] is not None:  # every fed token: the prompt and the generated ones but the last
+                self._sessions.put(keys[b], KVSession.from_cache(
+                    cache, b, firsts[b], p + sample.token_ids[:-1], version, scales, row_routes))
         return samples
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor]

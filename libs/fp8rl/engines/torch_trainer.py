@@ -35,7 +35,7 @@ from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
 from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_computed_state_dict, lora_state_dict
-from fp8rl.rl import LossConfig, LossNorm, mismatch_metrics, policy_loss
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
 from .footprint import check_fits, recompute_by_default
@@ -347,7 +347,8 @@ class TorchTrainer(TrainerBackend):
             if self._moe_layers else {}
         if unreplayed is not None:
             m = mismatch_metrics(unreplayed, batch.gen_logprobs, batch.loss_mask)
-            self._route_metrics.update({f"moe/unreplayed/{k}": m[k] for k in ("token_mult_prob_error", "gen_kl_k3")})
+            self._route_metrics.update({f"moe/unreplayed/{k}": m[k]
+                                        for k in ("token_mult_prob_error", "gen_kl_k3", MAX_ABS_LOGPROB_DIFF)})
         return out
 
     def routing_metrics(self) -> dict[str, float]:

@@ -18,7 +18,7 @@ of the rollout's numerics is turned on at a time and compared with them:
 ==================  ==========================================================================
 
 A source the recipe does not use is still measured, on a variant equal to the reference, so it reads
-exactly 1.0 (the ``on`` column says which sources the recipe uses). The sources do not add up to
+max abs Δlogp exactly 0 (the ``on`` column says which sources the recipe uses). The sources do not add up to
 ``total``: in ``fp8_e2e`` the trainer computes the FP8 linears too, so they largely cancel in the total.
 
 **Per layer** (FP8 linears, the part the ``num_*_layers_in_bf16`` knobs control). Forward hooks on the

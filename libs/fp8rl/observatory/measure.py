@@ -32,7 +32,7 @@ from fp8rl.fp8 import (
     recipe_for_role,
 )
 from fp8rl.model import CausalLM
-from fp8rl.rl.metrics import token_mult_prob_error, token_mult_prob_error_stderr
+from fp8rl.rl.metrics import max_abs_logprob_diff, token_mult_prob_error, token_mult_prob_error_stderr
 
 from .result import LayerRow, SourceRow
 
@@ -148,7 +148,8 @@ def compare(name: str, on: bool, compared: str, logprobs: torch.Tensor, baseline
     d = (logprobs.double() - baseline.double())[m].abs()  # (num_tokens,)
     se, seqs, tokens = token_mult_prob_error_stderr(logprobs, baseline, m)
     return SourceRow(name, on, compared, float(token_mult_prob_error(logprobs, baseline, m)),
-                     float(d.mean()) if d.numel() else 0.0, float(d.max()) if d.numel() else 0.0, se, seqs, tokens)
+                     float(d.mean()) if d.numel() else 0.0, max_abs_logprob_diff(logprobs, baseline, m), se, seqs,
+                     tokens)
 
 
 class Probe:

@@ -35,11 +35,12 @@ class SourceRow:
     Attributes:
         name: ``linear``, ``qkv``, ``probs``, ``decode``, ``rollout_numerics``, ``routing`` (mixture-of-experts
             models: the trainer's own routing against the rollout's experts replayed) or ``total``.
-        on: whether the observed rollout recipe uses this source (an off source measures exactly 1.0).
+        on: whether the observed rollout recipe uses this source (an off source measures max_abs_dlogp 0.0).
         compared: what was compared with what, in words (the table's second column).
         token_mult_prob_error: mean over generated tokens of ``exp(|Δlogp|)``.
         mean_abs_dlogp: mean of ``|Δlogp|`` over the same tokens.
-        max_abs_dlogp: the largest ``|Δlogp|``.
+        max_abs_dlogp: the largest ``|Δlogp|`` (:func:`fp8rl.rl.metrics.max_abs_logprob_diff`): 0.0 iff the
+            two are bitwise equal, the source's exactness verdict.
         standard_error: of ``token_mult_prob_error``, over sequences
             (:func:`fp8rl.rl.metrics.token_mult_prob_error_stderr`); NaN with fewer than two sequences.
         num_sequences, num_tokens: the sample it was measured on.

@@ -20,6 +20,7 @@ from .shards import DEFAULT_SHARD_BYTES, DTYPES, CorruptShardError, TensorEntry,
 from .store import (
     Event,
     LeaseExpiredError,
+    RefitAuthenticationError,
     RefitConnectionError,
     RefitError,
     RefitStore,
@@ -40,6 +41,7 @@ __all__ = [
     "RefitTarget", "make_shard_source", "RefitFollower", "PendingRefit", "LeaseHolder", "RoleLease", "AWAITING_SCALES",
     "REFIT_FAILED", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
+    "RefitAuthenticationError",
     "InProcessShardSource", "MissingScalesError", "RefitFailedError", "RefitPublisher", "RefitSubscriber",
     "ShardSource",
 ]

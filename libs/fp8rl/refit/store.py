@@ -36,8 +36,8 @@ from .scales import decode_scales, encode_scales
 
 __all__ = [
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
-    "Event", "ReplicaLease", "RefitStore", "connect", "redact_url", "ROLES", "FENCE_REFIT_TIMEOUT",
-    "FENCE_LEASE_EXPIRED",
+    "RefitAuthenticationError", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url", "ROLES",
+    "FENCE_REFIT_TIMEOUT", "FENCE_LEASE_EXPIRED",
 ]
 
 # The roles a lease can name; a lease written before roles existed reads as "rollout".
@@ -70,6 +70,10 @@ class RefitConnectionError(RefitError):
     """Redis could not be reached or refused our credentials."""
 
 
+class RefitAuthenticationError(RefitConnectionError):
+    """Redis refused our credentials: a wrong password, or none where the server requires one (``NOAUTH``)."""
+
+
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***`` (safe for logs and error messages)."""
     parts = urlsplit(url)
@@ -91,7 +95,8 @@ def connect(url: str, *, timeout_s: float = 10.0, check: bool = True) -> redis.R
         timeout_s: connect and per-command socket timeout (keeps a dead Redis from hanging us).
 
     Raises:
-        RefitConnectionError: unreachable, or wrong/missing password — with the URL redacted.
+        RefitConnectionError: unreachable — with the URL redacted; :class:`RefitAuthenticationError` (a subclass)
+            for a wrong or missing password.
     """
     try:
         client = redis.Redis.from_url(
@@ -99,8 +104,8 @@ def connect(url: str, *, timeout_s: float = 10.0, check: bool = True) -> redis.R
         )
         if check:
             client.ping()
-    except redis.AuthenticationError as exc:
-        raise RefitConnectionError(
+    except redis.AuthenticationError as exc:  # WRONGPASS, and NOAUTH when the URL has no password
+        raise RefitAuthenticationError(
             f"Redis at {redact_url(url)} refused authentication ({exc}); check the password in the URL"
         ) from exc
     except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, ValueError) as exc:

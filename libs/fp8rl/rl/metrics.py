@@ -9,7 +9,10 @@ hold garbage such as ``-inf``).
 
 With ``d = train - gen`` per token:
 
-- ``token_mult_prob_error = mean(exp(|d|))`` — 1.0 means identical; ~1.01 is a healthy BF16 run.
+- ``mismatch/max_abs_logprob_diff = max(|d|)`` on the raw logprobs: the *exactness* figure. A step is exact
+  (trainer bitwise the rollout) only when it is 0.0. The means below cannot decide that: in FP32
+  ``exp(|d|)`` rounds to 1 for ``|d|`` below ~6e-8 and ``expm1(d) - d`` to 0 below ~1e-7 (issue 47).
+- ``token_mult_prob_error = mean(exp(|d|))`` — 1.0 means (near-)identical; ~1.01 is a healthy BF16 run.
 - ``gen_kl_k3 = mean(exp(d) - 1 - d)`` and ``gen_kl_k3_reverse = mean(exp(-d) - 1 + d)``: the k3
   KL estimator (Schulman) in both directions; below ~1e-3 is considered fine.
 - ``gen_js``: a symmetric Jensen–Shannon-style proxy (see :func:`mismatch_metrics`).
@@ -32,6 +35,8 @@ __all__ = [
     "validate_token_tensors",
     "masked_log_ratio",
     "raw_importance_weights",
+    "MAX_ABS_LOGPROB_DIFF",
+    "max_abs_logprob_diff",
     "token_mult_prob_error",
     "token_mult_prob_error_stderr",
     "mismatch_metrics",
@@ -180,6 +185,33 @@ def expected_reward_gain(before: list[float], after: list[float], n: int) -> tup
     return (sum(after) - sum(before)) / N, var**0.5 / N
 
 
+MAX_ABS_LOGPROB_DIFF = "mismatch/max_abs_logprob_diff"  # the step metric's name; exact iff it is 0.0
+
+
+def max_abs_logprob_diff(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """``max(|train - gen|)`` over the tokens where ``mask`` is 1: 0.0 iff the two are bitwise equal there.
+
+    The one exactness test of the repo (report, stack tiers, benches): computed on the raw values in float64 —
+    no ``exp``, no mean — so a single token off by one float32 ulp (~1e-8 near -1) shows, where
+    :func:`token_mult_prob_error` rounds it to exactly 1.0.
+
+    Args:
+        train_logprobs: ``(B, T)`` trainer logprobs of the sampled tokens.
+        gen_logprobs: ``(B, T)`` rollout-engine logprobs of the same tokens.
+        mask: ``(B, T)`` bool or 0/1 mask of generated tokens.
+
+    Returns:
+        The largest absolute difference, >= 0.0; 0.0 for an empty mask; NaN when a masked token's difference
+        is NaN (e.g. ``-inf`` on both sides), so a broken engine is never called exact.
+
+    Raises:
+        ValueError: shapes differ or the mask is not 0/1.
+    """
+    m = validate_token_tensors(mask, train_logprobs=train_logprobs, gen_logprobs=gen_logprobs)
+    d = (train_logprobs.detach().double() - gen_logprobs.detach().double())[m].abs()  # (num_tokens,)
+    return float(d.max()) if d.numel() else 0.0
+
+
 def token_mult_prob_error(
     train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
@@ -257,11 +289,12 @@ def mismatch_metrics(
         is_hi: upper IS bound, also the truncation cap of ``is_weight_mean_truncated``.
 
     Returns:
-        dict with ``token_mult_prob_error``, ``gen_kl_k3``, ``gen_kl_k3_reverse``, ``gen_js``,
+        dict with ``mismatch/max_abs_logprob_diff`` (:func:`max_abs_logprob_diff`: 0.0 iff exact),
+        ``token_mult_prob_error``, ``gen_kl_k3``, ``gen_kl_k3_reverse``, ``gen_js``,
         ``is_weight_mean``, ``is_weight_max``, ``is_frac_outside``, ``is_weight_mean_truncated``,
         ``num_tokens`` (masked-token count) and ``num_nonfinite`` (masked tokens whose log-ratio
         was NaN/Inf; their IS weight is 0 and their KL/error terms are NaN/Inf on purpose, so a
-        broken engine is visible). With an empty mask: error and IS means 1.0, KLs 0.0.
+        broken engine is visible). With an empty mask: error and IS means 1.0, KLs and max 0.0.
 
     Raises:
         ValueError: shapes differ, the mask is not 0/1, or the IS bounds are invalid.
@@ -295,6 +328,7 @@ def mismatch_metrics(
 
         if count == 0:
             return {
+                MAX_ABS_LOGPROB_DIFF: 0.0,
                 "token_mult_prob_error": 1.0,
                 "gen_kl_k3": 0.0,
                 "gen_kl_k3_reverse": 0.0,
@@ -307,6 +341,7 @@ def mismatch_metrics(
                 "num_nonfinite": 0.0,
             }
         return {
+            MAX_ABS_LOGPROB_DIFF: max_abs_logprob_diff(train_logprobs, gen_logprobs, m),
             "token_mult_prob_error": float(_masked_mean(torch.exp(d.abs()), m, empty=1.0)),
             "gen_kl_k3": float(_masked_mean(k3_fwd, m, empty=0.0)),
             "gen_kl_k3_reverse": float(_masked_mean(k3_rev, m, empty=0.0)),

@@ -20,7 +20,10 @@ takes a call through these steps, in order, refusing it at the first that fails:
    refused at once with UNAVAILABLE ("busy, retry"); *light* calls (Status, GetJob, ListJobs) take one of
    ``light_calls`` slots of their own, waiting up to ``light_wait_s`` (then UNAVAILABLE). Asyncio methods —
    health, the controller's WatchJob — pass steps 1-3 and then run on the loop itself: they never block,
-   take no slot, and health always answers.
+   take no slot, and health always answers. A health ``Check`` without a token skips step 2 altogether: it is
+   answered with the server's overall status and its message is never read
+   (:meth:`~fp8rl.rpc.scopes.TokenCheck.health_open`), so no caller without a token can hold a place among
+   ``max_waiting`` or make the server buffer more than one HTTP/2 stream window; ``Watch`` needs a token.
 5. **Run** — the method runs on its pool's thread (:mod:`fp8rl.rpc.sync_call`); its ``context.is_active()``
    turns False the moment the call ends (client cancel, deadline, server stop), and the slot is free
    again only when the method has returned.
@@ -45,7 +48,7 @@ from grpc import aio
 
 from fp8rl import limits
 
-from .scopes import HEALTH_SERVICE, REFLECTION_SERVICE, TokenCheck
+from .scopes import HEALTH_CHECK, HEALTH_SERVICE, REFLECTION_SERVICE, TokenCheck
 from .sync_call import Outcome, SyncContext, pump_stream, run_unary
 
 __all__ = ["LIGHT_METHODS", "LIGHT_SERVICES", "CallGate", "GateLimits", "Observer", "is_light", "request_limit"]
@@ -174,10 +177,16 @@ class CallGate:
         async def call(context: aio.ServicerContext, write: bool) -> Any:
             t0 = time.perf_counter()
             try:
-                refusal = self.tokens.refusal(spec.full, context.invocation_metadata())
+                metadata = context.invocation_metadata()
+                refusal = self.tokens.refusal(spec.full, metadata)
                 if refusal is not None:
                     raise _Refuse(*refusal)
-                request = await self._receive(spec, context)
+                if spec.full == HEALTH_CHECK and self.tokens.health_open(metadata):
+                    # no token: answered from the server's overall status (the empty request), its own message
+                    # never read — it can be neither held nor fed, and it takes no place among the waiting
+                    request = spec.deserialize(b"") if spec.deserialize is not None else b""
+                else:
+                    request = await self._receive(spec, context)
             except _Refuse as r:
                 self._observe(spec.full, r.code, time.perf_counter() - t0)
                 await context.abort(r.code, _bounded(r.details))

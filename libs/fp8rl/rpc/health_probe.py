@@ -9,8 +9,10 @@ question. It prints one line and exits:
 * 2 — no answer: not listening, deadline passed, TLS mismatch, or an unknown ``--service`` name.
 
 The target defaults to ``127.0.0.1:$FP8RL_PORT`` so an image's exec-form ``HEALTHCHECK`` needs no shell.
-Health is exempt from the bearer token (see :mod:`fp8rl.rpc.server`), so none is sent; with TLS on the
-server pass ``--tls-ca`` (or set ``$FP8RL_TLS_CA``) and a target whose name the certificate holds.
+Health ``Check`` is exempt from the bearer token (see :mod:`fp8rl.rpc.scopes`), so none is sent by default —
+but a server with tokens answers a caller without one with its *overall* status and never reads the request,
+so ``--service`` is only told apart (an unknown name is NOT_FOUND) with ``--token-file`` (either scope's token).
+With TLS on the server pass ``--tls-ca`` (or set ``$FP8RL_TLS_CA``) and a target whose name the certificate holds.
 """
 
 from __future__ import annotations
@@ -22,20 +24,22 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .channel import make_channel
+from .channel import make_channel, read_token_file
 
 __all__ = ["EXIT_SERVING", "EXIT_NOT_SERVING", "EXIT_UNREACHABLE", "check", "main"]
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE = 0, 1, 2
 
 
-def check(target: str, service: str = "", timeout_s: float = 3.0, tls_ca: str | None = None) -> tuple[int, str]:
-    """Asks ``target``'s health service about ``service`` ("" = the whole server).
+def check(target: str, service: str = "", timeout_s: float = 3.0, tls_ca: str | None = None,
+          token: str = "") -> tuple[int, str]:
+    """Asks ``target``'s health service about ``service`` ("" = the whole server), with ``token`` when given
+    (without one a server that has tokens answers its overall status whatever ``service`` names).
 
     Returns:
         ``(exit status, one line for people)``; the status is one of the ``EXIT_*`` constants.
     """
-    channel = make_channel(target, token="", tls_ca=tls_ca)
+    channel = make_channel(target, token=token, tls_ca=tls_ca)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -56,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 when no target is given")
     p.add_argument("--service", default="", help="fully qualified service name; default: the whole server")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    p.add_argument("--token-file", default=None,
+                   help="file holding either scope's token: the server then reads --service (default: no token)")
     p.add_argument("--tls-ca", default=None, help="PEM CA of the server's certificate (default $FP8RL_TLS_CA)")
     args = p.parse_args(argv)
     target = args.target
@@ -64,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if port is None:
             p.error("give a target host:port, --port, or set $FP8RL_PORT")
         target = f"127.0.0.1:{port}"
-    code, line = check(target, args.service, args.timeout, args.tls_ca)
+    token = read_token_file(args.token_file) if args.token_file else ""
+    code, line = check(target, args.service, args.timeout, args.tls_ca, token)
     print(line, file=sys.stdout if code == EXIT_SERVING else sys.stderr)
     return code
 

@@ -9,8 +9,11 @@ A call must carry ``authorization: Bearer <token>`` of its RPC's scope. No token
 neither scope's, fails with UNAUTHENTICATED; the *other* scope's token fails with PERMISSION_DENIED
 naming the scope needed (so a client-token holder can neither train nor read weights). A scope with
 no token configured is open. The health service is always open: kubelet's native gRPC probes cannot
-send metadata, and health reveals nothing but SERVING / NOT_SERVING. Reflection is *not* exempt (it
-reveals the API surface): either scope's token opens it.
+send metadata, and health reveals nothing but SERVING / NOT_SERVING. What a caller without a token may
+do there is narrow (:meth:`TokenCheck.health_open`): ``Check`` is answered with the server's overall status
+without its request message being read (so it can neither be held open nor make the server buffer a byte
+beyond the HTTP/2 stream window), and ``Watch`` — a stream that stays open — needs a token. Reflection is
+*not* exempt (it reveals the API surface): either scope's token opens it.
 
 :class:`TokenCheck` decides from the call's metadata alone, so a server can refuse a call before it
 reads (or waits for) a single byte of its request (:mod:`fp8rl.rpc.guard`).
@@ -26,10 +29,11 @@ import grpc
 
 from .channel import ENV_AUTH_TOKEN, ENV_TOKEN_FILE
 
-__all__ = ["CLIENT_SCOPE_SERVICES", "HEALTH_SERVICE", "REFLECTION_SERVICE", "SCOPE_CLIENT", "SCOPE_SERVICE",
-           "ScopedTokens", "TokenCheck", "rpc_scope"]
+__all__ = ["CLIENT_SCOPE_SERVICES", "HEALTH_CHECK", "HEALTH_SERVICE", "REFLECTION_SERVICE", "SCOPE_CLIENT",
+           "SCOPE_SERVICE", "ScopedTokens", "TokenCheck", "rpc_scope"]
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_CHECK = f"/{HEALTH_SERVICE}/Check"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 
 SCOPE_CLIENT, SCOPE_SERVICE = "client", "service"
@@ -81,16 +85,23 @@ class TokenCheck:
 
     def refusal(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> tuple[grpc.StatusCode, str] | None:
-        """None when the call may proceed, else the (code, message) to refuse it with."""
+        """None when the call may proceed, else the (code, message) to refuse it with.
+
+        Health ``Check`` always proceeds (see :meth:`health_open` for how a caller without a token is served);
+        health ``Watch`` needs either scope's token.
+        """
         required = rpc_scope(method)
         service = method.lstrip("/").split("/", 1)[0]
-        if service == HEALTH_SERVICE or not self._expected or (required is not None and required not in self._expected):
-            return None  # health, or a scope left open
+        if not self._expected or method == HEALTH_CHECK or (required is not None and required not in self._expected):
+            return None  # no auth at all, the open health Check, or a scope left open
+        held = self._held(metadata)
+        if service == HEALTH_SERVICE:
+            if held:
+                return None
+            return grpc.StatusCode.UNAUTHENTICATED, (
+                f"{method} needs a token (it keeps a stream open); /{HEALTH_SERVICE}/Check is open to callers "
+                f"without one")
         given = next((v for k, v in metadata or () if k == "authorization"), None)
-        if isinstance(given, str):
-            given = given.encode()
-        # every scope is compared (constant time each), so timing tells nothing about which one matched
-        held = [s for s, exp in self._expected.items() if given is not None and hmac.compare_digest(given, exp)]
         if held and (required is None or required in held):
             return None
         needed = f"the {required} token" if required else "a token"
@@ -104,3 +115,23 @@ class TokenCheck:
                 f"<token>' with {needed} (clients made by fp8rl.rpc.make_channel send ${ENV_AUTH_TOKEN} or the "
                 f"file ${ENV_TOKEN_FILE})")
         return grpc.StatusCode.UNAUTHENTICATED, f"invalid bearer token for {method}: it is not {needed} of this server"
+
+    def health_open(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+        """Whether a health call is served *open* — answered without reading its request message.
+
+        True for a caller holding neither scope's token on a server that has tokens: its ``Check`` is answered
+        with the server's overall status (every service on a server shares it, :func:`fp8rl.rpc.server.set_serving`),
+        and its request is never read. gRPC's receive limit is one number per server (the largest method's,
+        256 MiB on the bulk services; a per-method service config is ignored on the server side), so reading
+        a no-token message at all would let it be that large. A caller with a token, or any caller of a server
+        without tokens, is served the standard way (its message read, an unknown service NOT_FOUND).
+        """
+        return bool(self._expected) and not self._held(metadata)
+
+    def _held(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> list[str]:
+        """The scopes whose token ``metadata`` carries (constant-time compares, every scope checked)."""
+        given = next((v for k, v in metadata or () if k == "authorization"), None)
+        if isinstance(given, str):
+            given = given.encode()
+        # every scope is compared (constant time each), so timing tells nothing about which one matched
+        return [s for s, exp in self._expected.items() if given is not None and hmac.compare_digest(given, exp)]

@@ -260,6 +260,12 @@ def build_server(
         ("grpc.max_allowed_incoming_connections", limits.MAX_CONNECTIONS),
         ("grpc.server_handshake_timeout_ms", int(limits.HANDSHAKE_TIMEOUT_S * 1000)),
         ("grpc.max_metadata_size", limits.MAX_METADATA_BYTES),
+        # No BDP-driven stream windows: a stream whose message the server does not read (a health Check or any call
+        # without a token) may then send only the initial 64 KiB window, not the megabytes a BDP estimate grants
+        # every stream (measured: 16 unread 16 MiB health messages a second, +16 to +170 MiB of RSS with it, +1
+        # MiB without). A message the server does read opens the window to its whole length anyway, so bulk
+        # requests lose nothing (a 100 MB Score: 0.84 s with BDP, 0.76 s without, loopback).
+        ("grpc.http2.bdp_probe", 0),
     ]
 
     async def make() -> tuple[aio.Server, CallGate, health.aio.HealthServicer, int]:

@@ -114,6 +114,8 @@ def _step_fields(r: StepReport) -> dict[str, str]:
     fields = {"reward": f"{r.reward_mean:.3f}", "acc": f"{r.accuracy:.3f}"}
     if r.token_mult_prob_error is not None:
         fields["mult_err"] = f"{r.token_mult_prob_error:.6f}"
+    if r.max_abs_logprob_diff is not None:  # 0.0e+00: bitwise the rollout's
+        fields["max_dlogp"] = f"{r.max_abs_logprob_diff:.1e}"
     return fields
 
 

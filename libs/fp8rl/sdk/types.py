@@ -60,8 +60,8 @@ class StepReport:
         weight_version: the version the step's rollouts were generated with.
         reward_mean: mean reward over the step's samples.
         accuracy: fraction of samples graded correct.
-        metrics: everything else by name (``token_mult_prob_error``, KL estimates, loss, ...),
-            read-only.
+        metrics: everything else by name (``token_mult_prob_error``, ``mismatch/max_abs_logprob_diff``, KL
+            estimates, loss, ...), read-only.
         phase_times: time per phase.
         state: the job's state after this step.
     """
@@ -83,6 +83,12 @@ class StepReport:
     def token_mult_prob_error(self) -> float | None:
         """``mean(exp(|prev - gen|))`` over generated tokens (1.0 = identical numerics); None if not reported."""
         return self.metrics.get("token_mult_prob_error")
+
+    @property
+    def max_abs_logprob_diff(self) -> float | None:
+        """``max(|prev - gen|)`` over generated tokens on the raw logprobs: 0.0 iff the trainer's logprobs were
+        bitwise the rollout's (the exactness verdict, ``mismatch/max_abs_logprob_diff``); None if not reported."""
+        return self.metrics.get("mismatch/max_abs_logprob_diff")
 
     @property
     def is_terminal(self) -> bool:

@@ -195,7 +195,7 @@ def _kill_with_step_half_done(stack, job_id: str, base: int, *, save_inflight: b
     as the controller does right after TrainStep, or lost. Returns (finished steps, whether forced)."""
     os.kill(stack.process("controller")["pid"], signal.SIGKILL)
     time.sleep(0.3)
-    jobs = JobStore(redis.Redis.from_url(stack.info["redis_url"]))
+    jobs = JobStore(redis.Redis.from_url(stack.redis_url))
     done, trainer = jobs.get(job_id).steps_done, _trainer(stack)
     held = trainer.Status(trainer_pb2.TrainerStatusRequest(), timeout=10).version
     assert held in (base + done, base + done + 1)
@@ -213,7 +213,7 @@ def _kill_with_step_half_done(stack, job_id: str, base: int, *, save_inflight: b
 
 
 def _wait_steps(stack, job_id: str, n: int, timeout: float = WATCH_S) -> None:
-    jobs, deadline = JobStore(redis.Redis.from_url(stack.info["redis_url"])), time.monotonic() + timeout
+    jobs, deadline = JobStore(redis.Redis.from_url(stack.redis_url)), time.monotonic() + timeout
     while jobs.get(job_id).steps_done < n:
         assert time.monotonic() < deadline, f"job {job_id} did not finish {n} steps in {timeout} s"
         time.sleep(0.02)
@@ -263,7 +263,7 @@ def _respawn(stack, name: str, *extra: str) -> None:
 
 
 def _jobs(stack) -> JobStore:
-    return JobStore(redis.Redis.from_url(stack.info["redis_url"]))
+    return JobStore(redis.Redis.from_url(stack.redis_url))
 
 
 def test_redis_killed_mid_job_restarts_from_its_append_only_file_and_no_finished_step_is_lost(stack):
@@ -284,6 +284,8 @@ def test_redis_killed_mid_job_restarts_from_its_append_only_file_and_no_finished
     after = _jobs(stack).reports(job_id)
     for old in before:  # what was finished before the kill is still there, unchanged
         assert after[old["step"]] == old
+    with pytest.raises(redis.AuthenticationError):  # restarted from its cmd: it still requires the password
+        redis.Redis(host="127.0.0.1", port=stack.process("redis")["port"]).ping()
 
 
 def test_trainer_killed_mid_job_resumes_from_its_checkpoint_and_the_job_rewinds_to_it(stack):
@@ -337,7 +339,7 @@ def test_a_checkpoint_taken_after_an_unrecorded_step_finishes_that_step_after_a_
 
 
 def _refit(stack) -> RefitStore:
-    return RefitStore(connect(stack.info["redis_url"]), stack.info["namespace"])
+    return RefitStore(connect(stack.redis_url), stack.info["namespace"])
 
 
 def test_down_stops_every_process(stack):

@@ -55,23 +55,35 @@ def test_loop_rows_are_understood():
 
 
 def test_the_report_says_whether_the_job_ran_exact_counting_only_same_version_rows(tmp_path):
-    """The first row: exact when every step's same-version rows were bitwise (1.0); asynchronous steps with only
-    older-version rows measure no numerics and are named apart; one differing step makes it "not exact"."""
+    """The first row: exact when every step's same-version rows were bitwise (max |Δlogprob| 0); asynchronous steps
+    with only older-version rows measure no numerics and are named apart; one differing step makes it "not exact",
+    even one whose token_mult_prob_error rounded to 1.0 (issue 47)."""
+    from fp8rl.report import MAX_ABS_LOGPROB_DIFF as key
     from fp8rl.report import _exactness
+    from fp8rl.rl import MAX_ABS_LOGPROB_DIFF
 
-    def row(err, numeric=None, stale=None):
-        r = {"token_mult_prob_error": err}
+    assert key == MAX_ABS_LOGPROB_DIFF == "mismatch/max_abs_logprob_diff"  # the report spells the metrics' name
+
+    def row(err, diff, numeric=None, stale=None):
+        r = {"token_mult_prob_error": err, key: diff}
         if numeric is not None:
-            r.update({"numeric/token_mult_prob_error": numeric, "stale_fraction": stale})
+            r.update({"numeric/token_mult_prob_error": numeric[0], f"numeric/{key}": numeric[1],
+                      "stale_fraction": stale})
         return r
 
-    exact = summarize([row(1.0), row(1.0), row(1.3, numeric=1.0, stale=0.5), row(1.2, numeric=1.0, stale=1.0)])
+    exact = summarize([row(1.0, 0.0), row(1.0, 0.0), row(1.3, 0.4, numeric=(1.0, 0.0), stale=0.5),
+                       row(1.2, 0.3, numeric=(1.0, 0.0), stale=1.0)])
     line = _exactness(exact)
     assert line.startswith("**exact**") and "all 3 steps" in line and "1 steps trained only on rows of older" in line
-    differs = _exactness(summarize([row(1.0), row(1.02)]))
+    differs = _exactness(summarize([row(1.0, 0.0), row(1.02, 0.05)]))
     assert differs.startswith("**not exact**") and "on 1 of 2 steps" in differs and "1.020000" in differs
-    assert "older versions" not in differs
-    write_report([{"step": 0, "metrics": {"token_mult_prob_error": 1.0}, "phase_times": {"total": 1.0}}], tmp_path,
-                 facts=[("batch-invariant numerics", "on by default")])
+    assert "5.000e-02" in differs and "older versions" not in differs
+    rounded = _exactness(summarize([row(1.0, 0.0), row(1.0, 1e-8)]))  # exp(|Δ|) rounded to 1, the max did not
+    assert rounded.startswith("**not exact**") and "on 1 of 2 steps" in rounded and "1.000e-08" in rounded
+    broken = summarize([row(1.0, 0.0), row(math.nan, math.nan)])  # NaN is measured, and never exact
+    assert (broken["measured_steps"], broken["exact_steps"]) == (2.0, 1.0)
+    write_report([{"step": 0, "metrics": {"token_mult_prob_error": 1.0, key: 0.0}, "phase_times": {"total": 1.0}}],
+                 tmp_path, facts=[("batch-invariant numerics", "on by default")])
     md = (tmp_path / "summary.md").read_text()
     assert "| train/rollout numerics | **exact**" in md and "| batch-invariant numerics | on by default |" in md
+    assert "| max abs Δlogprob over steps (0 = bitwise) | 0.000e+00 |" in md

@@ -48,6 +48,7 @@ def test_submit_watch_get_list_cancel_a_real_job(stack, tmp_path):
         assert isinstance(r, StepReport) and isinstance(r.phase_times, PhaseTimes) and r.is_terminal
         assert r.phase_times.total > 0 and 0 <= r.phase_times.calibrate_share <= 1
         assert r.token_mult_prob_error == r.metrics["token_mult_prob_error"] > 0
+        assert r.max_abs_logprob_diff == r.metrics["mismatch/max_abs_logprob_diff"] >= 0.0
         assert [x.step for x in c.watch(ran, from_step=0)] == [0]  # a finished job replays its reports
         assert list(c.watch(ran, from_step=1)) == [] and list(c.watch(queued)) == []
 

@@ -5,13 +5,17 @@ stubs (not the SDK): no token is UNAUTHENTICATED everywhere but health; the clie
 holds) is PERMISSION_DENIED on every internal RPC and changes nothing in Redis, the weights or the
 checkpoints; the service token is PERMISSION_DENIED on the JobService; SaveCheckpoint takes a name,
 never a path. Plus: the launcher's token files are private and no token is on a command line, and a
-service refuses to listen off loopback without its token unless told ``--insecure``.
+service refuses to listen off loopback without its token unless told ``--insecure``. The stack's Redis requires
+the password the launcher generated (``NOAUTH`` without it, ``WRONGPASS`` with another): it is in 0600 files
+only — on no command line of any process, in no environment, log or ``stack.json`` — and a service given a wrong
+or missing one stops at start with one line naming the setting.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -104,7 +108,7 @@ def _code(call, channel) -> tuple[grpc.StatusCode, str]:
 
 def _redis_state(stack) -> dict[bytes, bytes]:
     """Every fp8rl key and its serialized value, leases aside (their heartbeats renew them all the time)."""
-    r = redis.Redis.from_url(stack.info["redis_url"])
+    r = redis.Redis.from_url(stack.redis_url)
     return {k: r.dump(k) for k in r.scan_iter(match="fp8rl:*") if b"replicas" not in k and b"lease" not in k}
 
 
@@ -117,14 +121,19 @@ def _trainer_version(stack) -> int:
         return trainer_pb2_grpc.TrainerServiceStub(ch).Status(trainer_pb2.TrainerStatusRequest(), timeout=T).version
 
 
+def _redis_password(stack) -> str:
+    return redis.connection.parse_url(stack.redis_url)["password"]
+
+
 def test_token_files_are_private_and_no_token_is_on_a_command_line(stack):
     paths = stack.info["secrets"]
     secrets_dir = Path(paths["service_token_file"]).parent
     assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
-    for key in ("service_token_file", "client_token_file"):
+    for key in ("service_token_file", "client_token_file", "redis_config_file", "redis_url_file"):
+        assert Path(paths[key]).parent == secrets_dir, key
         assert stat.S_IMODE(Path(paths[key]).stat().st_mode) == 0o600, key
-    tokens = (stack.service_token, stack.client_token)
-    assert tokens[0] != tokens[1] and all(len(t) >= 32 for t in tokens)
+    tokens = (stack.service_token, stack.client_token, _redis_password(stack))
+    assert len(set(tokens)) == 3 and all(len(t) >= 32 for t in tokens)
     stack_json = (stack.run_dir / "stack.json").read_text()
     for p in stack.info["processes"]:
         seen = [json.dumps(p["cmd"])]
@@ -133,8 +142,57 @@ def test_token_files_are_private_and_no_token_is_on_a_command_line(stack):
             if proc_file.exists():
                 seen.append(proc_file.read_bytes().decode(errors="replace"))
         for t in tokens:
-            assert all(t not in s for s in seen), f"a token is visible in {p['name']}'s command line or environment"
+            assert all(t not in s for s in seen), f"a secret is visible in {p['name']}'s command line or environment"
     assert not any(t in stack_json for t in tokens)
+    password = tokens[2].encode()
+    for proc in Path("/proc").iterdir():  # what `ps` shows any local user: every process's command line
+        try:
+            cmdline = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        assert password not in cmdline, f"the Redis password is on the command line of pid {proc.name}"
+    logs = sorted((stack.run_dir / "logs").iterdir())
+    assert {p["name"] for p in stack.info["processes"]} <= {log.stem for log in logs}
+    for log in logs:
+        assert password not in log.read_bytes(), f"the Redis password is in {log}"
+
+
+def test_redis_refuses_a_client_without_the_generated_password(stack):
+    port = stack.process("redis")["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=T) as raw:  # what any local process can send
+        raw.sendall(b"GET fp8rl:anything\r\n")
+        assert raw.recv(256).startswith(b"-NOAUTH "), "Redis answered a client without the password"
+        raw.sendall(b"AUTH not-the-password\r\n")
+        assert raw.recv(256).startswith(b"-WRONGPASS ")
+    authed = redis.Redis.from_url(stack.redis_url)
+    assert authed.config_get("requirepass")["requirepass"] == _redis_password(stack)
+    assert stack.refit().latest() is not None  # the coordination keys, read with the password
+
+
+def test_a_service_with_a_wrong_or_missing_redis_password_stops_at_start_naming_the_setting(stack, tmp_path):
+    port = stack.process("redis")["port"]
+    wrong = tmp_path / "wrong.url"
+    wrong.write_text(f"redis://:not-the-password@127.0.0.1:{port}/0\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("job:\n  name: redis-auth\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
+    common = ["--port", "0", "--host", "127.0.0.1", "--config", str(job)]
+    # (flags, what the last line of stderr must say); the reward role would otherwise serve without Redis
+    refused = "refused authentication"
+    cases = [(["--redis-url-file", str(wrong)], [refused, f"redis://:***@127.0.0.1:{port}/0",
+                                                 f"given by --redis-url-file {wrong}"]),
+             (["--redis-url", f"redis://127.0.0.1:{port}/0"], [refused, "given by --redis-url (or $FP8RL_REDIS_URL)"]),
+             (["--redis-url-file", str(tmp_path / "none.url")], [f"--redis-url-file '{tmp_path / 'none.url'}' does "
+                                                                  "not exist"])]
+    procs = [subprocess.Popen([sys.executable, "-m", "services.reward", *common, *flags], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for flags, _ in cases]  # at once: each imports torch
+    for (flags, expected), proc in zip(cases, procs, strict=True):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (flags, err[-2000:])
+        assert "Traceback" not in out + err and "not-the-password" not in out + err, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert all(e in last for e in expected), (expected, last)
 
 
 def test_no_token_is_unauthenticated_and_health_stays_open(stack):

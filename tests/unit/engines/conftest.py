@@ -27,3 +27,12 @@ def policy() -> CausalLM:
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [[1] + torch.randint(4, 100, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+
+
+@pytest.fixture(scope="module")
+def awkward():
+    """Dims that are not multiples of 128 (FP8 blocks padded), GQA 3:1, tied embeddings."""
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=97, hidden_size=192, intermediate_size=320, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, initializer_range=0.08)
+    return CausalLM(cfg).eval()

@@ -18,21 +18,9 @@ from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
 from fp8rl.fp8 import recipe_for_role
 from fp8rl.fp8.kv import straight_through
 from fp8rl.fp8.linear import tiled_mm
-from fp8rl.model import CausalLM
 from fp8rl.model.invariant import BatchInvariance, KeyLayout, split_kv_attention
 
-from .conftest import tiny_config
-
 INV = BatchInvariance()
-
-
-@pytest.fixture(scope="module")
-def awkward():
-    """Dims that are not multiples of 128 (FP8 blocks padded), GQA 3:1, tied embeddings."""
-    torch.manual_seed(0)
-    cfg = tiny_config(vocab_size=97, hidden_size=192, intermediate_size=320, num_attention_heads=6,
-                      num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, initializer_range=0.08)
-    return CausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8rl.rl import mismatch_metrics, token_mult_prob_error
+from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, max_abs_logprob_diff, mismatch_metrics, token_mult_prob_error
 
 ATOL_METRIC = 1e-6  # float32 per-token exp/log on O(1) values, averaged over a few tokens
 ATOL_JS_IDENTICAL = 1e-10  # identical inputs: only logaddexp(a, a) - log 2 rounding, squared
@@ -31,6 +31,7 @@ def test_identical_logprobs_are_exact() -> None:
     mask = torch.ones(3, 5, dtype=torch.bool)
     assert token_mult_prob_error(lp, lp.clone(), mask).item() == 1.0
     m = mismatch_metrics(lp, lp.clone(), mask)
+    assert m[MAX_ABS_LOGPROB_DIFF] == 0.0
     assert m["token_mult_prob_error"] == 1.0
     assert m["gen_kl_k3"] == 0.0 and m["gen_kl_k3_reverse"] == 0.0
     assert abs(m["gen_js"]) < ATOL_JS_IDENTICAL
@@ -50,6 +51,7 @@ def test_hand_computed_pair_ignores_padding_garbage() -> None:
     # JS proxy, token 0: p=.5, q=.25, mix=.375 -> 0.5*k3(ln .75) + 0.5*k3(ln 1.5); token 1 mirrors it.
     js_tok = 0.5 * _k3(math.log(0.375 / 0.5)) + 0.5 * _k3(math.log(0.375 / 0.25))
     expected = {
+        MAX_ABS_LOGPROB_DIFF: ln2,
         "token_mult_prob_error": expected_err,
         "gen_kl_k3": (_k3(ln2) + _k3(-ln2)) / 3,
         "gen_kl_k3_reverse": (_k3(-ln2) + _k3(ln2)) / 3,
@@ -64,6 +66,28 @@ def test_hand_computed_pair_ignores_padding_garbage() -> None:
     assert m.keys() == expected.keys()
     for key, value in expected.items():
         assert m[key] == pytest.approx(value, abs=ATOL_METRIC), key
+
+
+def test_max_abs_logprob_diff_catches_a_difference_the_means_round_away() -> None:
+    """Issue 47: one token's logprob 1e-8 off — in FP32 ``exp(|d|)`` rounds it to 1 and ``expm1(d) - d`` to 0,
+    so the means call the step exact; the raw max does not."""
+    train = torch.tensor([[-0.05, -1.5, -2.0]])  # (1, 3) float32, as the engines return them
+    gen = train.clone()
+    gen[0, 0] = float(train[0, 0].double() - 1e-8)  # float32 ulp near -0.05 is 3.7e-9: representable (3 ulps)
+    d = float(train[0, 0].double() - gen[0, 0].double())
+    assert d == pytest.approx(1e-8, rel=0.2)
+    mask = torch.ones(1, 3)
+    m = mismatch_metrics(train, gen, mask)
+    assert m["token_mult_prob_error"] == 1.0 and m["gen_kl_k3"] == 0.0  # rounded away: the old verdict, "exact"
+    assert max_abs_logprob_diff(train, gen, mask) == m[MAX_ABS_LOGPROB_DIFF] == d > 0.0
+    assert max_abs_logprob_diff(train, gen, torch.tensor([[0, 1, 1]])) == 0.0  # the token outside the mask
+
+
+def test_max_abs_logprob_diff_is_nan_for_a_broken_engine_and_zero_for_an_empty_mask() -> None:
+    train, gen, mask = _pair()
+    assert max_abs_logprob_diff(train, gen, torch.zeros_like(mask)) == 0.0  # padding garbage is never read
+    both_inf = torch.full((1, 2), float("-inf"))
+    assert math.isnan(max_abs_logprob_diff(both_inf, both_inf, torch.ones(1, 2)))  # -inf - -inf: not "exact"
 
 
 def test_kl_directions_differ_on_asymmetric_input() -> None:

@@ -27,15 +27,21 @@ def server(monkeypatch):
     srv.stop(0)
 
 
-def test_status_follows_health(server, capsys):
+def test_status_follows_health(server, capsys, tmp_path):
     health, port = server
     assert check(f"127.0.0.1:{port}")[0] == EXIT_NOT_SERVING  # servers start NOT_SERVING
     set_serving(health, True)
     assert main(["--port", str(port)]) == EXIT_SERVING
     assert "SERVING" in capsys.readouterr().out
     assert check(f"127.0.0.1:{port}", service="fp8rl.v1.RewardService")[0] == EXIT_SERVING
-    code, line = check(f"127.0.0.1:{port}", service="fp8rl.v1.NoSuchService")
+    # without a token the server answers its overall status and never reads the name; with one it reads it
+    assert check(f"127.0.0.1:{port}", service="fp8rl.v1.NoSuchService")[0] == EXIT_SERVING
+    code, line = check(f"127.0.0.1:{port}", service="fp8rl.v1.NoSuchService", token=TOKEN)
     assert code == EXIT_UNREACHABLE and "NOT_FOUND" in line
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    assert main(["--port", str(port), "--service", "fp8rl.v1.NoSuchService", "--token-file", str(token_file)]) \
+        == EXIT_UNREACHABLE
     health.enter_graceful_shutdown()
     assert check(f"127.0.0.1:{port}")[0] == EXIT_NOT_SERVING
 

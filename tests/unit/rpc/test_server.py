@@ -105,6 +105,84 @@ def test_token_required_but_health_open(authed):
         assert list(_score(good, ["xy"]).rewards) == [2.0]
 
 
+def _stalled(channel, method: str, streaming: bool = False):
+    """A call that sends its headers and never its request message; ``release`` ends the request stream."""
+    import threading
+
+    release = threading.Event()
+
+    def never():
+        release.wait(30)
+        return
+        yield b""
+
+    if streaming:
+        return channel.stream_stream(method)(never(), timeout=10), release
+    return channel.stream_unary(method).future(never(), timeout=10), release
+
+
+def test_health_without_a_token_is_answered_without_its_message(authed):
+    """No token: Check gets the server's overall status at once, its message never read — a stalled one ends at
+    once, an oversized one is answered, neither waits among the gate's calls; an unknown service name cannot be
+    told (the name is in the unread message). With the token, the standard protocol: the name is read, an unknown
+    one is NOT_FOUND. Watch keeps a stream open, so it needs a token."""
+    health, port = authed
+    set_serving(health, True)
+    target = f"127.0.0.1:{port}"
+    with make_channel(target, token="") as anonymous:
+        call, release = _stalled(anonymous, "/grpc.health.v1.Health/Check")
+        try:
+            reply = health_pb2.HealthCheckResponse.FromString(call.result(timeout=2))  # no message was ever sent
+        finally:
+            release.set()
+        assert reply.status == SERVING
+        check = anonymous.unary_unary("/grpc.health.v1.Health/Check")
+        big = health_pb2.HealthCheckRequest(service="x" * (2 * MiB)).SerializeToString()  # past every small limit
+        assert health_pb2.HealthCheckResponse.FromString(check(big, timeout=5)).status == SERVING
+        assert _health(anonymous, "fp8rl.v1.NoSuchService") == SERVING  # the overall status, whatever is asked
+        watch = health_pb2_grpc.HealthStub(anonymous).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            next(watch)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "Check is open" in err.value.details()
+    with make_channel(target, token=TOKEN) as good:
+        with pytest.raises(grpc.RpcError) as err:
+            _health(good, "fp8rl.v1.NoSuchService")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health_pb2_grpc.HealthStub(good).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        assert next(watch).status == SERVING
+        watch.cancel()
+        # the token's health is read through the gate: a stalled one waits for its message (then the deadline)
+        call, release = _stalled(good, "/grpc.health.v1.Health/Check")
+        with pytest.raises(grpc.FutureTimeoutError):
+            call.result(timeout=0.5)
+        release.set()
+        with pytest.raises(grpc.RpcError) as err:
+            call.result(timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # the request stream ended without a message
+
+
+def test_reflection_without_a_token_is_refused_before_its_stream_is_read(authed):
+    _, port = authed
+    with make_channel(f"127.0.0.1:{port}", token="") as anonymous:
+        stream, release = _stalled(anonymous, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                   streaming=True)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                next(stream)  # refused from the metadata while the request stream is still open
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            release.set()
+
+
+def test_health_without_tokens_configured_is_the_standard_protocol(plain):
+    health, port = plain
+    set_serving(health, True)
+    with make_channel(f"127.0.0.1:{port}", token="") as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            _health(ch, "fp8rl.v1.NoSuchService")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_token_from_env(authed, monkeypatch):
     _, port = authed
     monkeypatch.setenv("FP8RL_AUTH_TOKEN", TOKEN)

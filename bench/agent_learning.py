@@ -1,0 +1,102 @@
+"""Learning on the calculator environment (issue 48): tool use and accuracy before → after, over seeds, with the
+tools-disabled control — every number from this one run.
+
+    python bench/agent_learning.py [--seeds 0 1 2] [--steps 30] [--prompts 16] [--group 8]
+
+For each seed it runs ``deploy/tool-job.yaml`` (SmolLM2-135M-Instruct, fp8_e2e + FP8 KV, batch invariance) in the
+in-process loop twice: with the calculator, and with ``env.kwargs.tools_enabled: false`` (the control: the same
+prompt and tools, every call answered "unavailable"). Before step 0 and after the last step it measures, on
+``--eval-tasks`` held-out tasks with ``--eval-samples`` trajectories each at temperature 1 through the rollout
+engine (the deployed numerics), the **accuracy** (share of trajectories rewarded) and the **tool-call rate**
+(share of trajectories that called the calculator). It prints each run's line and then, per arm, the mean gain
+and its spread over seeds (sample standard deviation), and whether the gain is at least twice that spread:
+
+    ratio accuracy_gain/spread tools X        ratio accuracy_gain/spread control X
+
+The statistic is a mean over ``eval_tasks × eval_samples`` Bernoulli draws per measurement; its noise shows in
+the spread over seeds (each seed changes the task stream, the sampling and the warm start's RNG use), which is
+what the issue's margin (gain ≥ 2 × spread) is stated against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "libs"))
+
+from fp8rl.config import load_job_config  # noqa: E402
+from fp8rl.controller.plan import env_tasks  # noqa: E402
+from fp8rl.envs.trajectory import trajectory_metrics  # noqa: E402
+from fp8rl.loop import GRPOLoop, LoopConfig  # noqa: E402
+
+EVAL_SEED = 1 << 50  # held-out tasks: a seed stream no training step draws from
+
+
+def measure(loop: GRPOLoop, tasks: int, samples: int, seed: int) -> dict[str, float]:
+    """Accuracy and tool-call rate of ``samples`` trajectories of each of ``tasks`` held-out tasks, at temperature 1,
+    through the rollout engine at the version it holds."""
+    problems = env_tasks(loop.job, tasks, EVAL_SEED + seed)
+    pairs = loop.backends.generate(loop.plan.prompts(problems), loop.rollout.weight_version, step=10**6 + seed,
+                                   n=samples, temperature=1.0, problems=problems)
+    trajs = [t for _, t in pairs]
+    m = trajectory_metrics(trajs)
+    graded = [t.reward for t in trajs if t.reward is not None]
+    return {"accuracy": sum(r > 0.5 for r in graded) / max(1, len(graded)), "tool_call_rate": m["env/tool_call_rate"],
+            "turns": m["env/turns_mean"]}
+
+
+def one_run(seed: int, tools: bool, args) -> dict[str, float]:
+    job = load_job_config(REPO / "deploy" / "tool-job.yaml").with_settings({
+        "job.seed": seed, "job.steps": args.steps, "job.checkpoint_every": 0,
+        "grpo.num_prompts_per_step": args.prompts, "grpo.num_generations_per_prompt": args.group,
+        "env.kwargs": {"tools_enabled": tools}})
+    loop = GRPOLoop(LoopConfig(job))
+    before = measure(loop, args.eval_tasks, args.eval_samples, seed)
+    t0 = time.perf_counter()
+    diffs = []
+    for step in range(args.steps):
+        row = loop.step(step)
+        diffs.append(row["mismatch/max_abs_logprob_diff"])
+    took = time.perf_counter() - t0
+    after = measure(loop, args.eval_tasks, args.eval_samples, seed)
+    out = {"seed": seed, "tools": tools, "s_per_step": took / args.steps, "max_abs_logprob_diff": max(diffs),
+           **{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()}}
+    print(f"seed {seed} {'tools  ' if tools else 'control'}: accuracy {before['accuracy']:.3f} -> "
+          f"{after['accuracy']:.3f}, tool-call rate {before['tool_call_rate']:.3f} -> {after['tool_call_rate']:.3f}, "
+          f"turns {before['turns']:.2f} -> {after['turns']:.2f}, {out['s_per_step']:.1f} s/step, "
+          f"max |dlogprob| over steps {out['max_abs_logprob_diff']!r}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--eval-tasks", type=int, default=64)
+    p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--no-control", action="store_true", help="skip the tools-disabled runs")
+    args = p.parse_args(argv)
+    arms = [True] if args.no_control else [True, False]
+    runs = [one_run(seed, tools, args) for seed in args.seeds for tools in arms]
+    for tools in arms:
+        name = "tools" if tools else "control"
+        for key in ("accuracy", "tool_call_rate"):
+            gains = [r[f"after/{key}"] - r[f"before/{key}"] for r in runs if r["tools"] == tools]
+            mean = statistics.fmean(gains)
+            spread = statistics.stdev(gains) if len(gains) > 1 else float("nan")
+            print(f"{name}: {key} gain {mean:+.3f} (per seed {', '.join(f'{g:+.3f}' for g in gains)}; spread "
+                  f"{spread:.3f} over {len(gains)} seeds)")
+            if key == "accuracy" and spread == spread:
+                print(f"ratio accuracy_gain/spread {name} {mean / spread if spread else float('inf'):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Environments for multi-turn, tool-using agent RL — the environment side only (issue 48, DESIGN §4c).
+
+* :mod:`.base` — the contract: :class:`Environment` (``reset`` / ``step`` / ``tools``), :class:`EnvStep`,
+  :class:`EnvSpec` (which environment, and the budgets its caller enforces), :class:`EnvError`.
+* :mod:`.registry` — environments by name or import path: ``register``, ``make_env``, ``allowed``.
+* :mod:`.tools` — Hermes / Qwen ``<tool_call>`` parsing, bounded, errors as entries.
+* :mod:`.safe_arith` — the calculator's arithmetic evaluator (a parser, never ``eval``).
+* :mod:`.calculator`, :mod:`.guess` — the built-ins ``calculator`` and ``guess_number``.
+* :mod:`.render` — :class:`ChatRenderer`: the opening prompt and per-turn deltas as token ids.
+
+Invariant: nothing here imports trainers, engines, the loop, the controller or the service stack (the
+environment knows text and, in :mod:`.render`, a tokenizer); importing this package registers the built-ins and
+does not import torch or transformers.
+"""
+
+from . import calculator, guess  # noqa: F401 - registers the built-ins
+from .base import ROLES, EnvError, Environment, EnvSpec, EnvStep, Message
+from .calculator import CalculatorEnv, make_calculator_tasks
+from .guess import GuessNumberEnv, make_guess_tasks
+from .registry import allowed, env_names, make_env, register, resolve
+from .render import ChatRenderer
+from .tools import ToolCall, ToolCallError, format_tool_call, parse_tool_calls, tool_result_message
+
+__all__ = [
+    "ROLES", "CalculatorEnv", "ChatRenderer", "EnvError", "EnvSpec", "EnvStep", "Environment", "GuessNumberEnv",
+    "Message", "ToolCall", "ToolCallError", "allowed", "env_names", "format_tool_call", "make_calculator_tasks",
+    "make_env", "make_guess_tasks", "parse_tool_calls", "register", "resolve", "tool_result_message",
+]
