@@ -40,7 +40,7 @@ test-distributed: $(STAMP)  ## distributed trainer: FSDP2 over 2 torchrun ranks 
 test-invariant: $(STAMP) redis  ## batch-invariant numerics: stack jobs (fp8_e2e, FP8 KV; 1 and 2 trainer ranks) whose trainer logprobs are bitwise the rollout's
 	$(BIN)/python -m pytest -m invariant $(PYTEST_ARGS)
 
-test-moe: $(STAMP) redis  ## mixture-of-experts through the service stack: a job with routing replay (routes on the wire, TrainStep refusing bad ones) and a batch-invariant one with zero mismatch on 2 trainer ranks (about 3 min)
+test-moe: $(STAMP) redis  ## mixture-of-experts through the service stack: a job with routing replay (routes on the wire, TrainStep refusing bad ones) and a batch-invariant one with zero mismatch on 2 trainer ranks; multi-turn MoE trajectories in the loop (about 2 min)
 	$(BIN)/python -m pytest -m moe $(PYTEST_ARGS)
 
 test-hostile: $(STAMP) redis  ## hostile clients against a launched stack (loopback): stalled and oversized calls without a token, job floods, cancelled Score callers, the smaller defects (about 2 min)
