@@ -40,6 +40,7 @@ when ``release`` is told the trajectory ended.
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 import time
@@ -213,6 +214,7 @@ def run_trajectories(
     batch = next(_BATCHES)
     stops = set(stop_ids)
     trajs: list[Trajectory] = []
+    openings: dict[str, tuple[int, ...]] = {}
     envs: list[Environment] = []
     tools: list[list[dict]] = []
     for i, task in enumerate(tasks):
@@ -220,7 +222,11 @@ def run_trajectories(
             env = make_env()
             opening = env.reset(dict(task))
             tl = env.tools()
-            t = Trajectory(i, tuple(renderer.opening(opening, tl)), messages=list(opening))
+            # a task's G trajectories open alike: rendered once (the messages compared, never assumed equal)
+            key = json.dumps([opening, tl], sort_keys=True, default=repr)
+            if key not in openings:
+                openings[key] = tuple(renderer.opening(opening, tl))
+            t = Trajectory(i, openings[key], messages=list(opening))
             trajs.append(t)
             envs.append(env)
             tools.append(tl)
@@ -229,7 +235,7 @@ def run_trajectories(
         for k in list(active):  # room for one more whole turn, or the policy ran out of budget
             t = trajs[k]
             if len(t.token_ids) + spec.max_tokens_per_turn > spec.max_trajectory_tokens or \
-                    len(t.ids) + spec.max_tokens_per_turn > max_context:
+                    len(t.prompt_ids) + len(t.token_ids) + spec.max_tokens_per_turn > max_context:
                 t.end("budget", 0.0)
                 active.remove(k)
         if not active:

@@ -94,14 +94,14 @@ class TokenCheck:
         service = method.lstrip("/").split("/", 1)[0]
         if not self._expected or method == HEALTH_CHECK or (required is not None and required not in self._expected):
             return None  # no auth at all, the open health Check, or a scope left open
-        held = self._held(metadata)
+        given = _bearer(metadata)
+        held = self._held(given)
         if service == HEALTH_SERVICE:
             if held:
                 return None
             return grpc.StatusCode.UNAUTHENTICATED, (
                 f"{method} needs a token (it keeps a stream open); /{HEALTH_SERVICE}/Check is open to callers "
                 f"without one")
-        given = next((v for k, v in metadata or () if k == "authorization"), None)
         if held and (required is None or required in held):
             return None
         needed = f"the {required} token" if required else "a token"
@@ -126,12 +126,16 @@ class TokenCheck:
         a no-token message at all would let it be that large. A caller with a token, or any caller of a server
         without tokens, is served the standard way (its message read, an unknown service NOT_FOUND).
         """
-        return bool(self._expected) and not self._held(metadata)
+        return bool(self._expected) and not self._held(_bearer(metadata))
 
-    def _held(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> list[str]:
-        """The scopes whose token ``metadata`` carries (constant-time compares, every scope checked)."""
-        given = next((v for k, v in metadata or () if k == "authorization"), None)
-        if isinstance(given, str):
-            given = given.encode()
+    def _held(self, given: bytes | None) -> list[str]:
+        """The scopes whose token the ``authorization`` value ``given`` is (constant-time compares, every scope
+        checked)."""
         # every scope is compared (constant time each), so timing tells nothing about which one matched
         return [s for s, exp in self._expected.items() if given is not None and hmac.compare_digest(given, exp)]
+
+
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
+    """The call's ``authorization`` metadata value as bytes (None when absent)."""
+    given = next((v for k, v in metadata or () if k == "authorization"), None)
+    return given.encode() if isinstance(given, str) else given
