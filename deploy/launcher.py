@@ -267,8 +267,11 @@ def trainer_ranks(ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
-       ready_timeout: float = 300.0, metrics: bool = False) -> _Stack:
+       ready_timeout: float = 300.0, metrics: bool = False, env_modules: tuple[str, ...] = ()) -> _Stack:
     """Start the stack for ``job_path`` into ``run_dir``; returns it once every service is ready.
+
+    ``env_modules``: user environment modules the reward service's env workers import (``--env-module``); the
+    module of a job whose ``env.name`` is an import path is added on its own.
 
     ``metrics``: every service serves Prometheus metrics on a free loopback port (``metrics_port`` of
     each process in ``stack.json``)."""
@@ -307,7 +310,7 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                          launch=launch),
                  service("calibrator", "calibrator"),
                  *(service(f"rollout-{i}", "rollout") for i in range(replicas)),
-                 service("reward", "reward")]
+                 service("reward", "reward", *(a for m in _env_modules(job, env_modules) for a in ("--env-module", m)))]
         stack.wait_ready(first, ready_timeout)
         ctl = service("controller", "controller")  # finds the others through their leases in Redis
         stack.wait_ready([ctl], ready_timeout)
@@ -317,6 +320,16 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
         stack.stop(grace=5)
         raise
     return stack
+
+
+def _env_modules(job, extra: tuple[str, ...]) -> list[str]:
+    """The reward service's ``--env-module`` list: ``extra``, plus the module of the job's ``env.name`` when that
+    is an import path (``package.module:Class``)."""
+    mods = list(extra)
+    name = job.env.name
+    if name and ":" in name and name.partition(":")[0] not in mods:
+        mods.append(name.partition(":")[0])
+    return mods
 
 
 def _find_run_dir(run_dir: str | Path | None) -> Path:
@@ -361,7 +374,8 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
-        plain: bool = False, ready_timeout: float = 300.0, metrics: bool = False) -> int:
+        plain: bool = False, ready_timeout: float = 300.0, metrics: bool = False,
+        env_modules: tuple[str, ...] = ()) -> int:
     """up → submit → watch (progress bar) → report → down. Returns the exit status."""
     from tqdm import tqdm
 
@@ -369,7 +383,8 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     from fp8rl.report import job_facts, write_report
     from fp8rl.sdk import Fp8rlClient
 
-    stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics)
+    stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics,
+               env_modules=env_modules)
     # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
     signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
@@ -424,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--run-dir", default=None, help="where logs, stack.json and the report go (default runs/<ts>)")
         p.add_argument("--replicas", type=int, default=1, help="rollout replicas (default 1)")
         p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each service may take to start")
+        p.add_argument("--env-module", action="append", default=[], metavar="MODULE",
+                       help="a user environment module the reward service's env workers import (repeatable; the "
+                            "module of an env.name import path is added on its own)")
         p.add_argument("--metrics", action="store_true",
                        help="every service serves Prometheus /metrics on a free loopback port (see stack.json)")
         if name == "run":
@@ -438,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             stack = up(args.job, args.run_dir, replicas=args.replicas, ready_timeout=args.ready_timeout,
-                       metrics=args.metrics)
+                       metrics=args.metrics, env_modules=tuple(args.env_module))
             client_file = stack.info["secrets"]["client_token_file"]
             print(json.dumps({"controller": stack.info["controller"], "run_dir": str(stack.run_dir),
                               "client_token_file": client_file}))
@@ -450,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             down(args.run_dir, grace=args.grace)
             return EXIT_OK
         return run(args.job, args.run_dir, replicas=args.replicas, plain=args.plain,
-                   ready_timeout=args.ready_timeout, metrics=args.metrics)
+                   ready_timeout=args.ready_timeout, metrics=args.metrics, env_modules=tuple(args.env_module))
     except (LaunchError, ConfigError, Fp8rlError) as exc:
         print(f"launcher: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

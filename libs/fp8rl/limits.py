@@ -137,7 +137,19 @@ MAX_BULK_MESSAGE_BYTES = 256 * 1024 * 1024
 BULK_REQUEST_METHODS = frozenset({"TrainStep", "ComputeLogprobs", "Calibrate", "Score", "Generate"})
 """RPCs whose request carries a batch (token rows, texts): they take up to ``--max-message-bytes``."""
 
-REQUEST_BYTES = {"SubmitJob": MAX_JOB_YAML_BYTES + 4096}
+MAX_ENV_TASK_BYTES = 1 << 20
+"""Largest JSON of an environment's task or kwargs (EnvService.Reset), and of a step's reply (messages + info)."""
+
+MAX_ENV_IDS = 8192
+"""Most trajectory ids / session keys in one EnvService.Close or RolloutService.ReleaseSessions call."""
+
+MAX_ENV_ID_CHARS = 256
+"""Longest trajectory id or session key."""
+
+REQUEST_BYTES = {"SubmitJob": MAX_JOB_YAML_BYTES + 4096,
+                 "Reset": 2 * MAX_ENV_TASK_BYTES + 4096,  # task and kwargs JSON
+                 "Step": 4 * MAX_RESPONSE_CHARS + 4096,  # the model's turn, UTF-8
+                 "Close": MAX_ENV_IDS * (MAX_ENV_ID_CHARS + 4), "ReleaseSessions": MAX_ENV_IDS * (MAX_ENV_ID_CHARS + 4)}
 """Request limits of the other RPCs that need more than :data:`MAX_REQUEST_BYTES` (a job YAML plus its id)."""
 
 MAX_REQUEST_BYTES = 64 * 1024

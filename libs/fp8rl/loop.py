@@ -50,7 +50,7 @@ from fp8rl.engines import (
     train_on_batch,
 )
 from fp8rl.envs import ChatRenderer, make_env
-from fp8rl.envs.trajectory import run_trajectories, trajectories_markdown
+from fp8rl.envs.trajectory import TURN_SEED_STRIDE, run_trajectories, trajectories_markdown
 from fp8rl.fp8 import RECIPES, QKVScales
 from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
@@ -371,9 +371,6 @@ class GRPOLoop:
         pipe.run(record)
 
 
-_TURN_SEED_STRIDE = 104_729  # a trajectory batch's turn t samples with the step's seed + t * this
-
-
 class _InProcess:
     """The loop's :class:`~fp8rl.controller.step.StepBackends`: the engines, called directly."""
 
@@ -427,7 +424,7 @@ class _InProcess:
 
         def generate_turn(prompts, max_tokens, turn, keys):
             params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=max_tokens, n=1,
-                                    seed=base + _TURN_SEED_STRIDE * turn)
+                                    seed=base + TURN_SEED_STRIDE * turn)
             # each trajectory's K/V is kept between its turns: only the new tokens are prefilled (bitwise the same
             # under batch invariance; fp8rl.engines.kv_sessions)
             return loop.rollout.generate(prompts, params, weight_version=version, sessions=keys)

@@ -3,6 +3,9 @@
 Every call resolves its role's endpoint from the newest live lease in Redis (a restarted service is
 found on its new port at the next try) and converts protos; the step logic is the library's. Score
 items the reward service could not grade are scored again, and a step never trains on a placeholder.
+A multi-turn job's rollout is :class:`~services.controller.trajectories.TrajectoryRunner`'s: its environments
+run in the reward service's env workers, its turns on sticky rollout replicas; an ungraded trajectory (its
+environment failed) is left out of the loss by the step, never re-scored.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from fp8rl.controller.pool import RolloutError
 from fp8rl.controller.step import Trained
 from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
+from fp8rl.rpc.routes import routes_to_proto
 
 log = logging.getLogger("fp8rl.controller")
 
@@ -68,20 +72,41 @@ class GrpcStep:
 
     def __init__(self, runner, plan: JobPlan) -> None:
         self.r, self.plan = runner, plan  # the JobRunner: its settings, rollout pool, refit store, cancel check
+        self.wants_problems = plan.env is not None  # multi-turn: generate() is handed the problems (the tasks)
+        self._trajectories = None
 
-    def generate(self, prompts, version, *, step, n, temperature):
+    @property
+    def trajectories(self):
+        """The job's :class:`~services.controller.trajectories.TrajectoryRunner` (multi-turn jobs)."""
+        if self._trajectories is None:
+            from .trajectories import TrajectoryRunner
+
+            self._trajectories = TrajectoryRunner(
+                self.plan, lambda method, req, timeout: call(self.r, "rollout", "reward", method, req, timeout, "env"),
+                self.r.pool, wait_s=self.r.settings.replica_wait_s,
+                tick=lambda: self.r._check(self.plan.job_id, cancel=False), reraise=(RpcFailed,),
+                deadline_exceeded=lambda e: isinstance(e, RpcFailed) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+        return self._trajectories
+
+    def prompts_of(self, problems) -> list[list[int]]:
+        """The problems' prompts: a multi-turn job's are its environments' openings (reset in the env workers)."""
+        return self.trajectories.openings(problems) if self.plan.env is not None else self.plan.prompts(problems)
+
+    def generate(self, prompts, version, *, step, n, temperature, problems=None):
+        if self.plan.env is not None:
+            return self.trajectories.run(problems, version, step=step, n=n, temperature=temperature)
         return self._sample(self.plan, prompts, version, step=step, n=n, temperature=temperature)
 
     def score(self, pairs):
+        if self.plan.env is not None:  # the environment graded each trajectory (None: it failed, ungraded)
+            return [s.reward for _, s in pairs]
         return self._grade(self.plan, pairs)
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag,
                                            calibrate_scales=self.plan.fp8_kv and self.site == "trainer",
-                                           scales_from_logprobs=self.plan.fp8_kv and self.site == "logprobs", rows=[
-            trainer_pb2.Sequence(prompt_ids=p, response_ids=s.token_ids, gen_logprobs=s.logprobs, advantage=a,
-                                 weight_version=s.weight_version, routes=s.routes if s.HasField("routes") else None)
-            for p, s, a in rows])
+                                           scales_from_logprobs=self.plan.fp8_kv and self.site == "logprobs",
+                                           rows=[_sequence(p, s, a) for p, s, a in rows])
         resp = self.rpc("train", "trainer", "TrainStep", req, DL.train_step)
         pt = resp.phase_times
         # calibrate: the trainer's own calibration of the new version (calibration.site trainer), else 0
@@ -155,15 +180,29 @@ class GrpcStep:
                       f"trained, so no placeholder reward was learned from")
 
 
-def call(runner, phase: str, role: str, method: str, request, timeout: float | None):
-    """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address); a gRPC error
-    becomes :class:`RpcFailed` naming the phase, the role and the endpoint."""
+def _sequence(prompt, s, advantage: float) -> trainer_pb2.Sequence:
+    """A training row: a rollout replica's Sample proto, or a multi-turn trajectory (its loss mask, its routes
+    stitched turn by turn)."""
+    if hasattr(s, "end_reason"):  # fp8rl.envs.trajectory.Trajectory
+        return trainer_pb2.Sequence(prompt_ids=prompt, response_ids=s.token_ids, gen_logprobs=s.logprobs,
+                                    advantage=advantage, weight_version=s.weight_version,
+                                    loss_mask=[bool(m) for m in s.token_mask],
+                                    routes=None if s.routes is None else routes_to_proto(s.routes))
+    return trainer_pb2.Sequence(prompt_ids=prompt, response_ids=s.token_ids, gen_logprobs=s.logprobs,
+                                advantage=advantage, weight_version=s.weight_version,
+                                routes=s.routes if s.HasField("routes") else None)
+
+
+def call(runner, phase: str, role: str, method: str, request, timeout: float | None, service: str | None = None):
+    """``role``'s ``method`` at the endpoint of its newest live lease (else its fallback address), on the stub of
+    ``service`` (default: the role's own; ``"env"``: the reward service's EnvService); a gRPC error becomes
+    :class:`RpcFailed` naming the phase, the role and the endpoint."""
     lease = runner.refit.endpoint_of(role)
     endpoint = lease.endpoint if lease is not None else runner.b.fallback.get(role)
     if not endpoint:
         raise RpcFailed(phase, grpc.StatusCode.UNAVAILABLE, f"no live {role} lease in Redis (is the {role} "
                                                              f"service running?) and no --{role} address")
     try:
-        return getattr(runner.b.stub(role, endpoint), method)(request, timeout=timeout)
+        return getattr(runner.b.stub(service or role, endpoint), method)(request, timeout=timeout)
     except grpc.RpcError as err:
         raise RpcFailed(phase, err.code(), f"{role} at {endpoint}: {err.details()}") from None

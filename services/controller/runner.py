@@ -49,6 +49,11 @@ acks, expired leases) are counted in ``metrics["replica_fenced"]``.
 Rewards. Only graded items (status GRADED / UNPARSABLE) are trained on: TIMEOUT / ERROR items are
 re-scored up to ``score_attempts`` times in all, and if any is still ungraded the job fails naming it —
 a placeholder 0 never reaches TrainStep.
+
+Multi-turn jobs (``env.name``). The rollout phase runs every trajectory's turns
+(:mod:`services.controller.trajectories`): the environments in the reward service's env workers, the turns on
+sticky rollout replicas; the reward is the environment's. A trajectory whose environment crashed, hung or was
+lost is ungraded: left out of the loss and of its group's advantages and counted (``env/ungraded``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ from fp8rl.controller.reconcile import Lineage, reconcile
 from fp8rl.controller.step import PHASES, finish, first_half
 from fp8rl.controller.validation import validate
 from fp8rl.data import GRADERS, DataFileError, DataRoot
+from fp8rl.envs import env_names
 from fp8rl.refit import RefitStore
 from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
@@ -162,6 +168,7 @@ class JobRunner:
         job.check_services()  # keys only the in-process loop runs
         check_deployment(job, self.deployed)
         self._check_grader(job)
+        self._check_env(job)
         try:
             check_data(job, self.settings.data)
         except DataFileError as exc:
@@ -184,6 +191,21 @@ class JobRunner:
         if job.reward.grader not in known:
             raise ConfigError(f"reward.grader: unknown grader {short(job.reward.grader)}; the reward service grades "
                               f"with {', '.join(sorted(known))} (more with its --grader-module)")
+
+    def _check_env(self, job: JobConfig) -> None:
+        """``env.name`` must be an environment the reward service's env workers run (what it recorded in Redis when
+        it started: the registered ones and its ``--env-module`` modules; the registered ones while it has recorded
+        nothing). No environment code is imported here."""
+        name = job.env.name
+        if name is None:
+            return
+        recorded = self.refit.envs()
+        names, modules = recorded if recorded is not None else (set(env_names()), set())
+        if not (name in names or name.partition(":")[0] in modules):
+            raise ConfigError(f"env.name: {short(name)} does not run on this stack; the reward service's environment "
+                              f"workers run {', '.join(sorted(names))}"
+                              + "".join(f", {m}:<Class>" for m in sorted(modules))
+                              + " (start it with --env-module MODULE for a user environment)")
 
     def get(self, job_id: str) -> JobRecord:
         rec = self.jobs.get(job_id)
@@ -323,7 +345,7 @@ class JobRunner:
             return
         v = rec.next_version  # recorded, never computed (see the module docstring)
         if plan.fp8_kv and self.refit.get_scales(v) is None:  # e.g. v0 of a fresh deployment
-            seqs = plan.prompts(plan.batch(step))
+            seqs = GrpcStep(self, plan).prompts_of(plan.batch(step))
             self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
                 version=v, sequences=[common_pb2.TokenSequence(token_ids=s) for s in seqs]), DL.calibrate)
         self._refit_wait(v)
@@ -395,7 +417,7 @@ class JobRunner:
             log.warning("job %s: step %d trained but its rollout data is lost; recording it without", plan.job_id, n)
             partial = {"step": n, "weight_version": started, "new_version": held, "reward_mean": math.nan,
                        "accuracy": math.nan, "metrics": {"recovered_without_rollout": 1.0}, "phase_times": {},
-                       "sequences": plan.prompts(plan.batch(n))}
+                       "sequences": GrpcStep(self, plan).prompts_of(plan.batch(n))}
         partial["new_version"] = held  # a republished checkpoint carries step n's update under a newer version
         partial["resumed"] = True
         log.info("job %s: finishing step %d (already trained) after a restart", plan.job_id, n)
@@ -487,7 +509,6 @@ class JobRunner:
     def _evaluate(self, plan: JobPlan, v: int) -> dict[str, float]:
         """Validation of the deployed rollout numerics at ``v`` on the job's validation set: greedy accuracy, pass@j
         and mean@k (:func:`fp8rl.controller.validation.validate`) as report metrics."""
-        e = plan.job.eval
-        return validate(GrpcStep(self, plan), plan.eval_set, plan.prompts(plan.eval_set), v, k=e.k,
-                        temperature=e.temperature).metrics()
+        e, b = plan.job.eval, GrpcStep(self, plan)
+        return validate(b, plan.eval_set, b.prompts_of(plan.eval_set), v, k=e.k, temperature=e.temperature).metrics()
 

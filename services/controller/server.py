@@ -53,6 +53,7 @@ from fp8rl.rpc import (
     common_pb2,
     controller_pb2,
     controller_pb2_grpc,
+    env_pb2_grpc,
     reward_pb2_grpc,
     rollout_pb2_grpc,
     trainer_pb2_grpc,
@@ -66,7 +67,8 @@ from .runner import REPORT_TIMES, Backends, JobRunner, RunnerSettings
 __all__ = ["ControllerService", "JobServicer", "SPEC"]
 
 _STUBS = {"trainer": trainer_pb2_grpc.TrainerServiceStub, "reward": reward_pb2_grpc.RewardServiceStub,
-          "calibrator": calibrator_pb2_grpc.CalibratorServiceStub, "rollout": rollout_pb2_grpc.RolloutServiceStub}
+          "calibrator": calibrator_pb2_grpc.CalibratorServiceStub, "rollout": rollout_pb2_grpc.RolloutServiceStub,
+          "env": env_pb2_grpc.EnvServiceStub}  # the reward service's EnvService (multi-turn jobs' environments)
 
 
 def _info(rec: JobRecord) -> controller_pb2.JobInfo:

@@ -17,6 +17,12 @@ defaults in :mod:`fp8rl.limits`), refused before anything is graded. A caller th
 deadline) stops the batch: items not yet taken by a worker are dropped, the ones grading finish within their
 bound. At start the service records its grader names in Redis (those of each ``--grader-module`` too), which the
 controller checks a submitted job's ``reward.grader`` against.
+
+The service also serves ``EnvService`` (:mod:`services.reward.envs`): the environment steps of multi-turn
+trajectories, each trajectory's environment in one of ``--env-workers`` worker processes with rlimits
+(``--env-memory-mb``) and a per-step bound (the job's ``env.step_timeout_s``, which the controller sends). The
+environments it runs — the registered ones and import paths of each ``--env-module`` — are recorded in Redis too;
+SubmitJob refuses a job whose ``env.name`` is not among them.
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ from fp8rl import limits
 from fp8rl.data import GRADERS
 from fp8rl.data.process_pool import ProcessGradingPool
 from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingCancelled, GradingPool, grade_many
-from fp8rl.rpc import reward_pb2, reward_pb2_grpc
+from fp8rl.envs import env_names
+from fp8rl.envs.worker_pool import EnvWorkerPool, Rlimits
+from fp8rl.rpc import env_pb2_grpc, reward_pb2, reward_pb2_grpc
 from services.common.runtime import Context, Service, ServiceSpec, StartupError, env_default
+
+from .envs import EnvServicer
 
 log = logging.getLogger("fp8rl.reward")
 
@@ -128,24 +138,37 @@ class RewardService(Service):
                                            max_response_chars=a.max_response_chars)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        env_modules = tuple(a.env_module or ())
+        for name in env_modules:  # checked here (a clear startup error), imported again by every worker
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - any import failure is a startup error naming the module
+                raise StartupError(f"--env-module {name}: cannot import it: {type(exc).__name__}: {exc}") from None
+        if a.env_workers < 1 or a.env_memory_mb < 64:
+            raise StartupError(f"--env-workers must be >= 1 and --env-memory-mb >= 64, got {a.env_workers}, "
+                               f"{a.env_memory_mb}")
         self.pool = ProcessGradingPool(a.grading_workers, modules=modules, eager=True)
         self.servicer.pool = self.pool  # made after the servicer validated the flags: no workers for a bad config
         self.servicer.metrics = ctx.metrics
         self.grader, self.timeout_s = grader, timeout_s
+        self.env_modules = env_modules
+        self.envs = EnvWorkerPool(a.env_workers, modules=env_modules, rlimits=Rlimits(memory_mb=a.env_memory_mb),
+                                  timeout_s=job.env.step_timeout_s)
 
     def servicers(self):
-        return [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer)]
+        return [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer),
+                (env_pb2_grpc.add_EnvServiceServicer_to_server, EnvServicer(self.envs))]
 
     def start(self, ctx: Context) -> None:
         ctx.set_serving(True)
         # what SubmitJob checks a job's reward.grader against; Redis may be away (grading needs none): retried
         threading.Thread(target=self._record_graders, args=(ctx,), name="reward-graders", daemon=True).start()
 
-    @staticmethod
-    def _record_graders(ctx: Context) -> None:
+    def _record_graders(self, ctx: Context) -> None:
         while not ctx.stopping.is_set():
             try:
                 ctx.store.set_graders(sorted(GRADERS))
+                ctx.store.set_envs(env_names(), list(self.env_modules))
                 return
             except Exception as exc:  # noqa: BLE001 - Redis away: the controller falls back to the built-in graders
                 log.warning("cannot record the graders in Redis yet (%s); retrying in 5 s", exc)
@@ -153,6 +176,7 @@ class RewardService(Service):
 
     def stop(self) -> None:
         self.pool.close()
+        self.envs.close_all()
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +191,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "the comma-separated $FP8RL_GRADER_MODULES)")
     p.add_argument("--grading-workers", type=int, default=int(env_default("grading_workers", 2)),
                    help="grading worker processes (default 2)")
+    env_modules = env_default("env_modules", "")
+    p.add_argument("--env-module", action="append", metavar="MODULE",
+                   default=[m.strip() for m in env_modules.split(",") if m.strip()] or None,
+                   help="a module (repeatable) whose environments the env workers may run by import path "
+                        "(module:Class in a job's env.name; default: the comma-separated $FP8RL_ENV_MODULES)")
+    p.add_argument("--env-workers", type=int, default=int(env_default("env_workers", 2)),
+                   help="environment worker processes (default 2): at most this many environment steps run at once")
+    p.add_argument("--env-memory-mb", type=int, default=int(env_default("env_memory_mb", 4096)),
+                   help="address-space limit of each environment worker in MiB (default 4096)")
     p.add_argument("--max-items", type=int, default=int(env_default("max_items", limits.MAX_SCORE_ITEMS)),
                    help=f"most items in one Score call (default {limits.MAX_SCORE_ITEMS})")
     p.add_argument("--max-response-chars", type=int,

@@ -17,6 +17,11 @@ Wiring only — proto ↔ :class:`SamplingParams` / :class:`Sample`, plus the en
   (prompts × n × max_tokens); temperature finite in [0, 100], below 1e-5 greedy (``fp8rl.limits``).
   The engine checks the call between decode steps: a call cancelled or past its deadline stops at
   once and frees the engine for the next one.
+* Multi-turn trajectories: ``session_keys`` (one per prompt, ``n`` = 1) keep each trajectory's K/V on this
+  replica between its turns (:mod:`fp8rl.engines.kv_sessions`: reused only as a prefix at the same weights and
+  scales, bitwise the re-prefill under batch invariance; bounded, LRU); ``ReleaseSessions`` drops them when the
+  trajectories end. The controller sends all turns of a trajectory here while this replica lives (sticky); a
+  replica that never saw a key (another took over) recomputes it. Only the embedded engine keeps sessions.
 """
 
 from __future__ import annotations
@@ -159,6 +164,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         params = self._params(request.sampling)
         prompts = [check_token_ids(p.token_ids, s.vocab_size, s.max_len, f"prompt {i}")
                    for i, p in enumerate(request.prompts)]
+        sessions = self._sessions(request, params)
         held = s.engine.weight_version
         if not s.ready():
             raise Abort(grpc.StatusCode.UNAVAILABLE,
@@ -169,8 +175,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         t0 = time.perf_counter()
         try:
             with memory.phase("rollout"):
+                more = {"sessions": sessions} if sessions is not None else {}
                 samples = s.ctx.compute(s.engine.generate, prompts, params, weight_version=request.weight_version,
-                                        should_stop=lambda: not context.is_active())
+                                        should_stop=lambda: not context.is_active(), **more)
         except VersionMismatchError as exc:  # pinned to another version (the engine checks the pin, once)
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {s.ctx.replica_id}: {exc}") from None
         except Cancelled as exc:  # the caller is gone; the status is for the log
@@ -192,6 +199,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 routes=None if smp.routes is None else routes_to_proto(smp.routes),
             ))
 
+    def _sessions(self, request, params: SamplingParams) -> list[str | None] | None:
+        """GenerateRequest.session_keys checked: one per prompt ("" = none) with n = 1, on an engine that keeps
+        sessions; None when the request names none."""
+        keys = list(request.session_keys)
+        if not keys:
+            return None
+        require(hasattr(self.s.engine, "drop_session"),
+                f"session_keys: this replica's engine ({self.s.backend}) keeps no KV sessions; multi-turn "
+                f"trajectories run on the embedded engine (policy.generation.backend torch)")
+        require(len(keys) == len(request.prompts),
+                f"session_keys: {len(keys)} keys for {len(request.prompts)} prompts (one per prompt, '' for none)")
+        require(params.n == 1, f"session_keys need one sample per prompt (sampling.n = 1), got {params.n}")
+        bad = next((i for i, k in enumerate(keys) if len(k) > limits.MAX_ENV_ID_CHARS), None)
+        require(bad is None, f"session_keys[{bad}]: longer than {limits.MAX_ENV_ID_CHARS} characters")
+        return [k or None for k in keys]
+
+    @rpc_method
+    def ReleaseSessions(self, request, context):
+        keys = list(request.session_keys)
+        require(len(keys) <= limits.MAX_ENV_IDS, f"session_keys: {len(keys)} keys; the limit is {limits.MAX_ENV_IDS}")
+        drop = getattr(self.s.engine, "drop_session", None)
+        released = sum(bool(drop(k)) for k in keys) if drop is not None else 0
+        return rollout_pb2.ReleaseSessionsResponse(released=released)
+
     @rpc_method
     def Status(self, request, context):
         s = self.s
@@ -199,6 +230,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             replica_id=s.ctx.replica_id, engine=s.backend, recipe=s.ctx.job.recipe,
             kv_cache_dtype=s.ctx.job.kv_cache_dtype, ready=s.ready(), generating=self._generating,
         )
+        stats = getattr(s.engine, "session_stats", None)
+        if stats is not None:
+            st = stats()
+            resp.session_reused_tokens, resp.session_prefill_tokens = st["reused_tokens"], st["prefill_tokens"]
+            resp.session_evictions = st["evictions"]
         if s.engine.weight_version is not None:
             resp.weight_version = s.engine.weight_version
         if s.fp8_kv and s.engine.scales_version is not None:

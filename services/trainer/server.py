@@ -269,8 +269,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 routes = routes_from_proto(r.routes, f"row {i}") if r.HasField("routes") else None
             except ValueError as exc:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            mask = None
+            if len(r.loss_mask):  # a multi-turn trajectory: the environment's tokens are context, never trained
+                require(len(r.loss_mask) == len(response),
+                        f"row {i}: {len(r.loss_mask)} loss_mask entries for {len(response)} response_ids (must be "
+                        f"equal)")
+                mask = tuple(int(m) for m in r.loss_mask)
+                require(s.backend == "torch" or all(mask),
+                        f"row {i}: loss_mask holds context tokens, which the {s.backend} trainer does not mask "
+                        f"(multi-turn trajectories train on policy.training.backend torch)")
             out.append(Sample(prompt_index=i, prompt_ids=tuple(prompt), token_ids=tuple(response),
-                              logprobs=tuple(gen), finish_reason="", weight_version=version, routes=routes))
+                              logprobs=tuple(gen), finish_reason="", weight_version=version, routes=routes,
+                              token_mask=mask))
         return out, has_gen
 
     def _batch(self, samples: list[Sample], advantages: list[float], *, routes_required: bool = True) -> TrainBatch:

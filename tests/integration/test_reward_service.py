@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fp8rl.refit import RefitStore, connect
-from fp8rl.rpc import reward_pb2, reward_pb2_grpc
+from fp8rl.rpc import env_pb2, env_pb2_grpc, reward_pb2, reward_pb2_grpc
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S, make_channel
 
 pytestmark = pytest.mark.integration
@@ -51,6 +51,16 @@ def broken(response, answer):
 register_grader("test_sleepy", sleepy)
 register_grader("test_broken", broken)
 """
+USER_ENVS = """
+from fp8rl.envs import Environment, EnvStep
+
+class Echo(Environment):  # a user environment, run by import path: answers once with what it was told
+    def reset(self, task):
+        return [{"role": "user", "content": task["question"]}]
+
+    def step(self, text):
+        return EnvStep([], float(text == "yes"), True, {"said": text})
+"""
 ITEM_TIMEOUT_S = 3.0  # the service's per-item bound in this module
 
 
@@ -62,13 +72,15 @@ def reward_service(tmp_path_factory, redis_url):
     ready, log, job = tmp / "ready.json", tmp / "reward.log", tmp / "job.yaml"
     job.write_text("job:\n  name: reward-test\nreward:\n  grader: math_verify\n")
     (tmp / "slow_graders.py").write_text(SLOW_GRADERS)
+    (tmp / "user_envs.py").write_text(USER_ENVS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_")}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp), env.get("PYTHONPATH", "")])
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.reward", "--config", str(job), "--port", "0", "--ready-file", str(ready),
              "--redis-url", redis_url, "--job-id", "reward-test", "--replica-id", "reward-0",
-             "--service-token", TOKEN, "--timeout-s", str(ITEM_TIMEOUT_S), "--grader-module", "slow_graders"],
+             "--service-token", TOKEN, "--timeout-s", str(ITEM_TIMEOUT_S), "--grader-module", "slow_graders",
+             "--env-module", "user_envs", "--env-workers", "1"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     info = _wait_ready_file(proc, ready, log)
@@ -117,6 +129,54 @@ def test_scores_a_mixed_batch(stub):
     assert [e.split(":")[0] for e in response.errors] == ["", "", "unparsable", "", "unparsable"]
     g, u = reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE
     assert list(response.statuses) == [g, g, u, g, u]
+
+
+@pytest.fixture
+def envs(reward_service):
+    _, port, _ = reward_service
+    channel = make_channel(f"localhost:{port}", token=TOKEN, tls_ca="")
+    yield env_pb2_grpc.EnvServiceStub(channel)
+    channel.close()
+
+
+def test_env_service_runs_builtin_and_module_environments_and_records_them(envs, redis_url):
+    task = json.dumps({"question": "What is 12*34?", "answer": "408"})
+    opening = envs.Reset(env_pb2.EnvResetRequest(trajectory_id="c1", env="calculator", task_json=task), timeout=30)
+    assert json.loads(opening.messages_json)[-1]["content"].endswith("What is 12*34?")
+    assert json.loads(opening.tools_json)[0]["function"]["name"] == "calculator"
+    done = envs.Step(env_pb2.EnvStepRequest(trajectory_id="c1", text="Answer: 408"), timeout=30)
+    assert (done.status, done.done, done.reward) == (env_pb2.ENV_STATUS_OK, True, 1.0)
+    envs.Reset(env_pb2.EnvResetRequest(trajectory_id="u1", env="user_envs:Echo", task_json='{"question": "ok?"}'),
+               timeout=30)
+    r = envs.Step(env_pb2.EnvStepRequest(trajectory_id="u1", text="yes"), timeout=30)
+    assert r.reward == 1.0 and json.loads(r.info_json) == {"said": "yes"}
+    assert envs.Close(env_pb2.EnvCloseRequest(trajectory_ids=["c1", "u1", "never"]), timeout=30).closed == 2
+    gone = envs.Step(env_pb2.EnvStepRequest(trajectory_id="u1", text="yes"), timeout=30)
+    assert gone.status == env_pb2.ENV_STATUS_LOST and "has no environment" in gone.error
+    assert RefitStore(connect(redis_url), "reward-test").envs() == ({"calculator", "guess_number"}, {"user_envs"})
+
+
+@pytest.mark.parametrize("request_, match", [
+    (env_pb2.EnvResetRequest(trajectory_id="x", env="os:system"), "does not run here"),
+    (env_pb2.EnvResetRequest(trajectory_id="x", env="calculator", task_json="[1]"), "must be a JSON object"),
+    (env_pb2.EnvResetRequest(trajectory_id="x", env="calculator", task_json='{"q": NaN}'), "is not JSON"),
+    (env_pb2.EnvResetRequest(trajectory_id="", env="calculator"), "trajectory_id is empty"),
+    (env_pb2.EnvResetRequest(trajectory_id="x" * 300, env="calculator"), "the limit is 256"),
+    (env_pb2.EnvStepRequest(trajectory_id="x", text="y" * ((1 << 18) + 1)), "the limit is"),
+    (env_pb2.EnvStepRequest(trajectory_id="x", timeout_s=float("nan")), "timeout_s"),
+])
+def test_env_service_refuses_bad_requests_naming_the_field(envs, request_, match):
+    method = envs.Reset if isinstance(request_, env_pb2.EnvResetRequest) else envs.Step
+    with pytest.raises(grpc.RpcError) as err:
+        method(request_, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in err.value.details()
+
+
+def test_a_reset_that_fails_is_failed_precondition_naming_the_error(envs):
+    with pytest.raises(grpc.RpcError) as err:
+        envs.Reset(env_pb2.EnvResetRequest(trajectory_id="r1", env="calculator", task_json='{"question": "1"}'),
+                   timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "answer" in err.value.details()
 
 
 def test_the_service_registers_its_endpoint_lease(reward_service, redis_url):

@@ -113,6 +113,12 @@ class JobConfig(Section):
             raise ConfigError("data.task: env draws the environment's own tasks; set env.name")
         if env.name is None:
             return
+        for key, val, want in (("policy.generation.backend", self.policy.generation.backend, "torch"),
+                               ("policy.training.backend", self.policy.training.backend, "torch")):
+            if val != want:
+                raise ConfigError(f"env.name: multi-turn trajectories run on the embedded engines for now ({key}="
+                                  f"{val}): vLLM's prefix-cached multi-turn mismatch and Megatron's packed loss mask "
+                                  f"are not measured yet, so they are refused rather than trained unchecked")
         from fp8rl.envs import env_names, resolve
 
         # a job file never imports code while it is validated (the controller parses jobs from the wire): a user
@@ -130,12 +136,6 @@ class JobConfig(Section):
         if self.data.task == "env" and not callable(getattr(cls, "generate_tasks", None)):
             raise ConfigError(f"data.task: env needs an environment that generates its tasks; {env.name!r} has no "
                               f"generate_tasks (give its tasks as data.task jsonl / dataset rows)")
-        for key, val, want in (("policy.generation.backend", self.policy.generation.backend, "torch"),
-                               ("policy.training.backend", self.policy.training.backend, "torch")):
-            if val != want:
-                raise ConfigError(f"env.name: multi-turn trajectories run on the embedded engines for now ({key}="
-                                  f"{val}): vLLM's prefix-cached multi-turn mismatch and Megatron's packed loss mask "
-                                  f"are not measured yet, so they are refused rather than trained unchecked")
 
     def check_services(self) -> None:
         """Refuse (:class:`ConfigError`, naming the key) what only the in-process loop runs: the services call it
@@ -145,10 +145,11 @@ class JobConfig(Section):
         the services stack has no phase that would run it and tell every replica and trainer rank the result,
         so a job asks for the layer counts the observatory suggests (``python -m fp8rl.observatory``) instead.
         """
-        if self.env.name is not None:
-            raise ConfigError("env.name: multi-turn trajectories run in the in-process loop for now (python -m "
-                              "fp8rl.loop --config JOB); the service stack's sandboxed environment workers are not "
-                              "built yet, and environment code never runs in the controller")
+        if self.env.name is not None and self.grpo.async_grpo.enabled:
+            raise ConfigError("env.name with grpo.async_grpo.enabled: asynchronous multi-turn trajectories run in the "
+                              "in-process loop for now (python -m fp8rl.loop --config JOB, env.partial finish); on "
+                              "the stack a replica would apply the next version between a trajectory's turns, and "
+                              "holding it back per trajectory is not built yet")
         if self.policy.numerics.auto_bf16_layers:
             raise ConfigError("policy.numerics.auto_bf16_layers=true is run by the in-process loop only "
                               "(python -m fp8rl.loop --auto-bf16-layers); the services stack does not run the "

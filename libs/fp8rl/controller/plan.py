@@ -29,7 +29,7 @@ from fp8rl.rl.shaping import overlong_penalty
 __all__ = [
     "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "Split", "check_data",
     "check_deployment", "deployment_mismatch", "encode_prompt", "env_tasks", "eval_problems", "graded_advantages",
-    "group_advantages", "load_split", "load_job_tokenizer", "new_job_id", "problem_source",
+    "group_advantages", "load_split", "load_job_tokenizer", "model_max_positions", "new_job_id", "problem_source",
     "reward_summary", "sampling_seed", "split_evenly",
 ]
 
@@ -98,7 +98,7 @@ def check_data(job: JobConfig, data: DataRoot) -> None:
     ``data.validation_path`` is outside ``data``'s root, of no known format, not a regular file (an Arrow dataset:
     a directory of them) or over its byte limit — without reading rows (they are read when the job runs)."""
     d = job.data
-    if d.task == "arith":
+    if d.task in ("arith", "env"):  # generated tasks: no file
         return
     fmt = "jsonl" if d.task == "jsonl" else None  # jsonl: JSON lines whatever the name
     check_data_path(data, d.path, "data.path", fmt)
@@ -220,6 +220,18 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer |
     if job.data.task == "env":
         return env_tasks(job, size, _ENV_EVAL_SEED + job.job.seed)
     return load_split(job, "validation", data, tok).problems
+
+
+def model_max_positions(job: JobConfig) -> int:
+    """The policy's context (``max_position_embeddings`` of its checkpoint's config.json), read without the
+    weights: what bounds a multi-turn trajectory where the controller drives the turns."""
+    import json
+
+    from fp8rl.model.config import ModelConfig
+
+    model = job.policy.model
+    path = prepare_preset(model, progress=False) if model in PRESETS else Path(model)
+    return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())).max_position_embeddings
 
 
 def load_job_tokenizer(job: JobConfig) -> Tokenizer:

@@ -6,6 +6,10 @@ another version refuses with FAILED_PRECONDITION, and a sample claiming another 
 and every prompt gets exactly ``n`` samples, in prompt-major order — whatever the split between replicas.
 A request is pinned to the batch's version, or (``at_least``, asynchronous GRPO) to the version the chosen
 replica holds when that is not older: every sample carries the version that produced it.
+
+Multi-turn trajectories (:meth:`RolloutPool.generate_turn`) are *sticky*: every turn of a trajectory goes to the
+replica that served its first, which keeps its K/V under the trajectory's session key; a trajectory whose replica
+is gone (suspect, expired, another version) moves to the least loaded live one, which recomputes its history.
 """
 
 from __future__ import annotations
@@ -103,6 +107,93 @@ class RolloutPool:
     def replicas(self, version: int, wait_s: float, tick: Callable[[], None] = lambda: None) -> list[str]:
         """Endpoints of :meth:`wait_live`."""
         return [ls.endpoint for ls in self.wait_live(version, wait_s, tick)]
+
+    def generate_turn(self, prompts: list[list[int]], keys: list[str], version: int, *, sampling: dict,
+                      seed_of: Callable[[int], int], request_id: str, wait_s: float,
+                      sticky: dict[str, tuple[str, int]], tick: Callable[[], None] = lambda: None
+                      ) -> list[rollout_pb2.Sample]:
+        """One sample of every prompt at ``version``, in order: one turn of the trajectories ``keys`` (their session
+        keys). ``sticky`` (the caller's, kept across the turns) maps each key to the replica (id, registration) that
+        holds its K/V; keys without a live owner are given to the least loaded replica. The prompts of one replica
+        go in one request, seeded ``seed_of(first index)``. A replica that fails as :meth:`generate` retries is
+        left (UNAVAILABLE: suspect) and its prompts move to another, up to ``attempts`` tries.
+
+        Raises:
+            RolloutError: as :meth:`generate`.
+        """
+        out: list[rollout_pb2.Sample | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        for attempt in range(self.attempts):
+            replicas = {self._key(ls): ls for ls in self.wait_live(version, wait_s, tick)}
+            load = {k: 0 for k in replicas}
+            for owner in sticky.values():
+                if owner in load:
+                    load[owner] += 1
+            groups: dict[tuple[str, int], list[int]] = {}
+            for i in todo:
+                owner = sticky.get(keys[i])
+                if owner not in replicas:  # new, or its replica is gone: it re-prefills on the least loaded one
+                    owner = min(load, key=lambda k: (load[k], k))
+                    sticky[keys[i]] = owner
+                    load[owner] += 1
+                groups.setdefault(owner, []).append(i)
+
+            def run(owner: tuple[str, int], idx: list[int]) -> tuple[list[int], list | grpc.RpcError]:
+                lease = replicas[owner]
+                req = rollout_pb2.GenerateRequest(
+                    request_id=f"{request_id}-p{idx[0]}", weight_version=version,
+                    prompts=[rollout_pb2.Prompt(token_ids=prompts[i]) for i in idx],
+                    session_keys=[keys[i] for i in idx],
+                    sampling=rollout_pb2.SamplingParams(n=1, seed=seed_of(idx[0]), **sampling))
+                try:
+                    return idx, [r.sample for r in self.stub(lease.endpoint).Generate(
+                        req, timeout=DEFAULT_DEADLINE_S.generate)]
+                except grpc.RpcError as err:
+                    return idx, err
+
+            with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="generate-turn") as ex:
+                results = list(ex.map(lambda g: (g[0], *run(*g)), groups.items()))
+            todo = []
+            for owner, idx, got in results:
+                if isinstance(got, grpc.RpcError):
+                    lease = replicas[owner]
+                    if got.code() not in _RETRY or attempt + 1 == self.attempts:
+                        raise RolloutError(f"Generate on {lease.endpoint}: {got.code().name}: {got.details()}",
+                                           got.code())
+                    if got.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.suspect(lease)
+                    log.warning("Generate on %s (%s) failed (%s); its %d trajectories move to another replica",
+                                lease.replica_id, lease.endpoint, got.code().name, len(idx))
+                    for i in idx:
+                        sticky.pop(keys[i], None)
+                    todo += idx
+                    continue
+                for s in got:
+                    if s.weight_version != version or s.sample_index != 0 or not 0 <= s.prompt_index < len(idx):
+                        raise RolloutError(f"a replica returned a sample of version {s.weight_version} (prompt "
+                                           f"{s.prompt_index}, index {s.sample_index}) for a turn pinned to {version}")
+                    out[idx[s.prompt_index]] = s
+            if not todo:
+                break
+        if any(s is None for s in out):
+            raise RolloutError("replicas returned fewer samples than the turn's prompts")
+        return out
+
+    def release(self, keys: list[str], sticky: dict[str, tuple[str, int]]) -> None:
+        """Tell each replica holding some of ``keys`` (per ``sticky``) to drop their K/V; a replica that does not
+        answer is skipped (its sessions age out of its bounded cache)."""
+        live = {self._key(ls): ls for ls in self.refit.live_replicas("rollout").values()}
+        by_owner: dict[tuple[str, int], list[str]] = {}
+        for k in keys:
+            if (owner := sticky.get(k)) in live:
+                by_owner.setdefault(owner, []).append(k)
+        for owner, ks in by_owner.items():
+            try:
+                self.stub(live[owner].endpoint).ReleaseSessions(
+                    rollout_pb2.ReleaseSessionsRequest(session_keys=ks), timeout=DEFAULT_DEADLINE_S.status)
+            except grpc.RpcError as err:
+                log.info("ReleaseSessions on %s failed (%s); its sessions age out", live[owner].endpoint,
+                         err.code().name)
 
     def generate(self, prompts: list[list[int]], version: int, *, n: int, sampling: dict,
                  seed_of: Callable[[int], int], request_id: str, wait_s: float,

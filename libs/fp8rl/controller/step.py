@@ -100,7 +100,8 @@ def _sample_round(plan: StepPlan, b: StepBackends, problems: list[Problem], inde
     """Generate and grade ``problems`` (a step's own batch, or a dynamic-sampling refill) at ``version``, seeded
     as step ``index``: ``(problems, prompts, samples, rewards)``; the time spent is added to ``times``."""
     check()
-    prompts = plan.prompts(problems)
+    # multi-turn on the stack: the openings come from the environment workers (no environment code here)
+    prompts = b.prompts_of(problems) if hasattr(b, "prompts_of") else plan.prompts(problems)
     t = time.perf_counter()
     more = {"problems": problems} if getattr(b, "wants_problems", False) else {}  # multi-turn: the tasks
     samples = b.generate(prompts, version, step=index, n=plan.group, temperature=plan.temperature, **more)
@@ -176,9 +177,9 @@ def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
     shaped = rollout.get("shaped", rollout["rewards"])
     adv = graded_advantages(shaped, plan.group, plan.leave_one_out, plan.normalize_rewards)
     # ungraded samples (an environment failed: reward None) are left out of the loss
-    rows = [(prompts[i], s, a) for (i, s), a in zip(samples, adv, strict=True) if a is not None]
+    rows = [(_prompt(prompts, i, s), s, a) for (i, s), a in zip(samples, adv, strict=True) if a is not None]
     if not rows:  # every sample ungraded: the step still makes its version, on zero advantages (no policy gradient)
-        rows = [(prompts[i], s, 0.0) for i, s in samples]
+        rows = [(_prompt(prompts, i, s), s, 0.0) for i, s in samples]
     stats = dict(rollout.get("stats", {}))
     stats.update({f"data/dropped_prompts/{split}": float(n) for split, n in plan.dropped_prompts.items()})
     cut = [truncated(s.finish_reason) for _, s, _ in rows]
@@ -198,7 +199,13 @@ def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
                         "response_len": statistics.fmean(len(s.token_ids) for _, s in samples)},
             "served_version": min(served) if len(served) == 1 else -1, "rollout_version": min(served, default=-1),
             "phase_times": times, "started_unix": rollout["started_unix"],
-            "sequences": [prompts[i] + list(s.token_ids) for i, s in samples]}
+            "sequences": [_prompt(prompts, i, s) + list(s.token_ids) for i, s in samples]}
+
+
+def _prompt(prompts: Sequence[Sequence[int]], i: int, sample: Any) -> list[int]:
+    """The prompt a sample continues: a trajectory's own opening (each trajectory reset its environment), else its
+    task's prompt."""
+    return list(sample.prompt_ids) if hasattr(sample, "end_reason") else list(prompts[i])
 
 
 def first_half(plan: StepPlan, b: StepBackends, step: int, version: int,

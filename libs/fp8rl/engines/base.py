@@ -118,7 +118,7 @@ class Sample:
         routes: mixture-of-experts models with routing replay: the experts every token the engine *fed* used
             in every mixture-of-experts layer, ``(len(prompt_ids) + len(token_ids) - 1, L, K)`` uint8 (int16 past
             256 experts) — the prompt's prefill, then each generated token but the last (never fed). None otherwise.
-        token_mask: a multi-turn trajectory (:mod:`fp8rl.controller.trajectory`): per token of ``token_ids``, 1
+        token_mask: a multi-turn trajectory (:mod:`fp8rl.envs.trajectory`): per token of ``token_ids``, 1
             where the model sampled it (trained; its ``logprobs`` entry is the engine's) and 0 where the environment,
             a tool or the user wrote it (context only: loss mask 0, logprob 0). None: every token is the model's
             (the single-turn sample, a one-segment trajectory).

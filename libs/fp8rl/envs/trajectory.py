@@ -52,12 +52,13 @@ from .base import Environment, EnvSpec, EnvStep, Message
 from .render import ChatRenderer
 from .tools import parse_tool_calls
 
-__all__ = ["END_REASONS", "UNGRADED", "Trajectory", "run_trajectories", "step_with_timeout", "trajectories_markdown",
+__all__ = ["END_REASONS", "TURN_SEED_STRIDE", "UNGRADED", "Trajectory", "run_trajectories", "step_with_timeout", "trajectories_markdown",
            "trajectory_metrics"]
 
 END_REASONS = ("done", "budget", "max_turns", "env_error", "env_timeout")
 UNGRADED = ("env_error", "env_timeout")  # the environment's failures: no reward, out of the loss
 _BATCHES = itertools.count()  # numbers each run_trajectories call: its trajectories' keys are unique in the process
+TURN_SEED_STRIDE = 104_729  # a trajectory batch's turn t samples with the step's seed + t * this
 
 
 @dataclass
@@ -201,7 +202,8 @@ def run_trajectories(
     tasks: Sequence[dict[str, Any]], group: int, spec: EnvSpec, make_env: Callable[[], Environment],
     renderer: ChatRenderer, generate: GenerateTurn, *, max_context: int,
     decode: Callable[[Sequence[int]], str], stop_ids: Sequence[int],
-    release: Callable[[str], Any] | None = None,
+    release: Callable[[str], Any] | None = None, step_env: Callable[[Environment, str], EnvStep] | None = None,
+    reraise: tuple[type[BaseException], ...] = (), key_prefix: str = "trajectory-",
 ) -> list[Trajectory]:
     """``group`` trajectories of every task, prompt-major (task 0's first), driven to their ends.
 
@@ -210,7 +212,13 @@ def run_trajectories(
     end it is appended as the template's delta. Budgets: ``spec.max_turns`` model turns, ``spec.max_tokens_per_turn``
     tokens a turn, ``spec.max_trajectory_tokens`` tokens after the prompt and ``max_context`` positions in all.
     ``release(key)`` is told each trajectory's key once it ends (an engine drops the K/V it kept for it).
+
+    ``step_env(env, text)`` steps one environment (default :func:`step_with_timeout` with ``spec.step_timeout_s``;
+    an environment that bounds its own steps, as the stack's remote one does, is stepped directly). An exception of
+    ``reraise`` (e.g. the environment's host is unreachable: not the environment's failure) propagates instead of
+    ending the trajectory ``env_error``. Keys are ``key_prefix`` + a batch number + the trajectory's index.
     """
+    step_env = step_env or (lambda env, text: step_with_timeout(env, text, spec.step_timeout_s))
     batch = next(_BATCHES)
     stops = set(stop_ids)
     trajs: list[Trajectory] = []
@@ -241,7 +249,7 @@ def run_trajectories(
         if not active:
             break
         samples = generate([trajs[k].ids for k in active], spec.max_tokens_per_turn, turn,
-                           [f"trajectory-{batch}-{k}" for k in active])
+                           [f"{key_prefix}{batch}-{k}" for k in active])
         for k, s in zip(active, samples, strict=True):
             t, env = trajs[k], envs[k]
             t.add_model(s)
@@ -255,7 +263,9 @@ def run_trajectories(
             t.tool_errors += sum(1 for c in calls if not hasattr(c, "name"))
             t0 = time.perf_counter()
             try:
-                st = step_with_timeout(env, text, spec.step_timeout_s)
+                st = step_env(env, text)
+            except reraise:
+                raise
             except TimeoutError:
                 t.env_seconds += time.perf_counter() - t0
                 t.end("env_timeout", None)
@@ -284,7 +294,7 @@ def run_trajectories(
             t.end("max_turns", 0.0)
     if release is not None:
         for k in range(len(trajs)):
-            release(f"trajectory-{batch}-{k}")
+            release(f"{key_prefix}{batch}-{k}")
     return trajs
 
 

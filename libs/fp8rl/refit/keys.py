@@ -28,6 +28,8 @@ key                     type         meaning
 ``P job:config``        bytes        the job's validated config (YAML/JSON bytes)
 ``P reward:graders``    set          grader names the job's reward service grades with (each ``--grader-module``
                                      included), written when it starts; SubmitJob checks ``reward.grader`` there
+``P reward:envs``       set          environments the reward service's env workers run: registered names and
+                                     ``module:`` entries for each ``--env-module``; SubmitJob checks ``env.name``
 ``fp8rl:jobs``          set          index of job ids
 ``fp8rl:jobs:created``  zset         every stored job id, scored by its submission time (ListJobs' order)
 ``fp8rl:jobs:state:{s}``  zset       the job ids in state ``s``, scored by submission time (the queue order)
@@ -175,6 +177,10 @@ class Keys:
     def graders(self) -> str:
         """``reward:graders`` — the grader names the job's reward service knows."""
         return f"{self.prefix}reward:graders"
+
+    def envs(self) -> str:
+        """``reward:envs`` — the environments the reward service's env workers run (names, ``module:`` entries)."""
+        return f"{self.prefix}reward:envs"
 
     # -- the controller's job indexes (outside any job's namespace) ----------------------------
     @staticmethod

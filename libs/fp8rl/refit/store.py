@@ -447,6 +447,24 @@ class RefitStore:
         names = self.client.smembers(self.keys.graders())
         return {n.decode() if isinstance(n, bytes) else n for n in names} or None
 
+    def set_envs(self, names: list[str], modules: list[str]) -> None:
+        """Record the environments the reward service's env workers run: registered ``names`` and the user
+        ``modules`` they imported (stored as ``module:`` entries; replacing any earlier record)."""
+        entries = [*names, *(f"{m}:" for m in modules)]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.envs())
+        if entries:
+            pipe.sadd(self.keys.envs(), *entries)
+        pipe.execute()
+
+    def envs(self) -> tuple[set[str], set[str]] | None:
+        """``(registered names, user modules)`` the env workers run, or None when none were recorded yet."""
+        raw = self.client.smembers(self.keys.envs())
+        entries = {n.decode() if isinstance(n, bytes) else n for n in raw}
+        if not entries:
+            return None
+        return {e for e in entries if not e.endswith(":")}, {e[:-1] for e in entries if e.endswith(":")}
+
     def endpoint_of(self, role: str) -> ReplicaLease | None:
         """The newest live lease of ``role`` (latest registration), or None when none is live."""
         leases = self.live_replicas(role)

@@ -32,16 +32,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling", "weight_version")
+    __slots__ = ("request_id", "prompts", "sampling", "weight_version", "session_keys")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEYS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     weight_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    session_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., session_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "routes")
@@ -74,7 +76,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = ("weight_version", "scales_version", "replica_id", "engine", "recipe", "kv_cache_dtype", "ready", "pending_version", "pending_reason", "generating")
+    __slots__ = ("weight_version", "scales_version", "replica_id", "engine", "recipe", "kv_cache_dtype", "ready", "pending_version", "pending_reason", "generating", "session_reused_tokens", "session_prefill_tokens", "session_evictions")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCALES_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,9 @@ class RolloutStatusResponse(_message.Message):
     PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
     PENDING_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     scales_version: int
     replica_id: str
@@ -95,4 +100,19 @@ class RolloutStatusResponse(_message.Message):
     pending_version: int
     pending_reason: str
     generating: int
-    def __init__(self, weight_version: _Optional[int] = ..., scales_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., recipe: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., ready: _Optional[bool] = ..., pending_version: _Optional[int] = ..., pending_reason: _Optional[str] = ..., generating: _Optional[int] = ...) -> None: ...
+    session_reused_tokens: int
+    session_prefill_tokens: int
+    session_evictions: int
+    def __init__(self, weight_version: _Optional[int] = ..., scales_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., recipe: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., ready: _Optional[bool] = ..., pending_version: _Optional[int] = ..., pending_reason: _Optional[str] = ..., generating: _Optional[int] = ..., session_reused_tokens: _Optional[int] = ..., session_prefill_tokens: _Optional[int] = ..., session_evictions: _Optional[int] = ...) -> None: ...
+
+class ReleaseSessionsRequest(_message.Message):
+    __slots__ = ("session_keys",)
+    SESSION_KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseSessionsResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...

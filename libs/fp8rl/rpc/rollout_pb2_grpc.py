@@ -45,6 +45,11 @@ class RolloutServiceStub:
                 request_serializer=fp8rl_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
                 response_deserializer=fp8rl_dot_v1_dot_rollout__pb2.RolloutStatusResponse.FromString,
                 _registered_method=True)
+        self.ReleaseSessions = channel.unary_unary(
+                '/fp8rl.v1.RolloutService/ReleaseSessions',
+                request_serializer=fp8rl_dot_v1_dot_rollout__pb2.ReleaseSessionsRequest.SerializeToString,
+                response_deserializer=fp8rl_dot_v1_dot_rollout__pb2.ReleaseSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -71,6 +76,13 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSessions(self, request, context):
+        """Drops the K/V kept under GenerateRequest.session_keys (a trajectory ended); unknown keys are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -83,6 +95,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=fp8rl_dot_v1_dot_rollout__pb2.RolloutStatusRequest.FromString,
                     response_serializer=fp8rl_dot_v1_dot_rollout__pb2.RolloutStatusResponse.SerializeToString,
+            ),
+            'ReleaseSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSessions,
+                    request_deserializer=fp8rl_dot_v1_dot_rollout__pb2.ReleaseSessionsRequest.FromString,
+                    response_serializer=fp8rl_dot_v1_dot_rollout__pb2.ReleaseSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,6 +157,33 @@ class RolloutService:
             '/fp8rl.v1.RolloutService/Status',
             fp8rl_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
             fp8rl_dot_v1_dot_rollout__pb2.RolloutStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fp8rl.v1.RolloutService/ReleaseSessions',
+            fp8rl_dot_v1_dot_rollout__pb2.ReleaseSessionsRequest.SerializeToString,
+            fp8rl_dot_v1_dot_rollout__pb2.ReleaseSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,8 @@ from fp8rl.rpc import (
     common_pb2,
     controller_pb2,
     controller_pb2_grpc,
+    env_pb2,
+    env_pb2_grpc,
     reward_pb2,
     reward_pb2_grpc,
     rollout_pb2,
@@ -81,9 +83,26 @@ def _internal_calls(version: int) -> dict[str, tuple[str, object]]:
         "Generate": ("rollout-0", lambda ch: list(rollout_pb2_grpc.RolloutServiceStub(ch).Generate(gen, timeout=T))),
         "RolloutStatus": ("rollout-0", lambda ch: rollout_pb2_grpc.RolloutServiceStub(ch).Status(
             rollout_pb2.RolloutStatusRequest(), timeout=T)),
+        "ReleaseSessions": ("rollout-0", lambda ch: rollout_pb2_grpc.RolloutServiceStub(ch).ReleaseSessions(
+            rollout_pb2.ReleaseSessionsRequest(session_keys=["k"]), timeout=T)),
         "Score": ("reward", lambda ch: reward_pb2_grpc.RewardServiceStub(ch).Score(
             reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="4", answer="4")]), timeout=T)),
+        "Reset": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).Reset(env_pb2.EnvResetRequest(
+            trajectory_id="t", env="calculator", task_json='{"question": "What is 2*3?", "answer": "6"}'), timeout=T)),
+        "Step": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).Step(
+            env_pb2.EnvStepRequest(trajectory_id="t", text="Answer: 6"), timeout=T)),
+        "Close": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).Close(
+            env_pb2.EnvCloseRequest(trajectory_ids=["t"]), timeout=T)),
     }
+
+
+def test_the_calls_cover_every_internal_rpc():
+    """Every method of every fp8rl service but the JobService has its call above (a new RPC must be added)."""
+    covered = {name.removeprefix("Trainer").removeprefix("Rollout") for name in _internal_calls(0)}
+    for mod in (calibrator_pb2, env_pb2, reward_pb2, rollout_pb2, trainer_pb2, weights_pb2):
+        for service in mod.DESCRIPTOR.services_by_name.values():
+            missing = {m for m in service.methods_by_name} - covered
+            assert not missing, (service.full_name, missing)
 
 
 def _job_calls() -> dict[str, object]:

@@ -82,9 +82,9 @@ def stack(spawner, tiny_checkpoint, module_job_id, redis_url, write_job, tmp_pat
     return Stack(cfg, trainer, calibrator, rollout, RefitStore(connect(redis_url), module_job_id), tmp / "ckpt")
 
 
-def generate(st: Stack, prompts, version: int, **sampling) -> list[rollout_pb2.Sample]:
+def generate(st: Stack, prompts, version: int, session_keys=(), **sampling) -> list[rollout_pb2.Sample]:
     sampling = {"max_tokens": 4, "n": 1, **sampling}
-    req = rollout_pb2.GenerateRequest(request_id="t", weight_version=version,
+    req = rollout_pb2.GenerateRequest(request_id="t", weight_version=version, session_keys=session_keys,
                                       prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
                                       sampling=rollout_pb2.SamplingParams(**sampling))
     return [r.sample for r in st.roll().Generate(req, timeout=T)]
@@ -282,7 +282,10 @@ def test_malformed_requests_are_refused_and_every_service_keeps_serving(stack: S
     oov = trainer_pb2.Sequence(prompt_ids=[1, 500], response_ids=[6], gen_logprobs=[-1.0])
     overflow = [trainer_pb2.Sequence(prompt_ids=r.prompt_ids, response_ids=r.response_ids, gen_logprobs=r.gen_logprobs,
                                      advantage=a) for r, a in zip(ok, (3e38, -3e38), strict=True)]  # finite float32
+    masked = trainer_pb2.Sequence(prompt_ids=[1, 5], response_ids=[6, 7], gen_logprobs=[-1.0, -1.0],
+                                  loss_mask=[True])
     for rows, needle in (([*ok, nan], "gen_logprobs[0] is nan"), ([short], "1 gen_logprobs for 2 response_ids"),
+                         ([masked], "1 loss_mask entries for 2 response_ids"),
                          ([], "no rows"), ([oov], "token id 500"), (overflow, "non-finite gradient")):
         code, details = code_of(lambda r=rows: st.train().TrainStep(
             trainer_pb2.TrainStepRequest(expected_version=1, rows=r), timeout=T))
@@ -293,8 +296,10 @@ def test_malformed_requests_are_refused_and_every_service_keeps_serving(stack: S
 
     for prompts, sampling, needle in (([[]], {}, "prompt 0 is empty"), ([], {}, "prompts is empty"),
                                       (PROMPTS, {"n": 0}, "n must be >= 1"),
-                                      (PROMPTS, {"max_tokens": 100}, "exceeds the model's 64 positions")):
-        code, details = code_of(lambda p=prompts, s=sampling: generate(st, p, 1, **s))
+                                      (PROMPTS, {"max_tokens": 100}, "exceeds the model's 64 positions"),
+                                      (PROMPTS, {"session_keys": ["a"]}, "1 keys for 2 prompts"),
+                                      (PROMPTS[:1], {"session_keys": ["a"], "n": 2}, "sampling.n = 1")):
+        code, details = code_of(lambda p=prompts, s=sampling: generate(st, p, 1, **s))  # session_keys among s
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, details
     huge = rollout_pb2.GenerateRequest(weight_version=1, sampling=rollout_pb2.SamplingParams(max_tokens=1, n=1),
                                        prompts=[rollout_pb2.Prompt(token_ids=[1], text="x" * 5 * MiB)])

@@ -12,12 +12,13 @@ import pytest
 
 from fp8rl.rpc import generate
 
-PROTO_NAMES = ("common", "rollout", "trainer", "weights", "reward", "calibrator", "controller")
+PROTO_NAMES = ("common", "rollout", "trainer", "weights", "reward", "env", "calibrator", "controller")
 SERVICES = {
     "rollout": "RolloutService",
     "trainer": "TrainerService",
     "weights": "WeightStore",
     "reward": "RewardService",
+    "env": "EnvService",
     "calibrator": "CalibratorService",
     "controller": "JobService",
 }

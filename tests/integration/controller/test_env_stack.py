@@ -1,0 +1,184 @@
+"""Multi-turn trajectories on the real service stack (issue 48): ``deploy.launcher up`` with two rollout replicas,
+the reward service's env workers running the environments (``--env-module`` for the user ones), the controller
+driving the turns.
+
+The policy is a seeded random 2-layer Llama with the ChatML character tokenizer (tools rendered by its template),
+fp8_e2e with an FP8 KV cache and batch invariance: every step's ``mismatch/max_abs_logprob_diff`` is exactly 0 —
+the trainer's one forward over each whole trajectory against the replicas' per-turn decodes with their K/V kept
+between turns, sticky per trajectory. A random policy never guesses the number, so every ``guess_number``
+trajectory runs its ``max_turns``; on ``calculator`` it answers at once (one turn, reward 0). Environments that
+crash or hang end their trajectories ungraded (counted, out of the loss), and a replica killed mid-trajectory
+hands its trajectories to the other, which re-prefills them — still bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
+from fp8rl.model.tokenizer import load_tokenizer
+from fp8rl.presets.chatml import build_chatml_tokenizer
+from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from fp8rl.rpc.channel import make_channel
+from fp8rl.sdk import Fp8rlClient, InvalidArgument
+
+from .conftest import REPO, Stack, alive, assert_zero_mismatch, down
+
+pytestmark = pytest.mark.integration
+
+WATCH_S = 240.0
+TURNS = 3
+HERE = Path(__file__).resolve().parent
+E2E = REPO / "tests" / "e2e"  # envs_for_tests: FlakyEnv (crash / hang)
+
+
+def _chat_model(path: Path) -> Path:
+    build_chatml_tokenizer(path)
+    tok = load_tokenizer(path)
+    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      max_position_embeddings=2048, bos_token_id=None, eos_token_id=tok.eos_id,
+                      pad_token_id=tok.pad_id)
+    torch.manual_seed(0)
+    save_hf_checkpoint(CausalLM(cfg), cfg, path)
+    return path
+
+
+def _job(model: Path, name: str, *, steps: int = 2, env: dict | None = None, **more) -> dict:
+    job = {"job": {"name": name, "steps": steps, "seed": 0, "checkpoint_every": 0},
+           "policy": {"model": str(model),
+                      "generation": {"vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
+                      "training": {"lr": 0.01, "micro_batch_size": 8, "megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
+           "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+           "env": {"name": "guess_number", "max_turns": TURNS, "max_tokens_per_turn": 8,
+                   "max_trajectory_tokens": 200, **(env or {})},
+           "data": {"task": "env"}, "calibration": {"max_sequences": 4}}
+    job.update(more)
+    return job
+
+
+@pytest.fixture(scope="module")
+def env_stack(tmp_path_factory) -> Stack:
+    tmp = tmp_path_factory.mktemp("env-stack")
+    model = _chat_model(tmp / "model")
+    job_file = tmp / "job.yaml"
+    job_file.write_text(yaml.safe_dump(_job(model, "env-stack")))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_") or k == "FP8RL_REDIS_SERVER"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(E2E), env.get("PYTHONPATH", "")])
+    up = subprocess.run([sys.executable, "-m", "deploy.launcher", "up", "--job", str(job_file), "--run-dir",
+                         str(tmp / "run"), "--replicas", "2", "--ready-timeout", "180", "--env-module", "stack_envs",
+                         "--env-module", "envs_for_tests"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+    if up.returncode != 0:
+        pytest.fail(f"launcher up failed ({up.returncode}):\n{up.stderr[-4000:]}", pytrace=False)
+    stack = Stack(tmp / "run", job_file, model)
+    yield stack
+    down(stack)
+
+
+def _tasks(stack: Stack, answers: tuple[int, ...]) -> dict:
+    """A user environment's tasks as a jsonl file under the controller's data root (the job file's directory)."""
+    name = f"tasks-{uuid.uuid4().hex[:8]}.jsonl"
+    rows = [{"prompt": "Guess my number between 1 and 100.", "answer": str(a)} for a in answers]
+    (stack.job_file.parent / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"task": "jsonl", "path": name}
+
+
+def _run(stack: Stack, job: dict) -> tuple[list, object]:
+    with Fp8rlClient(stack.target, token=stack.client_token, tls_ca="", timeout_s=30) as c:
+        job_id = c.submit_job(yaml.safe_dump(job))
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        return reports, c.get_job(job_id)
+
+
+def test_a_calculator_job_runs_three_steps_on_the_stack(env_stack):
+    job = _job(env_stack.model_dir, f"calc-{uuid.uuid4().hex[:6]}", steps=3,
+               env={"name": "calculator", "max_turns": 3, "max_tokens_per_turn": 16, "max_trajectory_tokens": 200})
+    reports, info = _run(env_stack, job)
+    assert_zero_mismatch(info, reports, 3)
+    for r in reports:
+        m = r.metrics
+        assert m["env/turns_mean"] >= 1 and m["env/ungraded"] == 0.0  # the env workers answered every step
+        assert m["env/end/done"] + m["env/end/budget"] + m["env/end/max_turns"] == 4.0  # 2 tasks x 2
+        assert 0.0 <= r.reward_mean <= 1.0
+
+
+def _reused_tokens(stack: Stack) -> int:
+    total = 0
+    for name in ("rollout-0", "rollout-1"):
+        with make_channel(f"127.0.0.1:{stack.process(name)['port']}", token=stack.service_token, tls_ca="") as ch:
+            total += rollout_pb2_grpc.RolloutServiceStub(ch).Status(rollout_pb2.RolloutStatusRequest(),
+                                                                    timeout=30).session_reused_tokens
+    return total
+
+
+def test_guess_number_trajectories_are_bitwise_across_turns_with_sticky_kv(env_stack):
+    reused = _reused_tokens(env_stack)
+    reports, info = _run(env_stack, _job(env_stack.model_dir, f"guess-{uuid.uuid4().hex[:6]}"))
+    assert_zero_mismatch(info, reports, 2)
+    # turns 2 and 3 of each of the 2 x 4 trajectories reused their history's K/V on the replica that kept it
+    assert _reused_tokens(env_stack) - reused >= 2 * 4 * 2 * 100
+    for r in reports:
+        m = r.metrics
+        assert m["env/turns_mean"] == TURNS and m["env/end/max_turns"] == 4.0  # a random policy never guesses it
+        assert m["env/masked_tokens"] > 0 and m["env/model_tokens"] > 0  # feedback deltas: context, not trained
+        assert 0.0 < m["env/share_of_step"] < 1.0
+
+
+@pytest.mark.parametrize("mode, end", [("crash", "env_error"), ("hang", "env_timeout")])
+def test_an_environment_that_crashes_or_hangs_ends_only_its_trajectories_ungraded(env_stack, mode, end):
+    job = _job(env_stack.model_dir, f"flaky-{mode}-{uuid.uuid4().hex[:6]}", steps=1,
+               env={"name": "envs_for_tests:FlakyEnv", "kwargs": {"mode": mode}, "step_timeout_s": 2.0},
+               data=_tasks(env_stack, (37, 42)))  # the odd task's trajectories fail on their second step
+    t = time.monotonic()
+    reports, info = _run(env_stack, job)
+    assert_zero_mismatch(info, reports, 1)
+    m = reports[0].metrics
+    assert m[f"env/end/{end}"] == 2.0 == m["env/ungraded"]  # task 37's two: counted, never a silent 0
+    assert m["env/end/max_turns"] == 2.0  # task 42's ran to their end
+    assert time.monotonic() - t < WATCH_S / 2  # a hang costs its step bound, not the 120 s it sleeps
+
+
+def test_a_replica_killed_mid_trajectory_hands_its_trajectories_over(env_stack, tmp_path):
+    marker = tmp_path / "paused"
+    job = _job(env_stack.model_dir, f"kill-{uuid.uuid4().hex[:6]}", steps=1,
+               env={"name": "stack_envs:PausingGuess", "kwargs": {"marker": str(marker), "pause_s": 4.0},
+                    "step_timeout_s": 30.0},
+               data=_tasks(env_stack, (37, 42)))
+    victim = env_stack.process("rollout-1")
+    with Fp8rlClient(env_stack.target, token=env_stack.client_token, tls_ca="", timeout_s=30) as c:
+        job_id = c.submit_job(yaml.safe_dump(job))
+        deadline = time.monotonic() + WATCH_S
+        while not marker.exists():  # the first environment step: turn 0 was sampled on both replicas
+            assert time.monotonic() < deadline and c.get_job(job_id).state in ("pending", "running")
+            time.sleep(0.05)
+        os.kill(victim["pid"], signal.SIGKILL)
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        info = c.get_job(job_id)
+    assert not alive(victim["pid"])
+    assert_zero_mismatch(info, reports, 1)  # re-prefilled on the other replica: still bitwise
+    assert reports[0].metrics["env/turns_mean"] == TURNS and reports[0].metrics["env/ungraded"] == 0.0
+
+
+def test_submit_refuses_environments_the_workers_do_not_run_and_async_env_jobs(env_stack):
+    with Fp8rlClient(env_stack.target, token=env_stack.client_token, tls_ca="", timeout_s=30) as c:
+        before = c.list_jobs()
+        with pytest.raises(InvalidArgument, match=r"env.name: .*not_started:Env.*does not run on this stack"):
+            c.submit_job(yaml.safe_dump(_job(env_stack.model_dir, "unknown-env",
+                                             env={"name": "not_started:Env"}, data={"task": "arith"})))
+        with pytest.raises(InvalidArgument, match=r"async_grpo"):
+            c.submit_job(yaml.safe_dump(_job(env_stack.model_dir, "async-env",
+                                             grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                                                   "async_grpo": {"enabled": True}})))
+        assert c.list_jobs() == before
