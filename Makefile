@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ test-invariant: $(STAMP) redis  ## batch-invariant numerics: stack jobs (fp8_e2e
 
 test-moe: $(STAMP) redis  ## mixture-of-experts through the service stack: a job with routing replay (routes on the wire, TrainStep refusing bad ones) and a batch-invariant one with zero mismatch on 2 trainer ranks; multi-turn MoE trajectories in the loop (about 2 min)
 	$(BIN)/python -m pytest -m moe $(PYTEST_ARGS)
+
+test-agents: $(STAMP) redis  ## multi-turn trajectories through a launched stack (2 replicas): a 3-step calculator job, bitwise turns with sticky KV, environments that crash / hang, a replica killed mid-trajectory (about 3 min)
+	$(BIN)/python -m pytest -m agents $(PYTEST_ARGS)
 
 test-hostile: $(STAMP) redis  ## hostile clients against a launched stack (loopback): stalled and oversized calls without a token, job floods, cancelled Score callers, the smaller defects (about 2 min)
 	$(BIN)/python -m pytest -m hostile tests/hostile $(PYTEST_ARGS)

@@ -388,6 +388,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
     signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
+    trajectories_md = ""
     job_id, status = None, EXIT_FAILED
     client = Fp8rlClient(stack.info["controller"], token_file=stack.info["secrets"]["client_token_file"])
     try:
@@ -398,6 +399,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
         with tqdm(total=info.total_steps, desc=job_id, unit="step", disable=plain, file=sys.stderr) as bar:
             for r in client.watch(job_id):
                 reports.append(_report_dict(r))
+                trajectories_md = r.trajectories_md or trajectories_md
                 err = r.token_mult_prob_error
                 fields = {"reward": f"{r.reward_mean:.3f}", "acc": f"{r.accuracy:.3f}",
                           "mult_err": "n/a" if err is None else f"{err:.6f}"}
@@ -424,6 +426,8 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
             if reports:
                 out = write_report(reports, stack.run_dir / "report", title=f"job {job_id}",
                                    facts=job_facts(load_job_config(job_path)))
+                if trajectories_md:  # multi-turn: the last step's trajectories
+                    (out / "trajectories.md").write_text(trajectories_md)
                 print(f"report: {out / 'summary.md'}", file=sys.stderr)
         finally:
             down(stack=stack)

@@ -437,7 +437,10 @@ class JobRunner:
     def _first_half(self, plan: JobPlan, step: int, v: int) -> dict:
         """rollout → reward → TrainStep (:func:`fp8rl.controller.step.first_half`); the record is saved as
         ``inflight`` before anything else."""
-        partial = first_half(plan, GrpcStep(self, plan), step, v, check=lambda: self._check(plan.job_id))
+        b = GrpcStep(self, plan)
+        partial = first_half(plan, b, step, v, check=lambda: self._check(plan.job_id))
+        if plan.env is not None:  # a few trajectories for the report (model and environment tokens told apart)
+            partial["trajectories_md"] = b.trajectories.markdown()
         self.jobs.set_inflight(plan.job_id, partial)
         return partial
 
@@ -482,6 +485,8 @@ class JobRunner:
         report = {"job_id": plan.job_id, "step": step, "weight_version": partial["weight_version"],
                   "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
                   "phase_times": {p: times.get(p, 0.0) for p in REPORT_TIMES}}
+        if partial.get("trajectories_md"):
+            report["trajectories_md"] = partial["trajectories_md"]
         self.jobs.append_report(plan.job_id, report, state, next_version=v1)
         if self.on_report is not None:
             try:

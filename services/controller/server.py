@@ -96,6 +96,7 @@ def _report(r: dict) -> controller_pb2.StepReport:
     return controller_pb2.StepReport(
         job_id=r["job_id"], step=r["step"], weight_version=r["weight_version"], reward_mean=r["reward_mean"],
         accuracy=r["accuracy"], metrics=r.get("metrics", {}), state=r["state"],
+        trajectories_md=r.get("trajectories_md", ""),
         phase_times=common_pb2.PhaseTimes(**{p: pt.get(p, 0.0) for p in REPORT_TIMES}))
 
 

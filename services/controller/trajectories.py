@@ -27,8 +27,8 @@ from typing import Any
 from fp8rl.controller.plan import JobPlan, model_max_positions, sampling_seed
 from fp8rl.data import Problem
 from fp8rl.engines.base import Sample
-from fp8rl.envs import ChatRenderer, Environment, EnvError, EnvStep
-from fp8rl.envs.trajectory import TURN_SEED_STRIDE, Trajectory, run_trajectories
+from fp8rl.envs import ChatRenderer, EnvError, Environment, EnvStep
+from fp8rl.envs.trajectory import TURN_SEED_STRIDE, Trajectory, run_trajectories, trajectories_markdown
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.rpc import env_pb2
 from fp8rl.rpc.routes import routes_from_proto
@@ -36,6 +36,7 @@ from fp8rl.rpc.routes import routes_from_proto
 __all__ = ["RemoteEnv", "TrajectoryRunner"]
 
 _RPC_SLACK_S = 30.0  # a Step's deadline past the environment's own bound: a worker's kill and restart fit in it
+MAX_REPORT_CHARS = 16 * 1024  # StepReport.trajectories_md (kept with every report in Redis)
 
 
 class RemoteEnv(Environment):
@@ -161,6 +162,15 @@ class TrajectoryRunner:
                 self.pool.release(keys, sticky)
         self.last = trajs[:4]
         return [(t.prompt_index, t) for t in trajs]
+
+    def markdown(self) -> str:
+        """Two of the last step's trajectories as Markdown (:func:`~fp8rl.envs.trajectory.trajectories_markdown`),
+        cut at :data:`MAX_REPORT_CHARS`."""
+        if not self.last:
+            return ""
+        md = trajectories_markdown(self.last[:2], lambda t: self.plan.tok.decode(t, skip_special=False),
+                                   title=f"Trajectories ({self.plan.env.name})")
+        return md if len(md) <= MAX_REPORT_CHARS else md[:MAX_REPORT_CHARS - 20] + "\n\n[... cut]\n"
 
     def _close(self, ids: list[str]) -> None:
         """Close the environments of ``ids`` (best effort: a service that restarted has none of them)."""

@@ -138,7 +138,8 @@ class RolloutPool:
                     load[owner] += 1
                 groups.setdefault(owner, []).append(i)
 
-            def run(owner: tuple[str, int], idx: list[int]) -> tuple[list[int], list | grpc.RpcError]:
+            def run(owner: tuple[str, int], idx: list[int], replicas=replicas
+                    ) -> tuple[list[int], list | grpc.RpcError]:
                 lease = replicas[owner]
                 req = rollout_pb2.GenerateRequest(
                     request_id=f"{request_id}-p{idx[0]}", weight_version=version,

@@ -52,8 +52,8 @@ from .base import Environment, EnvSpec, EnvStep, Message
 from .render import ChatRenderer
 from .tools import parse_tool_calls
 
-__all__ = ["END_REASONS", "TURN_SEED_STRIDE", "UNGRADED", "Trajectory", "run_trajectories", "step_with_timeout", "trajectories_markdown",
-           "trajectory_metrics"]
+__all__ = ["END_REASONS", "TURN_SEED_STRIDE", "UNGRADED", "Trajectory", "run_trajectories", "step_with_timeout",
+           "trajectories_markdown", "trajectory_metrics"]
 
 END_REASONS = ("done", "budget", "max_turns", "env_error", "env_timeout")
 UNGRADED = ("env_error", "env_timeout")  # the environment's failures: no reward, out of the loss

@@ -30,7 +30,7 @@ class WatchJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("job_id", "step", "weight_version", "reward_mean", "accuracy", "metrics", "phase_times", "state")
+    __slots__ = ("job_id", "step", "weight_version", "reward_mean", "accuracy", "metrics", "phase_times", "state", "trajectories_md")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class StepReport(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_MD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     weight_version: int
@@ -54,7 +55,8 @@ class StepReport(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     phase_times: _common_pb2.PhaseTimes
     state: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., phase_times: _Optional[_Union[_common_pb2.PhaseTimes, _Mapping]] = ..., state: _Optional[str] = ...) -> None: ...
+    trajectories_md: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., phase_times: _Optional[_Union[_common_pb2.PhaseTimes, _Mapping]] = ..., state: _Optional[str] = ..., trajectories_md: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -91,7 +91,7 @@ def _step_report(m: controller_pb2.StepReport) -> StepReport:
     t = m.phase_times
     return StepReport(
         job_id=m.job_id, step=m.step, weight_version=m.weight_version, reward_mean=m.reward_mean,
-        accuracy=m.accuracy, metrics=dict(m.metrics), state=m.state,
+        accuracy=m.accuracy, metrics=dict(m.metrics), state=m.state, trajectories_md=m.trajectories_md,
         phase_times=PhaseTimes(rollout=t.rollout, reward=t.reward, logprobs=t.logprobs, train=t.train,
                                publish=t.publish, calibrate=t.calibrate, refit=t.refit, total=t.total,
                                outage=t.outage),

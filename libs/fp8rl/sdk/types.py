@@ -64,6 +64,8 @@ class StepReport:
             estimates, loss, ...), read-only.
         phase_times: time per phase.
         state: the job's state after this step.
+        trajectories_md: multi-turn jobs: a few of the step's trajectories as Markdown (model and environment
+            tokens told apart); "" otherwise.
     """
 
     job_id: str
@@ -74,6 +76,7 @@ class StepReport:
     metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     phase_times: PhaseTimes = field(default_factory=PhaseTimes)
     state: str = "running"
+    trajectories_md: str = ""
 
     def __post_init__(self):
         if not isinstance(self.metrics, MappingProxyType):

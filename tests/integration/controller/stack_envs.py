@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+
 from fp8rl.envs import EnvStep, GuessNumberEnv
 
 

@@ -35,7 +35,7 @@ from fp8rl.sdk import Fp8rlClient, InvalidArgument
 
 from .conftest import REPO, Stack, alive, assert_zero_mismatch, down
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.agents]
 
 WATCH_S = 240.0
 TURNS = 3
@@ -134,6 +134,8 @@ def test_guess_number_trajectories_are_bitwise_across_turns_with_sticky_kv(env_s
         assert m["env/turns_mean"] == TURNS and m["env/end/max_turns"] == 4.0  # a random policy never guesses it
         assert m["env/masked_tokens"] > 0 and m["env/model_tokens"] > 0  # feedback deltas: context, not trained
         assert 0.0 < m["env/share_of_step"] < 1.0
+        md = r.trajectories_md  # the report's view: model turns (trained) and environment replies (context)
+        assert md.count("**model**") >= TURNS and "**environment**" in md and "max_turns" in md
 
 
 @pytest.mark.parametrize("mode, end", [("crash", "env_error"), ("hang", "env_timeout")])
