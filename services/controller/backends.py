@@ -94,7 +94,10 @@ class GrpcStep:
 
     def generate(self, prompts, version, *, step, n, temperature, problems=None):
         if self.plan.env is not None:
-            return self.trajectories.run(problems, version, step=step, n=n, temperature=temperature)
+            try:
+                return self.trajectories.run(problems, version, step=step, n=n, temperature=temperature)
+            except RolloutError as exc:
+                raise _rollout_failed(exc) from None
         return self._sample(self.plan, prompts, version, step=step, n=n, temperature=temperature)
 
     def score(self, pairs):
@@ -143,9 +146,7 @@ class GrpcStep:
                 at_least=plan.async_grpo,  # async: the newest version a live replica holds, never older than v
                 wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(plan.job_id, cancel=False))
         except RolloutError as exc:
-            if exc.code is not None:
-                raise RpcFailed("rollout", exc.code, str(exc)) from None
-            raise JobFailed(f"rollout: {exc}") from None
+            raise _rollout_failed(exc) from None
 
     def _grade(self, plan: JobPlan, pairs) -> list[float]:
         """One graded reward per pair: items the service could not grade are re-scored, up to
@@ -178,6 +179,12 @@ class GrpcStep:
         raise JobFailed(f"reward: {len(todo)} of {len(items)} responses could not be graded in "
                       f"{self.r.settings.score_attempts} tries (items[{todo[0]}]: {why[todo[0]]}); the step was not "
                       f"trained, so no placeholder reward was learned from")
+
+
+def _rollout_failed(exc: RolloutError) -> Exception:
+    """A failed rollout as the runner's error: a gRPC status is retried like any call's (transient ones), none
+    (no replica, wrong samples) fails the job."""
+    return RpcFailed("rollout", exc.code, str(exc)) if exc.code is not None else JobFailed(f"rollout: {exc}")
 
 
 def _sequence(prompt, s, advantage: float) -> trainer_pb2.Sequence:

@@ -140,13 +140,15 @@ class TrajectoryRunner:
         ids: list[str] = []
         keys: list[str] = []
         sticky: dict[str, tuple[str, int]] = {}
+        pins: dict[str, int] = {}  # the version each trajectory is sampled at (asynchronous GRPO: at least version)
 
         def generate_turn(prompts, max_tokens, turn, turn_keys):
             samples = self.pool.generate_turn(
                 prompts, turn_keys, version, sampling={"temperature": temperature, "top_p": g.top_p,
                                                        "max_tokens": max_tokens},
                 seed_of=lambda a: sampling_seed(plan.job.job.seed, step, a) + TURN_SEED_STRIDE * turn,
-                request_id=f"{tag}t{turn}", wait_s=self.wait_s, sticky=sticky, tick=self.tick)
+                request_id=f"{tag}t{turn}", wait_s=self.wait_s, sticky=sticky, pins=pins, tick=self.tick,
+                at_least=plan.async_grpo, max_weight_lag=plan.max_weight_lag)
             return [_sample_of(s) for s in samples]
 
         tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]

@@ -22,6 +22,9 @@ Wiring only — proto ↔ :class:`SamplingParams` / :class:`Sample`, plus the en
   scales, bitwise the re-prefill under batch invariance; bounded, LRU); ``ReleaseSessions`` drops them when the
   trajectories end. The controller sends all turns of a trajectory here while this replica lives (sticky); a
   replica that never saw a key (another took over) recomputes it. Only the embedded engine keeps sessions.
+  Asynchronous GRPO (``env.partial: finish``): a newer version is not applied while trajectories of the held one
+  are in flight here (:class:`OpenSessions`, bounded by the job's ``max_weight_lag`` and ``--session-hold-s``);
+  ``Status.pending_reason`` then says ``held: ...``.
 """
 
 from __future__ import annotations
@@ -86,6 +89,52 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
     return engine, config.vocab_size, config.max_position_embeddings
 
 
+class OpenSessions:
+    """The multi-turn trajectories in flight on this replica (``env.partial: finish``): session keys seen in
+    Generate and not yet released, with the version that served them and when they were last used.
+
+    :meth:`hold` keeps a newer version from being applied while a trajectory of the held version is in flight, so
+    every trajectory is sampled by one version and none is restarted by a refit — bounded: never past the
+    ``max_weight_lag`` its Generate calls carried (the job's; 0, a synchronous job, never holds: its refits come
+    between steps, when no trajectory is open) and never for a session idle longer than ``idle_s`` (a controller
+    that went away stops holding the replica back).
+    """
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._open: dict[str, tuple[int, int, float]] = {}  # key -> (version, max_weight_lag, last used)
+        self._lock = threading.Lock()
+        self._logged: tuple[int, int] | None = None  # the (held, latest) pair last logged as held back
+
+    def used(self, keys, version: int, max_lag: int) -> None:
+        if max_lag < 1:
+            return
+        now = time.monotonic()
+        with self._lock:
+            for k in keys:
+                if k is not None:
+                    self._open[k] = (version, max_lag, now)
+
+    def release(self, keys) -> None:
+        with self._lock:
+            for k in keys:
+                self._open.pop(k, None)
+
+    def hold(self, held: int | None, latest: int) -> str | None:
+        if held is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, (_, _, t) in self._open.items() if now - t > self.idle_s]:
+                del self._open[k]
+            n = sum(v == held and latest - held <= lag for v, lag, _ in self._open.values())
+            if n and self._logged != (held, latest):
+                self._logged = (held, latest)
+                log.info("holding weight version %d back: %d multi-turn trajectories of version %d in flight", latest,
+                         n, held)
+        return f"{n} multi-turn trajectories of version {held} in flight" if n else None
+
+
 class RolloutService(Service):
     """The engine, its refit follower and the RolloutService servicer of one replica."""
 
@@ -98,7 +147,9 @@ class RolloutService(Service):
         subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.engine, ctx.compute), ctx.replica_id,
                                                    ctx.job.refit,
                                                    requires_scales=self.fp8_kv, metrics=ctx.metrics)
-        self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health)
+        self.sessions = OpenSessions(ctx.args.session_hold_s)
+        self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health,
+                                      hold=lambda latest: self.sessions.hold(self.engine.weight_version, latest))
 
     def servicers(self):
         return [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(self))]
@@ -170,6 +221,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise Abort(grpc.StatusCode.UNAVAILABLE,
                         f"replica {s.ctx.replica_id} is not ready: it holds weight version {held} and QKV scales of "
                         f"version {s.engine.scales_version}; waiting for a published version (and its scales)")
+        if sessions is not None:  # trajectories in flight at this version (env.partial finish): marked before the
+            s.sessions.used(sessions, request.weight_version, request.max_weight_lag)  # call: no refit between turns
         with self._count_lock:
             self._generating += 1
         t0 = time.perf_counter()
@@ -219,6 +272,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def ReleaseSessions(self, request, context):
         keys = list(request.session_keys)
         require(len(keys) <= limits.MAX_ENV_IDS, f"session_keys: {len(keys)} keys; the limit is {limits.MAX_ENV_IDS}")
+        self.s.sessions.release(keys)
         drop = getattr(self.s.engine, "drop_session", None)
         released = sum(bool(drop(k)) for k in keys) if drop is not None else 0
         return rollout_pb2.ReleaseSessionsResponse(released=released)
@@ -249,6 +303,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=int(env_default("max_batch_size", 256)),
                    help="rows (prompts x n) decoded together (default 256: one GRPO step of 32 prompts x 8 in one "
                         "batch, as the in-process loop decodes it)")
+    p.add_argument("--session-hold-s", type=float, default=float(env_default("session_hold_s", 120.0)),
+                   help="asynchronous multi-turn jobs: a newer version waits while trajectories of the held one are "
+                        "in flight, but not for a trajectory idle this long (default 120 s)")
     p.add_argument("--max-prompts", type=int, default=int(env_default("max_prompts", limits.MAX_GENERATE_PROMPTS)),
                    help="most prompts in one Generate call")
     p.add_argument("--max-n", type=int, default=int(env_default("max_n", limits.MAX_SAMPLES_PER_PROMPT)),

@@ -145,11 +145,6 @@ class JobConfig(Section):
         the services stack has no phase that would run it and tell every replica and trainer rank the result,
         so a job asks for the layer counts the observatory suggests (``python -m fp8rl.observatory``) instead.
         """
-        if self.env.name is not None and self.grpo.async_grpo.enabled:
-            raise ConfigError("env.name with grpo.async_grpo.enabled: asynchronous multi-turn trajectories run in the "
-                              "in-process loop for now (python -m fp8rl.loop --config JOB, env.partial finish); on "
-                              "the stack a replica would apply the next version between a trajectory's turns, and "
-                              "holding it back per trajectory is not built yet")
         if self.policy.numerics.auto_bf16_layers:
             raise ConfigError("policy.numerics.auto_bf16_layers=true is run by the in-process loop only "
                               "(python -m fp8rl.loop --auto-bf16-layers); the services stack does not run the "

@@ -110,41 +110,54 @@ class RolloutPool:
 
     def generate_turn(self, prompts: list[list[int]], keys: list[str], version: int, *, sampling: dict,
                       seed_of: Callable[[int], int], request_id: str, wait_s: float,
-                      sticky: dict[str, tuple[str, int]], tick: Callable[[], None] = lambda: None
-                      ) -> list[rollout_pb2.Sample]:
-        """One sample of every prompt at ``version``, in order: one turn of the trajectories ``keys`` (their session
-        keys). ``sticky`` (the caller's, kept across the turns) maps each key to the replica (id, registration) that
-        holds its K/V; keys without a live owner are given to the least loaded replica. The prompts of one replica
-        go in one request, seeded ``seed_of(first index)``. A replica that fails as :meth:`generate` retries is
-        left (UNAVAILABLE: suspect) and its prompts move to another, up to ``attempts`` tries.
+                      sticky: dict[str, tuple[str, int]], pins: dict[str, int] | None = None,
+                      tick: Callable[[], None] = lambda: None, at_least: bool = False,
+                      max_weight_lag: int = 0) -> list[rollout_pb2.Sample]:
+        """One sample of every prompt, in order: one turn of the trajectories ``keys`` (their session keys), each at
+        ``version`` — or (``at_least``, asynchronous GRPO) at the version its first turn was served at, recorded in
+        ``pins``, which is at least ``version``. ``sticky`` (the caller's, kept across the turns) maps each key to
+        the replica (id, registration) that holds its K/V; a key without a live owner holding its version goes to
+        the least loaded replica that holds it (a new key: any live one). The prompts of one replica go in one
+        request, seeded ``seed_of(first index)``, carrying ``max_weight_lag`` (a replica holds newer versions
+        back, up to that many, while the trajectories are in flight). A replica that fails as :meth:`generate`
+        retries is left (UNAVAILABLE: suspect) and its prompts move to another, up to ``attempts`` tries.
 
         Raises:
-            RolloutError: as :meth:`generate`.
+            RolloutError: as :meth:`generate`; also when no live replica holds a trajectory's version.
         """
+        pins = {} if pins is None else pins
         out: list[rollout_pb2.Sample | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         for attempt in range(self.attempts):
-            replicas = {self._key(ls): ls for ls in self.wait_live(version, wait_s, tick)}
+            replicas = {self._key(ls): ls for ls in self.wait_live(version, wait_s, tick, at_least)}
             load = {k: 0 for k in replicas}
             for owner in sticky.values():
                 if owner in load:
                     load[owner] += 1
             groups: dict[tuple[str, int], list[int]] = {}
             for i in todo:
-                owner = sticky.get(keys[i])
-                if owner not in replicas:  # new, or its replica is gone: it re-prefills on the least loaded one
-                    owner = min(load, key=lambda k: (load[k], k))
+                owner, pin = sticky.get(keys[i]), pins.get(keys[i], None if at_least else version)
+                if owner not in replicas or (pin is not None and replicas[owner].version != pin):
+                    # new, or its replica is gone: it re-prefills on the least loaded one holding its version
+                    fits = [o for o in replicas if pin is None or replicas[o].version == pin]
+                    if not fits:
+                        raise RolloutError(f"no live rollout replica holds weight version {pin}, which trajectory "
+                                           f"{keys[i][:80]!r} is sampled at (live: "
+                                           f"{ {ls.replica_id: ls.version for ls in replicas.values()} })",
+                                           grpc.StatusCode.UNAVAILABLE)
+                    owner = min(fits, key=lambda k: (load[k], k))
                     sticky[keys[i]] = owner
                     load[owner] += 1
+                pins.setdefault(keys[i], replicas[owner].version)
                 groups.setdefault(owner, []).append(i)
 
             def run(owner: tuple[str, int], idx: list[int], replicas=replicas
                     ) -> tuple[list[int], list | grpc.RpcError]:
                 lease = replicas[owner]
                 req = rollout_pb2.GenerateRequest(
-                    request_id=f"{request_id}-p{idx[0]}", weight_version=version,
+                    request_id=f"{request_id}-p{idx[0]}", weight_version=pins[keys[idx[0]]],
                     prompts=[rollout_pb2.Prompt(token_ids=prompts[i]) for i in idx],
-                    session_keys=[keys[i] for i in idx],
+                    session_keys=[keys[i] for i in idx], max_weight_lag=max_weight_lag,
                     sampling=rollout_pb2.SamplingParams(n=1, seed=seed_of(idx[0]), **sampling))
                 try:
                     return idx, [r.sample for r in self.stub(lease.endpoint).Generate(
@@ -169,10 +182,11 @@ class RolloutPool:
                         sticky.pop(keys[i], None)
                     todo += idx
                     continue
+                pinned = pins[keys[idx[0]]]
                 for s in got:
-                    if s.weight_version != version or s.sample_index != 0 or not 0 <= s.prompt_index < len(idx):
+                    if s.weight_version != pinned or s.sample_index != 0 or not 0 <= s.prompt_index < len(idx):
                         raise RolloutError(f"a replica returned a sample of version {s.weight_version} (prompt "
-                                           f"{s.prompt_index}, index {s.sample_index}) for a turn pinned to {version}")
+                                           f"{s.prompt_index}, index {s.sample_index}) for a turn pinned to {pinned}")
                     out[idx[s.prompt_index]] = s
             if not todo:
                 break

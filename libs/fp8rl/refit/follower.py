@@ -20,12 +20,13 @@ from .lease import LeaseHolder, RoleLease
 from .store import LeaseExpiredError
 from .subscriber import RefitSubscriber
 
-__all__ = ["AWAITING_SCALES", "REFIT_FAILED", "PendingRefit", "RefitFollower"]
+__all__ = ["AWAITING_SCALES", "HELD", "REFIT_FAILED", "PendingRefit", "RefitFollower"]
 
 log = logging.getLogger(__name__)
 
 AWAITING_SCALES = "awaiting_scales"  # PendingRefit.reason: v is published, its QKV scales are not (yet)
 REFIT_FAILED = "refit_failed"  # PendingRefit.reason: applying v failed; retried with back-off
+HELD = "held"  # PendingRefit.reason prefix: the service holds v back (e.g. multi-turn trajectories in flight)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class PendingRefit:
 
     Attributes:
         version: the newest published version (``weights:latest``) when the follower last looked.
-        reason: :data:`AWAITING_SCALES` or :data:`REFIT_FAILED`.
+        reason: :data:`AWAITING_SCALES`, :data:`REFIT_FAILED`, or :data:`HELD` + ``": why"``.
     """
 
     version: int
@@ -69,11 +70,16 @@ class RefitFollower:
             ``weights:latest`` past version ``v`` — asynchronous GRPO publishes ahead — could no longer
             calibrate ``v``). It then waits until ``latest - 1`` has its scales; a calibration request syncs
             it forward on demand anyway.
+        hold: ``hold(latest)`` → why the service holds ``latest`` back right now (e.g. a rollout replica whose
+            multi-turn trajectories of the held version are still in flight: ``env.partial: finish``), or None
+            to apply it. Asked on every look; the service bounds how long it holds.
     """
 
     def __init__(self, holder: LeaseHolder, subscriber: RefitSubscriber, *, lock: threading.Lock,
-                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000, in_order: bool = False) -> None:
+                 on_change: Callable[[], None] = lambda: None, poll_ms: int = 1000, in_order: bool = False,
+                 hold: Callable[[int], str | None] | None = None) -> None:
         self.ctx, self.subscriber, self.lock, self.in_order = holder, subscriber, lock, in_order
+        self.hold = hold
         self.on_change, self.poll_ms = on_change, poll_ms
         self.store = holder.store
         self.lease = RoleLease(holder, lambda: subscriber.engine.weight_version)
@@ -125,6 +131,9 @@ class RefitFollower:
         if self.subscriber.requires_scales and self.store.get_scales(latest) is None:
             self.pending = PendingRefit(latest, AWAITING_SCALES)
             return  # the calibrator has not published v's scales: never serve v without them
+        if self.hold is not None and held is not None and (why := self.hold(latest)):
+            self.pending = PendingRefit(latest, f"{HELD}: {why}")
+            return
         if self._failed == latest and time.monotonic() < self._retry_at:
             return
         try:

@@ -26,3 +26,16 @@ class PausingGuess(GuessNumberEnv):
             else:
                 time.sleep(self.pause_s)
         return super().step(assistant_text)
+
+
+class SlowGuess(GuessNumberEnv):
+    """guess_number whose every step takes ``delay_s`` seconds (a tool that calls a slow service): trajectories
+    that span a training step in asynchronous GRPO."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def step(self, assistant_text: str) -> EnvStep:
+        time.sleep(self.delay_s)
+        return super().step(assistant_text)

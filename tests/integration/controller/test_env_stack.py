@@ -173,14 +173,33 @@ def test_a_replica_killed_mid_trajectory_hands_its_trajectories_over(env_stack, 
     assert reports[0].metrics["env/turns_mean"] == TURNS and reports[0].metrics["env/ungraded"] == 0.0
 
 
-def test_submit_refuses_environments_the_workers_do_not_run_and_async_env_jobs(env_stack):
+def test_submit_refuses_environments_the_workers_do_not_run(env_stack):
     with Fp8rlClient(env_stack.target, token=env_stack.client_token, tls_ca="", timeout_s=30) as c:
         before = c.list_jobs()
         with pytest.raises(InvalidArgument, match=r"env.name: .*not_started:Env.*does not run on this stack"):
             c.submit_job(yaml.safe_dump(_job(env_stack.model_dir, "unknown-env",
                                              env={"name": "not_started:Env"}, data={"task": "arith"})))
-        with pytest.raises(InvalidArgument, match=r"async_grpo"):
-            c.submit_job(yaml.safe_dump(_job(env_stack.model_dir, "async-env",
-                                             grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
-                                                   "async_grpo": {"enabled": True}})))
         assert c.list_jobs() == before
+
+
+def test_asynchronous_grpo_holds_each_refit_until_the_trajectories_in_flight_end(env_stack):
+    """k = 1: step s+1's trajectories are sampled while step s trains; a replica holds the new version back while
+    its trajectories of the old one are in flight (env.partial finish), so none is restarted or retried and each is
+    sampled by one version, at most one behind the trainer."""
+    job = _job(env_stack.model_dir, f"async-{uuid.uuid4().hex[:6]}", steps=3,
+               env={"name": "stack_envs:SlowGuess", "kwargs": {"delay_s": 0.4}},  # turns that outlast a TrainStep
+               data=_tasks(env_stack, (37, 42, 9, 64, 5, 77)),
+               grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                     "async_grpo": {"enabled": True, "max_weight_lag": 1}})
+    logs = [env_stack.run_dir / "logs" / f"rollout-{i}.log" for i in (0, 1)]
+    before = sum(p.read_text().count("multi-turn trajectories of version") for p in logs)
+    reports, info = _run(env_stack, job)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1, 2]
+    for r in reports:
+        m = r.metrics
+        assert m["retries"] == 0.0 and m["env/ungraded"] == 0.0 and m["env/turns_mean"] == TURNS, (r.step, m)
+        assert m["weight_lag_max"] <= 1, (r.step, m)
+    # a replica held a published version back while its trajectories of the older one were in flight
+    held = sum(p.read_text().count("multi-turn trajectories of version") for p in logs) - before
+    assert held > 0, [r.phase_times for r in reports]
