@@ -192,6 +192,8 @@ def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
         rows = kept or [(p, s, 0.0) for p, s, _ in rows]
     trained = b.train(version, step, rows, max_weight_lag=plan.max_weight_lag)
     times = {**rollout["phase_times"], **trained.times}
+    if "env/seconds" in stats:  # multi-turn: the environment's share of the step (rollout, reward, train phases)
+        stats["env/share_of_step"] = stats["env/seconds"] / max(sum(times.values()), 1e-9)
     served = {s.weight_version for _, s in samples}
     summary = rollout.get("summary") or reward_summary(rollout["rewards"])
     return {"step": step, "weight_version": version, "new_version": trained.new_version, **summary,

@@ -300,7 +300,9 @@ def run_trajectories(
 
 def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None = None) -> dict[str, float]:
     """The step's ``env/*`` metrics: turns per trajectory, tool calls and errors, masked (environment) tokens,
-    ungraded trajectories, prefix breaks, ends by reason, and the environment's time (and share of ``step_seconds``)."""
+    ungraded trajectories, prefix breaks, ends by reason, and the environment's time (and its share of
+    ``step_seconds``, the rollout phase's: ``env/share_of_rollout``; the step's train phase adds
+    ``env/share_of_step``)."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -320,7 +322,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None =
     for reason in END_REASONS:
         out[f"env/end/{reason}"] = float(sum(t.end_reason == reason for t in trajs))
     if step_seconds:
-        out["env/share_of_step"] = out["env/seconds"] / step_seconds
+        out["env/share_of_rollout"] = out["env/seconds"] / step_seconds
     return out
 
 

@@ -133,7 +133,9 @@ def test_guess_number_trajectories_are_bitwise_across_turns_with_sticky_kv(env_s
         m = r.metrics
         assert m["env/turns_mean"] == TURNS and m["env/end/max_turns"] == 4.0  # a random policy never guesses it
         assert m["env/masked_tokens"] > 0 and m["env/model_tokens"] > 0  # feedback deltas: context, not trained
-        assert 0.0 < m["env/share_of_step"] < 1.0
+        assert 0.0 < m["env/share_of_step"] < m["env/share_of_rollout"] < 1.0
+        print(f"\nstep {r.step}: env/share_of_step {m['env/share_of_step']:.4f}, env {m['env/seconds']:.3f} s of "
+              f"rollout {r.phase_times.rollout:.2f} s (step {r.phase_times.total:.2f} s)")
         md = r.trajectories_md  # the report's view: model turns (trained) and environment replies (context)
         assert md.count("**model**") >= TURNS and "**environment**" in md and "max_turns" in md
 
