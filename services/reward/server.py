@@ -152,8 +152,9 @@ class RewardService(Service):
         self.servicer.metrics = ctx.metrics
         self.grader, self.timeout_s = grader, timeout_s
         self.env_modules = env_modules
+        # started at the first Reset: a stack that runs no multi-turn job holds no environment worker
         self.envs = EnvWorkerPool(a.env_workers, modules=env_modules, rlimits=Rlimits(memory_mb=a.env_memory_mb),
-                                  timeout_s=job.env.step_timeout_s)
+                                  timeout_s=job.env.step_timeout_s, eager=False)
 
     def servicers(self):
         return [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer),

@@ -189,10 +189,12 @@ class EnvWorkerPool:
         rlimits: each worker's resource limits.
         timeout_s: default wall-clock bound of one call (a call may pass its own).
         max_open: most trajectories open at once (a reset beyond is ``ValueError``).
+        eager: start the workers now; else at the first reset.
     """
 
     def __init__(self, workers: int = 2, *, modules: Sequence[str] = (), rlimits: Rlimits = Rlimits(),
-                 timeout_s: float = 10.0, max_open: int = 65_536, start_timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 10.0, max_open: int = 65_536, start_timeout_s: float = 60.0,
+                 eager: bool = True) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.modules, self.rlimits, self.timeout_s, self.max_open = tuple(modules), rlimits, timeout_s, max_open
@@ -204,7 +206,16 @@ class EnvWorkerPool:
         self._history: dict[str, _History] = {}  # id -> what replays its environment on another worker
         self._orphans: set[str] = set()  # ids whose worker was replaced: replayed at their next step
         self.counts = {"resets": 0, "steps": 0, "errors": 0, "timeouts": 0, "lost": 0, "restarts": 0, "replays": 0}
-        self._workers = [_Worker(self._ctx, i, self.modules, rlimits, start_timeout_s) for i in range(workers)]
+        self._width = workers
+        self._workers: list[_Worker] = []  # started at the first reset (a service that never runs one holds none)
+        if eager:
+            self._start()
+
+    def _start(self) -> None:
+        """Start the workers (once; the caller holds ``_lock`` or is the constructor)."""
+        if not self._workers:
+            self._workers = [_Worker(self._ctx, i, self.modules, self.rlimits, self._start_timeout_s)
+                             for i in range(self._width)]
 
     @property
     def open(self) -> int:
@@ -272,6 +283,7 @@ class EnvWorkerPool:
     def _place(self, tid: str) -> _Worker:
         """Put ``tid`` on the least loaded worker."""
         with self._lock:
+            self._start()
             w = min(self._workers, key=lambda x: len(x.ids))
             w.ids.add(tid)
             self._owner[tid] = w
