@@ -47,8 +47,8 @@ class RemoteEnv(Environment):
         trajectory_id: unique among the trajectories open on the service.
         name, kwargs: the job's ``env.name`` / ``env.kwargs``.
         step_timeout_s: the job's ``env.step_timeout_s`` (the worker's bound).
-        timeout_type: the RpcFailed code of a call past its deadline maps to TimeoutError (this trajectory's
-            step ran long), any other RpcFailed propagates (the caller fails the step).
+        deadline_exceeded: whether a call's exception is its deadline passing — a TimeoutError for this trajectory
+            (its step ran long); any other exception propagates (the caller fails the step and retries it).
     """
 
     def __init__(self, call: Callable[[str, Any, float], Any], trajectory_id: str, name: str, kwargs: dict,
