@@ -1,15 +1,17 @@
 """Learning on the calculator environment (issue 48): tool use and accuracy before → after, over seeds, with the
 tools-disabled control — every number from this one run.
 
-    python bench/agent_learning.py [--seeds 0 1 2] [--steps 30] [--prompts 16] [--group 8]
+    python bench/agent_learning.py [--config deploy/tool-job-tiny.yaml] [--seeds 0 1 2] [--steps 30] [--prompts N]
+                                   [--group N] [--lr LR]
 
-For each seed it runs ``deploy/tool-job.yaml`` (SmolLM2-135M-Instruct, fp8_e2e + FP8 KV, batch invariance) in the
-in-process loop twice: with the calculator, and with ``env.kwargs.tools_enabled: false`` (the control: the same
-prompt and tools, every call answered "unavailable"). Before step 0 and after the last step it measures, on
-``--eval-tasks`` held-out tasks with ``--eval-samples`` trajectories each at temperature 1 through the rollout
-engine (the deployed numerics), the **accuracy** (share of trajectories rewarded) and the **tool-call rate**
-(share of trajectories that called the calculator). It prints each run's line and then, per arm, the mean gain
-and its spread over seeds (sample standard deviation), and whether the gain is at least twice that spread:
+For each seed it runs ``--config`` (default ``deploy/tool-job-tiny.yaml``: the tiny-arith-tool preset, fp8_e2e + FP8
+KV; ``deploy/tool-job.yaml`` is SmolLM2-135M-Instruct) in the in-process loop twice: with the calculator, and with
+``env.kwargs.tools_enabled: false`` (the control: the same prompt and tools, every call answered "unavailable");
+``--prompts``, ``--group`` and ``--lr`` override the job file's settings. Before step 0 and after the last step it
+measures, on ``--eval-tasks`` held-out tasks with ``--eval-samples`` trajectories each at temperature 1 through the
+rollout engine (the deployed numerics), the **accuracy** (share of trajectories rewarded) and the **tool-call rate**
+(share of trajectories that called the calculator). It prints each run's line and then, per arm, the mean gain and
+its spread over seeds (sample standard deviation), and whether the gain is at least twice that spread:
 
     ratio accuracy_gain/spread tools X        ratio accuracy_gain/spread control X
 
@@ -51,10 +53,13 @@ def measure(loop: GRPOLoop, tasks: int, samples: int, seed: int) -> dict[str, fl
 
 
 def one_run(seed: int, tools: bool, args) -> dict[str, float]:
-    job = load_job_config(REPO / "deploy" / "tool-job.yaml").with_settings({
-        "job.seed": seed, "job.steps": args.steps, "job.checkpoint_every": 0,
-        "grpo.num_prompts_per_step": args.prompts, "grpo.num_generations_per_prompt": args.group,
-        "env.kwargs": {"tools_enabled": tools}})
+    settings = {"job.seed": seed, "job.steps": args.steps, "job.checkpoint_every": 0,
+                "env.kwargs": {"tools_enabled": tools}}
+    for key, value in (("grpo.num_prompts_per_step", args.prompts), ("grpo.num_generations_per_prompt", args.group),
+                       ("policy.training.lr", args.lr)):
+        if value is not None:  # else the job file's
+            settings[key] = value
+    job = load_job_config(args.config).with_settings(settings)
     loop = GRPOLoop(LoopConfig(job))
     before = measure(loop, args.eval_tasks, args.eval_samples, seed)
     t0 = time.perf_counter()
@@ -75,10 +80,13 @@ def one_run(seed: int, tools: bool, args) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, default=REPO / "deploy" / "tool-job-tiny.yaml", help="the job file")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=None, help="grpo.num_prompts_per_step (default: the job file's)")
+    p.add_argument("--group", type=int, default=None,
+                   help="grpo.num_generations_per_prompt (default: the job file's)")
+    p.add_argument("--lr", type=float, default=None, help="policy.training.lr (default: the job file's)")
     p.add_argument("--eval-tasks", type=int, default=64)
     p.add_argument("--eval-samples", type=int, default=4)
     p.add_argument("--no-control", action="store_true", help="skip the tools-disabled runs")

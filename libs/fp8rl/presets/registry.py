@@ -13,10 +13,11 @@ from fp8rl.model.transformer import CausalLM
 from .smollm2 import SMOLLM2_PRESET, prepare_smollm2
 from .tiny_arith import TINY_ARITH, prepare_tiny_arith
 from .tiny_arith_moe import TINY_ARITH_MOE, prepare_tiny_arith_moe
+from .tiny_arith_tool import TINY_ARITH_TOOL, prepare_tiny_arith_tool
 
 __all__ = ["PRESETS", "load_policy", "prepare_preset"]
 
-PRESETS = (TINY_ARITH, TINY_ARITH_MOE, SMOLLM2_PRESET)
+PRESETS = (TINY_ARITH, TINY_ARITH_MOE, TINY_ARITH_TOOL, SMOLLM2_PRESET)
 
 
 def prepare_preset(name: str, *, progress: bool = True) -> Path:
@@ -29,6 +30,8 @@ def prepare_preset(name: str, *, progress: bool = True) -> Path:
         return prepare_tiny_arith(progress=progress)
     if name == TINY_ARITH_MOE:
         return prepare_tiny_arith_moe(progress=progress)
+    if name == TINY_ARITH_TOOL:
+        return prepare_tiny_arith_tool(progress=progress)
     if name == SMOLLM2_PRESET:
         return prepare_smollm2()
     raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")

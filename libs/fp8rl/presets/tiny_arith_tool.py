@@ -8,29 +8,44 @@ its problems the model calls the tool and copies the result (``Answer: 10063``),
 once with its own (usually wrong) attempt at the product. So a GRPO job that raises the tool-call rate raises
 accuracy, and its tools-disabled control (``CalculatorEnv(tools_enabled=False)``) has nothing to gain.
 
-**Rendering.** Every training transcript is built exactly as a rollout builds its trajectory (token in, token
-out; :class:`~fp8rl.envs.render.ChatRenderer`): ``opening(env.reset(task), env.tools())``, the assistant's turn
+**Curriculum.** Copying digits across ~70 tokens of template text, behind a ~970-token system prompt that holds
+other numbers (``12*34``, ``347*29``), is a circuit a randomly initialised model finds late: trained on whole
+episodes alone it had not started after 600 steps (attention starts uniform over every key, so the signal towards
+the one right key is diluted by the context length). Three stages (:data:`STAGES`) get there in minutes:
+
+1. ``copy`` — short dense rows (:func:`copy_row`): a user turn ``What is 4071?`` answered ``4071``, or a
+   ``<tool_response>`` answered ``Answer: 4071``; random digit strings of 3-8 characters. About 40 tokens, every
+   learned token a copy: copying heads form in a few hundred cheap steps.
+2. ``short`` — tool-calling episodes without the system turn (:func:`short_row`): the real format at the real
+   distances, with ~170-token contexts.
+3. ``episodes`` — whole episodes on the shared prefix, :data:`TOOL_RATE` of them with a tool call, the rest
+   answered at once; one step in :data:`LONG_EVERY` on conversations of up to :data:`CONTEXT` tokens. It stops when
+   the sampled check meets the target (**Stop** below).
+
+**Rendering.** Every episode row is built exactly as a rollout builds its trajectory (token in, token out;
+:class:`~fp8rl.envs.render.ChatRenderer`): ``opening(env.reset(task), env.tools())``, the assistant's turn
 with its ``<|im_end|>``, ``delta(...)`` of the tool's result and the next generation prompt, the final turn with
 its ``<|im_end|>``. The loss is on the assistant's tokens only (``<|im_end|>`` included).
 
 **Trained at 2048.** The opening (system prompt, the Hermes ``# Tools`` block, the question) is about 1000
-tokens, so every episode already runs at positions ~1000-1150. One step in :data:`LONG_EVERY` instead trains
-on conversations that go on to the full 2048 positions: after an episode's answer the user asks the next
-question (``delta`` of a user message, as a chat client would render it) until the next exchange would not
-fit. Their first exchange is a plain episode; the later ones see the whole context, so attention spans up to
-2047 positions are trained.
+tokens, so every episode already runs at positions ~1000-1150. One ``episodes`` step in :data:`LONG_EVERY`
+instead trains on conversations that go on to the full 2048 positions: after an episode's answer the user asks
+the next question (``delta`` of a user message, as a chat client would render it) until the next exchange would
+not fit. Their first exchange is a plain episode; the later ones see the whole context, so attention spans up
+to 2047 positions are trained.
 
 **Shared prefix.** The system prompt and the tools block (everything before the question) are the same tokens
-in every transcript. A step runs them once (batch 1) into a :class:`~fp8rl.model.kv_cache.KVCache` whose K/V
+in every episode. A step runs them once (batch 1) into a :class:`~fp8rl.model.kv_cache.KVCache` whose K/V
 stay in the autograd graph, broadcasts them to the batch and runs only the per-problem suffixes on top: the same
 loss and gradient as the full rows (up to FP32 summation order) for a fraction of the compute.
 
-**Stop.** Every ``eval_every`` steps a teacher-forced check (:func:`forced_tool_stats`: one forward, no
-generation) estimates what sampling at temperature 1 would do; once it passes, :func:`tool_use_stats` plays
-held-out episodes at temperature 1 with the real rollout engine, and the warm start stops when those show a
-tool-call rate in :data:`TARGET_TOOL_RATE` and accuracy after a call of ``target_tool_accuracy`` (0.8) or more.
-Cached like every preset: an HF checkpoint, the tokenizer and its chat template beside it (with
-``generation_config.json``: stop on ``<|im_end|>``), ``fp8rl_preset.json`` written last.
+**Stop.** Every ``eval_every`` ``episodes`` steps a teacher-forced check (:func:`forced_tool_stats`: one
+forward, no generation) estimates what sampling at temperature 1 would do; once it passes
+(:data:`FORCED_GATE`), :func:`tool_use_stats` plays held-out episodes at temperature 1 with the real rollout
+engine, and the warm start stops when those show a tool-call rate in :data:`TARGET_TOOL_RATE` and accuracy after
+a call of ``target_tool_accuracy`` (0.8) or more. Cached like every preset: an HF checkpoint, the tokenizer and
+its chat template beside it (with ``generation_config.json``: stop on ``<|im_end|>``), ``fp8rl_preset.json``
+written last.
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ import math
 import random
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,17 +79,42 @@ from .tiny_arith import META_FILE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTEXT", "TARGET_TOOL_ACCURACY", "TARGET_TOOL_RATE", "TINY_ARITH_TOOL", "TOOL_RATE", "forced_tool_stats",
-           "meets_target", "prefix_loss", "prepare_tiny_arith_tool", "shared_prefix", "tiny_arith_tool_config",
-           "tool_use_stats", "transcript"]
+__all__ = ["CONTEXT", "FORCED_GATE", "STAGES", "TARGET_TOOL_ACCURACY", "TARGET_TOOL_RATE", "TINY_ARITH_TOOL",
+           "TOOL_RATE", "Stage", "copy_row", "forced_tool_stats", "masked_loss", "meets_target", "prefix_loss",
+           "prepare_tiny_arith_tool", "shared_prefix", "short_row", "tiny_arith_tool_config", "tool_use_stats",
+           "transcript"]
 
 TINY_ARITH_TOOL = "tiny-arith-tool"
 CONTEXT = 2048  # max_position_embeddings, and the length the long steps train at
-TOOL_RATE = 0.4  # share of warm-start transcripts that call the calculator
+TOOL_RATE = 0.4  # share of warm-start episodes that call the calculator
 TARGET_TOOL_RATE = (0.25, 0.6)  # the warm start stops with the sampled tool-call rate in here ...
 TARGET_TOOL_ACCURACY = 0.8  # ... and at least this accuracy after a call
-LONG_EVERY = 4  # one step in LONG_EVERY trains on LONG_ROWS conversations of up to CONTEXT tokens
+# The teacher-forced check that gates the (slower) sampled one: its exact-episode probability is a lower bound on
+# the sampled accuracy after a call, so the gate sits below the target.
+FORCED_GATE = 0.6
+LONG_EVERY = 4  # one `episodes` step in LONG_EVERY trains on LONG_ROWS conversations of up to CONTEXT tokens
 LONG_ROWS = 2
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the warm start's curriculum (module docstring)."""
+
+    name: str
+    """``copy`` (:func:`copy_row`), ``short`` (:func:`short_row`) or ``episodes`` (whole episodes, shared prefix)."""
+    steps: int
+    """Steps of this stage; ``episodes`` may stop earlier (its stop rule) and treats this as its maximum."""
+    batch_size: int
+    """Rows per step."""
+    lr: float
+    """AdamW learning rate after a linear warm-up of ``warmup`` steps; constant after it."""
+    warmup: int
+
+
+# Measured on 1 thread (issue 48): with `copy` first, the copied digits of `short` reach ~1.0 (expression) and
+# ~0.85 (answer) per digit in 150-200 steps; without it, neither moves in 600.
+STAGES = (Stage("copy", 300, 32, 3e-3, 30), Stage("short", 200, 32, 3e-3, 10),
+          Stage("episodes", 400, 32, 1e-3, 10))
 _PRODUCT_RE = re.compile(r"(\d+)\s*\*\s*(\d+)")
 
 
@@ -149,6 +190,41 @@ def _rows(renderer: ChatRenderer, tasks: list[dict[str, str]], rng: random.Rando
         rows.append((ids, mask))
         history = messages if max_len is not None else None
     return rows
+
+
+def copy_row(tok: Tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A ``copy`` row: ``What is <s>?`` answered ``<s>``, or a ``<tool_response>`` of ``<s>`` answered
+    ``Answer: <s>`` (as the episodes' turns are rendered, without the system turn), ``s`` 3-8 random digits;
+    ``(ids, loss_mask)``, the mask on the assistant's tokens and ``<|im_end|>``."""
+    s = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 8)))
+    if rng.random() < 0.5:
+        context, answer = f"<|im_start|>user\nWhat is {s}?<|im_end|>\n<|im_start|>assistant\n", s
+    else:
+        context = f"<|im_start|>user\n<tool_response>\n{s}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        answer = f"Answer: {s}"
+    ids, learned = tok.encode(context, add_bos=False), tok.encode(answer + "<|im_end|>", add_bos=False)
+    return ids + learned, [0] * len(ids) + [1] * len(learned)
+
+
+def short_row(renderer: ChatRenderer, prefix: list[int], task: dict[str, str]) -> tuple[list[int], list[int]]:
+    """A ``short`` row: the tool-calling episode of ``task`` without its system turn (from the question's
+    ``<|im_start|>``), ids as :func:`transcript` renders them."""
+    ids, mask, _ = transcript(renderer, task, True)
+    start = len(prefix) - 1 - prefix[::-1].index(renderer.tokenizer.encode("<|im_start|>", add_bos=False)[0])
+    return ids[start:], mask[start:]
+
+
+def masked_loss(model: CausalLM, rows: list[tuple[list[int], list[int]]], pad_id: int) -> torch.Tensor:
+    """Mean next-token loss over the masked tokens of ``rows`` (right-padded into one batch)."""
+    S = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), S), pad_id, dtype=torch.long)  # (B, S)
+    weights = torch.zeros(len(rows), S)
+    for b, (row, mask) in enumerate(rows):
+        ids[b, :len(row)] = torch.tensor(row)
+        weights[b, :len(row)] = torch.tensor(mask, dtype=torch.float32)
+    logits = model(ids)[:, :-1]  # (B, S-1, V)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return (loss * weights[:, 1:].reshape(-1)).sum() / weights[:, 1:].sum()
 
 
 def shared_prefix(renderer: ChatRenderer) -> list[int]:
@@ -294,11 +370,9 @@ def prepare_tiny_arith_tool(
     directory: str | Path | None = None,
     *,
     seed: int = 0,
-    max_steps: int = 600,
-    batch_size: int = 32,
-    lr: float = 2e-3,
+    stages: tuple[Stage, ...] = STAGES,
     target_tool_accuracy: float = TARGET_TOOL_ACCURACY,
-    eval_every: int = 25,
+    eval_every: int = 20,
     eval_size: int = 64,
     eval_seed: int = 10**6,
     progress: bool = True,
@@ -306,11 +380,12 @@ def prepare_tiny_arith_tool(
 ) -> Path:
     """Create (or reuse) the cached tiny-arith-tool checkpoint and return its directory (module docstring).
 
-    Deterministic for a given seed and thread count. Stops at ``max_steps`` or at the first check (every
-    ``eval_every`` steps) where :func:`forced_tool_stats` and then :func:`tool_use_stats` on ``eval_size`` held-out
-    episodes (``seed=eval_seed``, temperature 1) meet the target (:func:`meets_target`); ``fp8rl_preset.json``
-    records the last sampled stats and ``met_target``. The training tasks come from seeds no RL job or check
-    draws (``seed * 10**7 + step + 10**8``).
+    Deterministic for a given seed and thread count. Runs ``stages`` in order; the ``episodes`` stage stops at its
+    ``steps`` or at the first check (every ``eval_every`` steps) where :func:`forced_tool_stats` passes
+    :data:`FORCED_GATE` and then :func:`tool_use_stats` on ``eval_size`` held-out episodes (``seed=eval_seed``,
+    temperature 1) meets the target (:func:`meets_target`). ``fp8rl_preset.json`` records the steps of each stage,
+    the last sampled stats and ``met_target``. The training tasks come from seeds no RL job or check draws
+    (``seed * 10**7 + step + 10**8``).
     """
     out = Path(directory) if directory is not None else preset_dir(TINY_ARITH_TOOL)
     if (out / META_FILE).exists() and not force:
@@ -323,55 +398,66 @@ def prepare_tiny_arith_tool(
     torch.manual_seed(seed)
     cfg = tiny_arith_tool_config()
     model = CausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 30
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, max_steps - warmup))))
-
+    opt = torch.optim.AdamW(model.parameters(), lr=stages[0].lr, betas=(0.9, 0.98), weight_decay=0.01)
+    checks = make_calculator_tasks(24, seed=eval_seed + 1)  # the teacher-forced check's problems
     t0 = time.perf_counter()
     stats: dict = {}
+    forced: dict = {}
     met = False
-    checks = make_calculator_tasks(24, seed=eval_seed + 1)  # the teacher-forced check's problems
-    step, long_steps = 0, 0
-    bar = tqdm(range(max_steps), desc=f"{TINY_ARITH_TOOL} warm start", disable=not progress, unit="step")
-    for step in bar:
-        model.train()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        rng = random.Random(f"{TINY_ARITH_TOOL}:{seed}:{step}")
-        long = (step + 1) % LONG_EVERY == 0
-        # a long step: conversations filled to CONTEXT (about 9 exchanges each), a short one: single episodes
-        tasks = make_calculator_tasks(LONG_ROWS * 16 if long else batch_size, seed=seed * 10**7 + step + 10**8)
-        rows = _rows(renderer, tasks, rng, CONTEXT, LONG_ROWS) if long else _rows(renderer, tasks, rng)
-        long_steps += long
-        loss = prefix_loss(model, prefix, rows, tok.pad_id)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % eval_every == 0:
+    done: dict[str, int] = {}
+    long_steps = 0
+    step_seed = seed * 10**7 + 10**8  # + the step, counted over all stages: no two steps draw the same tasks
+    for stage in stages:
+        bar = tqdm(range(stage.steps), desc=f"{TINY_ARITH_TOOL} warm start: {stage.name}", disable=not progress,
+                   unit="step")
+        step = 0
+        for step in bar:
+            model.train()
+            for g in opt.param_groups:
+                g["lr"] = stage.lr * min(1.0, (step + 1) / stage.warmup)
+            rng = random.Random(f"{TINY_ARITH_TOOL}:{seed}:{stage.name}:{step}")
+            if stage.name == "copy":
+                loss = masked_loss(model, [copy_row(tok, rng) for _ in range(stage.batch_size)], tok.pad_id)
+            elif stage.name == "short":
+                tasks = make_calculator_tasks(stage.batch_size, seed=step_seed)
+                loss = masked_loss(model, [short_row(renderer, prefix, t) for t in tasks], tok.pad_id)
+            elif stage.name == "episodes":
+                long = (step + 1) % LONG_EVERY == 0  # conversations filled to CONTEXT (about 9 exchanges each)
+                tasks = make_calculator_tasks(LONG_ROWS * 16 if long else stage.batch_size, seed=step_seed)
+                rows = _rows(renderer, tasks, rng, CONTEXT, LONG_ROWS) if long else _rows(renderer, tasks, rng)
+                long_steps += long
+                loss = prefix_loss(model, prefix, rows, tok.pad_id)
+            else:
+                raise ValueError(f"unknown warm-start stage {stage.name!r}; stages: copy, short, episodes")
+            step_seed += 1
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if stage.name != "episodes" or (step + 1) % eval_every:
+                continue
             forced = forced_tool_stats(model.eval(), renderer, prefix, checks)
             bar.set_postfix(loss=f"{loss.item():.3f}", tools=f"{forced['tool_call_rate']:.2f}",
-                            acc_tool=f"{forced['accuracy_with_tool']:.2f}")
+                            exact=f"{forced['accuracy_with_tool']:.2f}")
             log.info("step %d loss %.3f forced %s (%.0f s)", step + 1, loss.item(), forced, time.perf_counter() - t0)
-            if meets_target(forced, target_tool_accuracy):  # then the real check: sampled episodes, multi-turn
+            if meets_target(forced, FORCED_GATE):  # then the real check: sampled episodes, multi-turn
                 stats = tool_use_stats(model, tok, eval_size, eval_seed, 1.0)
-                log.info("step %d sampled %s", step + 1, stats)
+                log.info("step %d sampled %s (%.0f s)", step + 1, stats, time.perf_counter() - t0)
                 met = meets_target(stats, target_tool_accuracy)
                 if met:
                     break
-    if not met:  # stopped at max_steps: record where it ended
+        done[stage.name] = step + 1
+        log.info("%s: stage %s done in %d steps (%.0f s)", TINY_ARITH_TOOL, stage.name, step + 1,
+                 time.perf_counter() - t0)
+    if not met:  # stopped at the last step: record where it ended
         stats = tool_use_stats(model.eval(), tok, eval_size, eval_seed, 1.0)
-        log.warning("%s: the warm start did not meet its target in %d steps: %s", TINY_ARITH_TOOL, max_steps, stats)
+        log.warning("%s: the warm start did not meet its target: %s", TINY_ARITH_TOOL, stats)
     save_hf_checkpoint(model.eval(), cfg, out)
     meta = {"preset": TINY_ARITH_TOOL, "version": PRESET_VERSION, "task": {"env": "calculator", "digits": [3, 2]},
-            "seed": seed, "tool_rate": TOOL_RATE, "context": CONTEXT, "sft_steps": step + 1,
-            "long_steps": long_steps, "shared_prefix_tokens": len(prefix), "tool_use_stats": stats, "met_target": met,
-            "eval_seed": eval_seed, "seconds": round(time.perf_counter() - t0, 1)}
+            "seed": seed, "tool_rate": TOOL_RATE, "context": CONTEXT, "stage_steps": done, "long_steps": long_steps,
+            "shared_prefix_tokens": len(prefix), "forced_tool_stats": forced, "tool_use_stats": stats,
+            "met_target": met, "eval_seed": eval_seed, "seconds": round(time.perf_counter() - t0, 1)}
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     log.info("%s ready in %s: %s", TINY_ARITH_TOOL, out, meta)
     return out
