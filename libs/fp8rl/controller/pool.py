@@ -148,14 +148,15 @@ class RolloutPool:
                     owner = min(fits, key=lambda k: (load[k], k))
                     sticky[keys[i]] = owner
                     load[owner] += 1
-                pins.setdefault(keys[i], replicas[owner].version)
                 groups.setdefault(owner, []).append(i)
+            # a group's version: its replica's (asynchronous) or the batch's; every pinned key in it holds it (above)
+            pinned_of = {o: (replicas[o].version if at_least else version) for o in groups}
 
-            def run(owner: tuple[str, int], idx: list[int], replicas=replicas
+            def run(owner: tuple[str, int], idx: list[int], replicas=replicas, pinned_of=pinned_of
                     ) -> tuple[list[int], list | grpc.RpcError]:
                 lease = replicas[owner]
                 req = rollout_pb2.GenerateRequest(
-                    request_id=f"{request_id}-p{idx[0]}", weight_version=pins[keys[idx[0]]],
+                    request_id=f"{request_id}-p{idx[0]}", weight_version=pinned_of[owner],
                     prompts=[rollout_pb2.Prompt(token_ids=prompts[i]) for i in idx],
                     session_keys=[keys[i] for i in idx], max_weight_lag=max_weight_lag,
                     sampling=rollout_pb2.SamplingParams(n=1, seed=seed_of(idx[0]), **sampling))
@@ -182,7 +183,9 @@ class RolloutPool:
                         sticky.pop(keys[i], None)
                     todo += idx
                     continue
-                pinned = pins[keys[idx[0]]]
+                pinned = pinned_of[owner]
+                for i in idx:  # a trajectory is pinned once a turn of it was sampled (a refused first turn is not)
+                    pins[keys[i]] = pinned
                 for s in got:
                     if s.weight_version != pinned or s.sample_index != 0 or not 0 <= s.prompt_index < len(idx):
                         raise RolloutError(f"a replica returned a sample of version {s.weight_version} (prompt "
