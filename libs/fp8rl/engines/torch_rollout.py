@@ -293,9 +293,10 @@ class TorchRolloutEngine(RolloutEngine):
 
     def session_stats(self) -> dict[str, int]:
         """Counters of the KV sessions: ``hits``, ``misses``, ``evictions``, ``prefill_tokens``, ``reused_tokens``
-        (:class:`~fp8rl.engines.kv_sessions.SessionStore`), and the ``entries`` and ``bytes`` held now."""
-        with self._lock:
-            return self._sessions.stats()
+        (:class:`~fp8rl.engines.kv_sessions.SessionStore`), and the ``entries`` and ``bytes`` held now. Read without
+        the engine lock, so a status call never waits behind a long generation: each counter is one int read, the
+        set of them may be a few tokens apart while a call runs."""
+        return self._sessions.stats()
 
     # ------------------------------------------------------------------ generation
     def generate(
