@@ -346,7 +346,7 @@ class JobConfig(Section):
         rr = self.policy.router_replay
         return TrainerConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                              micro_batch_size=t.micro_batch_size, num_minibatches=t.num_minibatches,
-                             activation_checkpointing=t.activation_checkpointing,
+                             activation_checkpointing=t.activation_checkpointing, share_prefix=t.share_prefix,
                              temperature=self.policy.generation.temperature, loss=self.loss_config(),
                              router_replay=rr.enabled, router_aux_loss_coef=self.loss.router_aux_loss_coef,
                              measure_unreplayed=rr.measure_unreplayed, lora=self.lora_settings())

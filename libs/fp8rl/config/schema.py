@@ -127,6 +127,11 @@ class TrainingConfig(Section):
                                                     "(fp8rl.engines.footprint); off for mixture-of-experts models, "
                                                     "trainer groups (dp_size > 1) and the megatron backend.",
                                                     kind=bool, optional=True)
+    share_prefix: bool = setting(True, "Run the leading tokens a micro-batch's rows share (a GRPO group's prompt, "
+                                 "the system prompt and tools block every trajectory opens with) once instead of "
+                                 "once per row (torch backend, dense non-MLA models, one rank): logprobs bitwise "
+                                 "unchanged under batch invariance, gradients up to rounding (FP8: E4M3 rounding of "
+                                 "other tensors); used from 16 shared tokens.", kind=bool)
     dp_size: int = setting(1, "Data-parallel trainer ranks under torchrun (torch backend: FSDP2, sharded "
                            "weights and AdamW state; megatron backend: Megatron-Core DDP, replicated state); the "
                            "launcher, compose and the Helm chart start this many).", ge=1, le=limits.MAX_TRAINER_RANKS)

@@ -25,16 +25,23 @@ class _PassDone(Exception):
     """Raised by the last layer's Q/K/V hook: the rest of the forward pass is not needed."""
 
 
-def _amax_hook(hist: dict[str, list[list[float]]], valid: list[torch.Tensor], cut_after: int | None):
+def _amax_hook(hist: dict[str, list[list[float]]], valid: list[torch.Tensor], cut_after: int | None,
+               continues: list[bool] | None = None):
     """``make_hook(i)``: a forward hook for layer ``i``'s ``qkv_point`` appending the pass's Q/K/V amax over the real
-    tokens (``valid[0]``, ``(B, T)``) to ``hist``; with ``cut_after`` the layer of that index ends the pass."""
+    tokens (``valid[0]``, ``(B, T)``) to ``hist``; with ``cut_after`` the layer of that index ends the pass. Where
+    ``continues[0]`` (the suffixes' forward after a shared prefix's), the amax joins the last entry: prefix and
+    suffixes are one pass over the full rows."""
 
     def make_hook(i: int):
         def hook(_mod, _inputs, outputs):
             m = valid[0]  # (B, T)
             for name, t in zip(("q", "k", "v"), outputs, strict=True):  # (B, H, T, D)
                 per_tok = t.detach().abs().amax(dim=(1, 3)).float()  # (B, T)
-                hist[name][i].append(float(per_tok.masked_fill(~m, 0.0).max()))
+                amax = float(per_tok.masked_fill(~m, 0.0).max())
+                if continues is not None and continues[0]:
+                    hist[name][i][-1] = max(hist[name][i][-1], amax)
+                else:
+                    hist[name][i].append(amax)
             if i == cut_after:  # nothing after the last layer's Q/K/V is read: cut the pass here
                 raise _PassDone
         return hook
@@ -52,7 +59,8 @@ class QKVRecording:
         layers = transformer_layers(calibrator.model)
         self.hist: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in ("q", "k", "v")}
         self._valid: list[torch.Tensor] = []
-        make_hook = _amax_hook(self.hist, self._valid, cut_after=None)  # the caller needs the whole forward
+        self._continues = [False]
+        make_hook = _amax_hook(self.hist, self._valid, cut_after=None, continues=self._continues)  # the whole forward
         self._handles = [calibrator.model.register_forward_pre_hook(self._pass_mask, with_kwargs=True)]
         self._handles += [layer.self_attn.qkv_point.register_forward_hook(make_hook(i))
                           for i, layer in enumerate(layers)]
@@ -60,8 +68,10 @@ class QKVRecording:
     def _pass_mask(self, _mod, args, kwargs):
         ids = args[0] if args else kwargs["input_ids"]
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
-        self._valid[:] = [mask.bool() if mask is not None else torch.ones(ids.shape, dtype=torch.bool,
-                                                                            device=ids.device)]
+        prefix = kwargs.get("prefix")  # a shared prefix's suffixes continue the pass its forward opened
+        self._continues[0] = prefix is not None and not prefix.recording
+        self._valid[:] = [mask[:, -ids.shape[1]:].bool() if mask is not None  # the mask's keys end with the new tokens
+                          else torch.ones(ids.shape, dtype=torch.bool, device=ids.device)]
 
     def close(self) -> None:
         for h in self._handles:

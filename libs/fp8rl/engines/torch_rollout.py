@@ -32,6 +32,11 @@ distribution). Greedy (temperature 0) reports temperature-1 logprobs.
 KV sessions (multi-turn trajectories, issue 48; :mod:`.kv_sessions`): ``generate(..., sessions=keys)`` keeps each
 keyed row's K/V after the call and prefills only the part of the next prompt they do not cover — bitwise the
 re-prefill under batch invariance. Refits and ``load_scales`` drop every session.
+
+Repeated prompts: a prompt that several rows of one call start from (a GRPO group's ``n`` samples, the first turn
+of a group's trajectories) is prefilled once and its rows seeded from that K/V as from a session — the same
+mechanism, the same bits under batch invariance; the trainer runs a micro-batch's shared leading tokens once too
+(:mod:`fp8rl.model.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -354,6 +359,8 @@ class TorchRolloutEngine(RolloutEngine):
         scales = self.scales_version
         found = [self._sessions.lookup(k, p, version, scales) if k is not None else None
                  for k, (_, p) in zip(keys, rows, strict=True)]
+        if not self.record_routes:  # (a donor's routes would have to be recorded too: not yet)
+            found = self._shared_prompts(rows, found, version, scales)
         # Ragged reuse: one prefill feeds slots [L, P) of every row, L = P - the longest uncovered suffix (a row's
         # last prompt token is always fed: its logits start the sampling). A row whose session covers more than
         # the slots before L has the rest re-fed (bitwise the same K/V under batch invariance); a row without one
@@ -406,6 +413,38 @@ class TorchRolloutEngine(RolloutEngine):
                 self._sessions.put(keys[b], KVSession.from_cache(
                     cache, b, firsts[b], p + sample.token_ids[:-1], version, scales, row_routes))
         return samples
+
+    def _shared_prompts(self, rows, found: list[KVSession | None], version: int, scales: int | None
+                        ) -> list[KVSession | None]:
+        """``found`` with a donor session for every row whose prompt another row of the call repeats (a GRPO
+        group's ``n`` samples, the first turn of a group's trajectories) and whose own session covers less of it:
+        each such prompt's tokens but the last are prefilled once, in one batch, and its rows are seeded from
+        them as from a session hit — under batch invariance bitwise what prefilling every row gives
+        (:mod:`.kv_sessions`). The donors are not kept."""
+        def uncovered(p, s) -> bool:
+            return len(p) >= 2 and (s is None or len(s.tokens) < len(p) - 1)
+
+        count: dict[tuple[int, ...], int] = {}
+        for (_, p), s in zip(rows, found, strict=True):
+            if uncovered(p, s):
+                count[p] = count.get(p, 0) + 1
+        shared = [p for p, c in count.items() if c > 1]
+        if not shared:
+            return found
+        fed = [p[:-1] for p in shared]
+        G, P = len(fed), max(len(q) for q in fed)
+        firsts = [P - len(q) for q in fed]
+        ids = torch.full((G, P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(G, P, dtype=torch.long)
+        for g, q in enumerate(fed):
+            ids[g, firsts[g]:] = torch.tensor(q)
+            mask[g, firsts[g]:] = 1
+        cache = KVCache.for_model(self.model, G, P)
+        self._forward(ids, mask, cache, [])
+        self._sessions.prefill_tokens += sum(len(q) for q in fed)
+        donors = {p: KVSession.from_cache(cache, g, firsts[g], fed[g], version, scales, None)
+                  for g, p in enumerate(shared)}
+        return [donors[p] if p in donors and uncovered(p, s) else s for (_, p), s in zip(rows, found, strict=True)]
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor]
                  ) -> torch.Tensor:

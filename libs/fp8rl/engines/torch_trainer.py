@@ -35,6 +35,7 @@ from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
 from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_computed_state_dict, lora_state_dict
+from fp8rl.model.shared_prefix import SharedPrefix, shared_prefix_length
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
@@ -42,7 +43,11 @@ from .footprint import check_fits, recompute_by_default
 from .parallel import DataParallel, full_tensor
 from .routing_stats import RouteStats, plan_for
 
-__all__ = ["TrainerConfig", "TorchTrainer", "sequence_logprobs", "sequence_logprobs_and_entropy", "token_logprobs"]
+__all__ = ["MIN_SHARED_PREFIX", "TrainerConfig", "TorchTrainer", "sequence_logprobs", "sequence_logprobs_and_entropy",
+           "token_logprobs"]
+
+# fewer shared leading tokens than this run as part of every row (a second forward costs more than it saves)
+MIN_SHARED_PREFIX = 16
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,13 @@ class TrainerConfig:
             backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models). None ("auto"):
             per micro-batch, as :func:`fp8rl.engines.footprint.recompute_by_default` decides from its shape.
         lora: train LoRA adapters on the frozen base (``policy.lora``), or None: every weight trains.
+        share_prefix: a micro-batch's rows that open with the same tokens (a GRPO group's prompt, the system
+            prompt and tools block of every trajectory) run them once, batch 1, and only their suffixes as a
+            batch (:mod:`fp8rl.model.shared_prefix`): bitwise the same logprobs under batch invariance, the same
+            gradient up to rounding (FP8: the E4M3 rounding of other gradient tensors). Used from
+            :data:`MIN_SHARED_PREFIX` shared tokens, on dense non-MLA models, on one rank (a data-parallel group
+            runs every row whole). Off by default here, so two trainers built alike compute alike whatever their
+            rank count; a job turns it on (``policy.training.share_prefix``, default true).
     """
 
     lr: float = 1e-5
@@ -88,6 +100,7 @@ class TrainerConfig:
     measure_unreplayed: bool = True
     activation_checkpointing: bool | None = None
     lora: LoraSettings | None = None
+    share_prefix: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -108,7 +121,7 @@ def sequence_logprobs(
 
 
 def sequence_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                  temperature: float = 1.0, entropy: bool = False
+                                  temperature: float = 1.0, entropy: bool = False, prefix_len: int = 0
                                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sequence_logprobs`, and with ``entropy`` the ``(B, T)`` entropy as :func:`token_logprobs_and_entropy`.
 
@@ -117,8 +130,19 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tenso
     gives on its full logits; another model (the Megatron backend's) returns its full logits, which go through
     :func:`token_logprobs_and_entropy`. Either is called as ``model(input_ids, attention_mask=...)``, the keyword
     forward hooks read (the QKV calibrator's).
+
+    ``prefix_len > 0`` (a :class:`CausalLM`; every row's first ``prefix_len`` tokens equal:
+    :func:`~fp8rl.model.shared_prefix.shared_prefix_length`) runs those tokens once and the rows' suffixes on top
+    (:mod:`fp8rl.model.shared_prefix`); the logprobs and entropy of tokens ``0 .. prefix_len`` are then 0 (not
+    computed: the first one needed comes after).
     """
     if isinstance(model, CausalLM):
+        if prefix_len > 0:
+            shared = SharedPrefix()
+            model(input_ids[:1, :prefix_len], prefix=shared, logits_to_keep=1)  # the prefix's K/V, recorded
+            lp, ent = model(input_ids[:, prefix_len:], attention_mask=attention_mask, prefix=shared,
+                            token_logprobs=True, temperature=temperature, entropy=entropy)
+            return F.pad(lp, (prefix_len, 0)), F.pad(ent, (prefix_len, 0)) if ent is not None else None
         return model(input_ids, attention_mask=attention_mask, token_logprobs=True, temperature=temperature,
                      entropy=entropy)
     return token_logprobs_and_entropy(model(input_ids, attention_mask=attention_mask), input_ids, temperature, entropy)
@@ -335,7 +359,9 @@ class TorchTrainer(TrainerBackend):
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> torch.Tensor:
         """The policy's logprobs (routes replayed with ``router_replay``); a mixture-of-experts model's routing
-        metrics of this pass are kept for :meth:`routing_metrics`."""
+        metrics of this pass are kept for :meth:`routing_metrics`. With a shared prefix
+        (``TrainerConfig.share_prefix``) the logprobs of a micro-batch's tokens before its first trained one (its
+        shared prompt) are 0: never read (the loss and the metrics take trained tokens only)."""
         replay = self.config.router_replay and batch.routes is not None  # rows without routes: its own routing
         stats = RouteStats(self._moe_layers)
         with self._fp8_kv():
@@ -364,7 +390,8 @@ class TorchTrainer(TrainerBackend):
         def logprobs(mb: TrainBatch) -> torch.Tensor:
             plan = plan_for(self._moe_layers, mb, replay=replay, record=stats is not None, aux=stats is not None)
             if plan is None:
-                return sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
+                return sequence_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, t,
+                                                     prefix_len=self._prefix_len(mb))[0]
             with routing(model, plan):
                 out = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
             if stats is not None:
@@ -374,6 +401,18 @@ class TorchTrainer(TrainerBackend):
         if p is None:
             return torch.cat([logprobs(mb) for _, mb in self._micro_batches(batch, should_stop)], dim=0)
         return self._rows_of(batch, ((i, logprobs(mb)) for i, mb in self._micro_batches(batch, should_stop)))
+
+    def _prefix_len(self, mb: TrainBatch) -> int:
+        """The leading tokens micro-batch ``mb``'s rows share and run once (``TrainerConfig.share_prefix``), up to
+        the token before its first trained one; 0 where none is shared or sharing does not apply."""
+        if (not self.config.share_prefix or self.parallel is not None or self._moe_layers
+                or self.model.config.is_mla):
+            return 0
+        trained = mb.loss_mask.bool().any(0).nonzero()
+        if not trained.numel():
+            return 0
+        n = shared_prefix_length(mb.input_ids, mb.attention_mask, int(trained[0]))
+        return n if n >= MIN_SHARED_PREFIX else 0
 
     def _rows_of(self, batch: TrainBatch, rounds) -> torch.Tensor:
         """The ``(B, T)`` logprobs of ``batch`` on every rank of the group, from ``rounds``: ``(round, (rows, T)
@@ -504,7 +543,8 @@ class TorchTrainer(TrainerBackend):
             plan = plan_for(self._moe_layers, mb, replay=self.config.router_replay, aux=coef > 0)
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
-                                                          self.config.temperature, entropy=True)
+                                                          self.config.temperature, entropy=True,
+                                                          prefix_len=self._prefix_len(mb) if plan is None else 0)
             loss, m = self._loss(curr, mb, norm, ent)
             if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
                 loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)

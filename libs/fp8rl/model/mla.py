@@ -84,8 +84,12 @@ class MLAttention(nn.Module):
         mask: torch.Tensor | None,
         kv_cache: KVCache | None = None,
         layout: KeyLayout | None = None,
+        prefix=None,
     ) -> torch.Tensor:
-        """As :meth:`fp8rl.model.transformer.Attention.forward`; the cache holds latents (module docstring)."""
+        """As :meth:`fp8rl.model.transformer.Attention.forward`; the cache holds latents (module docstring). No
+        shared prefix (``prefix`` must be None)."""
+        if prefix is not None:
+            raise ValueError("multi-head latent attention takes no shared prefix")
         B, T, _ = x.shape
         H, n, p, dv = self.num_heads, self.nope, self.rope, self.v_dim
         dtype = x.dtype

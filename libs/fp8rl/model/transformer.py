@@ -45,6 +45,7 @@ from .logprobs import chunked_token_logprobs
 from .mla import MLAttention
 from .moe import ExpertMLP, SparseMoeBlock
 from .router import TopKRouter, routers
+from .shared_prefix import SharedPrefix
 
 __all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm", "QKVPoint", "rope_inv_freq"]
 
@@ -89,8 +90,9 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         kv_cache: KVCache | None = None,
         layout: KeyLayout | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> torch.Tensor:
-        """Attend ``x`` ``(B, T, C)`` to itself (and to the cache's first ``length`` slots).
+        """Attend ``x`` ``(B, T, C)`` to itself (and to the cache's first ``length`` slots, or a shared prefix).
 
         Args:
             cos, sin: RoPE tables ``(B, T, D)`` for the new tokens.
@@ -99,6 +101,8 @@ class Attention(nn.Module):
             kv_cache: written at ``[length, length + T)`` for this layer; not advanced here.
             layout: with batch-invariant numerics, the keys' canonical layout; attention then runs
                 :func:`~fp8rl.model.invariant.split_kv_attention` (``mask`` is None then).
+            prefix: a :class:`~fp8rl.model.shared_prefix.SharedPrefix` this layer records its K/V into (the
+                prefix's forward) or attends after (the suffixes'); never with ``kv_cache``.
         """
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -127,6 +131,8 @@ class Attention(nn.Module):
             k_att, v_att = quant.fake_quantize_kv(k, v, dtype)
         else:
             k_att, v_att = k, v
+        if prefix is not None:
+            k_att, v_att = prefix.attend(self.layer_idx, k_att, v_att)
 
         if layout is not None:
             out = split_kv_attention(q, k_att, v_att, layout, quant.round_probs if quant is not None else None)
@@ -175,9 +181,10 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         kv_cache: KVCache | None = None,
         layout: KeyLayout | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, T, C)`` -> ``(B, T, C)``; arguments as :meth:`Attention.forward`."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, layout)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, layout, prefix)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -326,6 +333,7 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         *,
+        prefix: SharedPrefix | None = None,
         logits_to_keep: int = 0,
         token_logprobs: bool = False,
         temperature: float = 1.0,
@@ -343,6 +351,10 @@ class CausalLM(nn.Module):
                 this call: ``S = L + T``. Causal masking is always applied on top.
             kv_cache: written at slots ``[L, L + T)`` of every layer, attended over ``[0, L + T)``,
                 then advanced by ``T`` once.
+            prefix: a :class:`~fp8rl.model.shared_prefix.SharedPrefix` (:mod:`fp8rl.model.shared_prefix`): while it
+                records, this forward is the prefix's (one row, from position 0; every layer keeps its K/V and the
+                call seals it); once sealed, ``input_ids`` are the rows' suffixes, at positions from
+                ``L = prefix.length``, attending to the prefix first. Not with ``kv_cache``.
             logits_to_keep: ``k > 0`` computes the logits of the last ``k`` positions only; 0 all of them.
             token_logprobs: return, instead of logits, the logprob of each token of ``input_ids`` given the
                 positions before it, under ``log_softmax(logits / temperature)``, from bounded chunks of logits
@@ -368,6 +380,14 @@ class CausalLM(nn.Module):
         B, T = input_ids.shape
         device = input_ids.device
         L = 0
+        if prefix is not None:
+            if kv_cache is not None:
+                raise ValueError("a forward takes a kv_cache or a shared prefix, not both")
+            if self.config.is_mla:
+                raise ValueError("multi-head latent attention takes no shared prefix")
+            if prefix.recording and B != 1:
+                raise ValueError(f"a shared prefix runs as one row, got {B}")
+            L = 0 if prefix.recording else prefix.length
         if kv_cache is not None:
             kv_cache.check_room(B, T)
             L = kv_cache.length
@@ -405,15 +425,19 @@ class CausalLM(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(self._rope_inv_freq(device), position_ids, x.dtype)  # (B, T, D)
-        recompute = self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
+        # a prefix being recorded runs once (a recomputation would record it again); the suffixes' forward may
+        recompute = (self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
+                     and not (prefix is not None and prefix.recording))
         for layer in self.model.layers:
             if recompute:  # only the layer's input is kept; its forward runs again in the backward
-                x = checkpoint(layer, x, cos, sin, mask, None, layout, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, None, layout, prefix, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, kv_cache, layout)
+                x = layer(x, cos, sin, mask, kv_cache, layout, prefix)
         x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)  # once per forward, after every layer wrote its slots
+        if prefix is not None and prefix.recording:
+            prefix.seal(T)
         if token_logprobs:  # position t predicts token t + 1
             h = x[:, :-1].reshape(-1, x.shape[-1])  # (B * (T-1), C)
             lp, ent = chunked_token_logprobs(h, self.lm_head, input_ids[:, 1:].reshape(-1), temperature, entropy)

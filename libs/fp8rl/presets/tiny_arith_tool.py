@@ -92,8 +92,10 @@ TARGET_TOOL_ACCURACY = 0.8  # ... and at least this accuracy after a call
 # The teacher-forced check that gates the (slower) sampled one: its exact-episode probability is a lower bound on
 # the sampled accuracy after a call, so the gate sits below the target.
 FORCED_GATE = 0.6
-LONG_EVERY = 4  # one `episodes` step in LONG_EVERY trains on LONG_ROWS conversations of up to CONTEXT tokens
-LONG_ROWS = 2
+# One `episodes` step in LONG_EVERY adds a conversation of up to CONTEXT tokens to its rows. Mixed into a step
+# rather than given steps of their own: a step of two conversations alone set the copying back every time (the
+# teacher-forced check after one fell from ~0.6 to ~0).
+LONG_EVERY = 2
 
 
 @dataclass(frozen=True)
@@ -107,14 +109,24 @@ class Stage:
     batch_size: int
     """Rows per step."""
     lr: float
-    """AdamW learning rate after a linear warm-up of ``warmup`` steps; constant after it."""
+    """AdamW learning rate after a linear warm-up of ``warmup`` steps."""
     warmup: int
+    lr_end: float | None = None
+    """None: ``lr`` stays constant after the warm-up; else it follows a cosine down to ``lr_end`` at ``steps``
+    (sampling at temperature 1 needs sharp probabilities on every token of a tool call)."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based ``step``."""
+        lr = self.lr * min(1.0, (step + 1) / self.warmup)
+        if self.lr_end is None:
+            return lr
+        return self.lr_end + (lr - self.lr_end) * 0.5 * (1 + math.cos(math.pi * step / max(1, self.steps)))
 
 
 # Measured on 1 thread (issue 48): with `copy` first, the copied digits of `short` reach ~1.0 (expression) and
 # ~0.85 (answer) per digit in 150-200 steps; without it, neither moves in 600.
-STAGES = (Stage("copy", 300, 32, 3e-3, 30), Stage("short", 200, 32, 3e-3, 10),
-          Stage("episodes", 400, 32, 1e-3, 10))
+STAGES = (Stage("copy", 300, 32, 3e-3, 30), Stage("short", 120, 32, 3e-3, 10),
+          Stage("episodes", 300, 32, 1e-3, 10, lr_end=1e-4))
 _PRODUCT_RE = re.compile(r"(\d+)\s*\*\s*(\d+)")
 
 
@@ -194,12 +206,18 @@ def _rows(renderer: ChatRenderer, tasks: list[dict[str, str]], rng: random.Rando
 
 def copy_row(tok: Tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
     """A ``copy`` row: ``What is <s>?`` answered ``<s>``, or a ``<tool_response>`` of ``<s>`` answered
-    ``Answer: <s>`` (as the episodes' turns are rendered, without the system turn), ``s`` 3-8 random digits;
-    ``(ids, loss_mask)``, the mask on the assistant's tokens and ``<|im_end|>``."""
-    s = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 8)))
+    ``Answer: <s>`` (as the episodes' turns are rendered, without the system turn), ``s`` 3-8 random digits or, in
+    the question, a product of two such numbers of 1-4 digits; ``(ids, loss_mask)``, the mask on the assistant's
+    tokens and ``<|im_end|>``."""
+
+    def digits(lo: int, hi: int) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi)))
+
+    s = digits(3, 8) if rng.random() < 0.5 else f"{digits(1, 4)}*{digits(1, 4)}"
     if rng.random() < 0.5:
         context, answer = f"<|im_start|>user\nWhat is {s}?<|im_end|>\n<|im_start|>assistant\n", s
     else:
+        s = s.replace("*", "")
         context = f"<|im_start|>user\n<tool_response>\n{s}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         answer = f"Answer: {s}"
     ids, learned = tok.encode(context, add_bos=False), tok.encode(answer + "<|im_end|>", add_bos=False)
@@ -246,11 +264,14 @@ def _suffix_logits(model: CausalLM, prefix: list[int], rows: list[tuple[list[int
     one = KVCache.for_model(model, 1, P)
     model(torch.tensor([prefix]), kv_cache=one, logits_to_keep=1)  # the prefix's own tokens are never trained
     rows = sorted(rows, key=lambda r: len(r[0]))
-    # two groups where lengths differ a lot (direct answers ~40 suffix tokens, tool episodes ~170): less padding
-    cut = next((i for i, r in enumerate(rows) if len(r[0]) - P > 2 * (len(rows[0][0]) - P)), len(rows))
-    for group in (rows[:cut], rows[cut:]):
-        if not group:
-            continue
+    # groups of similar length (direct answers ~40 suffix tokens, tool episodes ~170, conversations ~1000): a row
+    # opens a new group when it is over twice the group's shortest, so padding at most doubles a group's work
+    groups: list[list[tuple[list[int], list[int]]]] = []
+    for row in rows:
+        if not groups or len(row[0]) - P > 2 * (len(groups[-1][0][0]) - P):
+            groups.append([])
+        groups[-1].append(row)
+    for group in groups:
         B, S = len(group), max(len(ids) for ids, _ in group) - P
         ids = torch.full((B, S), pad_id, dtype=torch.long)  # right padding: causal rows never see it
         weights = torch.zeros(B, S)
@@ -405,7 +426,7 @@ def prepare_tiny_arith_tool(
     forced: dict = {}
     met = False
     done: dict[str, int] = {}
-    long_steps = 0
+    long_rows = 0
     step_seed = seed * 10**7 + 10**8  # + the step, counted over all stages: no two steps draw the same tasks
     for stage in stages:
         bar = tqdm(range(stage.steps), desc=f"{TINY_ARITH_TOOL} warm start: {stage.name}", disable=not progress,
@@ -414,7 +435,7 @@ def prepare_tiny_arith_tool(
         for step in bar:
             model.train()
             for g in opt.param_groups:
-                g["lr"] = stage.lr * min(1.0, (step + 1) / stage.warmup)
+                g["lr"] = stage.lr_at(step)
             rng = random.Random(f"{TINY_ARITH_TOOL}:{seed}:{stage.name}:{step}")
             if stage.name == "copy":
                 loss = masked_loss(model, [copy_row(tok, rng) for _ in range(stage.batch_size)], tok.pad_id)
@@ -422,10 +443,11 @@ def prepare_tiny_arith_tool(
                 tasks = make_calculator_tasks(stage.batch_size, seed=step_seed)
                 loss = masked_loss(model, [short_row(renderer, prefix, t) for t in tasks], tok.pad_id)
             elif stage.name == "episodes":
-                long = (step + 1) % LONG_EVERY == 0  # conversations filled to CONTEXT (about 9 exchanges each)
-                tasks = make_calculator_tasks(LONG_ROWS * 16 if long else stage.batch_size, seed=step_seed)
-                rows = _rows(renderer, tasks, rng, CONTEXT, LONG_ROWS) if long else _rows(renderer, tasks, rng)
-                long_steps += long
+                tasks = make_calculator_tasks(stage.batch_size + 16, seed=step_seed)
+                rows = _rows(renderer, tasks[:stage.batch_size], rng)
+                if (step + 1) % LONG_EVERY == 0:  # and a conversation filled to CONTEXT (about 9 exchanges)
+                    rows += _rows(renderer, tasks[stage.batch_size:], rng, CONTEXT, 1)
+                    long_rows += 1
                 loss = prefix_loss(model, prefix, rows, tok.pad_id)
             else:
                 raise ValueError(f"unknown warm-start stage {stage.name!r}; stages: copy, short, episodes")
@@ -448,14 +470,15 @@ def prepare_tiny_arith_tool(
                 if met:
                     break
         done[stage.name] = step + 1
-        log.info("%s: stage %s done in %d steps (%.0f s)", TINY_ARITH_TOOL, stage.name, step + 1,
-                 time.perf_counter() - t0)
+        log.info("%s: stage %s done in %d steps (%.0f s), loss %.3f; forced %s", TINY_ARITH_TOOL, stage.name,
+                 step + 1, time.perf_counter() - t0, loss.item(),
+                 forced_tool_stats(model.eval(), renderer, prefix, checks))
     if not met:  # stopped at the last step: record where it ended
         stats = tool_use_stats(model.eval(), tok, eval_size, eval_seed, 1.0)
         log.warning("%s: the warm start did not meet its target: %s", TINY_ARITH_TOOL, stats)
     save_hf_checkpoint(model.eval(), cfg, out)
     meta = {"preset": TINY_ARITH_TOOL, "version": PRESET_VERSION, "task": {"env": "calculator", "digits": [3, 2]},
-            "seed": seed, "tool_rate": TOOL_RATE, "context": CONTEXT, "stage_steps": done, "long_steps": long_steps,
+            "seed": seed, "tool_rate": TOOL_RATE, "context": CONTEXT, "stage_steps": done, "long_rows": long_rows,
             "shared_prefix_tokens": len(prefix), "forced_tool_stats": forced, "tool_use_stats": stats,
             "met_target": met, "eval_seed": eval_seed, "seconds": round(time.perf_counter() - t0, 1)}
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
