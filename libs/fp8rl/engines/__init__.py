@@ -26,8 +26,9 @@ from .calibration_model import CalibrationModel
 from .calibrator import QKVCalibrator
 from .factory import make_rollout_engine, make_trainer_backend
 from .footprint import MemoryBudgetError
+from .logprob_pass import sequence_logprobs
 from .torch_rollout import TorchRolloutEngine
-from .torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
+from .torch_trainer import TorchTrainer, TrainerConfig
 
 __all__ = [
     "RolloutEngine", "TrainerBackend", "Sample", "SamplingParams", "TrainBatch",

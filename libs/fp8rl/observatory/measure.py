@@ -19,8 +19,9 @@ import torch
 from fp8rl.engines.base import SamplingParams, TrainBatch
 from fp8rl.engines.batch import build_train_batch
 from fp8rl.engines.calibrator import QKVCalibrator
+from fp8rl.engines.logprob_pass import sequence_logprobs
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
-from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig, sequence_logprobs
+from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
 from fp8rl.fp8 import (
     RECIPES,
     SCALINGS,

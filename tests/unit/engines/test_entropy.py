@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl.engines.torch_trainer import token_logprobs, token_logprobs_and_entropy
+from fp8rl.engines.logprob_pass import token_logprobs, token_logprobs_and_entropy
 
 # float32: each of the 50 terms p·log p is off by a few ulps of its |log p| (<= ~30 here), summed: well under 1e-5
 ATOL = 1e-5
@@ -25,7 +25,7 @@ def test_entropy_equals_torch_distributions_at_the_sampling_temperature() -> Non
 
 def test_the_chunked_entropy_equals_the_whole_computation(monkeypatch):
     """Positions split into chunks of a few logits each give the same entropy as one pass over all of them."""
-    import fp8rl.engines.torch_trainer as tt
+    import fp8rl.engines.logprob_pass as tt
 
     g = torch.Generator().manual_seed(1)
     logits, ids = torch.randn(2, 7, 50, generator=g), torch.randint(0, 50, (2, 7), generator=g)

@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8rl.model.logprobs as chunked
-from fp8rl.engines.torch_trainer import sequence_logprobs_and_entropy, token_logprobs_and_entropy
+from fp8rl.engines.logprob_pass import sequence_logprobs_and_entropy, token_logprobs_and_entropy
 from fp8rl.fp8 import Fp8Recipe, convert_model
 from fp8rl.model import CausalLM, KVCache, ModelConfig
 

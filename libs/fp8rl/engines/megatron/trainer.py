@@ -73,8 +73,9 @@ from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.rl import LossNorm
 
 from ..base import ShouldStop, TrainBatch
+from ..logprob_pass import token_logprobs_and_entropy
 from ..parallel import DataParallel
-from ..torch_trainer import TorchTrainer, TrainerConfig, _add_metrics, token_logprobs_and_entropy
+from ..torch_trainer import TorchTrainer, TrainerConfig, _add_metrics
 from . import shims
 from .convert import hf_to_megatron, megatron_to_hf
 from .expert_parallel import check_expert_parallel, expert_owner, is_expert, whole_expert_name, whole_expert_order
