@@ -105,15 +105,16 @@ def micro_batch_footprint(config: ModelConfig, rows: int, seq_len: int, *, batch
 
 
 def recompute_by_default(config: ModelConfig, rows: int, seq_len: int, *, trained_params: int, batch_invariant: bool,
-                         activation_bytes: int = 4) -> bool:
+                         activation_bytes: int = 4, shared: int = 0) -> bool:
     """Whether a micro-batch of ``rows`` rows of ``seq_len`` tokens is recomputed when activation checkpointing is
     left unset (module docstring): never for mixture-of-experts models (their routing plans would see each
     recomputed forward), else when its saved activations pass both :data:`AUTO_RECOMPUTE_FLOOR_SHARE` of the
-    floor and :data:`AUTO_RECOMPUTE_MIN_BYTES`. Decided from the shapes only: the same on every machine."""
+    floor and :data:`AUTO_RECOMPUTE_MIN_BYTES`. Decided from the shapes only: the same on every machine.
+    ``shared`` leading tokens run once for all rows (:mod:`fp8rl.model.shared_prefix`): they count once."""
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
         return False
-    saved = rows * seq_len * activation_bytes * activation_elements_per_token(config, seq_len,
-                                                                              batch_invariant=batch_invariant)
+    tokens = rows * (seq_len - shared) + shared
+    saved = tokens * activation_bytes * activation_elements_per_token(config, seq_len, batch_invariant=batch_invariant)
     return saved > max(AUTO_RECOMPUTE_FLOOR_SHARE * 16 * trained_params, AUTO_RECOMPUTE_MIN_BYTES)
 
 

@@ -390,8 +390,9 @@ class TorchTrainer(TrainerBackend):
 
     reports_recompute = True  # train/recomputed in the step's metrics (a backend that never recomputes: False)
 
-    def recomputes(self, rows: int, seq_len: int) -> bool:
-        """Whether a training micro-batch of ``rows`` rows of ``seq_len`` tokens runs with activation checkpointing:
+    def recomputes(self, rows: int, seq_len: int, shared: int = 0) -> bool:
+        """Whether a training micro-batch of ``rows`` rows of ``seq_len`` tokens (the first ``shared`` run once:
+        :meth:`_prefix_len`) runs with activation checkpointing:
         the configured value, or left unset (None), :func:`~fp8rl.engines.footprint.recompute_by_default` of its
         shape — on one process only: a group's FSDP2 layers would gather their shards again in the recomputed
         forward, which nothing here has measured, so a group recomputes only when told to."""
@@ -402,7 +403,7 @@ class TorchTrainer(TrainerBackend):
             return False
         return recompute_by_default(self.model.config, rows, seq_len, trained_params=self._trained_params,
                                     batch_invariant=self.recipe.batch_invariant,
-                                    activation_bytes=self._activation_bytes)
+                                    activation_bytes=self._activation_bytes, shared=shared)
 
     def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
         if batch.prev_logprobs is None:
@@ -474,14 +475,15 @@ class TorchTrainer(TrainerBackend):
         for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             if mb.num_tokens == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue
-            self.model.activation_checkpointing = self.recomputes(*mb.input_ids.shape)  # forward-only passes ignore it
-            recomputed, runs = recomputed + self.model.activation_checkpointing, runs + 1
             coef = self.config.router_aux_loss_coef
             plan = plan_for(self._moe_layers, mb, replay=self.config.router_replay, aux=coef > 0)
+            shared = self._prefix_len(mb) if plan is None else 0
+            # forward-only passes ignore it
+            self.model.activation_checkpointing = self.recomputes(*mb.input_ids.shape, shared=shared)
+            recomputed, runs = recomputed + self.model.activation_checkpointing, runs + 1
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
-                                                          self.config.temperature, entropy=True,
-                                                          prefix_len=self._prefix_len(mb) if plan is None else 0)
+                                                          self.config.temperature, entropy=True, prefix_len=shared)
             loss, m = self._loss(curr, mb, norm, ent)
             if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
                 loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)

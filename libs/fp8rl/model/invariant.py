@@ -196,17 +196,19 @@ def split_kv_attention(
     s = torch.bmm(qp, kc.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5)
     s = s.masked_fill(~layout.visible[:, :, None], torch.finfo(torch.float32).min)  # (B, Hkv, rep, T, Sc)
     e = torch.exp(s - s.amax(-1, keepdim=True))  # invisible keys: exactly 0
-    parts = e.view(B, Hkv, rep, T, n_c, C).sum(-1)  # per-chunk sums of C terms
-    denom = parts[..., 0]
-    for c in range(1, n_c):  # chunk order, whatever the number of chunks
-        denom = denom + parts[..., c]
+    # per-chunk sums of C terms, added in chunk order whatever the number of chunks. unbind, not parts[..., c]:
+    # one backward for all chunks (each select's backward would write a zero tensor of the whole: quadratic in them)
+    parts = e.view(B, Hkv, rep, T, n_c, C).sum(-1).unbind(-1)
+    denom = parts[0]
+    for part in parts[1:]:
+        denom = denom + part
     p = e / denom[..., None]
     if round_probs is not None:
         p = round_probs(p)
     # P @ V chunk by chunk (reduction over exactly C keys each, one batched GEMM), partial sums in chunk order
     pc = pad_rows(p.reshape(G, M, sc), R).view(G, -1, n_c, C).transpose(1, 2)  # (G, nC, Mp, C)
-    o = torch.matmul(pc, vc)  # (G, nC, Mp, Dv)
-    out = o[:, 0]
-    for c in range(1, n_c):
-        out = out + o[:, c]
+    o = torch.matmul(pc, vc).unbind(1)  # nC of (G, Mp, Dv)
+    out = o[0]
+    for part in o[1:]:
+        out = out + part
     return out[:, :M].reshape(B, H, T, Dv)
