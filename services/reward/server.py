@@ -180,21 +180,22 @@ class RewardService(Service):
         self.envs.close_all()
 
 
+def _module_list(key: str) -> list[str] | None:
+    """The comma-separated module names of environment default ``key`` (``$FP8RL_<KEY>``), None when empty."""
+    return [m.strip() for m in env_default(key, "").split(",") if m.strip()] or None
+
+
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grader", default=env_default("grader"),
                    help="grader for items that name none (default: the job's reward.grader)")
     p.add_argument("--timeout-s", type=float, default=env_default("grade_timeout_s"),
                    help="per-item grading time bound in seconds (default: the job's reward.timeout_s)")
-    modules = env_default("grader_modules", "")
-    p.add_argument("--grader-module", action="append", metavar="MODULE",
-                   default=[m.strip() for m in modules.split(",") if m.strip()] or None,
+    p.add_argument("--grader-module", action="append", metavar="MODULE", default=_module_list("grader_modules"),
                    help="import MODULE (repeatable) to register more graders (fp8rl.data.register_grader; default: "
                         "the comma-separated $FP8RL_GRADER_MODULES)")
     p.add_argument("--grading-workers", type=int, default=int(env_default("grading_workers", 2)),
                    help="grading worker processes (default 2)")
-    env_modules = env_default("env_modules", "")
-    p.add_argument("--env-module", action="append", metavar="MODULE",
-                   default=[m.strip() for m in env_modules.split(",") if m.strip()] or None,
+    p.add_argument("--env-module", action="append", metavar="MODULE", default=_module_list("env_modules"),
                    help="a module (repeatable) whose environments the env workers may run by import path "
                         "(module:Class in a job's env.name; default: the comma-separated $FP8RL_ENV_MODULES)")
     p.add_argument("--env-workers", type=int, default=int(env_default("env_workers", 2)),

@@ -32,11 +32,24 @@ from collections.abc import Sequence
 
 from .scoring import GradeResult, _Task
 
-__all__ = ["ProcessGradingPool"]
+__all__ = ["ProcessGradingPool", "watch_parent"]
 
 log = logging.getLogger(__name__)
 
 _WARMUP = ("\\boxed{1}", "1")  # graded once by each registered grader before a worker takes work
+
+
+def watch_parent() -> None:
+    """In a worker process: exit as soon as the parent is gone. The pipe's EOF ends an idle worker; this ends one
+    hung in user code (a grader, an environment)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _worker_main(conn, modules: Sequence[str]) -> None:  # runs in the child process
@@ -49,14 +62,7 @@ def _worker_main(conn, modules: Sequence[str]) -> None:  # runs in the child pro
         _run_grader(get_grader(name), *_WARMUP)
     for name in modules:
         importlib.import_module(name)
-    parent = os.getppid()
-
-    def orphan_watch() -> None:  # the pipe's EOF ends an idle worker; this ends one hung in a grader
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=orphan_watch, daemon=True).start()
+    watch_parent()
     conn.send_bytes(b'"ready"')
     while True:
         try:

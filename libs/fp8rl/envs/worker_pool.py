@@ -29,15 +29,14 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import resource
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fp8rl import limits
+from fp8rl.data.process_pool import watch_parent
 
 __all__ = ["EnvResult", "EnvWorkerPool", "Rlimits"]
 
@@ -106,14 +105,7 @@ def _worker_main(conn, modules: Sequence[str], rlimits: Rlimits) -> None:  # run
 
     for name in modules:
         importlib.import_module(name)
-    parent = os.getppid()
-
-    def orphan_watch() -> None:  # the pipe's EOF ends an idle worker; this ends one hung in user code
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=orphan_watch, daemon=True).start()
+    watch_parent()
     envs: dict[str, Any] = {}
     conn.send_bytes(b'{"ready": true}')
     while True:
