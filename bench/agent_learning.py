@@ -2,7 +2,7 @@
 tools-disabled control — every number from this one run.
 
     python bench/agent_learning.py [--config deploy/tool-job-tiny.yaml] [--seeds 0 1 2] [--steps 30] [--prompts N]
-                                   [--group N] [--lr LR]
+                                   [--group N] [--lr LR] [--arms tools control]
 
 For each seed it runs ``--config`` (default ``deploy/tool-job-tiny.yaml``: the tiny-arith-tool preset, fp8_e2e + FP8
 KV; ``deploy/tool-job.yaml`` is SmolLM2-135M-Instruct) in the in-process loop twice: with the calculator, and with
@@ -37,15 +37,21 @@ from fp8rl.envs.trajectory import trajectory_metrics  # noqa: E402
 from fp8rl.loop import GRPOLoop, LoopConfig  # noqa: E402
 
 EVAL_SEED = 1 << 50  # held-out tasks: a seed stream no training step draws from
+EVAL_CHUNK = 16  # held-out tasks generated together
 
 
 def measure(loop: GRPOLoop, tasks: int, samples: int, seed: int) -> dict[str, float]:
     """Accuracy and tool-call rate of ``samples`` trajectories of each of ``tasks`` held-out tasks, at temperature 1,
     through the rollout engine at the version it holds."""
     problems = env_tasks(loop.job, tasks, EVAL_SEED + seed)
-    pairs = loop.backends.generate(loop.plan.prompts(problems), loop.rollout.weight_version, step=10**6 + seed,
-                                   n=samples, temperature=1.0, problems=problems)
-    trajs = [t for _, t in pairs]
+    trajs = []
+    # EVAL_CHUNK tasks at a time: their trajectories' K/V sessions fit the rollout's bound (all 256 at once evicted
+    # some, and the whole batch's re-prefill that forced ran out of memory)
+    for i in range(0, tasks, EVAL_CHUNK):
+        part = problems[i:i + EVAL_CHUNK]
+        pairs = loop.backends.generate(loop.plan.prompts(part), loop.rollout.weight_version,
+                                       step=10**6 + seed * 1000 + i, n=samples, temperature=1.0, problems=part)
+        trajs += [t for _, t in pairs]
     m = trajectory_metrics(trajs)
     graded = [t.reward for t in trajs if t.reward is not None]
     return {"accuracy": sum(r > 0.5 for r in graded) / max(1, len(graded)), "tool_call_rate": m["env/tool_call_rate"],
@@ -89,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=None, help="policy.training.lr (default: the job file's)")
     p.add_argument("--eval-tasks", type=int, default=64)
     p.add_argument("--eval-samples", type=int, default=4)
-    p.add_argument("--no-control", action="store_true", help="skip the tools-disabled runs")
+    p.add_argument("--arms", nargs="+", choices=("tools", "control"), default=["tools", "control"],
+                   help="which arms to run (default both; e.g. one process per arm on a machine with cores to spare)")
     args = p.parse_args(argv)
-    arms = [True] if args.no_control else [True, False]
+    arms = [arm == "tools" for arm in args.arms]
     runs = [one_run(seed, tools, args) for seed in args.seeds for tools in arms]
     for tools in arms:
         name = "tools" if tools else "control"
