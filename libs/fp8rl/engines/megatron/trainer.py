@@ -208,10 +208,15 @@ class MegatronTrainer(TorchTrainer):
 
     reports_recompute = False  # every pipeline layout reports the same metrics
 
-    def recomputes(self, rows: int, seq_len: int) -> bool:
+    def recomputes(self, rows: int, seq_len: int, shared: int = 0) -> bool:
         """Never: activation checkpointing is the torch backend's (Megatron-Core's own recompute options are not
         wired; ``policy.training.activation_checkpointing: true`` is refused for this backend)."""
         return False
+
+    def _prefix_len(self, mb: TrainBatch) -> int:
+        """Always 0: running shared leading tokens once (:mod:`fp8rl.model.shared_prefix`) is the embedded
+        :class:`CausalLM`'s; Megatron-Core's GPTModel takes no recorded prefix, so every row runs whole."""
+        return 0
 
     def check_memory(self, rows: int, seq_len: int, *, where: str = "the trainer"):
         """Not estimated (None): :mod:`fp8rl.engines.footprint` models the embedded :class:`CausalLM`'s saved
