@@ -343,7 +343,7 @@ class TorchTrainer(TrainerBackend):
         """The leading tokens micro-batch ``mb``'s rows share and run once (``TrainerConfig.share_prefix``), up to
         the token before its first trained one; 0 where none is shared or sharing does not apply."""
         if (not self.config.share_prefix or self.parallel is not None or self._moe_layers
-                or self.model.config.is_mla):
+                or not getattr(self.model, "takes_shared_prefix", False)):
             return 0
         trained = mb.loss_mask.bool().any(0).nonzero()
         if not trained.numel():

@@ -1,33 +1,14 @@
-"""Model configuration for the Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder-only family, and its HF config.json mapping.
+"""Model configuration: one :class:`ModelConfig` for every decoder-only family, and its HF ``config.json`` mapping.
 
-One :class:`ModelConfig` describes every architecture we run. The families differ only in a few
-switches, which the architecture pins down (HF hard-codes them, so a config that disagrees with its
-architecture could not round-trip through ``config.json``):
+What differs between architectures lives in their families (:mod:`fp8rl.model.family`, one module each under
+:mod:`fp8rl.model.families`): the keys of ``config.json`` beyond the common ones, defaults, checks, which blocks each
+layer composes, and the engines that run them. This module holds the fields, the common checks and the common
+``config.json`` keys, and asks the family (``config.family``) for the rest. A family with settings of its own gives a
+subclass (``Family.config_class``): :meth:`ModelConfig.from_hf_dict` builds that class.
 
-| architecture | q/k/v bias         | o_proj bias        | QK-norm | MLP of layer ``i``                         |
-|--------------|--------------------|--------------------|---------|--------------------------------------------|
-| llama        | ``attention_bias`` | ``attention_bias`` | no      | dense                                      |
-| qwen2        | always             | never              | no      | dense                                      |
-| qwen3        | ``attention_bias`` | ``attention_bias`` | yes     | dense                                      |
-| qwen3_moe    | ``attention_bias`` | ``attention_bias`` | yes     | experts when :meth:`ModelConfig.is_moe_layer` |
-| deepseek_v3  | MLA (:mod:`.mla`)  | ``attention_bias`` | no      | experts (+ shared) from ``first_k_dense_replace`` |
-
-``deepseek_v3`` (DeepSeek-V3, Moonlight) keeps HF's names too: multi-head latent attention (``q_lora_rank`` — None
-for a plain ``q_proj`` —, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
-``rope_interleave``; ``head_dim`` is the rotary width ``qk_rope_head_dim``, as transformers sets it), sigmoid routing
-with a per-expert score-correction bias for selection only (``topk_method: noaux_tc``), group-limited top-k
-(``n_group``, ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``, ``n_shared_experts`` shared experts
-added to every token, and dense first ``first_k_dense_replace`` layers. ``n_routed_experts`` is read into
-``num_experts`` and written back under both names.
-
-Mixture-of-experts keys keep HF's names (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
-``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``, ``router_aux_loss_coef``); transformers 5
-*writes* ``num_local_experts`` instead of ``num_experts`` (its ``attribute_map``), so both are read and both
-are written (a reader of either generation sees the same number of experts).
-
-``from_hf_dict`` reads both the transformers-4 layout (``rope_theta`` + ``rope_scaling``) and
-the transformers-5 layout (``rope_parameters``); ``to_hf_dict`` writes both so that readers of
-either generation (transformers, vLLM) load the same model.
+``from_hf_dict`` reads both the transformers-4 layout (``rope_theta`` + ``rope_scaling``) and the transformers-5
+layout (``rope_parameters``); ``to_hf_dict`` writes both so that readers of either generation (transformers, vLLM)
+load the same model.
 """
 
 from __future__ import annotations
@@ -36,38 +17,20 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MOE_ARCHITECTURES", "ModelConfig", "SUPPORTED_ARCHITECTURES"]
+from .family import Family, family_names, get_family
 
-# architecture -> HF class name written into config.json "architectures"
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
-QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe"})
-MOE_ARCHITECTURES = frozenset({"qwen3_moe", "deepseek_v3"})
-MLA_ARCHITECTURES = frozenset({"deepseek_v3"})
+__all__ = ["ModelConfig", "rope_from_hf"]
+
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# HF config defaults for keys a config.json may omit (values of the transformers classes).
-_HF_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768, "deepseek_v3": 4096}
-# transformers 5's DeepseekV3Config defaults, for the keys a config.json may omit
-_DEEPSEEK_DEFAULTS = {"n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-                      "n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
-                      "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 512, "q_lora_rank": 1536,
-                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_interleave": True}
-# transformers 5's Qwen3MoeConfig defaults, for the keys a config.json may omit
-_QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                       "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001}
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder-only causal LM (HF Llama / Qwen2 / Qwen3 / Qwen3-MoE compatible).
+    """Shape and numerics of a decoder-only causal LM of a registered family (:mod:`fp8rl.model.family`).
 
     Attributes:
-        architecture: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"qwen3_moe"``.
+        architecture: a registered family's name (:func:`fp8rl.model.family.family_names`: ``"llama"``,
+            ``"qwen2"``, ``"qwen3"``, ``"qwen3_moe"``, ``"deepseek_v3"``, ...).
         vocab_size: rows of the embedding and of ``lm_head``.
         hidden_size: model width.
         intermediate_size: SwiGLU inner width.
@@ -140,10 +103,10 @@ class ModelConfig:
     rope_interleave: bool = False
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        fam = get_family(self.architecture)
+        if fam.config_class is not None and not isinstance(self, fam.config_class):
+            raise ValueError(f"a {self.architecture} config is a {fam.config_class.__name__} (its own settings): "
+                             f"build it with that class or ModelConfig.from_hf_dict")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -155,8 +118,7 @@ class ModelConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {val!r}")
-        if self.architecture in MLA_ARCHITECTURES:
-            self._check_mla()
+        fam.fix_shape(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
@@ -178,21 +140,8 @@ class ModelConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         self._check_rope_scaling()
-
-        # The architecture fixes the bias / QK-norm layout (HF hard-codes it per class).
-        if self.attention_bias is None:
-            self.attention_bias = self.architecture == "qwen2"
-        if self.architecture == "qwen2" and not self.attention_bias:
-            raise ValueError("qwen2 always has q/k/v biases (HF Qwen2Attention); attention_bias must be True")
-        want_qk_norm = self.architecture in QK_NORM_ARCHITECTURES
-        if self.qk_norm is None:
-            self.qk_norm = want_qk_norm
-        if self.qk_norm != want_qk_norm:
-            raise ValueError(
-                f"qk_norm={self.qk_norm} contradicts architecture {self.architecture!r} (only "
-                f"{'/'.join(sorted(QK_NORM_ARCHITECTURES))} have q_norm/k_norm)"
-            )
-        self._check_moe()
+        self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers or ())
+        fam.check(self)  # the family's layout (biases, QK-norm, experts): its defaults filled, contradictions refused
         eos = self.eos_token_id
         if eos is not None and not isinstance(eos, int):
             if not (isinstance(eos, list | tuple) and all(isinstance(e, int) for e in eos)):
@@ -200,66 +149,25 @@ class ModelConfig:
             self.eos_token_id = list(eos)
 
     @property
+    def family(self) -> Family:
+        """The registered :class:`~fp8rl.model.family.Family` of ``architecture``."""
+        return get_family(self.architecture)
+
+    @property
     def is_mla(self) -> bool:
-        """Multi-head latent attention (``deepseek_v3``)."""
-        return self.architecture in MLA_ARCHITECTURES
+        """Multi-head latent attention (the family's ``latent_attention``: ``deepseek_v3``)."""
+        return self.family.latent_attention
 
     @property
     def shared_expert_intermediate_size(self) -> int:
-        """DeepSeek's shared experts as one SwiGLU MLP: ``n_shared_experts x moe_intermediate_size`` wide (0: none;
-        only ``deepseek_v3`` has them)."""
-        return self.n_shared_experts * self.moe_intermediate_size if self.is_mla else 0
+        """Shared experts as one SwiGLU MLP: ``n_shared_experts x moe_intermediate_size`` wide (0: none; only a
+        family with ``shared_experts`` has them)."""
+        return self.n_shared_experts * self.moe_intermediate_size if self.family.shared_experts else 0
 
     @property
     def qk_head_dim(self) -> int:
         """MLA: a query's and a key's width per head, ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def _check_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int for {self.architecture}, got {val!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ValueError(f"ModelConfig.q_lora_rank must be None or a positive int, got {self.q_lora_rank!r}")
-        # every query head reads its own key and value, expanded from the one latent (MLA): no GQA grouping
-        self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim not in (None, self.qk_rope_head_dim):
-            raise ValueError(f"{self.architecture}: head_dim is the rotary width qk_rope_head_dim "
-                             f"({self.qk_rope_head_dim}), got {self.head_dim}")
-        self.head_dim = self.qk_rope_head_dim
-        if self.num_experts:
-            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-                raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} and "
-                                 f"1 <= topk_group={self.topk_group} <= n_group")
-            if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
-                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
-                                 f"topk_group={self.topk_group} groups")
-            if (self.num_experts // self.n_group) < 2:
-                raise ValueError("deepseek_v3 group scores sum each group's top 2 experts: groups need >= 2 experts")
-        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
-            raise ValueError(f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor}")
-        if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
-            raise ValueError("n_shared_experts and first_k_dense_replace must be >= 0")
-
-    def _check_moe(self) -> None:
-        self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers or ())
-        if self.architecture not in MOE_ARCHITECTURES:
-            if self.num_experts:
-                raise ValueError(f"num_experts={self.num_experts} on architecture {self.architecture!r}: only "
-                                 f"{'/'.join(sorted(MOE_ARCHITECTURES))} have experts")
-            return
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int for {self.architecture}, got {val!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
-        if bad:
-            raise ValueError(f"mlp_only_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
-        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
-            raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {self.router_aux_loss_coef}")
 
     def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -283,16 +191,12 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """o_proj carries a bias: Llama and Qwen3 tie it to ``attention_bias``; Qwen2 never has one."""
-        return bool(self.attention_bias) and self.architecture != "qwen2"
+        """o_proj carries a bias (the family says: Llama and Qwen3 tie it to ``attention_bias``; Qwen2 never)."""
+        return self.family.o_proj_bias(self)
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether decoder layer ``i`` holds experts: HF's rule — not in ``mlp_only_layers``, experts configured,
-        and ``(i + 1) % decoder_sparse_step == 0``."""
-        if self.is_mla:  # deepseek_v3: dense first layers, experts after
-            return self.num_experts > 0 and i >= self.first_k_dense_replace
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        """Whether decoder layer ``i`` holds experts (the family's rule)."""
+        return self.family.is_moe_layer(self, i)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -318,18 +222,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed HF ``config.json``.
+        """Build from a parsed HF ``config.json``: the common keys here, the rest by the ``model_type``'s family
+        (into its ``config_class`` where it has one).
 
         Raises:
-            ValueError: unknown ``model_type``, a missing required key, or a feature we do not
-                implement (sliding window, non-SiLU activation, MLP bias, partial rotary,
-                RoPE scaling other than llama3).
+            ValueError: unknown ``model_type``, a missing required key, or a feature the family does not
+                implement (its message names the key).
         """
         arch = d.get("model_type")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model_type {arch!r} in config.json; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        try:
+            fam = get_family(arch if isinstance(arch, str) else "")
+        except ValueError:
+            raise ValueError(f"unsupported model_type {arch!r} in config.json; supported: {family_names()}") from None
         required = (
             "vocab_size",
             "hidden_size",
@@ -340,15 +244,7 @@ class ModelConfig:
         missing = [k for k in required if d.get(k) is None]
         if missing:
             raise ValueError(f"config.json ({arch}) lacks required key(s) {missing}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"only hidden_act='silu' (SwiGLU) is supported, got {d['hidden_act']!r}")
-        if d.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{arch} with use_sliding_window=True is not supported (full attention only)")
-
-        theta, scaling = _rope_from_hf(d)
-        return cls(
+        common = dict(
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -358,22 +254,19 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads"),
             head_dim=d.get("head_dim"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", _HF_MAX_POS_DEFAULT[arch]),
+            max_position_embeddings=d.get("max_position_embeddings", fam.max_position_default),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            attention_bias=bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
-            **(_deepseek_from_hf(d) if arch in MLA_ARCHITECTURES else
-               _moe_from_hf(d) if arch in MOE_ARCHITECTURES else {}),
         )
+        return (fam.config_class or cls)(**{**common, **fam.from_hf(d)})
 
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
-        """The HF ``config.json`` dict (``architectures``, ``model_type``, both RoPE layouts).
+        """The HF ``config.json`` dict (``architectures``, ``model_type``, both RoPE layouts), the family's keys
+        added by it.
 
         Args:
             torch_dtype: dtype name of the saved weights (``"float32"``, ``"bfloat16"``, ...).
@@ -381,8 +274,9 @@ class ModelConfig:
         rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        fam = self.family
         d: dict[str, Any] = {
-            "architectures": [SUPPORTED_ARCHITECTURES[self.architecture]],
+            "architectures": [fam.hf_class],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -407,75 +301,13 @@ class ModelConfig:
             "torch_dtype": torch_dtype,
             "dtype": torch_dtype,
         }
-        if self.architecture == "qwen2":
-            d["use_sliding_window"] = False  # q/k/v bias is implied by the class, no key for it
-        else:
-            d["attention_bias"] = bool(self.attention_bias)
-        if self.architecture in QK_NORM_ARCHITECTURES:
-            d["use_sliding_window"] = False
-        if self.is_mla:
-            d.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                     moe_intermediate_size=self.moe_intermediate_size, n_shared_experts=self.n_shared_experts,
-                     first_k_dense_replace=self.first_k_dense_replace, n_group=self.n_group,
-                     topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
-                     norm_topk_prob=self.norm_topk_prob, topk_method="noaux_tc", scoring_func="sigmoid",
-                     q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                     v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave,
-                     attention_bias=bool(self.attention_bias))
-            d.pop("use_sliding_window", None)
-        elif self.architecture in MOE_ARCHITECTURES:
-            d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
-                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
-                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
-                     mlp_only_layers=list(self.mlp_only_layers), router_aux_loss_coef=self.router_aux_loss_coef,
-                     output_router_logits=False)
-        if self.architecture == "llama":
-            d["mlp_bias"] = False
+        fam.to_hf(self, d)
         return d
 
 
-def _moe_from_hf(d: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts keys of a qwen3_moe ``config.json`` (``num_experts`` or transformers 5's
-    ``num_local_experts``; the class defaults for keys it omits)."""
-    experts = d.get("num_experts", d.get("num_local_experts"))
-    if d.get("num_experts") is not None and d.get("num_local_experts") is not None \
-            and d["num_experts"] != d["num_local_experts"]:
-        raise ValueError(f"config.json says num_experts={d['num_experts']} but num_local_experts="
-                         f"{d['num_local_experts']}")
-    get = {k: d.get(k) if d.get(k) is not None else v for k, v in _QWEN3_MOE_DEFAULTS.items()}
-    return dict(num_experts=experts if experts is not None else get["num_experts"],
-                num_experts_per_tok=get["num_experts_per_tok"], moe_intermediate_size=get["moe_intermediate_size"],
-                norm_topk_prob=bool(get["norm_topk_prob"]), decoder_sparse_step=get["decoder_sparse_step"],
-                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                router_aux_loss_coef=float(get["router_aux_loss_coef"]))
-
-
-def _deepseek_from_hf(d: dict[str, Any]) -> dict[str, Any]:
-    """The MLA and routing keys of a deepseek_v3 ``config.json`` (the class defaults for keys it omits).
-
-    Raises:
-        ValueError: a routing rule fp8rl does not compute (``scoring_func`` other than sigmoid, ``topk_method``
-            other than noaux_tc), named.
-    """
-    if d.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ValueError(f"deepseek_v3 scoring_func {d['scoring_func']!r} is not supported (sigmoid only)")
-    if d.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError(f"deepseek_v3 topk_method {d['topk_method']!r} is not supported (noaux_tc only)")
-    get = {k: d[k] if k in d else v for k, v in _DEEPSEEK_DEFAULTS.items()}
-    experts = d.get("n_routed_experts", d.get("num_local_experts", get["n_routed_experts"]))
-    return dict(num_experts=experts or 0, num_experts_per_tok=get["num_experts_per_tok"],
-                moe_intermediate_size=get["moe_intermediate_size"], n_shared_experts=get["n_shared_experts"] or 0,
-                first_k_dense_replace=get["first_k_dense_replace"], n_group=get["n_group"] or 1,
-                topk_group=get["topk_group"] or 1, routed_scaling_factor=float(get["routed_scaling_factor"]),
-                norm_topk_prob=bool(get["norm_topk_prob"]), q_lora_rank=get["q_lora_rank"],
-                kv_lora_rank=get["kv_lora_rank"], qk_nope_head_dim=get["qk_nope_head_dim"],
-                qk_rope_head_dim=get["qk_rope_head_dim"], v_head_dim=get["v_head_dim"],
-                rope_interleave=bool(get["rope_interleave"]))
-
-
-def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the transformers-5 or the transformers-4 layout."""
+def rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a ``config.json`` with one RoPE for every layer, from either the
+    transformers-5 (``rope_parameters``) or the transformers-4 layout (``rope_theta`` + ``rope_scaling``)."""
     params = d.get("rope_parameters") or None
     if params is not None and not any(k in params for k in ("rope_type", "type", "rope_theta")):
         raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported")

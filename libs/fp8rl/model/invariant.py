@@ -117,6 +117,8 @@ class KeyLayout:
             ``j <= (L + i) - offset[b]`` (causal, counted from the row's first key).
         inv: the tile and chunk sizes.
         offset: ``(B,)`` each row's first unmasked slot.
+        qpos: ``(B, T)`` each query's canonical index (its slot less the row's offset): what a narrower rule of
+            visibility (a sliding window) measures key distances from.
     """
 
     index: torch.Tensor
@@ -125,6 +127,7 @@ class KeyLayout:
     inv: BatchInvariance
     offset: torch.Tensor
     shift: int | None = None
+    qpos: torch.Tensor | None = None
 
     def row_aligned(self) -> KeyLayout:
         """This layout over keys already stored in canonical order (a row-aligned KV cache): a slice, no gather."""
@@ -148,7 +151,7 @@ class KeyLayout:
         qpos = torch.arange(past, past + num_new, device=device)[None, :] - offset[:, None]  # (B, T)
         visible = (j[None, None, :] <= qpos[:, :, None]) & present[:, None, :]  # (B, T, Sc)
         lo, hi = int(offset.min()), int(offset.max())
-        return cls(index, present, visible[:, None], inv, offset, lo if lo == hi else None)
+        return cls(index, present, visible[:, None], inv, offset, lo if lo == hi else None, qpos)
 
 
 def split_kv_attention(
@@ -157,6 +160,7 @@ def split_kv_attention(
     v: torch.Tensor,
     layout: KeyLayout,
     round_probs=None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention, batch-invariant (module docstring); FP32 throughout.
 
@@ -166,6 +170,7 @@ def split_kv_attention(
             FP8).
         layout: :meth:`KeyLayout.build` of this call.
         round_probs: applied to the normalised probabilities before ``P @ V`` (FP8 attention), or None.
+        scale: of the scores ``q·k``; None: ``D ** -0.5``.
 
     Returns:
         ``(B, H, T, Dv)`` FP32. Queries with no visible key get finite garbage (uniform weights).
@@ -193,7 +198,7 @@ def split_kv_attention(
     # chunks of C: one GEMM per kv head, reduction over D, a row's and a key's numbers the same whatever else
     # is in the product (tiled_mm's property, in both dimensions)
     qp = pad_rows(q.float().reshape(G, M, D), R)  # (G, Mp, D)
-    s = torch.bmm(qp, kc.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5)
+    s = torch.bmm(qp, kc.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5 if scale is None else scale)
     s = s.masked_fill(~layout.visible[:, :, None], torch.finfo(torch.float32).min)  # (B, Hkv, rep, T, Sc)
     e = torch.exp(s - s.amax(-1, keepdim=True))  # invisible keys: exactly 0
     # per-chunk sums of C terms, added in chunk order whatever the number of chunks. unbind, not parts[..., c]:

@@ -55,6 +55,8 @@ class MLAttention(nn.Module):
             query's, the latent's and the rotary key's (module docstring).
     """
 
+    takes_prefix = False  # a shared prefix's K/V (fp8rl.model.shared_prefix) is not mapped onto the latent cache
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx

@@ -75,7 +75,7 @@ class RoutingRule:
     @classmethod
     def of(cls, config) -> RoutingRule:
         """The rule of a :class:`~fp8rl.model.ModelConfig`'s mixture-of-experts layers."""
-        return cls(config.num_experts_per_tok, config.norm_topk_prob, "sigmoid" if config.is_mla else "softmax",
+        return cls(config.num_experts_per_tok, config.norm_topk_prob, config.family.router_scoring,
                    config.n_group, config.topk_group, config.routed_scaling_factor)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None, plan: Routing | None = None,

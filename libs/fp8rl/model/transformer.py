@@ -1,4 +1,8 @@
-"""Decoder-only causal LM of the Llama / Qwen2 / Qwen3 / Qwen3-MoE families (one implementation for all).
+"""Decoder-only causal LM: one implementation for every registered family, which says what its layers are made of.
+
+:class:`CausalLM` builds the embedding, each decoder layer, the final norm and the RoPE tables its config's family
+gives (:mod:`fp8rl.model.family`; the shared pre-norm blocks are :class:`Attention`, :class:`MLP` and
+:class:`DecoderLayer` here, :mod:`.mla` and :mod:`.moe`), and never branches on an architecture name.
 
 The rollout engine (incremental decoding with a :class:`~fp8rl.model.kv_cache.KVCache`) and the
 trainer (full sequences) run *this* module, so their numerics are shared by construction.
@@ -42,8 +46,7 @@ from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attenti
 from .kv_cache import KVCache
 from .layers import QKVPoint, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .logprobs import chunked_token_logprobs
-from .mla import MLAttention
-from .moe import ExpertMLP, SparseMoeBlock
+from .moe import ExpertMLP
 from .router import TopKRouter, routers
 from .shared_prefix import SharedPrefix
 
@@ -81,6 +84,13 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_point = QKVPoint()
         self.kv_quant: QKVQuantizer | None = None
+        self.score_scale = self.head_dim**-0.5  # of the scores q·k ("scaling" is an FP8 linear's format)
+
+    def restrict(self, mask: torch.Tensor | None, layout: KeyLayout | None
+                 ) -> tuple[torch.Tensor | None, KeyLayout | None]:
+        """The keys this layer's queries may see, from the forward's causal-and-padding ``mask`` (or ``layout``):
+        all of them here; a subclass narrows them (a sliding window) by masking more, never by dropping keys."""
+        return mask, layout
 
     def forward(
         self,
@@ -134,15 +144,17 @@ class Attention(nn.Module):
         if prefix is not None:
             k_att, v_att = prefix.attend(self.layer_idx, k_att, v_att)
 
+        mask, layout = self.restrict(mask, layout)
         if layout is not None:
-            out = split_kv_attention(q, k_att, v_att, layout, quant.round_probs if quant is not None else None)
+            out = split_kv_attention(q, k_att, v_att, layout, quant.round_probs if quant is not None else None,
+                                     scale=self.score_scale)
             return self.o_proj(out.to(dtype).transpose(1, 2).reshape(B, T, H * D))
         rep = H // Hkv  # GQA: query head h reads kv head h // rep
         S = k_att.shape[2]
         # One plain batched GEMM per kv head: its rep query heads stacked along the rows.
         qg = q.float().reshape(B * Hkv, rep * T, D)  # (B*Hkv, rep*T, D)
         kg = k_att.float().reshape(B * Hkv, S, D)  # (B*Hkv, S, D)
-        scores = torch.bmm(qg, kg.transpose(1, 2)).view(B, Hkv, rep, T, S) * (D**-0.5)  # (B, Hkv, rep, T, S)
+        scores = torch.bmm(qg, kg.transpose(1, 2)).view(B, Hkv, rep, T, S) * self.score_scale  # (B, Hkv, rep, T, S)
         p = F.softmax(scores + mask.unsqueeze(1), dim=-1)
         if quant is not None:
             p = quant.round_probs(p)
@@ -164,14 +176,17 @@ class MLP(ExpertMLP):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``, of the attention and MLP its family chose
+    (:class:`Attention` or latent attention; a dense :class:`MLP` or experts)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    rope_key = "default"  # the RoPE table its attention rotates by (Family.rope_inv_freqs)
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer_idx) if config.is_mla else Attention(config, layer_idx)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -189,17 +204,19 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The ``model.`` prefix of HF checkpoints: ``embed_tokens``, ``layers``, ``norm``."""
+    """The ``model.`` prefix of HF checkpoints: ``embed_tokens``, ``layers``, ``norm``, as the config's family builds
+    them."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        family = config.family
+        self.embed_tokens = family.build_embedding(config)
+        self.layers = nn.ModuleList(family.build_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = family.build_final_norm(config)
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM with HF parameter names.
+    """A causal LM of any registered family (:mod:`fp8rl.model.family`), with HF parameter names.
 
     Args:
         config: the architecture; weights are initialised N(0, ``initializer_range``) (biases 0,
@@ -213,9 +230,10 @@ class CausalLM(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        # Kept out of the state dict (HF names) and out of module.to(dtype): BF16 angles would be wrong.
-        self._inv_freq = rope_inv_freq(config)
-        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        # Kept out of the state dict (HF names) and out of module.to(dtype): BF16 angles would be wrong. One table
+        # per RoPE kind the family uses (a layer's rope_key).
+        self._inv_freqs = config.family.rope_inv_freqs(config)
+        self._inv_freq_by_device: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.batch_invariance: BatchInvariance | None = None
         # recompute each layer in the backward instead of keeping its activations (set_activation_checkpointing)
         self.activation_checkpointing = False
@@ -241,6 +259,11 @@ class CausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def takes_shared_prefix(self) -> bool:
+        """Whether every layer's attention can record and attend a :class:`SharedPrefix` (latent attention cannot)."""
+        return all(getattr(layer.self_attn, "takes_prefix", True) for layer in self.model.layers)
 
     @property
     def num_moe_layers(self) -> int:
@@ -320,10 +343,10 @@ class CausalLM(nn.Module):
     # forward
     # -----------------------------------------------------------------------------------------
 
-    def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
-        inv = self._inv_freq_by_device.get(device)
+    def _rope_inv_freq(self, key: str, device: torch.device) -> torch.Tensor:
+        inv = self._inv_freq_by_device.get((key, device))
         if inv is None:
-            inv = self._inv_freq_by_device[device] = self._inv_freq.to(device)
+            inv = self._inv_freq_by_device[key, device] = self._inv_freqs[key].to(device)
         return inv
 
     def forward(
@@ -383,8 +406,8 @@ class CausalLM(nn.Module):
         if prefix is not None:
             if kv_cache is not None:
                 raise ValueError("a forward takes a kv_cache or a shared prefix, not both")
-            if self.config.is_mla:
-                raise ValueError("multi-head latent attention takes no shared prefix")
+            if not self.takes_shared_prefix:
+                raise ValueError(f"{self.config.architecture}'s attention takes no shared prefix")
             if prefix.recording and B != 1:
                 raise ValueError(f"a shared prefix runs as one row, got {B}")
             L = 0 if prefix.recording else prefix.length
@@ -424,11 +447,13 @@ class CausalLM(nn.Module):
             mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = rope_cos_sin(self._rope_inv_freq(device), position_ids, x.dtype)  # (B, T, D)
+        rope = {key: rope_cos_sin(self._rope_inv_freq(key, device), position_ids, x.dtype)  # (B, T, D) each
+                for key in self._inv_freqs}
         # a prefix being recorded runs once (a recomputation would record it again); the suffixes' forward may
         recompute = (self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
                      and not (prefix is not None and prefix.recording))
         for layer in self.model.layers:
+            cos, sin = rope[layer.rope_key]
             if recompute:  # only the layer's input is kept; its forward runs again in the backward
                 x = checkpoint(layer, x, cos, sin, mask, None, layout, prefix, use_reentrant=False)
             else:

@@ -474,6 +474,9 @@ class LatentNorm:
 
 
 def _check_supported(config: ModelConfig) -> None:
+    why = config.family.refusal("megatron")
+    if why:
+        raise ValueError(f"{config.architecture} on policy.training.backend: megatron: {why}")
     if config.is_mla:
         if not config.rope_interleave:
             raise ValueError(f"{config.architecture} with rope_interleave=false: Megatron-Core's multi-latent "

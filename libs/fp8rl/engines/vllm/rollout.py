@@ -108,10 +108,9 @@ class VllmRolloutEngine(RolloutEngine):
         self.recipe = recipe
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_hf_dict(json.loads((self.model_dir / "config.json").read_text()))
-        if self.config.is_mla:
-            raise ValueError(f"policy.generation.backend: 'vllm' with {self.config.architecture}: fp8rl's refit into "
-                             "vLLM's DeepSeek model (its MLA weight layout and FP8 latent cache) is not mapped yet; "
-                             "use policy.generation.backend: torch")
+        why = self.config.family.refusal("vllm")
+        if why:
+            raise ValueError(f"policy.generation.backend: 'vllm' with {self.config.architecture}: {why}")
         self.max_len = self.config.max_position_embeddings
         self.eos_token_ids = tuple(eos_token_ids)
         on_cpu = current_platform.is_cpu()
