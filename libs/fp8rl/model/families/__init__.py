@@ -10,4 +10,5 @@ MODULES = (
     "qwen3",
     "qwen3_moe",
     "deepseek_v3",
+    "gemma3_text",
 )
