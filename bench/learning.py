@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 
+from fp8rl.fp8 import SCALINGS
 from fp8rl.loop import GRPOLoop, LoopConfig, run
 from fp8rl.presets import prepare_preset
 from fp8rl.rl.metrics import expected_reward_gain
@@ -43,13 +44,13 @@ def _spec(spec: str) -> dict:
             out["batch_invariant"] = True
         elif p == "replay":
             out["router_replay"] = True
-        elif p in ("blockwise", "mxfp8", "tensorwise"):
+        elif p in SCALINGS:
             out["fp8_recipe"] = p
         elif p == "lora":
             out.update(lora=True, lora_rank=16, lora_alpha=32.0, lr=1e-3)
         else:
             raise SystemExit(f"run spec {spec!r}: unknown part {p!r} (RECIPE[:auto|fp8][:invariant][:replay]"
-                             "[:blockwise|mxfp8|tensorwise][:lora])")
+                             f"[:{'|'.join(SCALINGS)}][:lora])")
     return out
 
 

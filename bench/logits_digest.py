@@ -22,30 +22,32 @@ from fp8rl.engines.batch import build_train_batch
 from fp8rl.engines.calibrator import QKVCalibrator
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
-from fp8rl.fp8 import recipe_for_role
+from fp8rl.fp8 import DEFAULT_SCALING, SCALINGS, recipe_for_role
 from fp8rl.model import CausalLM, ModelConfig
+from fp8rl.model.family import get_family
 
 _COMMON = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-5)
-FAMILIES = {
-    "llama": dict(architecture="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 16}),
-    "qwen2": dict(architecture="qwen2", tie_word_embeddings=True),
-    "qwen3": dict(architecture="qwen3", head_dim=64),
-    "qwen3_moe": dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                      norm_topk_prob=True),
-    "deepseek_v3": dict(architecture="deepseek_v3", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=64,
-                        kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
-                        rope_interleave=True, routed_scaling_factor=2.5),
-}
-RECIPES = [("bf16", "blockwise"), ("fp8_e2e", "blockwise"), ("fp8_e2e", "mxfp8"), ("fp8_e2e", "tensorwise")]
+FAMILIES = [  # one small config per family (its architecture names it)
+    dict(architecture="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    dict(architecture="qwen2", tie_word_embeddings=True),
+    dict(architecture="qwen3", head_dim=64),
+    dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+         norm_topk_prob=True),
+    dict(architecture="deepseek_v3", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=64, kv_lora_rank=32,
+         qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_interleave=True, routed_scaling_factor=2.5),
+    dict(architecture="gemma3_text", head_dim=32, sliding_window=7, query_pre_attn_scalar=24,
+         layer_types=("sliding_attention", "full_attention"), rope_linear_factor=2.0),
+]
+RECIPES = [("bf16", DEFAULT_SCALING)] + [("fp8_e2e", s) for s in SCALINGS]
 
 
-def digest(family: str, recipe: str, scaling: str, kv: str) -> str:
+def digest(family: dict, recipe: str, scaling: str, kv: str) -> str:
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig(**_COMMON, **FAMILIES[family]))
+    config_class = get_family(family["architecture"]).config_class or ModelConfig
+    model = CausalLM(config_class(**_COMMON, **family))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 150, (n,), generator=g).tolist() for n in (3, 17, 9, 40)]
     h = hashlib.sha256()
@@ -74,14 +76,16 @@ def digest(family: str, recipe: str, scaling: str, kv: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--families", nargs="*", default=[f["architecture"] for f in FAMILIES])
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    for fam in args.families:
+    for fam in FAMILIES:
+        if fam["architecture"] not in args.families:
+            continue
         for recipe, scaling in RECIPES:
             for kv in ("auto", "fp8"):
-                print(f"{fam:12s} {recipe:8s} {scaling:10s} kv={kv:5s} {digest(fam, recipe, scaling, kv)}",
-                      flush=True)
+                print(f"{fam['architecture']:12s} {recipe:8s} {scaling:10s} kv={kv:5s} "
+                      f"{digest(fam, recipe, scaling, kv)}", flush=True)
     return 0
 
 

@@ -32,7 +32,7 @@ import torch
 
 from fp8rl.engines.base import TrainBatch
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
-from fp8rl.fp8 import SCALINGS, fp8_linear_names, linear_format, recipe_for_role
+from fp8rl.fp8 import DEFAULT_SCALING, SCALINGS, fp8_linear_names, linear_format, recipe_for_role
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory.__main__ import prompts_for
 from fp8rl.observatory.measure import ObservatoryConfig, Probe
@@ -120,12 +120,13 @@ def bench_model(name: str, args) -> list[dict]:
               f"refit {row['refit_bytes'] / 1e6:.3f} MB (scales {row['scale_bytes'] / 1e3:.1f} kB); train step "
               f"{row['step_s']:.3f} s", flush=True)
         out.append(row)
-    base = next((r for r in out if r["variant"] == "blockwise"), None)
+    base = next((r for r in out if r["variant"] == DEFAULT_SCALING), None)
     for r in out:
         print(f"ratio train_step_seconds/{name}_{r['variant']}_vs_bf16 {r['step_vs_bf16']:.4f}")
         print(f"ratio quantize_seconds/{name}_{r['variant']}_vs_copy {r['quant_vs_copy']:.4f}")
         if base is not None and r is not base:
-            print(f"ratio refit_bytes/{name}_{r['variant']}_vs_blockwise {r['refit_bytes'] / base['refit_bytes']:.4f}")
+            print(f"ratio refit_bytes/{name}_{r['variant']}_vs_{DEFAULT_SCALING} "
+                  f"{r['refit_bytes'] / base['refit_bytes']:.4f}")
             print(f"ratio scale_bytes/{name}_{r['variant']}_vs_blockwise {r['scale_bytes'] / base['scale_bytes']:.4f}")
     return out
 

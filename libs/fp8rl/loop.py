@@ -51,7 +51,7 @@ from fp8rl.engines import (
 )
 from fp8rl.envs import ChatRenderer, make_env
 from fp8rl.envs.trajectory import TURN_SEED_STRIDE, run_trajectories, trajectories_markdown
-from fp8rl.fp8 import RECIPES, QKVScales
+from fp8rl.fp8 import DEFAULT_SCALING, RECIPES, QKVScales
 from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
@@ -149,7 +149,7 @@ class LoopConfig:
     def recipe_label(self) -> str:
         """The recipe, with its FP8 scaling where that is not the default (``fp8_e2e/mxfp8``)."""
         scaling = self.job.fp8_scaling
-        return self.recipe if scaling == "blockwise" or self.recipe == "bf16" else f"{self.recipe}/{scaling}"
+        return self.recipe if scaling == DEFAULT_SCALING or self.recipe == "bf16" else f"{self.recipe}/{scaling}"
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from fp8rl import limits
+from fp8rl.fp8.formats import linear_format
 
 from .fields import ConfigError, Section, from_mapping, section, to_dict, walk
 from .schema import (
@@ -182,20 +183,19 @@ class JobConfig(Section):
     def _check_fp8_scaling(self) -> None:
         """``fp8_recipe`` variants the chosen engines cannot run are refused here, naming the key and why."""
         scaling, key = self.fp8_scaling, "policy.training.megatron_cfg.fp8_cfg.fp8_recipe"
-        if scaling == "blockwise" or self.recipe == "bf16":
+        if self.recipe == "bf16":
             return
-        if self.policy.generation.backend == "vllm":
-            raise ConfigError(f"{key}={scaling} needs policy.generation.backend=torch: fp8rl's vLLM rollout loads "
-                              "block-scaled FP8 checkpoints only (E4M3 weights with 128x128 FP32 weight_scale_inv, "
-                              "vLLM's weight_block_size); the embedded torch rollout runs every variant")
+        fmt = linear_format(scaling)
+        why = fmt.refusal(self.policy.generation.backend)
+        if why:
+            raise ConfigError(f"{key}={scaling} needs policy.generation.backend=torch: {why}; the embedded torch "
+                              "rollout runs every variant")
         t = self.policy.training
-        if (scaling == "tensorwise" and self.recipe == "fp8_e2e" and t.backend == "megatron"
-                and t.megatron_cfg.tensor_model_parallel_size > 1):
-            raise ConfigError(f"{key}=tensorwise with policy.training.megatron_cfg.tensor_model_parallel_size="
-                              f"{t.megatron_cfg.tensor_model_parallel_size}: each rank holds a slice of every weight "
-                              "and of its activations, and one tensor-wide scale would need an amax all-reduce over "
-                              "the tensor-parallel group that the local spec does not run; use blockwise or mxfp8 "
-                              "(whole blocks per slice), or tensor_model_parallel_size=1")
+        tp = t.megatron_cfg.tensor_model_parallel_size if t.backend == "megatron" else 1
+        why = fmt.refusal(t.backend, tensor_parallel=tp) if self.recipe == "fp8_e2e" else None
+        if why:
+            raise ConfigError(f"{key}={scaling} with policy.training.megatron_cfg.tensor_model_parallel_size={tp}: "
+                              f"{why}")
 
     def _check_model_parallel(self) -> None:
         t = self.policy.training

@@ -8,6 +8,7 @@ and docstring (the text of ``docs/CONFIG.md``).
 from dataclasses import dataclass
 
 from fp8rl import limits
+from fp8rl.fp8.formats import DEFAULT_SCALING, SCALINGS, linear_format
 
 from .fields import ConfigError, Section, section, setting
 
@@ -68,18 +69,19 @@ class GenerationConfig(Section):
             object.__setattr__(self, "temperature", 0.0)
 
 
+# the registered formats (fp8rl.fp8.formats), each with its summary, and the ones vLLM loads
+_FP8_RECIPE_HELP = (
+    "FP8 scaling of every FP8 linear, rollout and trainer alike (one key for both engines: they quantize the same "
+    "master weights the same way): " + "; ".join(f"{n} ({linear_format(n).summary})" for n in SCALINGS)
+    + f". vLLM runs {' and '.join(n for n in SCALINGS if linear_format(n).refusal('vllm') is None)} only.")
+
+
 @dataclass(frozen=True)
 class Fp8Cfg(Section):
     KEY = "policy.training.megatron_cfg.fp8_cfg"
     enabled: bool = setting(True, "FP8 training linears (with precision fp8: the fp8_e2e recipe).")
     fp8: str = setting("e4m3", "FP8 format of weights, activations and gradients.", choices=("e4m3",))
-    fp8_recipe: str = setting("blockwise", "FP8 scaling of every FP8 linear, rollout and trainer alike (one key "
-                              "for both engines: they quantize the same master weights the same way): blockwise "
-                              "(weights 128x128, activations and gradients 1x128, FP32 scales); mxfp8 (OCP "
-                              "microscaling: 1x32 blocks along each GEMM's reduction dimension, E8M0 power-of-two "
-                              "scales); tensorwise (current scaling: one FP32 scale per tensor per GEMM operand, "
-                              "per token for forward activations under batch invariance). vLLM runs blockwise only.",
-                              choices=("blockwise", "mxfp8", "tensorwise"))
+    fp8_recipe: str = setting(DEFAULT_SCALING, _FP8_RECIPE_HELP, choices=SCALINGS)
 
 
 @dataclass(frozen=True)

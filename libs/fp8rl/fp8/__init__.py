@@ -11,7 +11,7 @@ package, so the rollout engines and the trainer round the same way.
 
 from .backend import fp8_gemm_supported, select_backend
 from .convert import convert_model, fp8_linear_names, quantize_state_dict, transformer_layers
-from .formats import SCALINGS, LinearFormat, linear_format
+from .formats import DEFAULT_SCALING, SCALINGS, LinearFormat, format_names, linear_format
 from .kv import QKVQuantizer, QKVScales, calibrated_scale, scales_from_amax_history
 from .linear import Fp8InferenceLinear, Fp8Linear, WeightCache, fp8_gemm, fp8_linear
 from .mxfp8 import MX_BLOCK, dequantize_mxfp8, quantize_mxfp8
@@ -50,7 +50,7 @@ __all__ = [
     "quantize_per_token_group", "dequantize_per_token_group",
     "quantize_per_tensor", "dequantize_per_tensor",
     "MX_BLOCK", "quantize_mxfp8", "dequantize_mxfp8", "quantize_tensorwise", "dequantize_tensorwise",
-    "SCALINGS", "LinearFormat", "linear_format",
+    "DEFAULT_SCALING", "SCALINGS", "LinearFormat", "format_names", "linear_format",
     "fp8_gemm", "fp8_linear", "Fp8Linear", "Fp8InferenceLinear", "WeightCache",
     "convert_model", "fp8_linear_names", "quantize_state_dict", "transformer_layers",
     "QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history",

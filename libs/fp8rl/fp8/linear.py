@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import select_backend
-from .formats import LinearFormat, linear_format
+from .formats import DEFAULT_SCALING, LinearFormat, linear_format
 from .quant import (
     BLOCK,
     E4M3,
@@ -121,13 +121,13 @@ def _gemm_scaled_mm(x_q, x_scale, w_q, w_scale, out_dtype):  # pragma: no cover 
     return out[:t, :n].to(out_dtype)
 
 
-_BLOCKWISE = linear_format("blockwise")
+_DEFAULT = linear_format(DEFAULT_SCALING)
 
 
 def _reads_dequantized(fmt: LinearFormat, device: torch.device) -> bool:
     """Whether a GEMM under ``fmt`` on ``device`` multiplies the FP32 dequantization (every format but blockwise on a
     fast-path device)."""
-    return fmt is not _BLOCKWISE or select_backend(device) == "reference"
+    return not fmt.has_fast_gemm or select_backend(device) == "reference"
 
 
 class WeightCache:
@@ -138,7 +138,7 @@ class WeightCache:
     def __init__(self) -> None:
         self._ref, self._key = None, None
         self.q = self.scale = self.dequantized = None
-        self.fmt: LinearFormat = _BLOCKWISE
+        self.fmt: LinearFormat = _DEFAULT
         self.hits = self.misses = 0
         self.frozen = False  # holds a frozen weight's only form (Fp8Linear.freeze): never quantized again
 
@@ -154,7 +154,7 @@ class WeightCache:
         """``(w_q, w_scale)`` of ``weight`` in ``fmt``'s forward form (default blockwise) now, quantized only when
         it changed. Releases any FP32 dequantization held (:meth:`dequantize_held`): the trainer's passes
         dequantize per call, so it holds 1 byte per weight element, not 5."""
-        fmt = fmt or _BLOCKWISE
+        fmt = fmt or _DEFAULT
         if self.frozen:
             if fmt.name != self.fmt.name:
                 raise ValueError(f"a frozen {self.fmt.name} FP8 weight cannot be used as {fmt.name}")
@@ -194,7 +194,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, pow2_w, pow2_a, cache=None, row_tile=None, fmt=None):
-        fmt = fmt or _BLOCKWISE
+        fmt = fmt or _DEFAULT
         if cache is not None:
             w_q, w_s = cache.get(weight, pow2_w, fmt)
         else:
@@ -210,8 +210,8 @@ class _Fp8LinearFn(torch.autograd.Function):
             out = out + bias.float()
         # wgrad reduces over tokens: keep x only in its E4M3 form along T (blockwise: 1x128, token-major)
         saved_x = fmt.save_act(x2d, pow2_a)
-        # mxfp8's dgrad quantizes the weight along N from the high-precision weight (a reference, no copy)
-        ctx.save_for_backward(*saved_x, w_q, w_s, weight if fmt.name == "mxfp8" else None)
+        # a format whose dgrad quantizes the weight along N from the high-precision weight keeps it (a reference)
+        ctx.save_for_backward(*saved_x, w_q, w_s, weight if fmt.dgrad_from_master else None)
         ctx.n_saved_x = len(saved_x)
         ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
         ctx.has_bias = bias is not None
@@ -314,10 +314,6 @@ class Fp8Linear(nn.Linear):
             weight_cache=self.weight_cache, row_tile=self.row_tile, scaling=self.scaling,
         )
 
-    # formats whose dgrad multiplies the forward form's transpose (128x128 blocks; one scale): a frozen weight needs
-    # nothing else. mxfp8's dgrad quantizes the weight along N from the master, which a frozen mxfp8 layer keeps.
-    FREEZES_TO_FP8 = ("blockwise", "tensorwise")
-
     @property
     def frozen_fp8(self) -> bool:
         """Whether this layer holds its weight only in FP8 (:meth:`freeze`)."""
@@ -338,9 +334,9 @@ class Fp8Linear(nn.Linear):
             return True
         if self.weight.requires_grad:
             raise ValueError("freeze: the weight still trains (requires_grad); freeze only a frozen base")
-        if self.scaling not in self.FREEZES_TO_FP8:
-            return False
         fmt = linear_format(self.scaling)
+        if not fmt.freezes_to_fp8:  # its dgrad quantizes the weight along N from the master: kept
+            return False
         q, s = fmt.quantize_weight(self.weight.detach(), pow2=self.pow2_weight_scale)
         del self.weight
         self.register_buffer("weight", q)
@@ -455,7 +451,7 @@ class Fp8InferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        if self.fmt is _BLOCKWISE:
+        if self.fmt.has_fast_gemm:
             x_q, x_s = quantize_per_token_group(x2d, pow2_scale=self.pow2_activation_scale)
             out = fp8_gemm(x_q, x_s, self.weight, self.weight_scale, torch.float32, w_dequantized=self._w_dequant,
                            row_tile=self.row_tile)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .formats import SCALINGS
+from .formats import DEFAULT_SCALING, SCALINGS, LinearFormat, linear_format
 
 __all__ = ["Fp8Recipe", "RECIPES", "recipe_for_role"]
 
@@ -39,9 +39,8 @@ class Fp8Recipe:
 
     Attributes:
         linear: ``"fp8"`` quantizes the transformer layers' linear projections; ``"bf16"`` leaves them alone.
-        scaling: how FP8 linears scale their operands (:mod:`fp8rl.fp8.formats`): ``"blockwise"`` (weights
-            128×128 blocks, activations and gradients 1×128 groups, FP32 scales), ``"mxfp8"`` (1×32 blocks along
-            each GEMM's reduction dimension, E8M0 scales) or ``"tensorwise"`` (one FP32 scale per operand).
+        scaling: how FP8 linears scale their operands: a registered format's name (:mod:`fp8rl.fp8.formats`;
+            :attr:`format` is the format itself).
         num_first_layers_in_bf16: keep this many leading transformer layers in high precision.
         num_last_layers_in_bf16: keep this many trailing transformer layers in high precision.
         pow2_weight_scaling_factors: round weight block scales up to powers of two.
@@ -54,7 +53,7 @@ class Fp8Recipe:
     """
 
     linear: Literal["bf16", "fp8"] = "fp8"
-    scaling: Literal["blockwise", "mxfp8", "tensorwise"] = "blockwise"
+    scaling: str = DEFAULT_SCALING
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     pow2_weight_scaling_factors: bool = False
@@ -62,6 +61,11 @@ class Fp8Recipe:
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     fp8_attention: bool = True
     batch_invariant: bool = False
+
+    @property
+    def format(self) -> LinearFormat:
+        """The FP8 format of :attr:`scaling` (:func:`~fp8rl.fp8.formats.linear_format`)."""
+        return linear_format(self.scaling)
 
     def __post_init__(self) -> None:
         if self.linear not in ("bf16", "fp8"):
@@ -100,7 +104,7 @@ def recipe_for_role(
     pow2_activation_scaling_factors: bool = False,
     fp8_attention: bool = True,
     batch_invariant: bool = False,
-    scaling: str = "blockwise",
+    scaling: str = DEFAULT_SCALING,
 ) -> Fp8Recipe:
     """The :class:`Fp8Recipe` one role runs under a job-level ``recipe`` (see the module table)."""
     if recipe not in RECIPES:
@@ -110,7 +114,7 @@ def recipe_for_role(
     fp8_lin = recipe == "fp8_e2e" or (recipe == "fp8_gen_only" and role == "rollout")
     return Fp8Recipe(
         linear="fp8" if fp8_lin else "bf16",
-        scaling=scaling,  # type: ignore[arg-type]
+        scaling=scaling,
         num_first_layers_in_bf16=num_first_layers_in_bf16,
         num_last_layers_in_bf16=num_last_layers_in_bf16,
         pow2_weight_scaling_factors=pow2_weight_scaling_factors,

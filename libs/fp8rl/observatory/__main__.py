@@ -19,7 +19,7 @@ import torch
 
 from fp8rl.data import ArithDataset
 from fp8rl.data.jsonl import load_jsonl
-from fp8rl.fp8 import RECIPES, SCALINGS
+from fp8rl.fp8 import DEFAULT_SCALING, RECIPES, SCALINGS
 from fp8rl.model.tokenizer import chat_template_of, render_chat_prompt, stop_token_ids
 from fp8rl.presets import load_policy
 
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="tiny-arith", help="preset name or local HF checkpoint directory")
     ap.add_argument("--recipe", choices=RECIPES, default="fp8_e2e")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="fp8")
-    ap.add_argument("--fp8-recipe", choices=SCALINGS, default="blockwise",
+    ap.add_argument("--fp8-recipe", choices=SCALINGS, default=DEFAULT_SCALING,
                     help="FP8 linears' scaling in both engines (the job key policy.training.megatron_cfg.fp8_cfg."
                          "fp8_recipe)")
     ap.add_argument("--no-fp8-attention", action="store_true", help="FP8 KV cache without E4M3 Q and probabilities")

@@ -23,6 +23,7 @@ from fp8rl.engines.logprob_pass import sequence_logprobs
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
 from fp8rl.fp8 import (
+    DEFAULT_SCALING,
     RECIPES,
     SCALINGS,
     Fp8Recipe,
@@ -68,7 +69,7 @@ class ObservatoryConfig:
 
     recipe: str = "fp8_e2e"
     kv_cache_dtype: str = "fp8"
-    fp8_recipe: str = "blockwise"
+    fp8_recipe: str = DEFAULT_SCALING
     fp8_attention: bool = True
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
@@ -108,9 +109,6 @@ class ObservatoryConfig:
             num_first_layers_in_bf16=self.num_first_layers_in_bf16 if first is None else first,
             num_last_layers_in_bf16=self.num_last_layers_in_bf16 if last is None else last,
             batch_invariant=self.batch_invariant, scaling=self.fp8_recipe)
-
-
-_LINEAR_FORMS = {"blockwise": "w 128x128, act 1x128", "mxfp8": "mxfp8: 1x32 E8M0", "tensorwise": "per-tensor"}
 
 
 class _QKVOnly(QKVQuantizer):
@@ -246,7 +244,7 @@ class Probe:
         rr, mask = engine.recipe, batch.loss_mask
         ref_lp = self.logprobs(ref, batch)
         hp = "high-precision full forward"
-        rows = [compare("linear", rr.fp8_linears, f"FP8 linears ({_LINEAR_FORMS[rr.scaling]}) vs {hp}",
+        rows = [compare("linear", rr.fp8_linears, f"FP8 linears ({rr.format.label}) vs {hp}",
                         self.logprobs(lin, batch), ref_lp, mask)]
         self.say("  source linear done")
         kv = replace(self.reference_recipe(), kv_cache_dtype=rr.kv_cache_dtype, fp8_attention=rr.fp8_attention)

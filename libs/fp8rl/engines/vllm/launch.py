@@ -35,7 +35,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp8rl.fp8 import BLOCK, Fp8LinearSpec, Fp8Recipe, PayloadSpec, TensorSpec, fp8_linear_names, quantize_state_dict
+from fp8rl.fp8 import (
+    BLOCK,
+    DEFAULT_SCALING,
+    Fp8LinearSpec,
+    Fp8Recipe,
+    PayloadSpec,
+    TensorSpec,
+    fp8_linear_names,
+    quantize_state_dict,
+)
 from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.model.hf_io import load_hf_checkpoint
 
@@ -81,10 +90,10 @@ def fp8_support_problem(recipe: Fp8Recipe) -> str | None:
     if recipe.pow2_activation_scaling_factors:
         return ("pow2_activation_scaling_factors: vLLM computes activation scales in its kernels and "
                 f"{VLLM_TARGET_VERSION} has no per-model power-of-two switch; set it to false for backend 'vllm'")
-    if recipe.fp8_linears and recipe.scaling != "blockwise":
-        return (f"fp8_recipe: {recipe.scaling}: fp8rl's vLLM rollout loads block-scaled FP8 checkpoints only "
-                "(E4M3 weights with 128x128 FP32 weight_scale_inv, vLLM's weight_block_size); use "
-                "policy.generation.backend torch, which runs every variant, or fp8_recipe blockwise")
+    why = recipe.format.refusal("vllm") if recipe.fp8_linears else None
+    if why:
+        return (f"fp8_recipe: {recipe.scaling}: {why}; use policy.generation.backend torch, which runs every "
+                f"variant, or fp8_recipe {DEFAULT_SCALING}")
     if not (recipe.fp8_linears or recipe.fp8_kv):
         return None
     require_vllm()  # a missing vLLM is VllmUnavailableError, not an ImportError from deep inside

@@ -1,9 +1,10 @@
-"""The model-family registry (issue 49): families are plug-ins, and nothing outside them branches on a family name.
+"""The plug-in registries (issue 49): model families and FP8 formats, and nothing outside them branches on a name.
 
-A *listing* of a family name is a comparison with it (``arch == "qwen2"``, ``arch in (...)``) or a collection literal
-holding it (a tuple, list, set or dict key). Outside ``fp8rl/model/families/`` there must be none in ``libs/`` and
-``services/``: the code asks the family (``config.family``) instead. Naming the architecture a preset builds
-(``ModelConfig(architecture="llama", ...)``) is data, not a listing.
+A *listing* of a name is a comparison with it (``arch == "qwen2"``, ``scaling in (...)``) or a collection literal
+holding it (a tuple, list, set or dict key). Outside ``fp8rl/model/families/`` (families) and ``fp8rl/fp8/formats/``
+(formats) there must be none in ``libs/``, ``services/`` and ``bench/``: the code asks the family (``config.family``)
+or the format (``recipe.format``, :func:`~fp8rl.fp8.linear_format`) instead. Naming the architecture a preset builds
+(``ModelConfig(architecture="llama", ...)``) or a default argument is data, not a listing.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
+from fp8rl.fp8 import LinearFormat, format_names, linear_format
+from fp8rl.fp8.formats import register as register_format
 from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.model.family import Family, family_names, get_family, register
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = REPO / "libs" / "fp8rl" / "model" / "families"
+FORMATS_DIR = REPO / "libs" / "fp8rl" / "fp8" / "formats"
 # file -> why its one listing is not about fp8rl's families
 ALLOWED = {"libs/fp8rl/presets/smollm2.py": "GGUF's general.architecture of the file it converts ('llama')"}
 
@@ -38,17 +43,26 @@ def listings(tree: ast.AST, names: set[str]) -> list[int]:
     return lines
 
 
-def test_the_registry_is_the_only_place_a_family_is_listed():
-    names = set(family_names())
+def _listed_outside(home: Path, names: set[str]) -> dict[str, list[int]]:
     found = {}
-    for path in [*(REPO / "libs").rglob("*.py"), *(REPO / "services").rglob("*.py")]:
-        if FAMILIES_DIR in path.parents:
+    for path in (p for d in ("libs", "services", "bench") for p in (REPO / d).rglob("*.py")):
+        if home in path.parents:
             continue
         rel = str(path.relative_to(REPO))
         lines = listings(ast.parse(path.read_text()), names)
         if lines and rel not in ALLOWED:
             found[rel] = lines
+    return found
+
+
+def test_the_registry_is_the_only_place_a_family_is_listed():
+    found = _listed_outside(FAMILIES_DIR, set(family_names()))
     assert not found, f"family names listed outside fp8rl/model/families (ask config.family instead): {found}"
+
+
+def test_the_registry_is_the_only_place_a_format_is_listed():
+    found = _listed_outside(FORMATS_DIR, set(format_names()))
+    assert not found, f"format names listed outside fp8rl/fp8/formats (ask the format instead): {found}"
 
 
 def test_the_scanner_finds_a_listing():
@@ -88,3 +102,24 @@ def test_registry_errors_are_clear():
         register(Other())
     with pytest.raises(ValueError, match="needs a name and an hf_class"):
         register(Family())
+
+
+def test_every_format_answers_the_registry_questions():
+    assert format_names()[0] == "blockwise"  # the default first
+    for name in format_names():
+        fmt = linear_format(name)
+        assert fmt.name == name and fmt.label and fmt.summary
+        assert fmt.refusal("torch") is None  # the embedded engines run every format
+        q, s = fmt.quantize_weight(torch.randn(256, 128))
+        assert tuple(s.shape) == fmt.scale_shape(256, 128) and s.dtype == fmt.scale_dtype
+        fmt.check_scale(name, s, (256, 128))
+    assert linear_format("tensorwise").refusal("megatron", tensor_parallel=2)
+    assert linear_format("tensorwise").refusal("megatron") is None
+    with pytest.raises(ValueError, match="unknown FP8 scaling 'nvfp4': expected one of blockwise, mxfp8, tensorwise"):
+        linear_format("nvfp4")
+
+    class Other(LinearFormat):
+        name = "mxfp8"
+
+    with pytest.raises(ValueError, match="FP8 format 'mxfp8' is registered twice"):
+        register_format(Other())
