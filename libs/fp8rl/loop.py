@@ -43,10 +43,11 @@ from fp8rl.engines import (
     MemoryBudgetError,
     QKVCalibrator,
     SamplingParams,
-    TorchRolloutEngine,
     TorchTrainer,
     build_train_batch,
+    make_rollout_engine,
     make_trainer_backend,
+    replay_route_shape,
     train_on_batch,
 )
 from fp8rl.envs import ChatRenderer, make_env
@@ -191,8 +192,7 @@ class GRPOLoop:
         if job.policy.numerics.auto_bf16_layers:
             job = self.job = self._auto_bf16_layers(job, policy)
         self.rollout_recipe = job.fp8_recipe("rollout")
-        # (L, K, E) when the rollout's routes go to the trainer (routing replay on a mixture-of-experts model)
-        self.route_shape = policy.config.route_shape if job.policy.router_replay.enabled else None
+        self.route_shape = replay_route_shape(job, policy.config)
         self.trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None)
         # One copy of the weights for both roles where they never need two versions at once: the synchronous loop
         # generates only between a refit and the next train step (asynchronous GRPO generates beside training).
@@ -203,11 +203,11 @@ class GRPOLoop:
                              "generates while the trainer changes its weights)")
         share = can_share if share_weights is None else share_weights
         self.shares_weights = share
-        self.rollout = TorchRolloutEngine(policy, self.rollout_recipe, eos_token_ids=stop_token_ids(self.tok),
-                                          pad_token_id=self.tok.pad_id, seed=job.job.seed, max_batch_size=256,
-                                          record_routes=job.policy.router_replay.enabled,
-                                          shared_with=self.trainer.model if share else None,
-                                          lora=job.lora_settings())
+        # the embedded engine whatever policy.generation.backend says (the loop is in process: LoopConfig)
+        self.rollout = make_rollout_engine(job.with_settings({"policy.generation.backend": "torch"}), policy, None,
+                                           eos_token_ids=stop_token_ids(self.tok), pad_token_id=self.tok.pad_id,
+                                           max_batch_size=256, initial_version=0,
+                                           shared_with=self.trainer.model if share else None)
         del policy  # the trainer's copy (and the rollout's, when not shared) are all that stay
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
         cal = job.calibration

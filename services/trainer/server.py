@@ -42,6 +42,7 @@ from fp8rl.engines import (
     StaleSampleError,
     TrainBatch,
     build_train_batch,
+    replay_route_shape,
     train_on_batch,
 )
 from fp8rl.fp8 import QKVScales, fp8_linear_names
@@ -84,8 +85,7 @@ class TrainerService(Service):
         policy, tok, _ = load_policy(job.policy.model)
         self.pad_id = tok.pad_id
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
-        # (L, K, E) when rows must carry the rollout's routes (routing replay on a mixture-of-experts model)
-        self.route_shape = policy.config.route_shape if job.policy.router_replay.enabled else None
+        self.route_shape = replay_route_shape(job, policy.config)
         rollout = job.fp8_recipe("rollout")
         self.fp8_prefixes = fp8_linear_names(policy, rollout)  # what the rollout runs in FP8 travels in FP8
         self.pow2, self.scaling = rollout.pow2_weight_scaling_factors, rollout.scaling

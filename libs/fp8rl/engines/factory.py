@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from fp8rl.model import CausalLM
 
 from .base import RolloutEngine, TrainerBackend
@@ -12,7 +14,7 @@ from .parallel import DataParallel
 from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer
 
-__all__ = ["make_trainer_backend", "make_rollout_engine", "TRAINER_BACKENDS", "ROLLOUT_BACKENDS"]
+__all__ = ["make_trainer_backend", "make_rollout_engine", "replay_route_shape", "TRAINER_BACKENDS", "ROLLOUT_BACKENDS"]
 
 TRAINER_BACKENDS = ("torch", "megatron")
 
@@ -54,12 +56,20 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
 ROLLOUT_BACKENDS = ("torch", "vllm")
 
 
+def replay_route_shape(job, config) -> tuple[int, int, int] | None:
+    """``(L, K, E)`` when the rollout's routes go to the trainer (``policy.router_replay.enabled`` on a
+    mixture-of-experts model ``config``), else None: the one rule the loop and the trainer service share."""
+    return config.route_shape if job.policy.router_replay.enabled else None
+
+
 def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: list[int], pad_token_id: int,
-                        max_batch_size: int = 64, take_model: bool = False) -> RolloutEngine:
+                        max_batch_size: int = 64, take_model: bool = False, initial_version: int | None = None,
+                        shared_with: torch.nn.Module | None = None) -> RolloutEngine:
     """The :class:`RolloutEngine` of ``job``'s ``policy.generation.backend``: the embedded torch engine on
-    ``policy`` (``take_model``: converted in place, not copied — the caller hands it over), or vLLM on the
-    checkpoint at ``path`` (the same weights, resolved by the caller; vLLM loads them itself, so ``policy`` may be
-    None). The engine holds no version until its first refit.
+    ``policy`` (``take_model``: converted in place, not copied — the caller hands it over; ``shared_with``: the
+    trainer's module whose tensors it computes with, the in-process loop's one copy), or vLLM on the checkpoint at
+    ``path`` (the same weights, resolved by the caller; vLLM loads them itself, so ``policy`` may be None). The
+    engine holds ``initial_version`` (None: no version until its first refit).
 
     Raises:
         ValueError: an unknown backend (the message names the key).
@@ -70,9 +80,13 @@ def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: li
         if policy is None:
             raise ValueError("policy.generation.backend: 'torch' runs on the loaded policy; none was given")
         return TorchRolloutEngine(policy, job.fp8_recipe("rollout"), eos_token_ids=eos_token_ids,
-                                  pad_token_id=pad_token_id, initial_version=None, max_batch_size=max_batch_size,
-                                  seed=job.job.seed, record_routes=job.policy.router_replay.enabled,
-                                  take_model=take_model, lora=job.lora_settings())
+                                  pad_token_id=pad_token_id, initial_version=initial_version,
+                                  max_batch_size=max_batch_size, seed=job.job.seed,
+                                  record_routes=job.policy.router_replay.enabled, take_model=take_model,
+                                  shared_with=shared_with, lora=job.lora_settings())
+    if shared_with is not None:
+        raise ValueError(f"policy.generation.backend: {backend!r} holds its own weights; only the torch engine "
+                         "computes with the trainer's")
     if backend == "vllm":  # imported here: vLLM is an optional install
         from .vllm.rollout import VllmRolloutEngine
 
