@@ -10,14 +10,12 @@ from fp8rl.model.hf_io import load_hf_checkpoint
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
 from fp8rl.model.transformer import CausalLM
 
-from .smollm2 import SMOLLM2_PRESET, prepare_smollm2
-from .tiny_arith import TINY_ARITH, prepare_tiny_arith
-from .tiny_arith_moe import TINY_ARITH_MOE, prepare_tiny_arith_moe
-from .tiny_arith_tool import TINY_ARITH_TOOL, prepare_tiny_arith_tool
+from . import smollm2, tiny_arith, tiny_arith_moe, tiny_arith_tool  # noqa: F401  (each registers itself)
+from .catalog import prepare_registered, preset_names
 
 __all__ = ["PRESETS", "load_policy", "prepare_preset"]
 
-PRESETS = (TINY_ARITH, TINY_ARITH_MOE, TINY_ARITH_TOOL, SMOLLM2_PRESET)
+PRESETS = tuple(sorted(preset_names()))  # every registered preset
 
 
 def prepare_preset(name: str, *, progress: bool = True) -> Path:
@@ -26,15 +24,7 @@ def prepare_preset(name: str, *, progress: bool = True) -> Path:
     Raises:
         KeyError: ``name`` is not one of :data:`PRESETS` (the message lists them).
     """
-    if name == TINY_ARITH:
-        return prepare_tiny_arith(progress=progress)
-    if name == TINY_ARITH_MOE:
-        return prepare_tiny_arith_moe(progress=progress)
-    if name == TINY_ARITH_TOOL:
-        return prepare_tiny_arith_tool(progress=progress)
-    if name == SMOLLM2_PRESET:
-        return prepare_smollm2()
-    raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return prepare_registered(name, progress)
 
 
 def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, Tokenizer, Path]:

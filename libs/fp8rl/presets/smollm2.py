@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from fp8rl.model.config import ModelConfig
 
 from .cache import PRESET_VERSION, preset_dir
+from .catalog import register_preset
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +214,6 @@ def prepare_smollm2(directory: str | Path | None = None, *, force: bool = False)
         raise
     log.info("%s ready in %s (%.1fs)", SMOLLM2_PRESET, out, time.perf_counter() - t0)
     return out
+
+
+register_preset(SMOLLM2_PRESET, lambda progress: prepare_smollm2())

@@ -31,6 +31,7 @@ from fp8rl.model.tokenizer import CharTokenizer, Tokenizer
 from fp8rl.model.transformer import CausalLM
 
 from .cache import PRESET_VERSION, preset_dir
+from .catalog import register_preset
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +163,6 @@ def warm_start(model: CausalLM, cfg: ModelConfig, out: Path, name: str, *, seed:
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     log.info("%s ready in %s: %s", name, out, meta)
     return out
+
+
+register_preset(TINY_ARITH, lambda progress: prepare_tiny_arith(progress=progress))

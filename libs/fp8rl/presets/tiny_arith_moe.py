@@ -21,6 +21,7 @@ from fp8rl.model.hf_io import load_hf_checkpoint
 from fp8rl.model.transformer import CausalLM
 
 from .cache import preset_dir
+from .catalog import register_preset
 from .tiny_arith import META_FILE, prepare_tiny_arith, warm_start
 
 __all__ = ["TINY_ARITH_MOE", "prepare_tiny_arith_moe", "tiny_arith_moe_config"]
@@ -73,3 +74,6 @@ def prepare_tiny_arith_moe(directory: str | Path | None = None, *, seed: int = 0
                       target_accuracy=target_accuracy, eval_every=eval_every, eval_size=eval_size, progress=progress,
                       meta={"upcycled_from": "tiny-arith", "experts": EXPERTS, "top_k": TOP_K},
                       min_steps=MIN_STEPS)
+
+
+register_preset(TINY_ARITH_MOE, lambda progress: prepare_tiny_arith_moe(progress=progress))

@@ -74,6 +74,7 @@ from fp8rl.model.tokenizer import Tokenizer, load_tokenizer, stop_token_ids
 from fp8rl.model.transformer import CausalLM
 
 from .cache import PRESET_VERSION, preset_dir
+from .catalog import register_preset
 from .chatml import VOCAB_SIZE, build_chatml_tokenizer
 from .tiny_arith import META_FILE
 
@@ -484,3 +485,6 @@ def prepare_tiny_arith_tool(
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     log.info("%s ready in %s: %s", TINY_ARITH_TOOL, out, meta)
     return out
+
+
+register_preset(TINY_ARITH_TOOL, lambda progress: prepare_tiny_arith_tool(progress=progress))
