@@ -12,6 +12,11 @@ One step, version v → v+1::
 Run ``python -m fp8rl.loop --help``; ``--compare`` runs several recipes on the same seed and
 prints their mismatch side by side. With ``--out DIR`` the run writes as it goes and checkpoints
 (:mod:`fp8rl.rundir`); ``--resume DIR`` continues a stopped run (:func:`run`).
+
+Size (~800 lines): the loop is the in-process composition of every phase — the step itself is
+:mod:`fp8rl.controller.step`, the engines come from :mod:`fp8rl.engines.factory` — and what stays here is what only
+an in-process run has (one weight copy shared by both roles, its resume, its CLI); each part is small, and splitting
+them would scatter one object's lifecycle over files.
 """
 
 from __future__ import annotations

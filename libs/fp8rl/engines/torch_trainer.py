@@ -14,6 +14,11 @@ the same trainer runs on every rank over FSDP2: the rows, the numbers and the ag
 :mod:`fp8rl.engines.parallel`. Its checkpoints are ``torch.distributed.checkpoint`` directories
 (``*.dcp``: each rank writes its own shards, and loading reshards to any world size, one rank included);
 a single-rank trainer still writes one ``.pt`` file, and both kinds load at any world size.
+
+Size (~750 lines): the GRPO update and its checkpoints are one state machine (weights, optimizer, RNG, version,
+FP8 caches, LoRA adapters) whose hooks (``_build_policy``, ``_distribute``, ``_backward``, ``_clip_grads``,
+``_checkpoint_state``, ...) are what :class:`~fp8rl.engines.megatron.trainer.MegatronTrainer` replaces; the model
+passes live in :mod:`.logprob_pass`, the memory model in :mod:`.footprint`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ Two ways to run FP8 linears, chosen by what the machine has (one decision, in :f
 
 :class:`MegatronCausalLM` adapts the GPTModel to the :class:`fp8rl.model.CausalLM` call
 ``model(input_ids, attention_mask=...) -> (B, T, V) FP32 logits`` the GRPO step uses.
+
+Size (~800 lines): the Megatron-Core layer specs of every mapped family (dense, MoE, latent attention) and the CPU
+shims they need are one translation table from fp8rl's model to Megatron's; the weight-name mapping lives in
+:mod:`.convert`, the parallel layouts in their own modules.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The collective transport of refit shards: the trainer broadcasts each version to every replica at once.
 
+Size (~790 lines): the trainer's broadcaster and the replica's source are the two halves of one epoch protocol
+(membership, join, announce, broadcast, end) over one TCPStore layout; they are kept together so the protocol is
+read, and changed, in one place.
+
 Trainer side, :class:`CollectiveBroadcaster` runs a ``torch.distributed.TCPStore`` and, per *epoch*
 (one fixed set of members), a process group of its own: ``ProcessGroupGloo`` on CPU or
 ``ProcessGroupNCCL`` on GPU, built directly on a ``PrefixStore`` — never ``init_process_group``, so
