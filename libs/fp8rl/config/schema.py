@@ -8,6 +8,7 @@ and docstring (the text of ``docs/CONFIG.md``).
 from dataclasses import dataclass
 
 from fp8rl import limits
+from fp8rl.envs import env_names
 from fp8rl.fp8.formats import DEFAULT_SCALING, SCALINGS, linear_format
 
 from .fields import ConfigError, Section, section, setting
@@ -408,7 +409,8 @@ class DataConfig(Section):
 class EnvSection(Section):
     KEY = "env"
     name: str | None = setting(None, "Multi-turn, tool-using trajectories (fp8rl.envs): a registered environment "
-                               "(calculator, guess_number) or a user one as an import path package.module:Class. "
+                               f"({', '.join(env_names())}; python runs the model's code in a bubblewrap sandbox) "
+                               "or a user one as an import path package.module:Class. "
                                "Unset: single-turn samples (one prompt, one answer). Each task is a problem of "
                                "data (question and answer); data.task env draws the environment's own generated "
                                "tasks.", kind=str, optional=True)

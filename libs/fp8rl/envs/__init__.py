@@ -5,7 +5,8 @@
 * :mod:`.registry` — environments by name or import path: ``register``, ``make_env``, ``allowed``.
 * :mod:`.tools` — Hermes / Qwen ``<tool_call>`` parsing, bounded, errors as entries.
 * :mod:`.safe_arith` — the calculator's arithmetic evaluator (a parser, never ``eval``).
-* :mod:`.calculator`, :mod:`.guess` — the built-ins ``calculator`` and ``guess_number``.
+* :mod:`.calculator`, :mod:`.guess`, :mod:`.python_env` — the built-ins ``calculator``, ``guess_number`` and
+  ``python`` (the model's code run in :mod:`.sandbox`: bubblewrap, an unprivileged uid, limits, a bounded pool).
 * :mod:`.render` — :class:`ChatRenderer`: the opening prompt and per-turn deltas as token ids.
 
 Invariant: nothing here imports trainers, engines, the loop, the controller or the service stack (the
@@ -13,16 +14,18 @@ environment knows text and, in :mod:`.render`, a tokenizer); importing this pack
 does not import torch or transformers.
 """
 
-from . import calculator, guess  # noqa: F401 - registers the built-ins
+from . import calculator, guess, python_env  # noqa: F401 - registers the built-ins
 from .base import ROLES, EnvError, Environment, EnvSpec, EnvStep, Message
 from .calculator import CalculatorEnv, make_calculator_tasks
 from .guess import GuessNumberEnv, make_guess_tasks
+from .python_env import PythonEnv, make_programming_tasks, make_python_tasks
 from .registry import allowed, env_names, make_env, register, resolve
 from .render import ChatRenderer
 from .tools import ToolCall, ToolCallError, format_tool_call, parse_tool_calls, tool_result_message
 
 __all__ = [
     "ROLES", "CalculatorEnv", "ChatRenderer", "EnvError", "EnvSpec", "EnvStep", "Environment", "GuessNumberEnv",
-    "Message", "ToolCall", "ToolCallError", "allowed", "env_names", "format_tool_call", "make_calculator_tasks",
-    "make_env", "make_guess_tasks", "parse_tool_calls", "register", "resolve", "tool_result_message",
+    "Message", "PythonEnv", "ToolCall", "ToolCallError", "allowed", "env_names", "format_tool_call",
+    "make_calculator_tasks", "make_env", "make_guess_tasks", "make_programming_tasks", "make_python_tasks",
+    "parse_tool_calls", "register", "resolve", "tool_result_message",
 ]

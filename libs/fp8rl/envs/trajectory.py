@@ -82,6 +82,8 @@ class Trajectory:
         turns, cut_turns, tool_calls, prefix_breaks, env_seconds: model turns (and those cut by the per-turn
             limit), parsed tool calls (and ``tool_errors``),
             deltas rendered by the neutral-history rule (the template rewrote history), time spent in env.step.
+        env_info: the environment's own numeric counters, as its last step reported them (cumulative: e.g. the
+            ``python`` environment's ``sandbox_runs``, ``sandbox_start_s``, ``killed/<reason>``).
         messages: the conversation as messages (what the report renders).
     """
 
@@ -102,6 +104,7 @@ class Trajectory:
     tool_errors: int = 0
     prefix_breaks: int = 0
     env_seconds: float = 0.0
+    env_info: dict[str, float] = field(default_factory=dict)
     messages: list[Message] = field(default_factory=list)
 
     @property
@@ -276,6 +279,8 @@ def run_trajectories(
                 t.end("env_error", None)
                 continue
             t.env_seconds += time.perf_counter() - t0
+            t.env_info.update({k: float(v) for k, v in st.info.items()
+                               if isinstance(v, int | float) and not isinstance(v, bool)})
             if isinstance(st.info.get("tool_errors"), int | float):  # the environment's own (cumulative) count wins
                 t.tool_errors = int(st.info["tool_errors"])
             if st.done:
@@ -300,7 +305,8 @@ def run_trajectories(
 
 def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None = None) -> dict[str, float]:
     """The step's ``env/*`` metrics: turns per trajectory, tool calls and errors, masked (environment) tokens,
-    ungraded trajectories, prefix breaks, ends by reason, and the environment's time (and its share of
+    ungraded trajectories, prefix breaks, ends by reason, the environments' own counters summed (``env/info/*``:
+    the sandbox's runs, start and wall seconds, kills by reason), and the environment's time (and its share of
     ``step_seconds``, the rollout phase's: ``env/share_of_rollout``; the step's train phase adds
     ``env/share_of_step``)."""
     if not trajs:
@@ -321,6 +327,8 @@ def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None =
     }
     for reason in END_REASONS:
         out[f"env/end/{reason}"] = float(sum(t.end_reason == reason for t in trajs))
+    for key in sorted({k for t in trajs for k in t.env_info} - {"tool_calls", "tool_errors"}):
+        out[f"env/info/{key}"] = sum(t.env_info.get(key, 0.0) for t in trajs)  # the environments' own counters
     if step_seconds:
         out["env/share_of_rollout"] = out["env/seconds"] / step_seconds
     return out

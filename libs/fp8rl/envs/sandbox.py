@@ -1,0 +1,298 @@
+"""A sandbox for model-written code: bubblewrap, an unprivileged uid, resource limits, a bounded pool.
+
+:meth:`Sandbox.run` runs a Python program the model wrote and returns its stdout, stderr, exit status and, when the
+sandbox killed it, why (:class:`SandboxResult`). Each run:
+
+* **bubblewrap** (``bwrap``) with every namespace unshared: no network (a private network namespace with only a
+  down loopback), a private PID namespace (its own ``/proc``: no other process, ``/proc/*/environ`` included, is
+  visible; when the program's first process ends, the kernel kills every process left in it), a read-only
+  ``/usr`` as the whole root filesystem (``/bin``, ``/lib`` link into it; no ``/etc``, ``/home``, ``/root``, ``/run``,
+  no service files, tokens or checkpoints), a private ``tmpfs`` work directory and ``/tmp`` (size-capped), an empty
+  environment (``PATH`` only), every capability dropped, a new session (no terminal);
+* as an **unprivileged uid** of its own (``uid_base + slot``; root ignores ``RLIMIT_NPROC``): the process-count
+  limit counts only that slot's processes, so a fork bomb stops at ``processes`` (a service that does not run as
+  root keeps its uid: the limit then counts its own processes too, and stops a bomb at ``processes`` more);
+* **rlimits**: CPU seconds, address space (``memory_bytes``), file size (``output_bytes``: stdout and stderr are
+  files, so endless output is cut by ``SIGXFSZ``), process count, no core files;
+* a **wall clock**: past ``wall_seconds`` the whole process group is killed (``SIGKILL``), and the PID namespace
+  takes every descendant with it.
+
+What it does **not** protect against: kernel exploits (it shares the host kernel: bubblewrap is not a VM); reading
+what ``/usr`` holds (installed software, world-readable by design); CPU and memory pressure up to the limits on
+the host's other work; timing side channels. Run the services on machines whose ``/usr`` holds nothing secret.
+
+:class:`SandboxPool` bounds the runs: at most ``slots`` at once, at most ``max_starting`` starting at once, and a
+queue whose wait is bounded by ``queue_timeout_s`` (shorter than a trajectory's deadline, so a full pool fails a
+call — :class:`SandboxUnavailable`, a recorded reason — instead of hanging scoring).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["KILL_REASONS", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxUnavailable",
+           "sandbox_problem"]
+
+KILL_REASONS = ("timeout", "cpu", "memory", "output")
+PYTHON = "/usr/bin/python3"  # the sandbox's interpreter: the system's, under the read-only /usr
+
+
+class SandboxUnavailable(RuntimeError):
+    """No sandbox ran the code: bubblewrap missing or refused, or the pool's queue deadline passed. The trajectory
+    ends with this reason (ungraded, counted), never with a score."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use.
+
+    Attributes:
+        wall_seconds: wall-clock time before the process group is killed.
+        cpu_seconds: CPU time (``RLIMIT_CPU``).
+        memory_bytes: address space per process (``RLIMIT_AS``).
+        processes: processes and threads of the slot's uid (``RLIMIT_NPROC``).
+        output_bytes: stdout and stderr each, and any file written (``RLIMIT_FSIZE``).
+        tmp_bytes: the work directory's and ``/tmp``'s tmpfs size each.
+        code_bytes: the longest program accepted.
+    """
+
+    wall_seconds: float = 5.0
+    cpu_seconds: int = 4
+    memory_bytes: int = 512 * 2**20
+    processes: int = 32
+    output_bytes: int = 64 * 2**10
+    tmp_bytes: int = 16 * 2**20
+    code_bytes: int = 64 * 2**10
+
+    def __post_init__(self) -> None:
+        for name in ("wall_seconds", "cpu_seconds", "memory_bytes", "processes", "output_bytes", "tmp_bytes",
+                     "code_bytes"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int | float) or not val > 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {val!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """One run: ``exit_status`` (negative: killed by that signal), ``killed`` (None or one of
+    :data:`KILL_REASONS`), ``truncated`` (an output stream hit ``output_bytes``), ``start_s`` (the wait for a
+    slot and the start), ``wall_s`` (the program's own run)."""
+
+    stdout: str
+    stderr: str
+    exit_status: int
+    killed: str | None = None
+    truncated: bool = False
+    start_s: float = 0.0
+    wall_s: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+
+    def as_tool_result(self, max_chars: int = 2000) -> str:
+        """The text a ``python`` tool call is answered with: exit status (and why it was killed), stdout, stderr."""
+        head = f"exit status: {self.exit_status}" + (f" (killed: {self.killed})" if self.killed else "")
+        parts = [head]
+        if self.stdout:
+            parts.append("stdout:\n" + self.stdout[:max_chars])
+        if self.stderr:
+            parts.append("stderr:\n" + self.stderr[-max_chars:])
+        return "\n".join(parts)
+
+
+def sandbox_problem() -> str | None:
+    """Why no sandbox can run here (no ``bwrap``, no ``/usr/bin/python3``, or bubblewrap refused to start), or None."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+    if not os.path.exists(PYTHON):
+        return f"{PYTHON} is missing (the sandbox runs the system's Python under a read-only /usr)"
+    try:
+        r = Sandbox(SandboxLimits(wall_seconds=10)).run("print('ok')")
+    except SandboxUnavailable as e:
+        return str(e)
+    if r.stdout.strip() != "ok":
+        return f"bubblewrap did not run a trivial program: exit {r.exit_status}, stderr {r.stderr[-300:]!r}"
+    return None
+
+
+class Sandbox:
+    """Runs programs under bubblewrap with :class:`SandboxLimits` (module docstring), as uid ``uid``."""
+
+    def __init__(self, limits: SandboxLimits | None = None, *, uid: int = 60000) -> None:
+        self.limits = limits or SandboxLimits()
+        self.uid = uid
+
+    def _argv(self, code: str) -> list[str]:
+        size = str(self.limits.tmp_bytes)
+        return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+                "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
+                "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/work", "--chdir", "/work",
+                "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work",
+                PYTHON, "-I", "-B", "-c", code]
+
+    def _limit(self) -> None:
+        """In the child, before ``exec bwrap``: drop to the slot's uid, then the rlimits (a new session is
+        ``start_new_session``). A service that is not root keeps its own uid (bubblewrap's user namespace still
+        isolates the program) and the process limit counts the uid's processes already running on top."""
+        lim = self.limits
+        procs = lim.processes
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(self.uid)
+            os.setuid(self.uid)
+        else:
+            procs += _processes_of(os.geteuid())
+        cpu = int(lim.cpu_seconds)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.output_bytes, lim.output_bytes))
+        resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    def run(self, code: str, on_start=None) -> SandboxResult:
+        """Run ``code`` (a Python program) and return what it printed and how it ended; ``on_start()`` is called
+        once the sandbox's process exists (the pool's start cap ends there).
+
+        Raises:
+            ValueError: ``code`` is not a str or is longer than ``code_bytes``.
+            SandboxUnavailable: bubblewrap is missing or could not start the program.
+        """
+        if not isinstance(code, str):
+            raise ValueError(f"sandbox code must be a str, got {type(code).__name__}")
+        if len(code.encode()) > self.limits.code_bytes or "\x00" in code:
+            raise ValueError(f"sandbox code must be at most {self.limits.code_bytes} bytes without NUL")
+        lim = self.limits
+        t0 = time.perf_counter()
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.Popen(self._argv(code), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        cwd="/", env={"PATH": "/usr/bin:/bin"}, close_fds=True,
+                                        start_new_session=True, preexec_fn=self._limit)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise SandboxUnavailable(f"the sandbox could not start: {e}") from None
+            finally:
+                if on_start is not None:
+                    on_start()
+            killed = None
+            try:
+                status = proc.wait(timeout=lim.wall_seconds)
+            except subprocess.TimeoutExpired:
+                killed = "timeout"
+                with _suppress():
+                    os.killpg(proc.pid, signal.SIGKILL)  # bwrap and its namespace's init: the namespace dies
+                status = proc.wait()
+            wall = time.perf_counter() - t0
+            stdout, stderr = _read(out, lim.output_bytes), _read(err, lim.output_bytes)
+        truncated = len(stdout) >= lim.output_bytes or len(stderr) >= lim.output_bytes
+        if stderr.startswith(b"bwrap:"):  # bubblewrap itself failed: nothing of the model's ran
+            raise SandboxUnavailable(f"the sandbox could not start: {stderr.decode(errors='replace').strip()[:300]}")
+        if killed is None:
+            killed = _kill_reason(status, stderr, truncated)
+        text = {"stdout": stdout.decode(errors="replace"), "stderr": stderr.decode(errors="replace")}
+        return SandboxResult(text["stdout"], text["stderr"], _exit_status(status), killed, truncated, 0.0, wall)
+
+
+def _processes_of(uid: int) -> int:
+    """How many processes ``uid`` runs now (``/proc``)."""
+    n = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                n += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def _read(f, limit: int) -> bytes:
+    f.seek(0)
+    return f.read(limit)
+
+
+def _exit_status(status: int) -> int:
+    """The program's exit status as Python reports it (a shell's 128 + n from bwrap's init is the signal -n)."""
+    return -(status - 128) if 128 < status < 160 else status
+
+
+def _kill_reason(status: int, stderr: bytes, truncated: bool) -> str | None:
+    """Why the limits ended the program (the wall clock is the caller's): output at its cap, CPU time (SIGXCPU, or
+    SIGKILL at the hard limit), an allocation refused; None when it ended by itself."""
+    sig = -_exit_status(status)
+    if truncated or sig == signal.SIGXFSZ:
+        return "output"
+    if sig in (signal.SIGXCPU, signal.SIGKILL):
+        return "cpu"
+    if b"MemoryError" in stderr or b"Cannot allocate memory" in stderr:
+        return "memory"
+    return None
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return exc[0] is ProcessLookupError or exc[0] is PermissionError
+
+
+class SandboxPool:
+    """A bounded set of sandbox slots (module docstring), shared by the threads of one process.
+
+    Args:
+        slots: runs at once; each slot runs as its own uid (``uid_base + slot``).
+        max_starting: runs starting at once (the rest wait their turn in the queue).
+        queue_timeout_s: the longest wait for a slot; past it :meth:`run` raises :class:`SandboxUnavailable`.
+        limits: of every run.
+    """
+
+    def __init__(self, slots: int = 4, *, max_starting: int = 2, queue_timeout_s: float = 10.0,
+                 limits: SandboxLimits | None = None, uid_base: int = 60000) -> None:
+        if slots < 1 or max_starting < 1 or not queue_timeout_s > 0:
+            raise ValueError(f"SandboxPool needs slots >= 1, max_starting >= 1 and queue_timeout_s > 0, got "
+                             f"{slots}, {max_starting}, {queue_timeout_s}")
+        self.limits = limits or SandboxLimits()
+        self.queue_timeout_s = queue_timeout_s
+        self._free = list(range(slots))
+        self._cond = threading.Condition()
+        self._starting = threading.BoundedSemaphore(max_starting)
+        self._uid_base = uid_base
+        self.stats = {"runs": 0, "unavailable": 0, "start_s_total": 0.0, "queue_s_max": 0.0,
+                      **{f"killed/{r}": 0 for r in KILL_REASONS}}
+
+    def run(self, code: str) -> SandboxResult:
+        """Run ``code`` in a free slot (waiting at most ``queue_timeout_s`` for one and for its start)."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.queue_timeout_s
+        with self._cond:
+            while not self._free:
+                left = deadline - time.perf_counter()
+                if left <= 0 or not self._cond.wait(left):
+                    if not self._free:
+                        self.stats["unavailable"] += 1
+                        raise SandboxUnavailable(f"no sandbox slot free within {self.queue_timeout_s:.1f}s "
+                                                 f"(pool of {self._uid_base}..: all busy)")
+            slot = self._free.pop()
+        try:
+            if not self._starting.acquire(timeout=max(deadline - time.perf_counter(), 0.0)):
+                self.stats["unavailable"] += 1
+                raise SandboxUnavailable(f"no sandbox start within {self.queue_timeout_s:.1f}s")
+            waited = time.perf_counter() - t0
+            result = Sandbox(self.limits, uid=self._uid_base + slot).run(code, on_start=self._starting.release)
+        finally:
+            with self._cond:
+                self._free.append(slot)
+                self._cond.notify()
+        self.stats["runs"] += 1
+        self.stats["start_s_total"] += waited
+        self.stats["queue_s_max"] = max(self.stats["queue_s_max"], waited)
+        if result.killed:
+            self.stats[f"killed/{result.killed}"] += 1
+        return SandboxResult(result.stdout, result.stderr, result.exit_status, result.killed, result.truncated,
+                             waited, result.wall_s)
