@@ -385,7 +385,8 @@ class _InProcess:
         self._trainer_scales: dict[int, object] = {}  # version -> its scales, until the trainer trains on it
         self._calibrated: dict[int, object] = {}  # the last two versions' scales (a checkpoint takes its version's)
         self._weights: dict[int, dict] = {}  # async: version -> a copy of its weights, until its refit
-        # env.partial finish: a refit waits for the trajectories in flight (each is sampled by one version)
+        # env.partial finish: a refit waits for the trajectories in flight (each is sampled by one version);
+        # interrupt: for the turn in flight
         self._trajectories = threading.Lock()
         self.wants_problems = loop.plan.env is not None  # generate() is handed the problems (the tasks)
         self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
@@ -427,15 +428,23 @@ class _InProcess:
         spec, g = loop.plan.env, job.policy.generation
         base = sampling_seed(job.job.seed, step, 0)
 
+        interrupt = job.env.partial == "interrupt"
+
         def generate_turn(prompts, max_tokens, turn, keys):
             params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=max_tokens, n=1,
                                     seed=base + TURN_SEED_STRIDE * turn)
             # each trajectory's K/V is kept between its turns: only the new tokens are prefilled (bitwise the same
-            # under batch invariance; fp8rl.engines.kv_sessions)
+            # under batch invariance; fp8rl.engines.kv_sessions). interrupt: a refit may come between turns, and a
+            # turn runs at whatever version is served then (a session of an older version is not reused: its
+            # K/V are recomputed under the new weights)
+            if interrupt:
+                with self._trajectories:
+                    return loop.rollout.generate(prompts, params, sessions=keys)
             return loop.rollout.generate(prompts, params, weight_version=version, sessions=keys)
 
         tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
-        with self._trajectories, memory.phase("rollout"):
+        # finish: a refit waits for every trajectory in flight; interrupt: only for the turn in flight
+        with contextlib.nullcontext() if interrupt else self._trajectories, memory.phase("rollout"):
             trajs = run_trajectories(tasks, n, spec, lambda: make_env(spec.name, **spec.kwargs), loop.renderer,
                                      generate_turn, max_context=loop.rollout.max_len,
                                      decode=lambda ids: loop.tok.decode(ids, skip_special=False),

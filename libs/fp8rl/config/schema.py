@@ -428,8 +428,12 @@ class EnvSection(Section):
                                     "raises) ends its trajectory ungraded: left out of the loss and of its group's "
                                     "advantages, and counted (env/ungraded), never a silent 0.", gt=0.0)
     partial: str = setting("finish", "Asynchronous GRPO: finish (a refit waits until the trajectories in flight "
-                           "end, so every trajectory is sampled by one version); interrupt (continue on the new "
-                           "weights) is the agents-in-production issue's.", choices=("finish",))
+                           "end, so every trajectory is sampled by one version) or interrupt (a refit waits only "
+                           "for the turn in flight; the trajectories continue on the new weights, every token "
+                           "keeping the version and behaviour logprob it was sampled with, the old version's K/V "
+                           "recomputed under the new weights; a row's version for the lag bound is its oldest "
+                           "token's). The in-process loop runs both; the service stack runs finish.",
+                           choices=("finish", "interrupt"))
 
     def check(self) -> None:
         if self.name is None and self.kwargs:
