@@ -43,6 +43,31 @@ __all__ = ["KILL_REASONS", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxRe
 
 KILL_REASONS = ("timeout", "cpu", "memory", "output")
 PYTHON = "/usr/bin/python3"  # the sandbox's interpreter: the system's, under the read-only /usr
+# bubblewrap's PID namespace leaves one of its processes orphaned per run; where the host's PID 1 is slow to reap
+# (a container's), those zombies pile up on the slot's uid and count against its process limit. So bwrap runs
+# under this small reaper (a child subreaper: the orphans come back to it), which reaps every one and exits with
+# bwrap's status (128 + n for a signal n).
+_REAPER = """
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[1], sys.argv[1:])
+    except OSError as e:
+        os.write(2, f"bwrap: cannot run {sys.argv[1]}: {e}\\n".encode())
+        os._exit(127)
+code = 1
+while True:
+    try:
+        p, status = os.wait()
+    except ChildProcessError:
+        break
+    if p == pid:
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code
+sys.exit(code)
+"""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -137,6 +162,10 @@ class Sandbox:
                 "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work",
                 PYTHON, "-I", "-B", "-c", code]
 
+    def _command(self, code: str) -> list[str]:
+        """bwrap's argv under the reaper (:data:`_REAPER`)."""
+        return [PYTHON, "-I", "-S", "-B", "-c", _REAPER, *self._argv(code)]
+
     def _limit(self) -> None:
         """In the child, before ``exec bwrap``: drop to the slot's uid, then the rlimits (a new session is
         ``start_new_session``). A service that is not root keeps its own uid (bubblewrap's user namespace still
@@ -172,7 +201,7 @@ class Sandbox:
         t0 = time.perf_counter()
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
-                proc = subprocess.Popen(self._argv(code), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                proc = subprocess.Popen(self._command(code), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                         cwd="/", env={"PATH": "/usr/bin:/bin"}, close_fds=True,
                                         start_new_session=True, preexec_fn=self._limit)
             except (OSError, subprocess.SubprocessError) as e:
@@ -222,12 +251,12 @@ def _exit_status(status: int) -> int:
 
 
 def _kill_reason(status: int, stderr: bytes, truncated: bool) -> str | None:
-    """Why the limits ended the program (the wall clock is the caller's): output at its cap, CPU time (SIGXCPU, or
-    SIGKILL at the hard limit), an allocation refused; None when it ended by itself."""
+    """Why the limits ended the program (the wall clock is the caller's): output at its cap, CPU time (SIGXCPU), an
+    allocation refused; None when it ended by itself (or by a signal none of them sends)."""
     sig = -_exit_status(status)
     if truncated or sig == signal.SIGXFSZ:
         return "output"
-    if sig in (signal.SIGXCPU, signal.SIGKILL):
+    if sig == signal.SIGXCPU:
         return "cpu"
     if b"MemoryError" in stderr or b"Cannot allocate memory" in stderr:
         return "memory"

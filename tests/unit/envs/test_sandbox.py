@@ -204,3 +204,12 @@ def test_the_pool_caps_starts_and_fails_past_its_queue_deadline():
     assert len(results) == 64 and peak[0] <= 4 and start_peak[0] <= 2
     assert done and all(r.stdout == "done\n" for r in done)
     assert failed and pool.stats["unavailable"] == len(failed)  # 64 x 0.4 s on 4 slots > 1.5 s of queue
+
+
+def test_back_to_back_runs_on_one_slot_leave_no_zombies_on_its_uid():
+    """bubblewrap orphans one process per run; the reaper collects it, so 40 runs in a row on one uid never reach a
+    16-process limit (without it, where the host's PID 1 reaps slowly, the zombies did) and none is left after."""
+    sb = Sandbox(SandboxLimits(processes=16), uid=60999)
+    assert all(sb.run("print(1)").stdout == "1\n" for _ in range(40))
+    left = subprocess.run(["ps", "-eo", "uid="], capture_output=True, text=True).stdout.split()
+    assert left.count("60999") == 0
