@@ -28,6 +28,7 @@ call — :class:`SandboxUnavailable`, a recorded reason — instead of hanging s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -36,7 +37,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["KILL_REASONS", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxUnavailable",
            "sandbox_problem"]
@@ -118,7 +119,6 @@ class SandboxResult:
     truncated: bool = False
     start_s: float = 0.0
     wall_s: float = 0.0
-    info: dict[str, float] = field(default_factory=dict)
 
     def as_tool_result(self, max_chars: int = 2000) -> str:
         """The text a ``python`` tool call is answered with: exit status (and why it was killed), stdout, stderr."""
@@ -214,7 +214,7 @@ class Sandbox:
                 status = proc.wait(timeout=lim.wall_seconds)
             except subprocess.TimeoutExpired:
                 killed = "timeout"
-                with _suppress():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)  # bwrap and its namespace's init: the namespace dies
                 status = proc.wait()
             wall = time.perf_counter() - t0
@@ -261,14 +261,6 @@ def _kill_reason(status: int, stderr: bytes, truncated: bool) -> str | None:
     if b"MemoryError" in stderr or b"Cannot allocate memory" in stderr:
         return "memory"
     return None
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return exc[0] is ProcessLookupError or exc[0] is PermissionError
 
 
 class SandboxPool:

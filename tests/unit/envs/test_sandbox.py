@@ -122,10 +122,14 @@ def test_endless_output_is_cut_at_the_cap():
     assert r.killed == "output" and r.truncated and len(r.stdout.encode()) <= LIMITS.output_bytes
 
 
-def test_sleeping_forever_is_killed_at_the_wall_limit():
+def test_sleeping_forever_is_killed_at_the_wall_limit_with_everything_it_started():
+    marker = f"fp8rl-sleeper-{os.getpid()}-{time.monotonic_ns()}"
     t0 = time.perf_counter()
-    r = Sandbox(LIMITS).run("import time; time.sleep(3600)")
+    r = Sandbox(LIMITS).run(f"import subprocess, time; subprocess.Popen(['/usr/bin/python3', '-c', "
+                            f"'import time; time.sleep(3600)', {marker!r}]); time.sleep(3600)")
     assert r.killed == "timeout" and time.perf_counter() - t0 < LIMITS.wall_seconds + 3
+    time.sleep(0.5)
+    assert not subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
 
 
 def test_a_busy_loop_is_killed_at_the_cpu_limit():
