@@ -541,10 +541,18 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
     if rd is not None and loop.job != cfg.job and state is None:  # auto_bf16_layers chose: a resume runs the choice
         rd.start(loop.job.to_yaml(), data_root=cfg.data_root)
     history: list[dict] = []
+    restarted: dict = {}
     if state is not None:
         loop.restore(rd.checkpoints / state.checkpoint, state)
         history, val, first = state.history, state.validation, state.next_step
-        log.info("resuming %s at step %d of %d (weight version %d)", cfg.out_dir, first, cfg.steps, state.version)
+        # what the stopped run had begun past its checkpoint, run again (the plan is a function of the step: no
+        # problem is skipped and none is trained twice; the rollouts are regenerated, not restored)
+        redone = min(rd.steps_redone, cfg.steps - first)
+        restarted = {"resume/steps_redone": redone,
+                     "resume/rollouts_restarted": redone * loop.plan.group * cfg.job.grpo.num_prompts_per_step}
+        log.info("resuming %s at step %d of %d (weight version %d): %d step(s) begun after the checkpoint run "
+                 "again, %d rollouts (samples or trajectories) restarted", cfg.out_dir, first, cfg.steps,
+                 state.version, redone, restarted["resume/rollouts_restarted"])
     else:
         first = 0
         val = {0: loop.evaluate().metrics()}  # steps done -> the validation's metrics
@@ -554,6 +562,7 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
     def write(*, stopped: bool = False) -> dict:
         summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, ran=len(history) - first,
                            stopped=stopped)
+        summary.update(restarted)
         if rd is not None and history:
             _write_report(cfg, loop, rd, history, val, summary)
         return summary
@@ -599,6 +608,7 @@ def run(cfg: LoopConfig, *, progress: bool = True, loop: GRPOLoop | None = None,
             rd.close()
         raise
     summary = _summary(cfg, loop, history, val, time.perf_counter() - t_run, ran=len(history) - first)
+    summary.update(restarted)
     result = {"config": cfg.as_dict(), "steps": history, "validation": val, "summary": summary}
     if rd is not None:
         rd.scalars(history[-1]["step"], val[cfg.steps])

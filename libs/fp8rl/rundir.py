@@ -92,6 +92,9 @@ class RunDir:
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
         self._tb = None  # the TensorBoard writer, opened with the first row
+        # after resume(): the steps the stopped run had begun past its checkpoint (the rows it measured there, and
+        # the step it was in), run again from the checkpoint
+        self.steps_redone = 0
 
     # -- starting and resuming ------------------------------------------------------------------------------
     def start(self, job_yaml: str, *, data_root: str | Path | None = None) -> None:
@@ -130,7 +133,8 @@ class RunDir:
 
     def resume(self) -> LoopState | None:
         """The newest consistent checkpoint's state, the metrics and TensorBoard rewritten to its finished steps
-        (rows of steps after it, from the run that died, are dropped: the resumed run measures them again).
+        (rows of steps after it, from the run that died, are dropped: the resumed run measures them again;
+        :attr:`steps_redone` counts them and the step the run was in).
 
         None: the run stopped before its first checkpoint, so nothing but its job was kept; the caller starts the run
         over from step 0 (:meth:`start`, which also empties ``metrics.jsonl``).
@@ -148,6 +152,11 @@ class RunDir:
             return None
         if state.finished:
             raise RunDirError(f"the run in {self.path} finished all its {state.next_step} steps: nothing to resume")
+        try:
+            measured = sum(1 for line in (self.path / self.METRICS).read_text().splitlines() if line.strip())
+        except OSError:
+            measured = len(state.history)
+        self.steps_redone = max(0, measured - len(state.history)) + 1
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
         (self.path / self.METRICS).write_text("")
         for row in state.history:
