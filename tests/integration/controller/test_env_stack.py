@@ -205,3 +205,32 @@ def test_asynchronous_grpo_holds_each_refit_until_the_trajectories_in_flight_end
     # a replica held a published version back while its trajectories of the older one were in flight
     held = sum(p.read_text().count("multi-turn trajectories of version") for p in logs) - before
     assert held > 0, [r.phase_times for r in reports]
+
+
+def test_the_controller_killed_with_trajectories_in_flight_resumes_none_lost_or_doubled(env_stack, tmp_path):
+    """Issue 50 on the stack: the controller SIGKILLed while step 0's trajectories are in flight (an environment
+    step paused), started again on a new port. It resumes the job at its recorded step; the step in flight is run
+    again from its plan (its trajectories restarted, not restored): every step reported once, every trajectory
+    graded, the trainer's logprobs still bitwise the rollout's."""
+    from .test_chaos import _kill, _restart_on_new_port
+
+    marker = tmp_path / "paused"
+    job = _job(env_stack.model_dir, f"ctl-{uuid.uuid4().hex[:6]}", steps=2,
+               env={"name": "stack_envs:PausingGuess", "kwargs": {"marker": str(marker), "pause_s": 4.0},
+                    "step_timeout_s": 30.0},
+               data=_tasks(env_stack, (37, 42, 9, 64)))
+    with Fp8rlClient(env_stack.target, token=env_stack.client_token, tls_ca="", timeout_s=30) as c:
+        job_id = c.submit_job(yaml.safe_dump(job))
+        deadline = time.monotonic() + WATCH_S
+        while not marker.exists():  # turn 0 sampled, an environment step running: trajectories in flight
+            assert time.monotonic() < deadline and c.get_job(job_id).state in ("pending", "running")
+            time.sleep(0.05)
+    old_port = _kill(env_stack, "controller")
+    assert _restart_on_new_port(env_stack, "controller") != old_port
+    with Fp8rlClient(env_stack.target, token=env_stack.client_token, tls_ca="", timeout_s=30) as c:
+        reports = list(c.watch(job_id, timeout_s=WATCH_S))
+        info = c.get_job(job_id)
+    assert_zero_mismatch(info, reports, 2)  # steps 0 and 1, once each
+    for r in reports:
+        ends = sum(v for k, v in r.metrics.items() if k.startswith("env/end/"))
+        assert ends == 4 and r.metrics["env/ungraded"] == 0.0, (r.step, r.metrics)
