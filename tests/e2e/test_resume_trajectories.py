@@ -26,7 +26,7 @@ from fp8rl.loop import main
 from .test_loop_resume import _rows, _steady, _wait_rows
 from .test_trajectories import _chat_model, _job
 
-pytestmark = pytest.mark.agents  # four loop processes: the agents tier (make test-agents)
+pytestmark = pytest.mark.chaos  # SIGKILLed loop processes: the chaos tier (make test-chaos), not the ISA matrix
 
 STEPS, EVERY, PROMPTS, GROUP = 4, 2, 2, 2
 ENV_TIMES = ("env/seconds", "env/share_of_rollout", "env/share_of_step")  # the environment's wall clock, per run
