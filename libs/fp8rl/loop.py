@@ -46,10 +46,10 @@ from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import ArithDataset, DataFileError, DataRoot, get_grader
 from fp8rl.engines import (
     MemoryBudgetError,
-    QKVCalibrator,
     SamplingParams,
     TorchTrainer,
     build_train_batch,
+    make_calibrator,
     make_rollout_engine,
     make_trainer_backend,
     replay_route_shape,
@@ -215,9 +215,7 @@ class GRPOLoop:
                                            shared_with=self.trainer.model if share else None)
         del policy  # the trainer's copy (and the rollout's, when not shared) are all that stay
         # The calibrator runs the trainer's model code forward-only (DESIGN §5).
-        cal = job.calibration
-        self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=self.tok.pad_id, percentile=cal.percentile,
-                                        margin=cal.margin, max_sequences=cal.max_sequences)
+        self.calibrator = make_calibrator(job, self.trainer.model, self.tok.pad_id)
         # the controller's plan of this job: batches, seeds, group size, validation set
         self.plan = JobPlan("loop", job, cfg.data, with_eval_set=True)  # the loop validates at the start and the end
         self.data = ArithDataset(job.arith_config(), seed=job.job.seed) if job.data.task == "arith" else None

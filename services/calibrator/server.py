@@ -27,7 +27,7 @@ import time
 import grpc
 
 from fp8rl import limits, memory
-from fp8rl.engines import CalibrationModel, QKVCalibrator
+from fp8rl.engines import CalibrationModel, make_calibrator
 from fp8rl.presets import load_policy
 from fp8rl.refit import (
     RefitError,
@@ -65,9 +65,7 @@ class CalibratorService(Service):
         self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"), take_model=True,
                                        lora=ctx.job.lora_settings())
         del policy
-        cal = ctx.job.calibration
-        self.calibrator = QKVCalibrator(self.target.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
-                                        margin=cal.margin, max_sequences=cal.max_sequences)
+        self.calibrator = make_calibrator(ctx.job, self.target.model, tok.pad_id)
         self.subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.target, ctx.compute),
                                                         ctx.replica_id, ctx.job.refit,
                                                         requires_scales=False, metrics=ctx.metrics)

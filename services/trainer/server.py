@@ -42,6 +42,7 @@ from fp8rl.engines import (
     StaleSampleError,
     TrainBatch,
     build_train_batch,
+    make_calibrator,
     replay_route_shape,
     train_on_batch,
 )
@@ -133,9 +134,7 @@ class TrainerService(Service):
         elif parallel is not None or self.backend != "torch":
             self.calibrator_unavailable = "calibrating in the trainer needs a one-process torch trainer"
         else:
-            cal = job.calibration
-            self.calibrator = QKVCalibrator(self.trainer.model, pad_token_id=tok.pad_id, percentile=cal.percentile,
-                                            margin=cal.margin, max_sequences=cal.max_sequences)
+            self.calibrator = make_calibrator(job, self.trainer.model, tok.pad_id)
         self.pending_scales: QKVScales | None = None
         self.ready = False
 

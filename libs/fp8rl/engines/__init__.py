@@ -24,7 +24,7 @@ from .base import (
 from .batch import StaleSampleError, TrainOutcome, build_train_batch, train_on_batch
 from .calibration_model import CalibrationModel
 from .calibrator import QKVCalibrator
-from .factory import make_rollout_engine, make_trainer_backend, replay_route_shape
+from .factory import make_calibrator, make_rollout_engine, make_trainer_backend, replay_route_shape
 from .footprint import MemoryBudgetError
 from .logprob_pass import sequence_logprobs
 from .torch_rollout import TorchRolloutEngine
@@ -35,7 +35,8 @@ __all__ = [
     "VersionMismatchError", "WeightLoadError", "Cancelled", "ShouldStop",
     "TorchRolloutEngine", "TorchTrainer", "TrainerConfig", "LoraSettings", "QKVCalibrator", "CalibrationModel",
     "sequence_logprobs",
-    "make_trainer_backend", "make_rollout_engine", "replay_route_shape", "TrainOutcome", "build_train_batch",
+    "make_calibrator", "make_trainer_backend", "make_rollout_engine", "replay_route_shape", "TrainOutcome",
+    "build_train_batch",
     "train_on_batch",
     "StaleSampleError", "MemoryBudgetError",
 ]

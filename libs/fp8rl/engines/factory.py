@@ -10,11 +10,13 @@ import torch
 from fp8rl.model import CausalLM
 
 from .base import RolloutEngine, TrainerBackend
+from .calibrator import QKVCalibrator
 from .parallel import DataParallel
 from .torch_rollout import TorchRolloutEngine
 from .torch_trainer import TorchTrainer
 
-__all__ = ["make_trainer_backend", "make_rollout_engine", "replay_route_shape", "TRAINER_BACKENDS", "ROLLOUT_BACKENDS"]
+__all__ = ["make_calibrator", "make_trainer_backend", "make_rollout_engine", "replay_route_shape", "TRAINER_BACKENDS",
+           "ROLLOUT_BACKENDS"]
 
 TRAINER_BACKENDS = ("torch", "megatron")
 
@@ -54,6 +56,14 @@ def make_trainer_backend(job, policy: CausalLM, *, ref_model: CausalLM | None = 
 
 
 ROLLOUT_BACKENDS = ("torch", "vllm")
+
+
+def make_calibrator(job, model: torch.nn.Module, pad_token_id: int) -> QKVCalibrator:
+    """The :class:`QKVCalibrator` of ``job``'s ``calibration`` section on ``model`` (the trainer's, or a calibrator's
+    own copy): the one construction the loop, the trainer and calibrator services and ``fp8rl.eval`` share."""
+    cal = job.calibration
+    return QKVCalibrator(model, pad_token_id=pad_token_id, percentile=cal.percentile, margin=cal.margin,
+                         max_sequences=cal.max_sequences)
 
 
 def replay_route_shape(job, config) -> tuple[int, int, int] | None:

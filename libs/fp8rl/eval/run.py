@@ -13,7 +13,7 @@ from fp8rl.config import JobConfig
 from fp8rl.controller.plan import encode_prompt, load_split, sampling_seed
 from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import DataRoot, get_grader
-from fp8rl.engines import QKVCalibrator, SamplingParams, TorchRolloutEngine
+from fp8rl.engines import SamplingParams, TorchRolloutEngine, make_calibrator
 from fp8rl.model import CausalLM
 from fp8rl.model.tokenizer import Tokenizer, stop_token_ids
 
@@ -81,9 +81,7 @@ def evaluate_policy(policy: CausalLM, tok: Tokenizer, job: JobConfig, data: Data
     rollout = TorchRolloutEngine(policy, recipe, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,
                                  seed=job.job.seed, max_batch_size=256)
     if recipe.fp8_kv:
-        cal = job.calibration
-        scales = QKVCalibrator(policy, pad_token_id=tok.pad_id, percentile=cal.percentile, margin=cal.margin,
-                               max_sequences=cal.max_sequences).calibrate(rollout.weight_version, prompts)
+        scales = make_calibrator(job, policy, tok.pad_id).calibrate(rollout.weight_version, prompts)
         rollout.load_scales(scales)
     engine, e = _Engine(job, rollout, tok), job.eval
     parts = []
