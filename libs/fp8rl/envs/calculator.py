@@ -23,7 +23,7 @@ from typing import Any
 from .base import Environment, EnvStep, Message
 from .registry import register
 from .safe_arith import MAX_EXPRESSION_CHARS, calculate
-from .tools import ToolCall, parse_tool_calls, tool_result_message
+from .tools import answer_tool_calls, parse_tool_calls
 
 __all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "CalculatorEnv", "extract_answer", "make_calculator_tasks"]
 
@@ -106,29 +106,14 @@ class CalculatorEnv(Environment):
         self._info = {"tool_calls": 0.0, "tool_errors": 0.0}
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
 
-    def _answer_call(self, call: Any) -> str:
-        if not isinstance(call, ToolCall):
-            return f"error: {call.error}"
-        if call.name != TOOL_NAME:
-            return f"error: unknown tool {call.name[:40]!r}; the only tool is {TOOL_NAME!r}"
-        if not self.tools_enabled:
-            return UNAVAILABLE
-        expression = call.arguments.get("expression")
-        if not isinstance(expression, str):
-            return 'error: the calculator takes {"expression": "<arithmetic>"}'
-        return calculate(expression)
-
     def step(self, assistant_text: str) -> EnvStep:
         if self._done:  # asked past the end (or before reset): end again, nothing earned
             return EnvStep([], 0.0, True, dict(self._info))
         calls = parse_tool_calls(assistant_text)
         if calls:
-            messages = []
-            for call in calls:
-                result = self._answer_call(call)
-                self._info["tool_calls"] += 1
-                self._info["tool_errors"] += 1.0 if result.startswith("error:") else 0.0
-                messages.append(tool_result_message(result))
+            messages = answer_tool_calls(calls, TOOL_NAME, "expression", calculate, self._info,
+                                         enabled=self.tools_enabled, unavailable=UNAVAILABLE,
+                                         usage='error: the calculator takes {"expression": "<arithmetic>"}')
             return EnvStep(messages, None, False, dict(self._info))
         self._done = True
         reward = 1.0 if extract_answer(assistant_text) == self._answer else 0.0

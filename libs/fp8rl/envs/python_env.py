@@ -31,7 +31,7 @@ from typing import Any
 from .base import EnvError, Environment, EnvStep, Message
 from .registry import register
 from .sandbox import KILL_REASONS, SandboxLimits, SandboxPool, SandboxResult, SandboxUnavailable
-from .tools import ToolCall, parse_tool_calls, tool_result_message
+from .tools import ToolCall, answer_tool_calls, parse_tool_calls
 
 __all__ = ["PYTHON_TOOL", "PythonEnv", "make_programming_tasks", "make_python_tasks"]
 
@@ -131,18 +131,6 @@ class PythonEnv(Environment):
             self._info[f"killed/{r.killed}"] += 1
         return r
 
-    def _answer_call(self, call: Any) -> str:
-        if not isinstance(call, ToolCall):
-            return f"error: {call.error}"
-        if call.name != TOOL_NAME:
-            return f"error: unknown tool {call.name[:40]!r}; the only tool is {TOOL_NAME!r}"
-        if not self.tools_enabled:
-            return UNAVAILABLE
-        code = call.arguments.get("code")
-        if not isinstance(code, str):
-            return 'error: the python tool takes {"code": "<program>"}'
-        return self._run(code).as_tool_result()
-
     def step(self, assistant_text: str) -> EnvStep:
         if self._done:
             return EnvStep([], 0.0, True, dict(self._info))
@@ -151,12 +139,9 @@ class PythonEnv(Environment):
         if not calls and fenced and "answer" in self._task and not _ANSWER_RE.search(assistant_text):
             calls = [ToolCall(TOOL_NAME, {"code": fenced[-1]})]  # a fenced block is a call on answer tasks
         if calls:
-            messages = []
-            for call in calls:
-                result = self._answer_call(call)
-                self._info["tool_calls"] += 1
-                self._info["tool_errors"] += 1.0 if result.startswith("error:") else 0.0
-                messages.append(tool_result_message(result))
+            messages = answer_tool_calls(calls, TOOL_NAME, "code", lambda code: self._run(code).as_tool_result(),
+                                         self._info, enabled=self.tools_enabled, unavailable=UNAVAILABLE,
+                                         usage='error: the python tool takes {"code": "<program>"}')
             return EnvStep(messages, None, False, dict(self._info))
         self._done = True
         if "answer" in self._task:

@@ -17,6 +17,7 @@ Results go back as ``role: "tool"`` messages (:func:`tool_result_message`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from .base import Message
 
 __all__ = [
     "MAX_TOOL_CALLS_PER_TURN", "MAX_TOOL_CALL_CHARS", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ToolCall",
-    "ToolCallError", "format_tool_call", "parse_tool_calls", "tool_result_message",
+    "ToolCallError", "answer_tool_calls", "format_tool_call", "parse_tool_calls", "tool_result_message",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -106,6 +107,31 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     """The block a model writes to call ``name`` (the inverse of :func:`parse_tool_calls`)."""
     return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{TOOL_CALL_CLOSE}"
+
+
+def answer_tool_calls(calls: list[ToolCall | ToolCallError], tool: str, argument: str, run: Callable[[str], str],
+                      info: dict[str, float | str], *, enabled: bool = True, unavailable: str = "",
+                      usage: str = "") -> list[Message]:
+    """The ``tool`` messages answering ``calls`` (one each, in call order) of an environment with one tool ``tool``
+    taking one str ``argument``: ``run(arguments[argument])``, or an ``error: ...`` text for a malformed call,
+    another tool's name, a missing argument (``usage``) — and ``unavailable`` for every call when not ``enabled``
+    (a control). Counts ``tool_calls`` and ``tool_errors`` (answers starting ``error:``) in ``info``."""
+    messages = []
+    for call in calls:
+        if not isinstance(call, ToolCall):
+            result = f"error: {call.error}"
+        elif call.name != tool:
+            result = f"error: unknown tool {call.name[:40]!r}; the only tool is {tool!r}"
+        elif not enabled:
+            result = unavailable
+        elif not isinstance(call.arguments.get(argument), str):
+            result = usage
+        else:
+            result = run(call.arguments[argument])
+        info["tool_calls"] += 1
+        info["tool_errors"] += 1.0 if result.startswith("error:") else 0.0
+        messages.append(tool_result_message(result))
+    return messages
 
 
 def tool_result_message(content: str) -> Message:
