@@ -478,9 +478,7 @@ class LatentNorm:
 
 
 def _check_supported(config: ModelConfig) -> None:
-    why = config.family.refusal("megatron")
-    if why:
-        raise ValueError(f"{config.architecture} on policy.training.backend: megatron: {why}")
+    config.family.require("megatron")
     if config.is_mla:
         if not config.rope_interleave:
             raise ValueError(f"{config.architecture} with rope_interleave=false: Megatron-Core's multi-latent "

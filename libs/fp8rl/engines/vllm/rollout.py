@@ -108,9 +108,7 @@ class VllmRolloutEngine(RolloutEngine):
         self.recipe = recipe
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_hf_dict(json.loads((self.model_dir / "config.json").read_text()))
-        why = self.config.family.refusal("vllm")
-        if why:
-            raise ValueError(f"policy.generation.backend: 'vllm' with {self.config.architecture}: {why}")
+        self.config.family.require("vllm")
         self.max_len = self.config.max_position_embeddings
         self.eos_token_ids = tuple(eos_token_ids)
         on_cpu = current_platform.is_cpu()
