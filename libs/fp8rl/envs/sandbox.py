@@ -166,18 +166,14 @@ class Sandbox:
         """bwrap's argv under the reaper (:data:`_REAPER`)."""
         return [PYTHON, "-I", "-S", "-B", "-c", _REAPER, *self._argv(code)]
 
-    def _limit(self) -> None:
-        """In the child, before ``exec bwrap``: drop to the slot's uid, then the rlimits (a new session is
-        ``start_new_session``). A service that is not root keeps its own uid (bubblewrap's user namespace still
-        isolates the program) and the process limit counts the uid's processes already running on top."""
+    def _limit(self, procs: int) -> None:
+        """In the child, before ``exec bwrap``: drop to the slot's uid, then the rlimits, ``procs`` processes (a new
+        session is ``start_new_session``). Nothing here reads files: the parent computed what it needs."""
         lim = self.limits
-        procs = lim.processes
         if os.geteuid() == 0:
             os.setgroups([])
             os.setgid(self.uid)
             os.setuid(self.uid)
-        else:
-            procs += _processes_of(os.geteuid())
         cpu = int(lim.cpu_seconds)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
         resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
@@ -198,12 +194,15 @@ class Sandbox:
         if len(code.encode()) > self.limits.code_bytes or "\x00" in code:
             raise ValueError(f"sandbox code must be at most {self.limits.code_bytes} bytes without NUL")
         lim = self.limits
+        # a service that is not root keeps its own uid (bubblewrap's user namespace still isolates the program): the
+        # process limit then counts the uid's processes already running on top
+        procs = lim.processes if os.geteuid() == 0 else lim.processes + _processes_of(os.geteuid())
         t0 = time.perf_counter()
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
                 proc = subprocess.Popen(self._command(code), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                         cwd="/", env={"PATH": "/usr/bin:/bin"}, close_fds=True,
-                                        start_new_session=True, preexec_fn=self._limit)
+                                        start_new_session=True, preexec_fn=lambda: self._limit(procs))
             except (OSError, subprocess.SubprocessError) as e:
                 raise SandboxUnavailable(f"the sandbox could not start: {e}") from None
             finally:
