@@ -312,6 +312,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None =
     if not trajs:
         return {}
     n = len(trajs)
+    versions = [len({v for v, m in zip(t.versions, t.token_mask, strict=True) if m}) for t in trajs]
     out = {
         "env/turns_mean": sum(t.turns for t in trajs) / n,
         "env/turns_max": float(max(t.turns for t in trajs)),
@@ -325,10 +326,8 @@ def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None =
         "env/cut_turns": float(sum(t.cut_turns for t in trajs)),
         "env/seconds": sum(t.env_seconds for t in trajs),
         # env.partial interrupt: the versions a trajectory's model tokens were sampled by (1 each under finish)
-        "env/versions_per_trajectory": sum(len({v for v, m in zip(t.versions, t.token_mask, strict=True) if m})
-                                           for t in trajs) / n,
-        "env/interrupted": float(sum(len({v for v, m in zip(t.versions, t.token_mask, strict=True) if m}) > 1
-                                     for t in trajs)),
+        "env/versions_per_trajectory": sum(versions) / n,
+        "env/interrupted": float(sum(k > 1 for k in versions)),
     }
     for reason in END_REASONS:
         out[f"env/end/{reason}"] = float(sum(t.end_reason == reason for t in trajs))
