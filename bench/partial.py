@@ -14,6 +14,7 @@ steps), trajectories spanning two versions, and ``ratio samples_per_s <mode>/syn
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from fp8rl.config import parse_job_config
-from fp8rl.envs import EnvStep, GuessNumberEnv, register
+from fp8rl.envs import register
 from fp8rl.loop import GRPOLoop, LoopConfig
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.hf_io import save_hf_checkpoint
@@ -33,19 +34,11 @@ from fp8rl.presets.chatml import build_chatml_tokenizer
 
 PROMPTS, GROUP = 2, 4
 MODES = {"sync": None, "finish": "finish", "interrupt": "interrupt"}
-
-
-@register("bench_slow_guess")
-class SlowGuess(GuessNumberEnv):
-    """guess_number whose every step waits ``delay_s`` (a tool that calls a slow service: the GIL is free)."""
-
-    def __init__(self, delay_s: float = 0.0) -> None:
-        super().__init__()
-        self.delay_s = delay_s
-
-    def step(self, assistant_text: str) -> EnvStep:
-        time.sleep(self.delay_s)
-        return super().step(assistant_text)
+# guess_number whose steps wait delay_s: the env-stack tests' SlowGuess, registered under a name of its own here so
+# that data.task env draws guess_number's generated tasks for it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration" / "controller"))
+SLOW_GUESS = "bench_slow_guess"
+register(SLOW_GUESS)(importlib.import_module("stack_envs").SlowGuess)
 
 
 def _model(path: Path) -> Path:
@@ -68,7 +61,7 @@ def _job(model: Path, steps: int, turns: int, partial: str | None, delay: float)
                        "generation": {"vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
                        "training": {"lr": 0.01, "micro_batch_size": 8, "megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
             "grpo": grpo,
-            "env": {"name": "bench_slow_guess", "kwargs": {"delay_s": delay}, "max_turns": turns,
+            "env": {"name": SLOW_GUESS, "kwargs": {"delay_s": delay}, "max_turns": turns,
                     "max_tokens_per_turn": 16,
                     "max_trajectory_tokens": 400, "partial": partial or "finish"},
             "data": {"task": "env"}}
