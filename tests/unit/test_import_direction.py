@@ -35,7 +35,8 @@ LIBS = {
     "fp8rl.observatory": {"fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.rl", "fp8rl.presets", "fp8rl.data"},
     "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.envs", "fp8rl.fp8", "fp8rl.model",
                    "fp8rl.presets", "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory",
-                   "fp8rl.export", "fp8rl.rundir"},
+                   "fp8rl.export", "fp8rl.rundir", "fp8rl.loop_config"},
+    "fp8rl.loop_config": {"fp8rl.config", "fp8rl.data", "fp8rl.fp8"},  # the loop's job and flags
     "fp8rl.rundir": {"fp8rl.report"},  # the loop's run directory: rows and checkpoints as a run goes
     "fp8rl.report": {"fp8rl.limits"},
     "fp8rl.export": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.presets"},
