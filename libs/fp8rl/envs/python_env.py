@@ -8,10 +8,14 @@ Two kinds of task, by their keys:
   stdout and stderr; the episode ends on a turn with neither: reward 1.0 when the last ``Answer: <text>`` equals the
   task's answer (whitespace stripped), else 0.0;
 * **test tasks** ``{"question": ..., "tests": "assert f(2) == 4\\n..."}`` (small programs;
-  :func:`make_programming_tasks`, or users' rows with tests): tool calls run code as above; the first turn without
-  one ends the episode, and its last ```` ```python ```` block followed by the tests runs in the sandbox — reward
-  1.0 when that exits 0 having run the tests to their end (a nonce printed after them: a program that exits early
-  skipped them).
+  :func:`make_programming_tasks`): tool calls run code as above; the first turn without one ends the episode, and
+  its last ```` ```python ```` block followed by the tests runs in the sandbox — reward 1.0 when that exits 0
+  having run the tests to their end (a nonce printed after them: a program that exits early skipped them).
+
+Users' own tasks come as data rows (``data.task: dataset`` or ``jsonl``), which reach an environment as
+``{"question", "answer"}``: rows of answer tasks as they are; rows of test tasks with ``data.answer_key`` naming
+their tests field and ``env.kwargs.grade: tests`` (the task's ``answer`` holds its tests). ``grade: answer`` grades
+every task by its answer; ``auto`` (the default) by the key the task has.
 
 A sandbox that cannot run (bubblewrap missing, the pool's queue deadline passed) raises :class:`EnvError`: the
 trajectory ends ungraded with that reason, out of the loss and counted — never a score the model earned.
@@ -36,6 +40,7 @@ from .tools import ToolCall, answer_tool_calls, parse_tool_calls
 __all__ = ["PYTHON_TOOL", "PythonEnv", "make_programming_tasks", "make_python_tasks"]
 
 TOOL_NAME = "python"
+GRADES = ("auto", "answer", "tests")
 UNAVAILABLE = "error: the python tool is unavailable"
 SYSTEM_PROMPT = (
     "You are a careful assistant. You may run Python code with the python tool, for example:\n"
@@ -79,13 +84,18 @@ class PythonEnv(Environment):
         wall_seconds, memory_mb, output_kb: the :class:`~fp8rl.envs.sandbox.SandboxLimits` of a run.
         slots, max_starting, queue_timeout_s: the process's :class:`~fp8rl.envs.sandbox.SandboxPool`.
         system_prompt: the system message of every episode.
+        grade: ``auto`` (a task's ``answer`` or ``tests``, whichever it has), ``tests`` (a task's ``answer`` holds
+            its tests: users' data rows, ``data.answer_key: <their tests field>``) or ``answer``.
     """
 
     def __init__(self, tools_enabled: bool = True, wall_seconds: float = 5.0, memory_mb: int = 512,
                  output_kb: int = 64, slots: int = 4, max_starting: int = 2, queue_timeout_s: float = 10.0,
-                 system_prompt: str = SYSTEM_PROMPT) -> None:
+                 system_prompt: str = SYSTEM_PROMPT, grade: str = "auto") -> None:
         if not isinstance(tools_enabled, bool):
             raise ValueError(f"PythonEnv tools_enabled must be a bool, got {tools_enabled!r}")
+        if grade not in GRADES:
+            raise ValueError(f"PythonEnv grade must be one of {', '.join(GRADES)}, got {grade!r}")
+        self.grade = grade
         limits = SandboxLimits(wall_seconds=wall_seconds, cpu_seconds=max(1, int(wall_seconds)),
                                memory_bytes=int(memory_mb) * 2**20, output_bytes=int(output_kb) * 2**10)
         self.pool = _pool(slots, max_starting, queue_timeout_s, limits)
@@ -107,10 +117,15 @@ class PythonEnv(Environment):
         question = task.get("question")
         if not isinstance(question, str) or not question:
             raise ValueError(f"python task needs a non-empty str 'question', got {question!r}")
+        if self.grade == "tests" and "answer" in task and "tests" not in task:  # a data row: its answer is tests
+            task = {"question": question, "tests": task["answer"]}
+        if self.grade == "answer" and "tests" in task:
+            raise ValueError("python task has 'tests' but the environment grades answers (env.kwargs.grade: answer)")
         if ("answer" in task) == ("tests" in task):
             raise ValueError(f"python task needs exactly one of 'answer' and 'tests', got keys {sorted(task)}")
-        if not isinstance(task.get("answer", task.get("tests")), str):
-            raise ValueError("python task 'answer' / 'tests' must be a str")
+        graded = task.get("answer", task.get("tests"))
+        if not isinstance(graded, str) or not graded.strip():
+            raise ValueError(f"python task 'answer' / 'tests' must be a non-empty str, got {graded!r:.80}")
         self._task = dict(task)
         self._done = False
         self._info = {"tool_calls": 0.0, "tool_errors": 0.0, "sandbox_runs": 0.0, "sandbox_wall_s": 0.0,

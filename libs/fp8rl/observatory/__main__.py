@@ -63,16 +63,31 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-class _Stopped(Exception):
+class _Stopped(BaseException):
+    """Raised by the signal handler wherever the main thread is: a BaseException (like KeyboardInterrupt), so no
+    library's ``except Exception`` (matplotlib's, torch's) can swallow the stop and let the run go on."""
+
     def __init__(self, why: str, code: int) -> None:
         super().__init__(why)
         self.code = code
 
 
+_pending: list[_Stopped] = []  # the stop asked for, until main() has acted on it
+
+
 def _stop(signum, _frame) -> None:
-    if signum == signal.SIGALRM:
-        raise _Stopped("its --time-limit", 124)
-    raise _Stopped(signal.Signals(signum).name, 128 + signum)
+    stop = (_Stopped("its --time-limit", 124) if signum == signal.SIGALRM
+            else _Stopped(signal.Signals(signum).name, 128 + signum))
+    _pending.append(stop)
+    raise stop
+
+
+def _check_stop() -> None:
+    """Raise the stop again at a safe point (each progress line, each partial result): the handler raises wherever
+    the main thread is, and code that calls ``PyErr_CheckSignals`` and clears what it raised loses that once. A CI
+    run lost a SIGTERM that way, with nothing on stderr, and went on to finish the search."""
+    if _pending:
+        raise _pending[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,16 +122,22 @@ def main(argv: list[str] | None = None) -> int:
             partial.write(args.out)
         if not partial.layers:  # the sources are measured: print them now
             print("\n" + partial.to_markdown().split("\n| layer |")[0], flush=True)
+        _check_stop()
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        _check_stop()
 
     old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
     if args.time_limit is not None:
         signal.setitimer(signal.ITIMER_REAL, args.time_limit)
     try:
         result = observe(model, prompts, cfg, pad_token_id=tok.pad_id, eos_token_ids=stop_token_ids(tok),
-                         name=args.model, search=not args.no_search, progress=lambda msg: print(msg, flush=True),
+                         name=args.model, search=not args.no_search, progress=say,
                          on_partial=keep)
     except _Stopped as stop:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        _pending.clear()
         if not last:
             print(f"python -m fp8rl.observatory: stopped by {stop} before the first table was measured",
                   file=sys.stderr)
@@ -133,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, h)
     print()
     print(result.write(args.out) if args.out else result.to_markdown(), end="")
+    if _pending:  # a stop lost after the last progress line: the observation is whole, the exit status says so
+        stop = _pending.pop()
+        _pending.clear()
+        print(f"python -m fp8rl.observatory: stopped by {stop} as the observation ended; the result above is whole",
+              file=sys.stderr)
+        return stop.code
     return 0
 
 

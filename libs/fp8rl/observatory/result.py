@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -237,8 +238,10 @@ class ObservatoryResult:
         except ImportError as exc:
             log.warning("observatory: no plot (%s); pip install matplotlib", exc)
             md += "\n- plot skipped: `matplotlib` is not installed (`pip install matplotlib`)\n"
-        (out / MARKDOWN).write_text(md)
-        (out / JSON).write_text(json.dumps(self.to_dict(), indent=2))
+        for name, text in ((MARKDOWN, md), (JSON, json.dumps(self.to_dict(), indent=2))):
+            tmp = out / (name + ".tmp")  # replaced whole: a stop mid-write leaves the previous file, never half of one
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
         return md
 
     def plot(self, path: str | Path) -> None:

@@ -4,6 +4,7 @@ that cannot run ends the trajectory ungraded (EnvError), never scored."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -88,10 +89,40 @@ def test_bad_tasks_are_refused():
     for task, match in [({"question": ""}, "non-empty str 'question'"),
                         ({"question": "q"}, "exactly one of 'answer' and 'tests'"),
                         ({"question": "q", "answer": "1", "tests": "x"}, "exactly one of"),
-                        ({"question": "q", "answer": 7}, "must be a str")]:
+                        ({"question": "q", "answer": 7}, "must be a non-empty str"),
+                        ({"question": "q", "answer": " "}, "must be a non-empty str")]:
         with pytest.raises(ValueError, match=match):
             env.reset(task)
     assert make_python_tasks(3, 0) == make_python_tasks(3, 0) != make_python_tasks(3, 1)
+    with pytest.raises(ValueError, match="grade must be one of auto, answer, tests"):
+        make_env("python", grade="exact")
+    with pytest.raises(ValueError, match="grades answers"):
+        make_env("python", grade="answer").reset(make_programming_tasks(1, 0)[0])
+
+
+def test_users_rows_with_tests_are_graded_by_their_tests(tmp_path):
+    # a user's JSON-lines file of programming tasks, read as a job reads it (data.answer_key: their tests field);
+    # each problem reaches the environment as the loop and the stack hand it over: {"question", "answer"}
+    from fp8rl.config import parse_job_config
+    from fp8rl.controller.plan import problem_source
+    from fp8rl.data import DataRoot
+
+    rows = [{"prompt": "Write sq(x), the square of x.", "tests": "assert sq(3) == 9\nassert sq(-2) == 4"},
+            {"prompt": "Write neg(x).", "tests": "assert neg(1) == -1"}]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = parse_job_config({"data": {"task": "jsonl", "path": "tasks.jsonl", "answer_key": "tests"},
+                            "grpo": {"num_prompts_per_step": 2},
+                            "env": {"name": "python", "kwargs": {"grade": "tests"}}})
+    problems = problem_source(job, DataRoot(tmp_path))(0)
+    assert [p.answer for p in problems] == [r["tests"] for r in rows]
+    programs = {"sq": "def sq(x):\n    return x * x", "neg": "def neg(x):\n    return -x"}
+    for p in problems:
+        name = "sq" if "sq(" in p.prompt else "neg"
+        right, wrong = (make_env(job.env.name, **job.env.kwargs) for _ in range(2))
+        for env in (right, wrong):
+            env.reset({"question": p.prompt, "answer": p.answer})
+        assert right.step(f"```python\n{programs[name]}\n```").reward == 1.0
+        assert wrong.step(f"```python\ndef {name}(x):\n    return x\n```").reward == 0.0
 
 
 def test_the_sandbox_counters_become_step_metrics():
