@@ -98,7 +98,6 @@ def _stopped_in_the_search(tmp_path, sig) -> subprocess.Popen:
         proc.send_signal(signal.SIGSTOP)
         assert "| total | yes |" in printed  # the source table was printed as soon as it was measured
         on_disk = json.loads((tmp_path / "observatory.json").read_text())
-        import sys as _s; print("DIAG", open(f"/proc/{proc.pid}/status").read(), on_disk["stopped_in"], len(on_disk["suggestion"]["candidates"]), file=_s.stderr)
         if on_disk["stopped_in"] == "the suggestion search" and len(on_disk["suggestion"]["candidates"]) <= _BUDGET:
             proc.send_signal(sig)
             proc.send_signal(signal.SIGCONT)
@@ -113,7 +112,6 @@ def test_an_observatory_stopped_in_its_search_keeps_the_tables_it_measured(prese
     proc = _stopped_in_the_search(tmp_path, sig)
     out, err = proc.communicate(timeout=120)
     result = json.loads((tmp_path / "observatory.json").read_text())
-    print("DIAG2", proc.returncode, err[-3000:], file=sys.stderr)
     assert [r["name"] for r in result["sources"]][-1] == "total" and len(result["layers"]) == 4
     assert all(r["num_sequences"] == 32 and r["standard_error"] >= 0 for r in result["sources"])
     assert result["stopped_in"] == "the suggestion search" and result["suggestion"]["candidates"]
