@@ -122,6 +122,11 @@ EXPOSE 50054
 ENTRYPOINT ["python", "-m", "services.calibrator"]
 
 FROM cpu-runtime AS reward
+# bubblewrap: the python environment's code sandbox (fp8rl.envs.sandbox; the env workers run in this service).
+# Inside the container it runs as uid 10001 in a user namespace, without /proc where the runtime masks the host's.
+USER root
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/*
+USER 10001:10001
 ENV FP8RL_PORT=50053
 EXPOSE 50053
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-m", "fp8rl.rpc.health_probe"]

@@ -199,9 +199,6 @@ class JobRunner:
         name = job.env.name
         if name is None:
             return
-        if job.env.partial != "finish":
-            raise ConfigError(f"env.partial: {short(job.env.partial)} runs in the in-process loop only; the service "
-                              "stack's trajectories finish on the version that started them (env.partial: finish)")
         recorded = self.refit.envs()
         names, modules = recorded if recorded is not None else (set(env_names()), set())
         if not (name in names or name.partition(":")[0] in modules):

@@ -10,7 +10,9 @@ halves:
   service is away) fails the step, which the runner retries like any transient failure — never a judged trajectory.
 * each **turn** is one Generate per rollout replica (:meth:`fp8rl.controller.pool.RolloutPool.generate_turn`),
   sticky: a trajectory's turns go to the replica holding its K/V under its session key, and move (re-prefilled)
-  when that replica is lost. The sessions are released when the trajectories end.
+  when that replica is lost. The sessions are released when the trajectories end. Under ``env.partial: finish``
+  a replica holds a refit back while trajectories of its version are in flight (each is sampled by one version);
+  under ``interrupt`` it does not, and a trajectory's next turn runs on the new weights.
 
 The tokens are the replicas' exactly (never re-tokenized) and the environment's replies are the chat template's
 deltas, rendered here with the policy's tokenizer, so the trainer's one forward over a whole trajectory is
@@ -141,14 +143,18 @@ class TrajectoryRunner:
         keys: list[str] = []
         sticky: dict[str, tuple[str, int]] = {}
         pins: dict[str, int] = {}  # the version each trajectory is sampled at (asynchronous GRPO: at least version)
+        # env.partial interrupt: no pin past a turn and no replica holding a refit back for these trajectories; each
+        # turn runs at the version its replica serves then (at least ``version``), a refit's new weights recompute
+        # the older K/V (the engine drops its sessions), and every token keeps the version it was sampled by
+        interrupt = plan.job.env.partial == "interrupt"
 
         def generate_turn(prompts, max_tokens, turn, turn_keys):
             samples = self.pool.generate_turn(
                 prompts, turn_keys, version, sampling={"temperature": temperature, "top_p": g.top_p,
                                                        "max_tokens": max_tokens},
                 seed_of=lambda a: sampling_seed(plan.job.job.seed, step, a) + TURN_SEED_STRIDE * turn,
-                request_id=f"{tag}t{turn}", wait_s=self.wait_s, sticky=sticky, pins=pins, tick=self.tick,
-                at_least=plan.async_grpo, max_weight_lag=plan.max_weight_lag)
+                request_id=f"{tag}t{turn}", wait_s=self.wait_s, sticky=sticky, pins={} if interrupt else pins,
+                tick=self.tick, at_least=plan.async_grpo, max_weight_lag=0 if interrupt else plan.max_weight_lag)
             return [_sample_of(s) for s in samples]
 
         tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]

@@ -6,9 +6,11 @@ Skips with one line only where podman cannot run containers on this machine (not
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -92,3 +94,45 @@ def test_reward_container_serves_health_and_metrics_runs_non_root_and_stops_on_s
         assert code == "0", f"exit code {code} after SIGTERM (want a clean stop)"
     finally:
         containers.podman("rm", "-f", name, check=False)
+
+
+# Run inside the reward image (where the env workers run): the same probes once in the sandbox and once as the
+# service's own process, the negative control. Host networking: the test's listener is on the container's loopback.
+_SANDBOX_PROBE = textwrap.dedent("""
+    import json, os, socket, sys
+    from fp8rl.envs.sandbox import Sandbox, SandboxLimits, proc_mountable, sandbox_problem
+    port = int(sys.argv[1])
+    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+    token = "import os; print(os.environ.get('FP8RL_AUTH_TOKEN', 'absent'))"
+    sb = Sandbox(SandboxLimits(wall_seconds=3))
+    out = {"problem": sandbox_problem(), "proc": proc_mountable(), "uid": os.getuid()}
+    r = sb.run("print(6 * 7)")
+    out["answer"] = [r.stdout.strip(), r.exit_status]
+    out["net"] = [sb.run(connect).stdout.strip(), None]
+    out["token"] = [sb.run(token).stdout.strip(), None]
+    out["sleep"] = sb.run("import time; time.sleep(60)").killed
+    try:  # the control: the service itself reaches the listener and has the token
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        out["net"][1] = "connected"
+    except OSError as e:
+        out["net"][1] = repr(e)
+    out["token"][1] = os.environ.get("FP8RL_AUTH_TOKEN", "absent")
+    print(json.dumps(out))
+""")
+
+
+def test_the_reward_image_runs_model_code_in_its_sandbox(reward_image):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        p = containers.podman("run", "--rm", "--network", "host", "-e", "FP8RL_AUTH_TOKEN=s3cret",
+                              "--entrypoint", "python", reward_image, "-c", _SANDBOX_PROBE, str(port),
+                              check=False, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["problem"] is None and got["uid"] == 10001  # bubblewrap runs in the image, as its non-root user
+    assert got["answer"] == ["42", 0]
+    assert got["net"] == ["", "connected"]  # no network in the sandbox; the service itself connects
+    assert got["token"] == ["absent", "s3cret"]  # the service's environment stays outside
+    assert got["sleep"] == "timeout"

@@ -93,11 +93,13 @@ def test_interrupt_runs_in_the_asynchronous_loop(chat_model):
     assert all(1.0 <= r["env/versions_per_trajectory"] <= 2.0 for r in rows)
 
 
-def test_the_service_stack_refuses_interrupt_by_name(chat_model):
+def test_the_service_stack_admits_interrupt(chat_model):
+    # the stack runs it too (tests/integration/controller/test_env_stack.py, the agents tier); admission here
     job = parse_job_config(_job(chat_model, env={"partial": "interrupt"}))
     assert job.env.partial == "interrupt"
-    with pytest.raises(ConfigError, match="env.partial: 'interrupt' runs in the in-process loop only"):
-        _admit(job)
+    _admit(job)
+    with pytest.raises(ConfigError, match="env.partial"):
+        parse_job_config(_job(chat_model, env={"partial": "abandon"}))
 
 
 def _admit(job):

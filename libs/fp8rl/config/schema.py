@@ -432,7 +432,7 @@ class EnvSection(Section):
                            "for the turn in flight; the trajectories continue on the new weights, every token "
                            "keeping the version and behaviour logprob it was sampled with, the old version's K/V "
                            "recomputed under the new weights; a row's version for the lag bound is its oldest "
-                           "token's). The in-process loop runs both; the service stack runs finish.",
+                           "token's). The in-process loop and the service stack run both.",
                            choices=("finish", "interrupt"))
 
     def check(self) -> None:

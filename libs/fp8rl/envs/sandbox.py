@@ -4,8 +4,8 @@
 sandbox killed it, why (:class:`SandboxResult`). Each run:
 
 * **bubblewrap** (``bwrap``) with every namespace unshared: no network (a private network namespace with only a
-  down loopback), a private PID namespace (its own ``/proc``: no other process, ``/proc/*/environ`` included, is
-  visible; when the program's first process ends, the kernel kills every process left in it), a read-only
+  down loopback), a private PID namespace (its own ``/proc``, or none inside a container that masks the host's —
+  :func:`proc_mountable`: no other process, ``/proc/*/environ`` included, is visible; when the program's first process ends, the kernel kills every process left in it), a read-only
   ``/usr`` as the whole root filesystem (``/bin``, ``/lib`` link into it; no ``/etc``, ``/home``, ``/root``, ``/run``,
   no service files, tokens or checkpoints), a private ``tmpfs`` work directory and ``/tmp`` (size-capped), an empty
   environment (``PATH`` only), every capability dropped, a new session (no terminal);
@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["KILL_REASONS", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxUnavailable",
-           "sandbox_problem"]
+           "proc_mountable", "sandbox_problem"]
 
 KILL_REASONS = ("timeout", "cpu", "memory", "output")
 PYTHON = "/usr/bin/python3"  # the sandbox's interpreter: the system's, under the read-only /usr
@@ -131,6 +131,28 @@ class SandboxResult:
         return "\n".join(parts)
 
 
+_ROOT = ("--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+         "--symlink", "usr/bin", "/bin")
+_proc_ok: list[bool] = []
+
+
+def proc_mountable() -> bool:
+    """Whether bubblewrap may mount the PID namespace's own ``/proc`` here (asked once per process).
+
+    Inside a container whose runtime masks parts of ``/proc`` (podman's and Docker's defaults; Kubernetes'
+    ``procMount: Default``) the kernel refuses a new ``proc`` mount to an unprivileged user namespace. The sandbox
+    then has no ``/proc`` at all: it still runs in its own PID namespace, and sees less (programs that read
+    ``/proc/self`` get ``FileNotFoundError``)."""
+    if not _proc_ok:
+        try:
+            r = subprocess.run(["bwrap", "--unshare-all", "--die-with-parent", *_ROOT, "--proc", "/proc", PYTHON,
+                                "-I", "-S", "-c", "pass"], capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return True  # no bubblewrap to ask (not cached): the run says why it cannot start
+        _proc_ok.append(r.returncode == 0 or "proc" not in r.stderr)  # another refusal is sandbox_problem()'s
+    return _proc_ok[0]
+
+
 def sandbox_problem() -> str | None:
     """Why no sandbox can run here (no ``bwrap``, no ``/usr/bin/python3``, or bubblewrap refused to start), or None."""
     if shutil.which("bwrap") is None:
@@ -156,8 +178,7 @@ class Sandbox:
     def _argv(self, code: str) -> list[str]:
         size = str(self.limits.tmp_bytes)
         return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-                "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
+                *_ROOT, *(["--proc", "/proc"] if proc_mountable() else []), "--dev", "/dev",
                 "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/work", "--chdir", "/work",
                 "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work",
                 PYTHON, "-I", "-B", "-c", code]

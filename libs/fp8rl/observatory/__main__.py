@@ -84,8 +84,9 @@ def _stop(signum, _frame) -> None:
 
 def _check_stop() -> None:
     """Raise the stop again at a safe point (each progress line, each partial result): the handler raises wherever
-    the main thread is, and code that calls ``PyErr_CheckSignals`` and clears what it raised loses that once. A CI
-    run lost a SIGTERM that way, with nothing on stderr, and went on to finish the search."""
+    the main thread is, and C code that clears the error it was handed loses it. Seen: a SIGTERM raised in
+    ``copyreg._slotnames`` under ``object.__reduce_ex__`` (the rollout engine's ``deepcopy`` of the model) vanished
+    without a trace, and the run finished its search (a CI failure of 2026-12-06; 1 run in ~15 here)."""
     if _pending:
         raise _pending[0]
 

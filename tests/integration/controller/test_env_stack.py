@@ -207,6 +207,32 @@ def test_asynchronous_grpo_holds_each_refit_until_the_trajectories_in_flight_end
     assert held > 0, [r.phase_times for r in reports]
 
 
+def test_interrupt_lets_a_refit_land_mid_trajectory_on_the_stack(env_stack):
+    """k = 1 with env.partial interrupt (issue 50): no replica holds a refit back, so step s's training lands while
+    step s+1's trajectories are between turns and their next turns run on the new weights — each token keeping its
+    version, a row within the lag bound by its oldest token. Each environment step takes 2 s, so a trajectory of 3
+    turns spans > 4 s against a tiny model's train step and refit of ~1-2 s here: a refit lands inside some
+    trajectory of steps 1-2 unless training slows 2-4x. The bitwise per-version logprobs are the loop's test
+    (tests/e2e/test_interrupt.py): the same engines, the same recompute of a dropped session."""
+    job = _job(env_stack.model_dir, f"intr-{uuid.uuid4().hex[:6]}", steps=3,
+               env={"name": "stack_envs:SlowGuess", "kwargs": {"delay_s": 2.0}, "partial": "interrupt"},
+               data=_tasks(env_stack, (37, 42, 9, 64, 5, 77)),
+               grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                     "async_grpo": {"enabled": True, "max_weight_lag": 1}})
+    logs = [env_stack.run_dir / "logs" / f"rollout-{i}.log" for i in (0, 1)]
+    before = sum(p.read_text().count("multi-turn trajectories of version") for p in logs)
+    reports, info = _run(env_stack, job)
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    assert [r.step for r in reports] == [0, 1, 2]
+    for r in reports:
+        m = r.metrics
+        assert m["env/ungraded"] == 0.0 and m["env/turns_mean"] == TURNS, (r.step, m)
+        assert m["weight_lag_max"] <= 1 and 1.0 <= m["env/versions_per_trajectory"] <= 2.0, (r.step, m)
+    assert sum(r.metrics["env/interrupted"] for r in reports) >= 1, [r.metrics for r in reports]
+    held = sum(p.read_text().count("multi-turn trajectories of version") for p in logs) - before
+    assert held == 0  # nothing held back for these trajectories
+
+
 def test_the_controller_killed_with_trajectories_in_flight_resumes_none_lost_or_doubled(env_stack, tmp_path):
     """Issue 50 on the stack: the controller SIGKILLed while step 0's trajectories are in flight (an environment
     step paused), started again on a new port. It resumes the job at its recorded step; the step in flight is run
