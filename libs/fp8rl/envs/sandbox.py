@@ -5,7 +5,8 @@ sandbox killed it, why (:class:`SandboxResult`). Each run:
 
 * **bubblewrap** (``bwrap``) with every namespace unshared: no network (a private network namespace with only a
   down loopback), a private PID namespace (its own ``/proc``, or none inside a container that masks the host's —
-  :func:`proc_mountable`: no other process, ``/proc/*/environ`` included, is visible; when the program's first process ends, the kernel kills every process left in it), a read-only
+  :func:`proc_mountable`: no other process, ``/proc/*/environ`` included, is visible; when the program's first
+  process ends, the kernel kills every process left in it), a read-only
   ``/usr`` as the whole root filesystem (``/bin``, ``/lib`` link into it; no ``/etc``, ``/home``, ``/root``, ``/run``,
   no service files, tokens or checkpoints), a private ``tmpfs`` work directory and ``/tmp`` (size-capped), an empty
   environment (``PATH`` only), every capability dropped, a new session (no terminal);
