@@ -106,7 +106,12 @@ COPY services ./services
 RUN pip install --no-cache-dir --no-deps .
 
 FROM ${BASE_IMAGE} AS cpu-runtime
-RUN groupadd --system --gid 10001 fp8rl \
+# bubblewrap: the python environment's code sandbox (fp8rl.envs.sandbox; the env workers run in the reward service).
+# In the container it runs as uid 10001 in a user namespace, without /proc where the runtime masks the host's.
+# Unpinned: the base image's Debian release chooses the version (a pin would break on another BASE_IMAGE).
+# hadolint ignore=DL3008
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 fp8rl \
  && useradd --system --uid 10001 --gid fp8rl --home-dir /home/fp8rl --create-home --shell /usr/sbin/nologin fp8rl \
  && mkdir -p /var/cache/fp8rl /var/lib/fp8rl \
  && chown fp8rl:fp8rl /var/cache/fp8rl /var/lib/fp8rl
@@ -122,11 +127,6 @@ EXPOSE 50054
 ENTRYPOINT ["python", "-m", "services.calibrator"]
 
 FROM cpu-runtime AS reward
-# bubblewrap: the python environment's code sandbox (fp8rl.envs.sandbox; the env workers run in this service).
-# Inside the container it runs as uid 10001 in a user namespace, without /proc where the runtime masks the host's.
-USER root
-RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/*
-USER 10001:10001
 ENV FP8RL_PORT=50053
 EXPOSE 50053
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-m", "fp8rl.rpc.health_probe"]
