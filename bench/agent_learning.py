@@ -1,5 +1,5 @@
-"""Learning on the calculator environment (issue 48): tool use and accuracy before → after, over seeds, with the
-tools-disabled control — every number from this one run.
+"""Learning on a tool environment (issue 48: calculator; issue 50: python, ``deploy/python-job-tiny.yaml``): tool use
+and accuracy before → after, over seeds, with the tools-disabled control — every number from this one run.
 
     python bench/agent_learning.py [--config deploy/tool-job-tiny.yaml] [--seeds 0 1 2] [--steps 30] [--prompts N]
                                    [--group N] [--lr LR] [--arms tools control]

@@ -54,7 +54,6 @@ import json
 import logging
 import math
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +64,7 @@ from tqdm import tqdm
 
 from fp8rl.engines.base import SamplingParams
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
-from fp8rl.envs import CalculatorEnv, ChatRenderer, format_tool_call, make_calculator_tasks
+from fp8rl.envs import ChatRenderer, Environment
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.hf_io import save_hf_checkpoint
@@ -77,13 +76,14 @@ from .cache import PRESET_VERSION, preset_dir
 from .catalog import register_preset
 from .chatml import VOCAB_SIZE, build_chatml_tokenizer
 from .tiny_arith import META_FILE
+from .tool_formats import CALCULATOR, ToolFormat
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CONTEXT", "FORCED_GATE", "STAGES", "TARGET_TOOL_ACCURACY", "TARGET_TOOL_RATE", "TINY_ARITH_TOOL",
            "TOOL_RATE", "Stage", "copy_row", "forced_tool_stats", "masked_loss", "meets_target", "prefix_loss",
            "prepare_tiny_arith_tool", "shared_prefix", "short_row", "tiny_arith_tool_config", "tool_use_stats",
-           "transcript"]
+           "transcript", "warm_start_tool"]
 
 TINY_ARITH_TOOL = "tiny-arith-tool"
 CONTEXT = 2048  # max_position_embeddings, and the length the long steps train at
@@ -128,7 +128,6 @@ class Stage:
 # ~0.85 (answer) per digit in 150-200 steps; without it, neither moves in 600.
 STAGES = (Stage("copy", 300, 32, 3e-3, 30), Stage("short", 120, 32, 3e-3, 10),
           Stage("episodes", 300, 32, 1e-3, 10, lr_end=1e-4))
-_PRODUCT_RE = re.compile(r"(\d+)\s*\*\s*(\d+)")
 
 
 def tiny_arith_tool_config() -> ModelConfig:
@@ -142,16 +141,16 @@ def tiny_arith_tool_config() -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------- transcripts
-def transcript(renderer: ChatRenderer, task: dict[str, str], call: bool, *, env: CalculatorEnv | None = None,
-               history: list | None = None) -> tuple[list[int], list[int], list]:
-    """One calculator episode as a rollout would build it: ``(ids, loss_mask, messages)``.
+def transcript(renderer: ChatRenderer, task: dict[str, str], call: bool, *, env: Environment | None = None,
+               history: list | None = None, fmt: ToolFormat = CALCULATOR) -> tuple[list[int], list[int], list]:
+    """One episode of ``fmt``'s tool as a rollout would build it: ``(ids, loss_mask, messages)``.
 
-    ``call`` chooses a tool turn (``<tool_call>`` of the question's product) then ``Answer: <the tool's result>``,
-    or ``Answer: <the product>`` at once. ``loss_mask`` is 1 on the assistant's tokens, their ``<|im_end|>``
-    included. With ``history`` (a finished conversation's messages) the question is asked as the next user turn:
-    the ids are then only what follows the history's last ``<|im_end|>``.
+    ``call`` chooses a tool turn (``fmt.call(task)``: ``<tool_call>`` of the question's expression) then
+    ``Answer: <the tool's result>``, or ``Answer: <the answer>`` at once. ``loss_mask`` is 1 on the assistant's
+    tokens, their ``<|im_end|>`` included. With ``history`` (a finished conversation's messages) the question is
+    asked as the next user turn: the ids are then only what follows the history's last ``<|im_end|>``.
     """
-    env = env or CalculatorEnv()
+    env = env or fmt.make_env()
     tok, tools = renderer.tokenizer, env.tools()
     opening = env.reset(task)
     if history is None:
@@ -169,12 +168,11 @@ def transcript(renderer: ChatRenderer, task: dict[str, str], call: bool, *, env:
         return env.step(text)
 
     if call:
-        a, b = _PRODUCT_RE.search(task["question"]).groups()
-        out = model_turn(format_tool_call("calculator", {"expression": f"{a}*{b}"}))
+        out = model_turn(fmt.call(task))
         delta, _ = renderer.delta(messages, out.messages, tools)
         ids, mask = ids + delta, mask + [0] * len(delta)
         messages += out.messages
-        answer = out.messages[0]["content"]
+        answer = fmt.answer(out.messages[0]["content"])
     else:
         answer = task["answer"]
     out = model_turn(f"Answer: {answer}")
@@ -183,7 +181,7 @@ def transcript(renderer: ChatRenderer, task: dict[str, str], call: bool, *, env:
 
 
 def _rows(renderer: ChatRenderer, tasks: list[dict[str, str]], rng: random.Random, max_len: int | None = None,
-          max_rows: int | None = None) -> list[tuple[list[int], list[int]]]:
+          max_rows: int | None = None, fmt: ToolFormat = CALCULATOR) -> list[tuple[list[int], list[int]]]:
     """One episode per task, or (``max_len``) conversations of consecutive tasks, each filled up to ``max_len`` ids;
     at most ``max_rows`` rows."""
     rows: list[tuple[list[int], list[int]]] = []
@@ -191,7 +189,7 @@ def _rows(renderer: ChatRenderer, tasks: list[dict[str, str]], rng: random.Rando
     for task in tasks:
         call = rng.random() < TOOL_RATE
         if history is not None:  # the next question of the conversation, if it fits
-            ids, mask, messages = transcript(renderer, task, call, history=history)
+            ids, mask, messages = transcript(renderer, task, call, history=history, fmt=fmt)
             if len(rows[-1][0]) + len(ids) <= max_len:
                 rows[-1][0].extend(ids)
                 rows[-1][1].extend(mask)
@@ -199,36 +197,38 @@ def _rows(renderer: ChatRenderer, tasks: list[dict[str, str]], rng: random.Rando
                 continue
             if max_rows is not None and len(rows) == max_rows:
                 break
-        ids, mask, messages = transcript(renderer, task, call)
+        ids, mask, messages = transcript(renderer, task, call, fmt=fmt)
         rows.append((ids, mask))
         history = messages if max_len is not None else None
     return rows
 
 
-def copy_row(tok: Tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
-    """A ``copy`` row: ``What is <s>?`` answered ``<s>``, or a ``<tool_response>`` of ``<s>`` answered
+def copy_row(tok: Tokenizer, rng: random.Random, fmt: ToolFormat = CALCULATOR) -> tuple[list[int], list[int]]:
+    """A ``copy`` row: ``What is <s>?`` answered ``<s>``, or a ``<tool_response>`` of ``fmt.reply(<s>)`` answered
     ``Answer: <s>`` (as the episodes' turns are rendered, without the system turn), ``s`` 3-8 random digits or, in
-    the question, a product of two such numbers of 1-4 digits; ``(ids, loss_mask)``, the mask on the assistant's
-    tokens and ``<|im_end|>``."""
+    the question, ``fmt.expression`` of random numbers (calculator: a product of two of 1-4 digits);
+    ``(ids, loss_mask)``, the mask on the assistant's tokens and ``<|im_end|>``."""
 
     def digits(lo: int, hi: int) -> str:
         return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi)))
 
-    s = digits(3, 8) if rng.random() < 0.5 else f"{digits(1, 4)}*{digits(1, 4)}"
+    s = digits(3, 8) if rng.random() < 0.5 else fmt.expression(digits)
     if rng.random() < 0.5:
         context, answer = f"<|im_start|>user\nWhat is {s}?<|im_end|>\n<|im_start|>assistant\n", s
     else:
-        s = s.replace("*", "")
-        context = f"<|im_start|>user\n<tool_response>\n{s}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        s = s.replace("*", "").replace("+", "")
+        context = (f"<|im_start|>user\n<tool_response>\n{fmt.reply(s)}\n</tool_response><|im_end|>\n"
+                   "<|im_start|>assistant\n")
         answer = f"Answer: {s}"
     ids, learned = tok.encode(context, add_bos=False), tok.encode(answer + "<|im_end|>", add_bos=False)
     return ids + learned, [0] * len(ids) + [1] * len(learned)
 
 
-def short_row(renderer: ChatRenderer, prefix: list[int], task: dict[str, str]) -> tuple[list[int], list[int]]:
+def short_row(renderer: ChatRenderer, prefix: list[int], task: dict[str, str], fmt: ToolFormat = CALCULATOR
+              ) -> tuple[list[int], list[int]]:
     """A ``short`` row: the tool-calling episode of ``task`` without its system turn (from the question's
     ``<|im_start|>``), ids as :func:`transcript` renders them."""
-    ids, mask, _ = transcript(renderer, task, True)
+    ids, mask, _ = transcript(renderer, task, True, fmt=fmt)
     start = len(prefix) - 1 - prefix[::-1].index(renderer.tokenizer.encode("<|im_start|>", add_bos=False)[0])
     return ids[start:], mask[start:]
 
@@ -246,9 +246,9 @@ def masked_loss(model: CausalLM, rows: list[tuple[list[int], list[int]]], pad_id
     return (loss * weights[:, 1:].reshape(-1)).sum() / weights[:, 1:].sum()
 
 
-def shared_prefix(renderer: ChatRenderer) -> list[int]:
-    """The ids every calculator episode opens with (system prompt and tools block, up to the question)."""
-    env = CalculatorEnv()
+def shared_prefix(renderer: ChatRenderer, fmt: ToolFormat = CALCULATOR) -> list[int]:
+    """The ids every episode of ``fmt``'s tool opens with (system prompt and tools block, up to the question)."""
+    env = fmt.make_env()
     a, b = (renderer.opening(env.reset({"question": q, "answer": "0"}), env.tools()) for q in ("0", "1"))
     n = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # the question's first token
     return a[:n - 1]  # one token back: no BPE merge across the boundary can differ between questions
@@ -300,14 +300,14 @@ def prefix_loss(model: CausalLM, prefix: list[int], rows: list[tuple[list[int], 
 
 
 @torch.no_grad()
-def forced_tool_stats(model: CausalLM, renderer: ChatRenderer, prefix: list[int], tasks: list[dict[str, str]]
-                      ) -> dict[str, float]:
+def forced_tool_stats(model: CausalLM, renderer: ChatRenderer, prefix: list[int], tasks: list[dict[str, str]],
+                      fmt: ToolFormat = CALCULATOR) -> dict[str, float]:
     """What sampling at temperature 1 would do, read off one teacher-forced forward of tool transcripts of
     ``tasks``: ``tool_call_rate``, the mean probability that the first token opens a tool call, and
     ``accuracy_with_tool``, the mean probability of sampling the rest of the right episode exactly (a lower
     bound on the accuracy after a call). Cheap (no generation): the warm start checks it often and runs
     :func:`tool_use_stats` only once it passes."""
-    rows = [transcript(renderer, task, True)[:2] for task in tasks]
+    rows = [transcript(renderer, task, True, fmt=fmt)[:2] for task in tasks]
     opens, exact = [], []
     for ids, weights, logits in _suffix_logits(model, prefix, rows, renderer.tokenizer.pad_id):
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, S-1)
@@ -323,9 +323,9 @@ def forced_tool_stats(model: CausalLM, renderer: ChatRenderer, prefix: list[int]
 @torch.no_grad()
 def tool_use_stats(model: CausalLM, tok: Tokenizer, n: int = 64, seed: int = 0, temperature: float = 1.0, *,
                    tools_enabled: bool = True, max_turns: int = 3, max_tokens_per_turn: int = 96,
-                   batch_size: int = 64) -> dict[str, float | None]:
-    """Plays ``n`` calculator episodes (``make_calculator_tasks(n, seed)``) multi-turn: the rollout engine samples
-    each turn at ``temperature``, :class:`~fp8rl.envs.calculator.CalculatorEnv` answers it, the
+                   batch_size: int = 64, fmt: ToolFormat = CALCULATOR) -> dict[str, float | None]:
+    """Plays ``n`` episodes of ``fmt``'s tool (``fmt.tasks(n, seed)``) multi-turn: the rollout engine samples
+    each turn at ``temperature``, ``fmt``'s environment (the calculator's by default) answers it, the
     :class:`~fp8rl.envs.render.ChatRenderer` appends its delta. A turn cut at ``max_tokens_per_turn``, an episode
     past ``max_turns`` or past the model's context ends with reward 0.
 
@@ -337,9 +337,9 @@ def tool_use_stats(model: CausalLM, tok: Tokenizer, n: int = 64, seed: int = 0, 
     renderer = ChatRenderer(tok)
     engine = TorchRolloutEngine(model, Fp8Recipe(linear="bf16"), eos_token_ids=stop_token_ids(tok),
                                 max_batch_size=batch_size, pad_token_id=tok.pad_id, seed=seed)
-    envs = [CalculatorEnv(tools_enabled=tools_enabled) for _ in range(n)]
+    envs = [fmt.make_env(tools_enabled=tools_enabled) for _ in range(n)]
     tools = envs[0].tools() if envs else []
-    messages = [env.reset(task) for env, task in zip(envs, make_calculator_tasks(n, seed), strict=True)]
+    messages = [env.reset(task) for env, task in zip(envs, fmt.tasks(n, seed), strict=True)]
     ids = [renderer.opening(m, tools) for m in messages]
     reward, turns = [0.0] * n, [0] * n
     info: list[dict] = [{} for _ in range(n)]  # the environment's cumulative counters (tool_calls, tool_errors)
@@ -400,28 +400,38 @@ def prepare_tiny_arith_tool(
     progress: bool = True,
     force: bool = False,
 ) -> Path:
-    """Create (or reuse) the cached tiny-arith-tool checkpoint and return its directory (module docstring).
-
-    Deterministic for a given seed and thread count. Runs ``stages`` in order; the ``episodes`` stage stops at its
-    ``steps`` or at the first check (every ``eval_every`` steps) where :func:`forced_tool_stats` passes
-    :data:`FORCED_GATE` and then :func:`tool_use_stats` on ``eval_size`` held-out episodes (``seed=eval_seed``,
-    temperature 1) meets the target (:func:`meets_target`). ``fp8rl_preset.json`` records the steps of each stage,
-    the last sampled stats and ``met_target``. The training tasks come from seeds no RL job or check draws
-    (``seed * 10**7 + step + 10**8``).
-    """
+    """Create (or reuse) the cached tiny-arith-tool checkpoint and return its directory (module docstring): a
+    random-init model (``seed``) through :func:`warm_start_tool` with the calculator (:data:`CALCULATOR`)."""
     out = Path(directory) if directory is not None else preset_dir(TINY_ARITH_TOOL)
     if (out / META_FILE).exists() and not force:
         return out
     out.mkdir(parents=True, exist_ok=True)
     build_chatml_tokenizer(out)  # tokenizer, chat template, generation_config.json (stops on <|im_end|>)
-    tok = load_tokenizer(out)
-    renderer = ChatRenderer(tok)
-    prefix = shared_prefix(renderer)
     torch.manual_seed(seed)
     cfg = tiny_arith_tool_config()
-    model = CausalLM(cfg)
+    return warm_start_tool(CausalLM(cfg), cfg, out, TINY_ARITH_TOOL, CALCULATOR, seed=seed, stages=stages,
+                           target_tool_accuracy=target_tool_accuracy, eval_every=eval_every, eval_size=eval_size,
+                           eval_seed=eval_seed, progress=progress, task_meta={"env": "calculator", "digits": [3, 2]})
+
+
+def warm_start_tool(model: CausalLM, cfg: ModelConfig, out: Path, name: str, fmt: ToolFormat, *, seed: int,
+                    stages: tuple[Stage, ...], target_tool_accuracy: float, eval_every: int, eval_size: int,
+                    eval_seed: int, progress: bool, task_meta: dict, meta: dict | None = None) -> Path:
+    """Run ``stages`` on ``model`` with ``fmt``'s tool into ``out`` (which holds the ChatML tokenizer already);
+    save the checkpoint and ``fp8rl_preset.json`` (written last) and return ``out``.
+
+    Deterministic for a given seed and thread count. Runs ``stages`` in order; the ``episodes`` stage stops at its
+    ``steps`` or at the first check (every ``eval_every`` steps) where :func:`forced_tool_stats` passes
+    :data:`FORCED_GATE` and then :func:`tool_use_stats` on ``eval_size`` held-out episodes (``seed=eval_seed``,
+    temperature 1) meets the target (:func:`meets_target`). ``fp8rl_preset.json`` records the steps of each stage,
+    the last sampled stats and ``met_target`` (and ``meta``). The training tasks come from seeds no RL job or check
+    draws (``seed * 10**7 + step + 10**8``).
+    """
+    tok = load_tokenizer(out)
+    renderer = ChatRenderer(tok)
+    prefix = shared_prefix(renderer, fmt)
     opt = torch.optim.AdamW(model.parameters(), lr=stages[0].lr, betas=(0.9, 0.98), weight_decay=0.01)
-    checks = make_calculator_tasks(24, seed=eval_seed + 1)  # the teacher-forced check's problems
+    checks = fmt.tasks(24, eval_seed + 1)  # the teacher-forced check's problems
     t0 = time.perf_counter()
     stats: dict = {}
     forced: dict = {}
@@ -430,24 +440,23 @@ def prepare_tiny_arith_tool(
     long_rows = 0
     step_seed = seed * 10**7 + 10**8  # + the step, counted over all stages: no two steps draw the same tasks
     for stage in stages:
-        bar = tqdm(range(stage.steps), desc=f"{TINY_ARITH_TOOL} warm start: {stage.name}", disable=not progress,
-                   unit="step")
+        bar = tqdm(range(stage.steps), desc=f"{name} warm start: {stage.name}", disable=not progress, unit="step")
         step = 0
         for step in bar:
             model.train()
             for g in opt.param_groups:
                 g["lr"] = stage.lr_at(step)
-            rng = random.Random(f"{TINY_ARITH_TOOL}:{seed}:{stage.name}:{step}")
+            rng = random.Random(f"{name}:{seed}:{stage.name}:{step}")
             if stage.name == "copy":
-                loss = masked_loss(model, [copy_row(tok, rng) for _ in range(stage.batch_size)], tok.pad_id)
+                loss = masked_loss(model, [copy_row(tok, rng, fmt) for _ in range(stage.batch_size)], tok.pad_id)
             elif stage.name == "short":
-                tasks = make_calculator_tasks(stage.batch_size, seed=step_seed)
-                loss = masked_loss(model, [short_row(renderer, prefix, t) for t in tasks], tok.pad_id)
+                tasks = fmt.tasks(stage.batch_size, step_seed)
+                loss = masked_loss(model, [short_row(renderer, prefix, t, fmt) for t in tasks], tok.pad_id)
             elif stage.name == "episodes":
-                tasks = make_calculator_tasks(stage.batch_size + 16, seed=step_seed)
-                rows = _rows(renderer, tasks[:stage.batch_size], rng)
+                tasks = fmt.tasks(stage.batch_size + 16, step_seed)
+                rows = _rows(renderer, tasks[:stage.batch_size], rng, fmt=fmt)
                 if (step + 1) % LONG_EVERY == 0:  # and a conversation filled to CONTEXT (about 9 exchanges)
-                    rows += _rows(renderer, tasks[stage.batch_size:], rng, CONTEXT, 1)
+                    rows += _rows(renderer, tasks[stage.batch_size:], rng, CONTEXT, 1, fmt=fmt)
                     long_rows += 1
                 loss = prefix_loss(model, prefix, rows, tok.pad_id)
             else:
@@ -460,30 +469,30 @@ def prepare_tiny_arith_tool(
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if stage.name != "episodes" or (step + 1) % eval_every:
                 continue
-            forced = forced_tool_stats(model.eval(), renderer, prefix, checks)
+            forced = forced_tool_stats(model.eval(), renderer, prefix, checks, fmt)
             bar.set_postfix(loss=f"{loss.item():.3f}", tools=f"{forced['tool_call_rate']:.2f}",
                             exact=f"{forced['accuracy_with_tool']:.2f}")
             log.info("step %d loss %.3f forced %s (%.0f s)", step + 1, loss.item(), forced, time.perf_counter() - t0)
             if meets_target(forced, FORCED_GATE):  # then the real check: sampled episodes, multi-turn
-                stats = tool_use_stats(model, tok, eval_size, eval_seed, 1.0)
+                stats = tool_use_stats(model, tok, eval_size, eval_seed, 1.0, fmt=fmt)
                 log.info("step %d sampled %s (%.0f s)", step + 1, stats, time.perf_counter() - t0)
                 met = meets_target(stats, target_tool_accuracy)
                 if met:
                     break
         done[stage.name] = step + 1
-        log.info("%s: stage %s done in %d steps (%.0f s), loss %.3f; forced %s", TINY_ARITH_TOOL, stage.name,
+        log.info("%s: stage %s done in %d steps (%.0f s), loss %.3f; forced %s", name, stage.name,
                  step + 1, time.perf_counter() - t0, loss.item(),
-                 forced_tool_stats(model.eval(), renderer, prefix, checks))
+                 forced_tool_stats(model.eval(), renderer, prefix, checks, fmt))
     if not met:  # stopped at the last step: record where it ended
-        stats = tool_use_stats(model.eval(), tok, eval_size, eval_seed, 1.0)
-        log.warning("%s: the warm start did not meet its target: %s", TINY_ARITH_TOOL, stats)
+        stats = tool_use_stats(model.eval(), tok, eval_size, eval_seed, 1.0, fmt=fmt)
+        log.warning("%s: the warm start did not meet its target: %s", name, stats)
     save_hf_checkpoint(model.eval(), cfg, out)
-    meta = {"preset": TINY_ARITH_TOOL, "version": PRESET_VERSION, "task": {"env": "calculator", "digits": [3, 2]},
-            "seed": seed, "tool_rate": TOOL_RATE, "context": CONTEXT, "stage_steps": done, "long_rows": long_rows,
-            "shared_prefix_tokens": len(prefix), "forced_tool_stats": forced, "tool_use_stats": stats,
-            "met_target": met, "eval_seed": eval_seed, "seconds": round(time.perf_counter() - t0, 1)}
-    (out / META_FILE).write_text(json.dumps(meta, indent=2))
-    log.info("%s ready in %s: %s", TINY_ARITH_TOOL, out, meta)
+    record = {"preset": name, "version": PRESET_VERSION, "task": task_meta, "seed": seed, "tool_rate": TOOL_RATE,
+              "context": CONTEXT, "stage_steps": done, "long_rows": long_rows, "shared_prefix_tokens": len(prefix),
+              "forced_tool_stats": forced, "tool_use_stats": stats, "met_target": met, "eval_seed": eval_seed,
+              **(meta or {}), "seconds": round(time.perf_counter() - t0, 1)}
+    (out / META_FILE).write_text(json.dumps(record, indent=2))
+    log.info("%s ready in %s: %s", name, out, record)
     return out
 
 
