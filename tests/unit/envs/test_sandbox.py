@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from fp8rl.envs import sandbox as sandbox_module
 from fp8rl.envs.sandbox import (
     Sandbox,
     SandboxLimits,
     SandboxPool,
     SandboxUnavailable,
+    proc_mountable,
     sandbox_problem,
 )
 
@@ -171,6 +173,23 @@ def test_no_process_is_left_behind():
     time.sleep(0.5)
     left = _processes_with(marker)
     assert not left, f"processes left behind: {left}"
+
+
+def test_where_proc_cannot_be_mounted_the_sandbox_runs_without_it_and_still_contains(monkeypatch, secrets):
+    # a container that masks /proc (podman's, Docker's defaults) refuses the mount: proc_mountable() says so once,
+    # and the runs go on with no /proc at all (the containers tier runs this for real inside the reward image)
+    marker = f"fp8rl-no-proc-{os.getpid()}-{time.monotonic_ns()}"
+    probe = ("import os, subprocess\n"
+             "print('proc', os.path.exists('/proc'), os.environ.get('FP8RL_AUTH_TOKEN'))\n"
+             f"subprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(30)', {marker!r}], "
+             "start_new_session=True)\n")
+    assert proc_mountable() is True  # this host allows it: the sandbox's own /proc (the control)
+    assert Sandbox(LIMITS).run(probe).stdout == "proc True None\n"
+    monkeypatch.setattr(sandbox_module, "_proc_ok", [False])
+    r = Sandbox(LIMITS).run(probe)
+    assert r.exit_status == 0 and r.stdout == "proc False None\n", (r.stdout, r.stderr)
+    time.sleep(0.5)
+    assert not _processes_with(marker)  # still its own PID namespace: nothing outlives the first process
 
 
 def test_the_pool_caps_starts_and_fails_past_its_queue_deadline():
