@@ -2,7 +2,7 @@
 and accuracy before → after, over seeds, with the tools-disabled control — every number from this one run.
 
     python bench/agent_learning.py [--config deploy/tool-job-tiny.yaml] [--seeds 0 1 2] [--steps 30] [--prompts N]
-                                   [--group N] [--lr LR] [--arms tools control]
+                                   [--group N] [--lr LR] [--arms tools control] [--parallel N --threads T]
 
 For each seed it runs ``--config`` (default ``deploy/tool-job-tiny.yaml``: the tiny-arith-tool preset, fp8_e2e + FP8
 KV; ``deploy/tool-job.yaml`` is SmolLM2-135M-Instruct) in the in-process loop twice: with the calculator, and with
@@ -23,6 +23,7 @@ what the issue's margin (gain ≥ 2 × spread) is stated against.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import time
@@ -84,6 +85,14 @@ def one_run(seed: int, tools: bool, args) -> dict[str, float]:
     return out
 
 
+def _run_in_worker(seed: int, tools: bool, args) -> dict[str, float]:
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return one_run(seed, tools, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=REPO / "deploy" / "tool-job-tiny.yaml", help="the job file")
@@ -97,9 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=4)
     p.add_argument("--arms", nargs="+", choices=("tools", "control"), default=["tools", "control"],
                    help="which arms to run (default both; e.g. one process per arm on a machine with cores to spare)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at once, each a process of --threads torch threads (default 1: one after another)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     args = p.parse_args(argv)
     arms = [arm == "tools" for arm in args.arms]
-    runs = [one_run(seed, tools, args) for seed in args.seeds for tools in arms]
+    todo = [(seed, tools, args) for seed in args.seeds for tools in arms]
+    if args.parallel > 1:  # separate processes (spawned: no threads or engines shared), all numbers from this run
+        with multiprocessing.get_context("spawn").Pool(args.parallel) as pool:
+            runs = pool.starmap(_run_in_worker, todo)
+    else:
+        runs = [_run_in_worker(*t) for t in todo]
     for tools in arms:
         name = "tools" if tools else "control"
         for key in ("accuracy", "tool_call_rate"):
