@@ -60,6 +60,11 @@ def test_a_refit_between_turns_keeps_every_tokens_version_and_logprob_bitwise(ch
     assert all(v == {0, 1} for v in versions) and all(t.turns == TURNS for t in trajs)
     m = trajectory_metrics(trajs)
     assert m["env/interrupted"] == len(trajs) and m["env/versions_per_trajectory"] == 2.0
+    model_tokens = [[v for v, k in zip(t.versions, t.token_mask, strict=True) if k] for t in trajs]
+    old_tokens = sum(vs.count(0) for vs in model_tokens)  # turn 0's, sampled before the refit
+    assert 0 < old_tokens < sum(map(len, model_tokens))
+    assert m["env/stale_token_share"] == old_tokens / sum(map(len, model_tokens))
+    assert m["env/tokens_per_version"] == sum(map(len, model_tokens)) / (2 * len(trajs))
 
     batch = build_train_batch(trajs, torch.zeros(len(trajs)), 2, loop.tok.pad_id)
     assert batch.versions.tolist() == [0] * len(trajs)  # a row's version for the lag bound: its oldest token's

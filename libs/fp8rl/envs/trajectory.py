@@ -312,7 +312,10 @@ def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None =
     if not trajs:
         return {}
     n = len(trajs)
-    versions = [len({v for v, m in zip(t.versions, t.token_mask, strict=True) if m}) for t in trajs]
+    own = [[v for v, m in zip(t.versions, t.token_mask, strict=True) if m] for t in trajs]  # model tokens' versions
+    versions = [len(set(vs)) for vs in own]
+    tokens = sum(len(vs) for vs in own)
+    stale = sum(sum(v < max(vs) for v in vs) for vs in own if vs)  # sampled by a version older than its newest
     out = {
         "env/turns_mean": sum(t.turns for t in trajs) / n,
         "env/turns_max": float(max(t.turns for t in trajs)),
@@ -328,6 +331,8 @@ def trajectory_metrics(trajs: Sequence[Trajectory], step_seconds: float | None =
         # env.partial interrupt: the versions a trajectory's model tokens were sampled by (1 each under finish)
         "env/versions_per_trajectory": sum(versions) / n,
         "env/interrupted": float(sum(k > 1 for k in versions)),
+        "env/tokens_per_version": tokens / max(1, sum(versions)),  # model tokens each version sampled, per trajectory
+        "env/stale_token_share": stale / max(1, tokens),  # model tokens older than their trajectory's newest version
     }
     for reason in END_REASONS:
         out[f"env/end/{reason}"] = float(sum(t.end_reason == reason for t in trajs))
