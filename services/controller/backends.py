@@ -93,6 +93,8 @@ class GrpcStep:
         return self.trajectories.openings(problems) if self.plan.env is not None else self.plan.prompts(problems)
 
     def generate(self, prompts, version, *, step, n, temperature, problems=None):
+        if step < self.plan.total:  # a step's own rollout (validation's and refills' indices lie past the steps):
+            self.r.rollout_begun(self.plan.job_id, step)  # recorded first, so a successor controller counts it
         if self.plan.env is not None:
             try:
                 return self.trajectories.run(problems, version, step=step, n=n, temperature=temperature)

@@ -155,6 +155,8 @@ class JobRunner:
         self._events_after = "0-0"  # events stream position at the start of the step in flight
         self._step_t0 = 0.0  # perf_counter when the step in flight began (the last report, or the job's start)
         self.on_report: Callable[[dict], None] | None = None  # e.g. the Prometheus metrics (fp8rl.metrics)
+        self._begun: dict[str, int] = {}  # job -> the newest step whose rollout this controller recorded as begun
+        self._begun_before: int | None = None  # the record's rollouts_begun when this controller took the job
 
     # -- the servicer's API --------------------------------------------------------------------
     def submit(self, job_yaml: str, job_id: str | None = None) -> JobRecord:
@@ -292,8 +294,16 @@ class JobRunner:
             log.info("deleted %d finished jobs (kept for %g s, at most %d)", n, s.retention_s, s.max_finished)
         return n
 
+    def rollout_begun(self, job_id: str, step: int) -> None:
+        """Record that step ``step``'s rollout begins (before it does): a controller that resumes the job counts the
+        begun steps it runs again (``resume/rollouts_restarted``)."""
+        if step > self._begun.get(job_id, -1):
+            self.jobs.update(job_id, rollouts_begun=step)
+            self._begun[job_id] = step
+
     def _run(self, job_id: str) -> None:
         self._faults, self._step_t0 = {"retries": 0, "outage": 0.0}, time.perf_counter()
+        self._begun_before = self.get(job_id).rollouts_begun  # begun by an earlier controller (a resume)
         self._events_after = self.refit.last_event_id()
         try:
             plan = JobPlan(job_id, parse_job_config(self.jobs.config_text(job_id)), self.settings.data)
@@ -343,6 +353,10 @@ class JobRunner:
         rec = self.get(plan.job_id)
         if rec.terminal:
             return
+        if self._begun_before is not None:  # the steps an earlier controller began and this one runs again
+            redone = max(0, self._begun_before - step + 1)
+            self._faults["rollouts_restarted"] = redone * plan.job.grpo.num_prompts_per_step * plan.group
+            self._begun_before = None
         v = rec.next_version  # recorded, never computed (see the module docstring)
         if plan.fp8_kv and self.refit.get_scales(v) is None:  # e.g. v0 of a fresh deployment
             seqs = GrpcStep(self, plan).prompts_of(plan.batch(step))
@@ -466,6 +480,8 @@ class JobRunner:
         times["outage"] = self._faults["outage"]
         times["total"] = max(wall, sum(times.get(p, 0.0) for p in PHASES) + times["outage"])
         metrics = {**partial["metrics"], **extra, "retries": float(self._faults["retries"])}
+        if "rollouts_restarted" in self._faults:  # the first step recorded after a resume
+            metrics["resume/rollouts_restarted"] = float(self._faults["rollouts_restarted"])
         if plan.eval_every and ((step + 1) % plan.eval_every == 0 or step + 1 >= plan.total):
             metrics.update(self._evaluate(plan, v1))
         rec = self.get(plan.job_id)

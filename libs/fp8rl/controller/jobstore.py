@@ -75,6 +75,9 @@ class JobRecord:
         next_version: the version the next step starts from (None before the first step): the new
             version of the last recorded step, or where a resume moved the job.
         checkpoint_path, checkpoint_version: the newest checkpoint written for the job.
+        rollouts_begun: the newest step whose rollout a controller began (None before the first): a controller that
+            resumes the job re-runs the begun steps past ``steps_done`` from their plan and counts their rollouts
+            as restarted (``resume/rollouts_restarted``).
     """
 
     job_id: str
@@ -89,6 +92,7 @@ class JobRecord:
     next_version: int | None = None
     checkpoint_path: str = ""
     checkpoint_version: int | None = None
+    rollouts_begun: int | None = None
 
     @property
     def terminal(self) -> bool:
@@ -263,6 +267,7 @@ class JobStore:
             start_version=_opt_int(f.get("start_version")),
             next_version=_opt_int(f.get("next_version")), checkpoint_path=f.get("checkpoint_path", ""),
             checkpoint_version=_opt_int(f.get("checkpoint_version")),
+            rollouts_begun=_opt_int(f.get("rollouts_begun")),
         )
 
     def config_text(self, job_id: str) -> str:

@@ -260,3 +260,7 @@ def test_the_controller_killed_with_trajectories_in_flight_resumes_none_lost_or_
     for r in reports:
         ends = sum(v for k, v in r.metrics.items() if k.startswith("env/end/"))
         assert ends == 4 and r.metrics["env/ungraded"] == 0.0, (r.step, r.metrics)
+    # the killed controller had begun step 0's rollout: its successor ran those 2 x 2 trajectories again, counted
+    # once, on the first step it recorded
+    assert reports[0].metrics["resume/rollouts_restarted"] == 4.0
+    assert "resume/rollouts_restarted" not in reports[1].metrics
