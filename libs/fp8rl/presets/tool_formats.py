@@ -26,8 +26,6 @@ __all__ = ["CALCULATOR", "PYTHON", "ToolFormat"]
 class ToolFormat:
     """One tool's shape for :mod:`fp8rl.presets.tiny_arith_tool`'s curriculum (module docstring)."""
 
-    env: str
-    """The registered environment's name (what a job's ``env.name`` says)."""
     make_env: Callable[..., Environment]
     """``make_env(tools_enabled=...)``: a fresh environment."""
     tasks: Callable[[int, int], list[dict[str, str]]]
@@ -60,8 +58,8 @@ def _stdout(content: str) -> str:
     return content.split("stdout:\n", 1)[1].strip() if "stdout:\n" in content else ""
 
 
-CALCULATOR = ToolFormat("calculator", CalculatorEnv, make_calculator_tasks, _calculator_call, str.strip,
+CALCULATOR = ToolFormat(CalculatorEnv, make_calculator_tasks, _calculator_call, str.strip,
                         lambda s: s, lambda d: f"{d(1, 4)}*{d(1, 4)}")
-PYTHON = ToolFormat("python", PythonEnv, make_python_tasks, _python_call, _stdout,
+PYTHON = ToolFormat(PythonEnv, make_python_tasks, _python_call, _stdout,
                     lambda s: SandboxResult(f"{s}\n", "", 0).as_tool_result(),
                     lambda d: f"{d(1, 4)}*{d(1, 3)}+{d(1, 3)}")
