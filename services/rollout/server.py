@@ -43,7 +43,7 @@ from fp8rl.config import JobConfig
 from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, VersionMismatchError, make_rollout_engine
 from fp8rl.model.tokenizer import load_tokenizer, stop_token_ids
 from fp8rl.presets import PRESETS, load_policy, prepare_preset
-from fp8rl.refit import RefitFollower
+from fp8rl.refit import RefitFollower, RefitHeld
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.routes import routes_to_proto
 from services.common.compute import OnComputeThread
@@ -135,6 +135,30 @@ class OpenSessions:
         return f"{n} multi-turn trajectories of version {held} in flight" if n else None
 
 
+class HoldingTarget:
+    """The engine as the refit target, its apply asking :meth:`OpenSessions.hold` once more where it runs.
+
+    The follower asks the hold before it fetches a version; a Generate that opens trajectories of the held version
+    after that look would otherwise see the refit land between their turns (the trajectory's version gone, the step
+    retried). The apply runs on the compute thread, after every Generate queued before it — and a Generate marks
+    its sessions before it queues — so this second look sees every trajectory sampled at the old version: the
+    apply raises :class:`RefitHeld` and the engine keeps its version. A Generate marked after this look runs after
+    the apply and is refused (FAILED_PRECONDITION: pinned to the old version); the controller's pool sends its
+    trajectories, none sampled yet, to a replica of the new one.
+    """
+
+    def __init__(self, engine: RolloutEngine, sessions: OpenSessions) -> None:
+        self._engine, self._sessions = engine, sessions
+
+    def load_weights(self, version, tensors, qkv_scales=None) -> None:
+        if why := self._sessions.hold(self._engine.weight_version, version):
+            raise RefitHeld(why)
+        self._engine.load_weights(version, tensors, qkv_scales)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
 class RolloutService(Service):
     """The engine, its refit follower and the RolloutService servicer of one replica."""
 
@@ -144,10 +168,10 @@ class RolloutService(Service):
         self.backend = ctx.job.policy.generation.backend
         self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
         # the refit apply (validate, quantize, copy into the parameters) runs on the compute thread too
-        subscriber, self.source = build_subscriber(ctx.store, OnComputeThread(self.engine, ctx.compute), ctx.replica_id,
-                                                   ctx.job.refit,
-                                                   requires_scales=self.fp8_kv, metrics=ctx.metrics)
         self.sessions = OpenSessions(ctx.args.session_hold_s)
+        target = OnComputeThread(HoldingTarget(self.engine, self.sessions), ctx.compute)
+        subscriber, self.source = build_subscriber(ctx.store, target, ctx.replica_id, ctx.job.refit,
+                                                   requires_scales=self.fp8_kv, metrics=ctx.metrics)
         self.follower = RefitFollower(ctx, subscriber, lock=threading.Lock(), on_change=self._update_health,
                                       hold=lambda latest: self.sessions.hold(self.engine.weight_version, latest))
 

@@ -10,7 +10,7 @@ Modules: :mod:`.keys` (every Redis key name), :mod:`.shards` (raw-byte shard for
 :mod:`.subscriber` (``RefitPublisher``, ``RefitSubscriber``, ``ShardSource``).
 """
 
-from .follower import AWAITING_SCALES, REFIT_FAILED, PendingRefit, RefitFollower
+from .follower import AWAITING_SCALES, REFIT_FAILED, PendingRefit, RefitFollower, RefitHeld
 from .keys import JOBS_INDEX, Keys, validate_job_id, validate_replica_id, validate_version
 from .lease import LeaseHolder, RoleLease
 from .manifest import Manifest, assemble, build_shards
@@ -38,8 +38,8 @@ __all__ = [
     "Manifest", "assemble", "build_shards",
     "DEFAULT_SHARD_BYTES", "DTYPES", "CorruptShardError", "TensorEntry", "pack_tensors", "unpack_tensors",
     "encode_scales", "decode_scales",
-    "RefitTarget", "make_shard_source", "RefitFollower", "PendingRefit", "LeaseHolder", "RoleLease", "AWAITING_SCALES",
-    "REFIT_FAILED", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
+    "RefitTarget", "make_shard_source", "RefitFollower", "RefitHeld", "PendingRefit", "LeaseHolder", "RoleLease",
+    "AWAITING_SCALES", "REFIT_FAILED", "Event", "ReplicaLease", "RefitStore", "connect", "redact_url",
     "RefitError", "StaleVersionError", "UnknownVersionError", "LeaseExpiredError", "RefitConnectionError",
     "RefitAuthenticationError",
     "InProcessShardSource", "MissingScalesError", "RefitFailedError", "RefitPublisher", "RefitSubscriber",

@@ -20,13 +20,19 @@ from .lease import LeaseHolder, RoleLease
 from .store import LeaseExpiredError
 from .subscriber import RefitSubscriber
 
-__all__ = ["AWAITING_SCALES", "HELD", "REFIT_FAILED", "PendingRefit", "RefitFollower"]
+__all__ = ["AWAITING_SCALES", "HELD", "REFIT_FAILED", "PendingRefit", "RefitFollower", "RefitHeld"]
 
 log = logging.getLogger(__name__)
 
 AWAITING_SCALES = "awaiting_scales"  # PendingRefit.reason: v is published, its QKV scales are not (yet)
 REFIT_FAILED = "refit_failed"  # PendingRefit.reason: applying v failed; retried with back-off
 HELD = "held"  # PendingRefit.reason prefix: the service holds v back (e.g. multi-turn trajectories in flight)
+
+
+class RefitHeld(Exception):
+    """Raised by a refit target's apply when the service holds the version back after all: the hold is asked
+    again where the apply runs (a rollout replica's compute thread), so a Generate that opened a trajectory after
+    the follower last asked still holds the refit. The engine keeps its version; the follower retries later."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,9 @@ class RefitFollower:
             it forward on demand anyway.
         hold: ``hold(latest)`` → why the service holds ``latest`` back right now (e.g. a rollout replica whose
             multi-turn trajectories of the held version are still in flight: ``env.partial: finish``), or None
-            to apply it. Asked on every look; the service bounds how long it holds.
+            to apply it. Asked on every look; the service bounds how long it holds. A service whose requests
+            can open what it holds for between this look and the apply asks again in its target's apply and
+            raises :class:`RefitHeld` (the rollout service does, on its compute thread).
     """
 
     def __init__(self, holder: LeaseHolder, subscriber: RefitSubscriber, *, lock: threading.Lock,
@@ -140,6 +148,8 @@ class RefitFollower:
             self.sync_to(latest)
             self._failed, self._backoff = None, 0.5
             self.pending = None
+        except RefitHeld as exc:  # held after all (asked again where the apply runs): no failure, no back-off
+            self.pending = PendingRefit(latest, f"{HELD}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any failure keeps the old weights and is retried
             self._backoff = self._backoff * 2 if self._failed == latest else 0.5
             self._failed, self._retry_at = latest, time.monotonic() + min(self._backoff, 30.0)

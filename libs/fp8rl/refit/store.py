@@ -495,18 +495,26 @@ class RefitStore:
 
     def wait_for_acks(self, version: int, timeout_s: float, poll_s: float = 0.05,
                       role: str = "rollout") -> tuple[list[str], list[str]]:
-        """Wait until every live ``role`` lease (the rollout replicas) acked ``version``, or ``timeout_s`` passes.
+        """Wait until every live ``role`` lease (the rollout replicas) acked ``version`` or holds a newer one, or
+        ``timeout_s`` passes.
 
-        A replica whose lease expires while we wait stops being waited for (it is not live); with
-        no live replica at all this returns at once.
+        A replica that holds a newer version moved past ``version`` without applying it: a follower goes straight to
+        ``weights:latest``, and a rollout replica holding a refit back while multi-turn trajectories are in flight
+        (asynchronous GRPO, ``env.partial: finish``) may skip the held-back version when the trainer published the
+        next one meanwhile. It serves at least ``version``, which is all the wait is for. A replica whose lease
+        expires while we wait stops being waited for (it is not live); with no live replica at all this returns at
+        once.
 
         Returns:
-            ``(acked, missing)``: sorted ids that acked, and sorted live ids that did not (fence them).
+            ``(acked, missing)``: sorted ids that acked ``version`` or hold a newer one, and sorted live ids that
+            did neither (fence them).
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            acked = self.acks(version)
-            missing = sorted(set(self.live_replicas(role)) - acked)
+            live = self.live_replicas(role)
+            past = {r for r, ls in live.items() if ls.version is not None and ls.version > version}
+            acked = self.acks(version) | past
+            missing = sorted(set(live) - acked)
             if not missing or time.monotonic() >= deadline:
                 return sorted(acked), missing
             time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))

@@ -186,7 +186,7 @@ def test_submit_refuses_environments_the_workers_do_not_run(env_stack):
 
 def _slow_async_job(stack: Stack, name: str, *, delay_s: float, partial: str = "finish") -> tuple[list, int]:
     """A 3-step k = 1 job of SlowGuess (each environment step ``delay_s``) under ``env.partial``: its reports, each
-    checked (succeeded, every trajectory graded and of TURNS turns, lag <= 1), and how many times a rollout replica
+    checked (succeeded, every trajectory graded and of TURNS turns, lag <= 1, no replica fenced), and how many times a rollout replica
     logged holding a refit back meanwhile."""
     job = _job(stack.model_dir, f"{name}-{uuid.uuid4().hex[:6]}", steps=3,
                env={"name": "stack_envs:SlowGuess", "kwargs": {"delay_s": delay_s}, "partial": partial},
@@ -201,6 +201,9 @@ def _slow_async_job(stack: Stack, name: str, *, delay_s: float, partial: str = "
     for r in reports:
         m = r.metrics
         assert m["env/ungraded"] == 0.0 and m["env/turns_mean"] == TURNS and m["weight_lag_max"] <= 1, (r.step, m)
+        # a replica that held a version back and then went straight to the next one is not waited for: its ack of
+        # the skipped version never comes, and fencing it would cost the refit timeout and its sessions
+        assert m["replica_fenced"] == 0.0 and m.get("refit/fenced", 0.0) == 0.0, (r.step, m)
     return reports, sum(p.read_text().count("multi-turn trajectories of version") for p in logs) - before
 
 

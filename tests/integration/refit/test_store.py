@@ -180,6 +180,21 @@ def test_fence_deletes_the_lease_and_emits_the_event(store: RefitStore):
     assert store.wait_for_acks(2, timeout_s=0.1) == (["r0"], [])
 
 
+def test_a_replica_that_moved_past_a_version_is_not_waited_for(store: RefitStore):
+    """A rollout replica that held version 1 back (multi-turn trajectories in flight) and then went straight to
+    weights:latest = 2 never acks 1: it serves a newer version, so the wait for 1 ends at once — no fence."""
+    store.publish(manifest(store.job, 1))
+    store.publish(manifest(store.job, 2))
+    store.register_replica("r0", "r0:1", 0, ttl_s=30)
+    store.register_replica("r1", "r1:1", 0, ttl_s=30)
+    store.ack("r0", 1)
+    store.ack("r1", 2)  # skipped 1
+    t0 = time.monotonic()
+    assert store.wait_for_acks(1, timeout_s=5) == (["r0", "r1"], [])
+    assert time.monotonic() - t0 < 2.5  # did not wait out the timeout
+    assert store.wait_for_acks(2, timeout_s=0.1) == (["r1"], ["r0"])  # an older version is still missing
+
+
 def test_password_protected_redis(redis_auth_server, job_id: str):
     client = connect(redis_auth_server.url)
     s = RefitStore(client, job_id)

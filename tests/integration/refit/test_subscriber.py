@@ -6,7 +6,9 @@ and scales, with an atomic load); the real engines get their own refit tests.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from fp8rl.refit import (
     Manifest,
     MissingScalesError,
     RefitFailedError,
+    RefitFollower,
     RefitPublisher,
     RefitStore,
     RefitSubscriber,
@@ -25,7 +28,10 @@ from fp8rl.refit import (
     UnknownVersionError,
     connect,
 )
+from fp8rl.refit.follower import HELD
 from fp8rl.refit.scales import encode_scales
+from services.common.compute import ComputeThread, OnComputeThread
+from services.rollout.server import HoldingTarget, OpenSessions
 
 pytestmark = pytest.mark.integration
 
@@ -219,3 +225,37 @@ def test_apply_without_a_live_lease_cannot_ack(env):
     with pytest.raises(LeaseExpiredError, match="re-register"):
         sub.sync_to(1)
     assert store.acks(1) == set()
+
+
+def test_a_trajectory_opened_after_the_followers_look_still_holds_the_refit(env):
+    """The rollout replica's hold (env.partial finish) asked twice: by the follower before it fetches, and again in
+    the apply on the compute thread. A Generate that opens a trajectory of the held version between the two looks
+    (here: inside the follower's first look, after it answered) holds the refit — the engine keeps its version, the
+    follower reports it held with no failure and no back-off — and the version lands once the trajectory ends."""
+    store, publisher = env
+    engine, sessions, compute = DictEngine(requires_scales=False), OpenSessions(idle_s=60.0), ComputeThread("t")
+    try:
+        sub = RefitSubscriber(store, OnComputeThread(HoldingTarget(engine, sessions), compute.call),
+                              publisher.source(), "r0", requires_scales=False)
+        publish(store, publisher, 1, with_scales=False)
+        sub.sync_to(1)
+
+        def look(latest):  # the follower's look answers "apply", then a Generate opens trajectory "t" at v1
+            why = sessions.hold(engine.weight_version, latest)
+            sessions.used(["t"], 1, max_lag=1)
+            return why
+
+        holder = SimpleNamespace(store=store, replica_id="r0", endpoint="rollout-0:50052", stopping=threading.Event(),
+                                 role="rollout", lease_ttl=30.0)
+        follower = RefitFollower(holder, sub, lock=threading.Lock(), hold=look)
+        publish(store, publisher, 2, with_scales=False)
+        follower._maybe_sync()
+        assert engine.weight_version == 1 and engine.loads == 1  # not applied between the trajectory's turns
+        assert follower.pending.version == 2 and follower.pending.reason.startswith(f"{HELD}: 1 multi-turn")
+        assert follower._failed is None  # a hold, not a failed refit: no back-off
+        sessions.release(["t"])
+        follower.hold = lambda latest: sessions.hold(engine.weight_version, latest)
+        follower._maybe_sync()
+        assert (engine.weight_version, follower.pending) == (2, None)
+    finally:
+        compute.close()
