@@ -40,11 +40,13 @@ import grpc
 
 from fp8rl import limits, memory
 from fp8rl.config import JobConfig
+from fp8rl.endpoint import EndpointConfig, OpenAIEndpoint
 from fp8rl.engines import Cancelled, RolloutEngine, SamplingParams, VersionMismatchError, make_rollout_engine
 from fp8rl.model.tokenizer import load_tokenizer, stop_token_ids
 from fp8rl.presets import PRESETS, load_policy, prepare_preset
 from fp8rl.refit import RefitFollower, RefitHeld
 from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from fp8rl.rpc.channel import read_token_file
 from fp8rl.rpc.routes import routes_to_proto
 from services.common.compute import OnComputeThread
 from services.common.refit import build_subscriber
@@ -59,6 +61,7 @@ from services.common.runtime import (
     require,
     rpc_method,
 )
+from services.common.security import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
     if job.policy.generation.backend == "vllm":  # vLLM loads the checkpoint itself
         from fp8rl.engines.vllm.launch import Fp8UnsupportedError, VllmUnavailableError
 
-        path = prepare_preset(name) if name in PRESETS else Path(name)
+        path = _model_dir(name)
         tok = load_tokenizer(path)
         try:
             engine = make_rollout_engine(job, None, path, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,
@@ -187,10 +190,48 @@ class RolloutService(Service):
 
     def start(self, ctx: Context) -> None:
         self.follower.start()  # registers the lease (version None), then pulls weights:latest when applicable
+        self.endpoint = start_endpoint(ctx, self.engine, self.vocab_size, self.max_len, self.ready)
 
     def stop(self) -> None:
+        if getattr(self, "endpoint", None) is not None:
+            self.endpoint.stop()
         self.follower.stop()
         self.source.close()
+
+
+def _model_dir(name: str) -> Path:
+    return prepare_preset(name) if name in PRESETS else Path(name)
+
+
+def start_endpoint(ctx: Context, engine: RolloutEngine, vocab_size: int, max_len: int, ready
+                   ) -> OpenAIEndpoint | None:
+    """The OpenAI-compatible endpoint (``--openai-port``; off when unset) over this replica's engine, its calls on
+    the compute thread like Generate's. Loopback unless ``--openai-token-file`` names its bearer token (or
+    ``--insecure``); the embedded engine only (the vLLM backend keeps no sessions here: refused, naming why)."""
+    a = ctx.args
+    if a.openai_port is None:
+        return None
+    if ctx.job.policy.generation.backend != "torch":
+        raise StartupError("--openai-port: the OpenAI-compatible endpoint runs on the embedded engine "
+                           "(policy.generation.backend: torch); with vLLM use vLLM's own OpenAI server, which does "
+                           "not splice the returned token ids")
+    token = read_token_file(a.openai_token_file, "--openai-token-file") if a.openai_token_file else None
+    if token is None and not is_loopback_host(a.openai_host) and not a.insecure:
+        raise StartupError(f"refusing to serve the OpenAI endpoint on {a.openai_host!r} (not a loopback address) "
+                           f"without a token: give --openai-token-file FILE, listen on --openai-host 127.0.0.1, or "
+                           f"pass --insecure")
+    cfg = EndpointConfig(model_name=a.openai_model_name or ctx.job.policy.model, token=token,
+                         max_queue=a.openai_max_queue, max_body_bytes=a.openai_max_body_bytes)
+    ep = OpenAIEndpoint(lambda prompts, params, keys: ctx.compute(engine.generate, prompts, params, sessions=keys),
+                        load_tokenizer(_model_dir(ctx.job.policy.model)), vocab_size=vocab_size, max_len=max_len,
+                        config=cfg,
+                        weight_version=lambda: engine.weight_version, ready=ready,
+                        drop_session=lambda key: ctx.compute(engine.drop_session, key))
+    try:
+        ep.start(a.openai_host, a.openai_port)
+    except OSError as exc:
+        raise StartupError(f"--openai-port {a.openai_port}: cannot listen on {a.openai_host}: {exc}") from None
+    return ep
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -330,6 +371,19 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-hold-s", type=float, default=float(env_default("session_hold_s", 120.0)),
                    help="asynchronous multi-turn jobs: a newer version waits while trajectories of the held one are "
                         "in flight, but not for a trajectory idle this long (default 120 s)")
+    p.add_argument("--openai-port", type=int, default=_opt_int(env_default("openai_port")),
+                   help="serve the OpenAI-compatible, token-carrying endpoint (/v1/chat/completions, "
+                        "/v1/completions) on this port (0: a free one, logged); off when unset")
+    p.add_argument("--openai-host", default=env_default("openai_host", "127.0.0.1"),
+                   help="address of the OpenAI endpoint (default loopback; another needs --openai-token-file)")
+    p.add_argument("--openai-token-file", default=env_default("openai_token_file"),
+                   help="file holding the endpoint's bearer token (its callers send Authorization: Bearer TOKEN)")
+    p.add_argument("--openai-model-name", default=env_default("openai_model_name"),
+                   help="the model id the endpoint reports (default: policy.model)")
+    p.add_argument("--openai-max-queue", type=int, default=int(env_default("openai_max_queue", 256)),
+                   help="endpoint calls waiting or running at once; more are refused 429 (default 256)")
+    p.add_argument("--openai-max-body-bytes", type=int, default=int(env_default("openai_max_body_bytes", 4 << 20)),
+                   help="largest endpoint request body (default 4 MiB; larger: 413)")
     p.add_argument("--max-prompts", type=int, default=int(env_default("max_prompts", limits.MAX_GENERATE_PROMPTS)),
                    help="most prompts in one Generate call")
     p.add_argument("--max-n", type=int, default=int(env_default("max_n", limits.MAX_SAMPLES_PER_PROMPT)),
@@ -337,6 +391,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-generated-tokens", type=int,
                    default=int(env_default("max_generated_tokens", limits.MAX_GENERATED_TOKENS)),
                    help="token budget of one Generate call: prompts x n x max_tokens")
+
+
+def _opt_int(value: str | None) -> int | None:
+    return None if value is None or not str(value).strip() else int(value)
 
 
 SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args,

@@ -84,6 +84,8 @@ class ChatRenderer:
         self._hf = hf
         self.template_kwargs = dict(template_kwargs or {})
         stop_ids = list(getattr(tokenizer, "eos_ids", None) or [tokenizer.eos_id])
+        self.stop_ids: tuple[int, ...] = tuple(stop_ids)
+        """The ids that end a model turn (the tokenizer's ``eos_ids``)."""
         self.end_of_turn_id: int = stop_ids[0]
         """The id a turn ends with (the tokenizer's ``eos_id``): the caller appends it to a turn cut short."""
         strings = [t for t in hf.convert_ids_to_tokens(stop_ids) if isinstance(t, str) and t]

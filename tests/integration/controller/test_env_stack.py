@@ -186,8 +186,8 @@ def test_submit_refuses_environments_the_workers_do_not_run(env_stack):
 
 def _slow_async_job(stack: Stack, name: str, *, delay_s: float, partial: str = "finish") -> tuple[list, int]:
     """A 3-step k = 1 job of SlowGuess (each environment step ``delay_s``) under ``env.partial``: its reports, each
-    checked (succeeded, every trajectory graded and of TURNS turns, lag <= 1, no replica fenced), and how many times a rollout replica
-    logged holding a refit back meanwhile."""
+    checked (succeeded, every trajectory graded and of TURNS turns, lag <= 1, no replica fenced), and how many times
+    a rollout replica logged holding a refit back meanwhile."""
     job = _job(stack.model_dir, f"{name}-{uuid.uuid4().hex[:6]}", steps=3,
                env={"name": "stack_envs:SlowGuess", "kwargs": {"delay_s": delay_s}, "partial": partial},
                data=_tasks(stack, (37, 42, 9, 64, 5, 77)),

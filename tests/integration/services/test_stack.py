@@ -438,3 +438,39 @@ def test_vllm_backend_without_vllm_installed_is_a_clear_startup_error(spawner, t
     assert p.proc.wait(timeout=60) == 2
     assert "needs vLLM 0.32.0 installed" in p.log_tail() and "make test-vllm" in p.log_tail()
     assert "Traceback" not in p.log_tail()
+
+
+def test_a_replica_serves_the_openai_endpoint_beside_generate(stack: Stack, spawner):
+    """A rollout replica started with ``--openai-port 0``: the real ``openai`` client's completion, seeded, is the
+    gRPC Generate of the same prompt and seed on the same replica — the same engine, token for token, logprob for
+    logprob, at the version it reports. The chat route needs a chat template (this tiny model has none): a clear
+    400. Beyond loopback without a token the replica does not start."""
+    import re
+
+    import openai
+
+    p = spawner.start("rollout", stack.cfg, "rollout-openai", "--openai-port", "0").wait_listening()
+    try:
+        port = int(wait_until(lambda: re.search(r"OpenAI-compatible endpoint on http://127\.0\.0\.1:(\d+)/v1",
+                                                 p.log_tail(20000)), "the endpoint's port in the log", proc=p)[1])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=60)
+        stub = rollout_pb2_grpc.RolloutServiceStub(p.channel())
+        status = wait_until(lambda: (s := stub.Status(rollout_pb2.RolloutStatusRequest(), timeout=T)).ready and s,
+                            "the replica to hold a version", proc=p)
+        prompt = [3, 5, 7, 9]
+        got = client.completions.create(model="m", prompt=[prompt], max_tokens=4, seed=5, temperature=1.0)
+        ch = got.choices[0].model_extra
+        req = rollout_pb2.GenerateRequest(request_id="oa", weight_version=status.weight_version,
+                                          prompts=[rollout_pb2.Prompt(token_ids=prompt)],
+                                          sampling=rollout_pb2.SamplingParams(max_tokens=4, n=1, seed=5,
+                                                                              temperature=1.0))
+        ref = [r.sample for r in stub.Generate(req, timeout=T)][0]
+        assert ch["generation_token_ids"] == list(ref.token_ids) and ch["prompt_token_ids"] == prompt
+        assert ch["generation_log_probs"] == list(ref.logprobs) and ch["weight_version"] == ref.weight_version
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    finally:
+        p.terminate()
+    bad = spawner.start("rollout", stack.cfg, "rollout-openai-open", "--openai-port", "0", "--openai-host", "0.0.0.0")
+    assert bad.proc.wait(timeout=60) == 2
+    assert "refusing to serve the OpenAI endpoint" in bad.log_tail() and "Traceback" not in bad.log_tail()
