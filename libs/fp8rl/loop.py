@@ -28,6 +28,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -36,12 +37,14 @@ import torch
 from tqdm import tqdm
 
 from fp8rl import memory
+from fp8rl.agents import load_agent, run_agents
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, check_data, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import ArithDataset, DataFileError, get_grader
+from fp8rl.endpoint import EndpointConfig, EndpointLimits, OpenAIEndpoint
 from fp8rl.engines import (
     MemoryBudgetError,
     SamplingParams,
@@ -280,8 +283,11 @@ class _InProcess:
         # env.partial finish: a refit waits for the trajectories in flight (each is sampled by one version);
         # interrupt: for the turn in flight
         self._trajectories = threading.Lock()
-        self.wants_problems = loop.plan.env is not None  # generate() is handed the problems (the tasks)
+        # generate() is handed the problems (the tasks): multi-turn jobs (an environment, or the user's agent)
+        self.wants_problems = loop.plan.env is not None or loop.job.agent.entrypoint is not None
         self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
+        self._agent: tuple | None = None  # agent jobs: (function, endpoint, base URL), from the first agent step
+        self._agent_version = 0  # the version the endpoint's calls are pinned to (the step's)
 
     def restart(self, scales) -> None:
         """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
@@ -307,6 +313,8 @@ class _InProcess:
         job = self.loop.job
         if self.loop.plan.env is not None:
             return self._trajectories_of(problems, version, step=step, n=n, temperature=temperature)
+        if job.agent.entrypoint is not None:
+            return self._agent_trajectories(problems, prompts, version, step=step, n=n, temperature=temperature)
         params = SamplingParams(temperature=temperature, top_p=job.policy.generation.top_p,
                                 max_tokens=job.policy.generation.max_new_tokens, n=n,
                                 seed=sampling_seed(job.job.seed, step, 0))
@@ -344,8 +352,34 @@ class _InProcess:
         self.last_trajectories = trajs[:4]  # what the report shows
         return [(t.prompt_index, t) for t in trajs]
 
+    def _agent_trajectories(self, problems, prompts, version, *, step, n, temperature):
+        """``n`` trajectories of every problem, each the session of one call of the user's agent
+        (:func:`fp8rl.agents.run_agents`) on the loop's endpoint, its calls pinned to ``version`` and sampled at
+        the step's ``temperature`` (the agent may not choose another: the trained logprobs are of it)."""
+        loop, a = self.loop, self.loop.job.agent
+        lim = EndpointLimits(max_tokens=a.max_tokens_per_call, default_max_tokens=a.max_tokens_per_call,
+                             temperature=temperature, top_p=loop.job.policy.generation.top_p)
+        if self._agent is None:
+            fn = load_agent(a.entrypoint)
+            cfg = EndpointConfig(model_name=loop.model_name, limits=lim, session_max_tokens=a.max_trajectory_tokens)
+            ep = OpenAIEndpoint(lambda p, params, keys: loop.rollout.generate(
+                p, params, weight_version=self._agent_version, sessions=keys), loop.tok,
+                vocab_size=loop.model_config.vocab_size, max_len=loop.rollout.max_len, config=cfg,
+                weight_version=lambda: loop.rollout.weight_version, drop_session=loop.rollout.drop_session)
+            self._agent = (fn, ep, f"http://127.0.0.1:{ep.start()}/v1")
+        fn, ep, url = self._agent
+        ep.cfg = replace(ep.cfg, limits=lim)  # this phase's temperature (validation's may differ)
+        self._agent_version = version
+        tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
+        with self._trajectories, memory.phase("rollout"):  # a refit waits for the agents in flight
+            trajs = run_agents(fn, tasks, n, ep, url, concurrency=a.concurrency, timeout_s=a.timeout_s,
+                               grade=self.loop.grader, openings=prompts, version=version,
+                               tag=f"s{step}-{uuid.uuid4().hex[:6]}")
+        self.last_trajectories = trajs[:4]  # what the report shows
+        return [(t.prompt_index, t) for t in trajs]
+
     def score(self, pairs):
-        if self.loop.plan.env is not None:  # the environment graded each trajectory (None: it failed, ungraded)
+        if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
         with memory.phase("reward"):
             return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
@@ -535,7 +569,7 @@ def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dic
     if loop.backends.last_trajectories:  # multi-turn: a few trajectories, model and environment tokens told apart
         RunDir._write(rd.path / "trajectories.md", trajectories_markdown(
             loop.backends.last_trajectories, lambda ids: loop.tok.decode(ids, skip_special=False),
-            title=f"Trajectories of the last step ({cfg.job.env.name})"))
+            title=f"Trajectories of the last step ({cfg.job.env.name or cfg.job.agent.entrypoint})"))
     RunDir._write(rd.path / "summary.json", json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                         "validation": val}, indent=2))
 

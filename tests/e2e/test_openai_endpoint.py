@@ -304,3 +304,34 @@ def _get(port: int, path: str) -> str:
     status, raw = _request(port, "GET", path)
     assert status == 200, raw
     return raw
+
+
+# -- agent jobs in the loop ------------------------------------------------------------------------------------------
+def _agent_job(path, entrypoint: str, **agent) -> dict:
+    job = _job(path, data={"task": "arith"})
+    del job["env"]
+    job["agent"] = {"entrypoint": f"tests.e2e.byo_agents:{entrypoint}", "concurrency": 4, "max_tokens_per_call": 8,
+                    **agent}
+    return job
+
+
+def test_an_agent_job_trains_its_sessions_bitwise(served):
+    """A GRPO step whose trajectories are a user's agent function driving the policy through the endpoint (two calls
+    each, the assistant message sent back as returned): every session becomes a trajectory of two model turns with
+    the agent's messages masked, graded from the agent's text, and the trainer's logprobs are the endpoint's,
+    bitwise."""
+    loop = GRPOLoop(LoopConfig(parse_job_config(_agent_job(served.path, "two_turns"))))
+    m = loop.step(0)
+    assert m["mismatch/max_abs_logprob_diff"] == 0.0 and m["token_mult_prob_error"] == 1.0
+    assert m["env/turns_mean"] == 2.0 and m["env/ungraded"] == 0.0 and m["env/end/done"] == 4.0
+    assert m["env/masked_tokens"] > 0 and m["env/model_tokens"] > 0
+    assert loop.rollout.session_stats()["entries"] == 0  # every session's K/V released
+
+
+def test_an_agents_failures_are_ungraded_and_counted(served):
+    loop = GRPOLoop(LoopConfig(parse_job_config(_agent_job(served.path, "flaky", timeout_s=60))))
+    m = loop.step(0)
+    assert m["env/ungraded"] >= 1 and m["env/end/env_error"] == m["env/ungraded"]
+    assert m["mismatch/max_abs_logprob_diff"] == 0.0  # the graded ones trained, exactly
+    hot = GRPOLoop(LoopConfig(parse_job_config(_agent_job(served.path, "hot"))))
+    assert hot.step(0)["env/ungraded"] == 4.0  # every call refused: the agents failed, nothing trained on them

@@ -22,6 +22,7 @@ from fp8rl.fp8.formats import linear_format
 
 from .fields import ConfigError, Section, from_mapping, section, to_dict, walk
 from .schema import (
+    AgentSection,
     CalibrationConfig,
     DataConfig,
     EnvSection,
@@ -67,6 +68,8 @@ class JobConfig(Section):
     calibration: CalibrationConfig = section(CalibrationConfig, "The per-step Q/K/V scale calibration.")
     refit: RefitConfig = section(RefitConfig, "How each new version's weights reach the replicas.")
     env: EnvSection = section(EnvSection, "Multi-turn, tool-using trajectories: the environment and its budgets.")
+    agent: AgentSection = section(AgentSection, "Bring your own agent: a function driving the policy through its "
+                                  "OpenAI-compatible endpoint.")
 
     def check(self) -> None:
         self._check_batch_shape()
@@ -108,7 +111,22 @@ class JobConfig(Section):
                                   "num_first_layers_in_bf16 / num_last_layers_in_bf16 itself; leave them at 0 (got "
                                   f"{v.num_first_layers_in_bf16} / {v.num_last_layers_in_bf16}) or turn it off")
 
+    def _check_agent(self) -> None:
+        if self.agent.entrypoint is None:
+            return
+        if self.env.name is not None:
+            raise ConfigError("agent.entrypoint: an agent drives the model itself; env.name (an environment the "
+                              "loop drives) cannot be set with it")
+        if self.data.task == "env":
+            raise ConfigError("agent.entrypoint: the agent's tasks are data's problems (data.task arith, jsonl or "
+                              "dataset), not an environment's")
+        for key, val in self._engine_backends():
+            if val != "torch":
+                raise ConfigError(f"agent.entrypoint: agents run on the embedded engines for now ({key}={val}): the "
+                                  f"endpoint splices token ids into the embedded engine's sessions")
+
     def _check_env(self) -> None:
+        self._check_agent()
         env = self.env
         if self.data.task == "env" and env.name is None:
             raise ConfigError("data.task: env draws the environment's own tasks; set env.name")
@@ -146,6 +164,10 @@ class JobConfig(Section):
         the services stack has no phase that would run it and tell every replica and trainer rank the result,
         so a job asks for the layer counts the observatory suggests (``python -m fp8rl.observatory``) instead.
         """
+        if self.agent.entrypoint is not None:
+            raise ConfigError("agent.entrypoint: agent jobs run in the in-process loop (python -m fp8rl.loop) for "
+                              "now; on the services stack the rollout replicas serve the OpenAI endpoint "
+                              "(--openai-port) to agents a user runs, but the controller does not run agents yet")
         if self.policy.numerics.auto_bf16_layers:
             raise ConfigError("policy.numerics.auto_bf16_layers=true is run by the in-process loop only "
                               "(python -m fp8rl.loop --auto-bf16-layers); the services stack does not run the "

@@ -14,7 +14,8 @@ from fp8rl.fp8.formats import DEFAULT_SCALING, SCALINGS, linear_format
 from .fields import ConfigError, Section, section, setting
 
 __all__ = [
-    "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "EnvSection", "Fp8Cfg", "GenerationConfig",
+    "AgentSection", "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "EnvSection", "Fp8Cfg",
+    "GenerationConfig",
     "GrpoConfig", "EvalSection", "ImportanceSamplingConfig", "JobSection", "LoraConfig", "LossSection", "MegatronCfg",
     "PolicyConfig", "RewardConfig", "RewardShapingConfig",
     "RouterReplayConfig", "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
@@ -450,6 +451,35 @@ class EnvSection(Section):
 
         return EnvSpec(self.name, dict(self.kwargs or {}), self.max_turns, self.max_tokens_per_turn,
                        self.max_trajectory_tokens, self.step_timeout_s)
+
+
+@dataclass(frozen=True)
+class AgentSection(Section):
+    KEY = "agent"
+    entrypoint: str | None = setting(
+        None, "Bring your own agent (fp8rl.agents): an import path package.module:function called as "
+        "function(task, client) for every trajectory, task a dict (question, answer) of data's problems and client "
+        "an openai.OpenAI pointed at the policy's OpenAI-compatible endpoint (one session per trajectory: every call "
+        "it makes is a turn, the model's tokens trained, everything else masked). It returns the reward (a number), "
+        "or a text that reward.grader grades against the task's answer. Unset: no agent.", kind=str, optional=True)
+    concurrency: int = setting(16, "Agents run at once (threads of the in-process loop); their calls are batched by "
+                               "the endpoint.", gt=0, le=1024)
+    timeout_s: float = setting(300.0, "Seconds one agent may take; past it its trajectory ends ungraded "
+                               "(env_timeout).", gt=0.0)
+    max_tokens_per_call: int = setting(256, "max_tokens of an agent's call that sets none (and the most any call may "
+                                       "ask for).", gt=0, le=limits.MAX_NEW_TOKENS)
+    max_trajectory_tokens: int = setting(4096, "Tokens one agent's trajectory may hold; a call past it is refused "
+                                         "and the agent sees the error.", gt=0, le=1 << 20)
+
+    def check(self) -> None:
+        if self.entrypoint is None:
+            return
+        module, _, attr = self.entrypoint.partition(":")
+        if not (module and attr and all(part.isidentifier() for part in (*module.split("."), attr))):
+            raise ConfigError(f"agent.entrypoint: {self.entrypoint!r} is not an import path package.module:function")
+        if self.max_trajectory_tokens < self.max_tokens_per_call:
+            raise ConfigError(f"agent.max_trajectory_tokens ({self.max_trajectory_tokens}) must be >= "
+                              f"agent.max_tokens_per_call ({self.max_tokens_per_call})")
 
 
 @dataclass(frozen=True)

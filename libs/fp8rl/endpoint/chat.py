@@ -73,6 +73,8 @@ class EndpointLimits:
     max_tokens: int = 4096
     default_max_tokens: int = 512
     max_tools: int = 128
+    temperature: float | None = None  # set: every call samples at it (an agent job's policy temperature)
+    top_p: float | None = None  # likewise
 
 
 @dataclass(frozen=True)
@@ -273,8 +275,14 @@ def _sampling(body: dict, lim: EndpointLimits, prompt_len: int, max_len: int, *,
     if max_tokens > room:
         raise EndpointError(f"{key}={max_tokens} with a {prompt_len}-token prompt exceeds the model's {max_len} "
                             f"positions", param=key, code="context_length_exceeded")
-    return SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, min(2.0, limits.MAX_TEMPERATURE)),
-                          top_p=_float(body, "top_p", 1.0, 1e-9, 1.0), max_tokens=max_tokens,
+    temperature = _float(body, "temperature", 1.0 if lim.temperature is None else lim.temperature, 0.0,
+                         min(2.0, limits.MAX_TEMPERATURE))
+    top_p = _float(body, "top_p", 1.0 if lim.top_p is None else lim.top_p, 1e-9, 1.0)
+    for key, got, pinned in (("temperature", temperature, lim.temperature), ("top_p", top_p, lim.top_p)):
+        if pinned is not None and got != pinned:
+            raise EndpointError(f"{key}={got:g}: this endpoint samples the policy being trained at {key}={pinned:g} "
+                                f"(the job's policy.generation.{key}); leave it out or pass {pinned:g}", param=key)
+    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                           n=_int(body, "n", 1, 1, n_cap), seed=_int(body, "seed", None, 0, limits.INT64_MAX))
 
 

@@ -73,6 +73,7 @@ class EndpointConfig:
     limits: EndpointLimits = EndpointLimits()
     max_sessions: int = 4096
     session_idle_s: float = 3600.0
+    session_max_tokens: int = 1 << 20
 
 
 @dataclass
@@ -100,7 +101,8 @@ class OpenAIEndpoint:
         except ValueError as exc:  # a base model's tokenizer: /v1/completions only
             self.renderer, self._no_chat = None, str(exc)
         self.stop_ids = tuple(getattr(tokenizer, "eos_ids", None) or [tokenizer.eos_id])
-        self.sessions = SessionBook(max_sessions=config.max_sessions, idle_s=config.session_idle_s)
+        self.sessions = SessionBook(max_sessions=config.max_sessions, idle_s=config.session_idle_s,
+                                    max_tokens=config.session_max_tokens)
         self._queue: list[_Job] = []
         self._pending = 0  # calls admitted and not answered (bounded by max_queue)
         self._wake: asyncio.Event | None = None
@@ -207,6 +209,13 @@ class OpenAIEndpoint:
         if rec is None:
             raise EndpointError(f"no session {sid!r}", status=404, code="session_not_found")
         return web.json_response({"id": sid, **rec.to_json()})
+
+    def close_session(self, sid: str) -> dict[str, Any] | None:
+        """End session ``sid`` from any thread: its record (None when it never existed), its engine K/V dropped."""
+        rec = self.sessions.drop(sid)
+        if rec is not None:
+            self.drop_session(_key(sid))
+        return None if rec is None else rec.to_json()
 
     async def _session_delete(self, request: web.Request) -> web.Response:
         sid = check_session_id(request.match_info["sid"])

@@ -105,7 +105,9 @@ class SessionBook:
                 trajectory would pass ``max_tokens``. Nothing is recorded then.
         """
         with self._lock:
-            rec = self._s[sid]
+            rec = self._s.get(sid)
+            if rec is None:  # closed while its call ran (an agent past its time): nothing to record into
+                return
             try:
                 old = rec.token_ids
                 check_extends(old, prompt)

@@ -85,6 +85,8 @@ class Trajectory:
         env_info: the environment's own numeric counters, as its last step reported them (cumulative: e.g. the
             ``python`` environment's ``sandbox_runs``, ``sandbox_start_s``, ``killed/<reason>``).
         messages: the conversation as messages (what the report renders).
+        version_begun: the version the trajectory was begun at; its row's version when the model sampled none of
+            its tokens (an agent that never called the model: ungraded, kept only so the batch keeps its shape).
     """
 
     prompt_index: int
@@ -106,12 +108,14 @@ class Trajectory:
     env_seconds: float = 0.0
     env_info: dict[str, float] = field(default_factory=dict)
     messages: list[Message] = field(default_factory=list)
+    version_begun: int = -1
 
     @property
     def weight_version(self) -> int:
-        """The oldest version among the model's tokens (what staleness is counted by; ``finish`` keeps one)."""
+        """The oldest version among the model's tokens (what staleness is counted by; ``finish`` keeps one); with no
+        model token, the version it was begun at (``version_begun``)."""
         own = [v for v in self.versions if v >= 0]
-        return min(own) if own else -1
+        return min(own) if own else self.version_begun
 
     @property
     def done(self) -> bool:

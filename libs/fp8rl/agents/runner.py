@@ -1,0 +1,145 @@
+"""Bring your own agent: a user function drives the policy through the OpenAI-compatible endpoint, and each of its
+sessions becomes a :class:`~fp8rl.envs.trajectory.Trajectory` (issue 51).
+
+``agent.entrypoint: package.module:function`` is called as ``function(task, client)`` once per trajectory —
+``task`` the problem as a dict (``question``, ``answer``), ``client`` a real ``openai.OpenAI`` whose every call
+carries the trajectory's session id (``X-Session-Id``) — on a pool of ``agent.concurrency`` threads. The endpoint
+(:class:`~fp8rl.endpoint.OpenAIEndpoint`) batches their calls into engine calls and records each session token by
+token: the model's sampled tokens (trained, with their logprobs and weight version) and everything the agent sent
+(its messages, tool results, the chat template's framing: masked). The calls of one session must continue one
+another (the endpoint refuses a history that does not), so the record is the trajectory the model saw.
+
+What the function returns is the reward: a number, or a text graded by ``reward.grader`` against the task's
+answer. It ends its trajectory like an environment would (:data:`~fp8rl.envs.trajectory.END_REASONS`): ``done``
+when it returned, ``env_error`` when it raised or made no model call, ``env_timeout`` past ``agent.timeout_s`` —
+the last two ungraded (out of the loss, counted), never a silent 0.
+
+The function runs in the loop's process: the loop trusts its user's code, as it trusts the job's model. (On the
+service stack agents are to run in the sandbox; not yet.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from fp8rl.endpoint import SESSION_HEADER, OpenAIEndpoint
+from fp8rl.envs.trajectory import Trajectory
+
+__all__ = ["AgentResult", "load_agent", "run_agents", "trajectory_of_session"]
+
+log = logging.getLogger(__name__)
+
+
+def load_agent(entrypoint: str) -> Callable[[dict, Any], Any]:
+    """Import ``package.module:function``.
+
+    Raises:
+        ValueError: the module cannot be imported, or the attribute is missing or not callable (the message says
+            which).
+    """
+    module, _, attr = entrypoint.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's module: any import error, named
+        raise ValueError(f"agent.entrypoint {entrypoint!r}: cannot import {module!r}: {type(exc).__name__}: "
+                         f"{exc}") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise ValueError(f"agent.entrypoint {entrypoint!r}: {module!r} has no callable {attr!r}")
+    return fn
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What one agent call came to: its reward (None: ungraded), why it ended, and the error it raised."""
+
+    reward: float | None
+    end_reason: str
+    error: str = ""
+
+
+def _reward_of(value: Any, task: dict, grade: Callable[[str, str], float]) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"an agent returns its reward (a number) or a text to grade, got {type(value).__name__}")
+    if isinstance(value, str):
+        return float(grade(value, str(task.get("answer", ""))))
+    if not math.isfinite(value):
+        raise ValueError(f"the agent's reward {value!r} is not finite")
+    return float(value)
+
+
+def trajectory_of_session(record: dict, prompt_index: int, result: AgentResult, version: int = -1) -> Trajectory:
+    """A session's record (:meth:`~fp8rl.endpoint.sessions.SessionRecord.to_json`) as a trajectory: the leading
+    caller tokens are its opening prompt, the rest its segments."""
+    ids, mask = record["token_ids"], record["loss_mask"]
+    first = mask.index(1) if 1 in mask else len(ids)
+    t = Trajectory(prompt_index, tuple(ids[:first]), list(ids[first:]), list(record["logprobs"][first:]),
+                   list(mask[first:]), list(record["weight_versions"][first:]))
+    for m in t.token_mask:  # runs of model / caller tokens
+        src = "model" if m else "env"
+        if t.segments and t.segments[-1][0] == src:
+            t.segments[-1] = (src, t.segments[-1][1] + 1)
+        else:
+            t.segments.append((src, 1))
+    t.turns, t.reward, t.end_reason, t.version_begun = record["turns"], result.reward, result.end_reason, version
+    return t
+
+
+def run_agents(fn: Callable[[dict, Any], Any], tasks: Sequence[dict], n: int, endpoint: OpenAIEndpoint,
+               base_url: str, *, concurrency: int, timeout_s: float, grade: Callable[[str, str], float],
+               openings: Sequence[Sequence[int]], version: int, tag: str = "") -> list[Trajectory]:
+    """``n`` trajectories of every task (prompt-major), each one call of ``fn`` with its own session on
+    ``endpoint`` (served at ``base_url``); each session is dropped from the endpoint (and its K/V from the engine)
+    once read. ``openings[i]``: task ``i``'s prompt ids, the row of a trajectory whose agent never called the
+    model (ungraded, masked: the batch keeps its shape); ``version`` the one the calls are pinned to."""
+    import openai  # the real client, imported where agents run
+
+    tag = tag or uuid.uuid4().hex[:8]
+    sids = [f"agent-{tag}-{i}-{j}" for i in range(len(tasks)) for j in range(n)]
+
+    def one(k: int) -> AgentResult:
+        task = dict(tasks[k // n])
+        client = openai.OpenAI(base_url=base_url, api_key="fp8rl-agent", default_headers={SESSION_HEADER: sids[k]},
+                               max_retries=0, timeout=timeout_s)
+        try:
+            value = fn(task, client)
+            return AgentResult(_reward_of(value, task, grade), "done")
+        except Exception as exc:  # noqa: BLE001 - the user's agent: its failure ends its trajectory, counted
+            return AgentResult(None, "env_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            client.close()
+
+    results: list[AgentResult] = []
+    ex = ThreadPoolExecutor(max_workers=min(concurrency, len(sids)), thread_name_prefix="agent")
+    try:
+        futures = [ex.submit(one, k) for k in range(len(sids))]
+        deadline = time.monotonic() + timeout_s  # the pool's: agents queued behind others share it
+        for f in futures:
+            try:
+                results.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                results.append(AgentResult(None, "env_timeout", f"the agent ran past agent.timeout_s={timeout_s:g}"))
+    finally:  # an agent past its time is not waited for (a thread cannot be killed: its later calls are refused)
+        ex.shutdown(wait=False, cancel_futures=True)
+    errors = [r.error for r in results if r.error]
+    if errors:
+        log.warning("%d of %d agents ended ungraded; the first: %s", len(errors), len(results), errors[0][:300])
+    trajs = []
+    for k, (sid, res) in enumerate(zip(sids, results, strict=True)):
+        rec = endpoint.close_session(sid)
+        if rec is None or not any(rec["loss_mask"]):  # it never had the model write a token: its opening, ungraded
+            res = AgentResult(None, "env_error", res.error or "the agent made no model call")
+            ids = list(openings[k // n])
+            rec = {"token_ids": ids, "loss_mask": [0] * len(ids), "logprobs": [0.0] * len(ids),
+                   "weight_versions": [-1] * len(ids), "turns": 0}
+        trajs.append(trajectory_of_session(rec, k // n, res, version))
+    return trajs
