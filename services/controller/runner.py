@@ -84,7 +84,7 @@ from fp8rl.controller.reconcile import Lineage, reconcile
 from fp8rl.controller.step import PHASES, finish, first_half
 from fp8rl.controller.validation import validate
 from fp8rl.data import GRADERS, DataFileError, DataRoot
-from fp8rl.envs import env_names
+from fp8rl.envs import env_names, import_paths
 from fp8rl.refit import RefitStore
 from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
@@ -208,6 +208,11 @@ class JobRunner:
                               f"workers run {', '.join(sorted(names))}"
                               + "".join(f", {m}:<Class>" for m in sorted(modules))
                               + " (start it with --env-module MODULE for a user environment)")
+        for path in import_paths(name, job.env.kwargs):  # an adapter's own import (skyrl entry_point, trl factory)
+            if path.partition(":")[0] not in modules:
+                raise ConfigError(f"env.kwargs: {short(path)} is not a module the reward service's environment "
+                                  f"workers were started with ({', '.join(sorted(modules)) or 'none'}); start it "
+                                  f"with --env-module {short(path.partition(':')[0])}")
 
     def get(self, job_id: str) -> JobRecord:
         rec = self.jobs.get(job_id)

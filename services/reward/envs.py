@@ -20,7 +20,7 @@ import math
 import grpc
 
 from fp8rl import limits
-from fp8rl.envs import allowed, env_names
+from fp8rl.envs import allowed, env_names, import_paths
 from fp8rl.envs.worker_pool import EnvWorkerPool
 from fp8rl.rpc import env_pb2, env_pb2_grpc
 from services.common.runtime import Abort, require, rpc_method
@@ -69,11 +69,12 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     @rpc_method
     def Reset(self, request, context):
         _check_id(request.trajectory_id)
-        require(allowed(request.env, self.pool.modules),
-                f"env: {request.env[:200]!r} does not run here; the environment workers run "
-                f"{', '.join(env_names())}" + "".join(f", {m}:<Class>" for m in self.pool.modules)
-                + " (more with the reward service's --env-module)")
         kwargs, task = _object(request.kwargs_json, "kwargs_json"), _object(request.task_json, "task_json")
+        require(allowed(request.env, self.pool.modules, kwargs),
+                f"env: {request.env[:200]!r} (with the import paths {import_paths(request.env, kwargs)}) does not "
+                f"run here; the environment workers run {', '.join(env_names())}"
+                + "".join(f", {m}:<Class>" for m in self.pool.modules) + " (more with the reward service's "
+                "--env-module; an adapter's entry_point / factory module must be one of them)")
         try:
             r = self.pool.reset(request.trajectory_id, request.env, kwargs, task)
         except ValueError as exc:  # an id open already, or the pool is full

@@ -14,12 +14,12 @@ environment knows text and, in :mod:`.render`, a tokenizer); importing this pack
 does not import torch or transformers.
 """
 
-from . import calculator, guess, python_env  # noqa: F401 - registers the built-ins
+from . import adapters, calculator, guess, python_env  # noqa: F401 - registers the built-ins and the adapters
 from .base import ROLES, EnvError, Environment, EnvSpec, EnvStep, Message
 from .calculator import CalculatorEnv, make_calculator_tasks
 from .guess import GuessNumberEnv, make_guess_tasks
 from .python_env import PythonEnv, make_programming_tasks, make_python_tasks
-from .registry import allowed, env_names, make_env, register, resolve
+from .registry import allowed, env_names, import_paths, make_env, register, resolve
 from .render import ChatRenderer
 from .tools import ToolCall, ToolCallError, format_tool_call, parse_tool_calls, tool_result_message
 
@@ -27,5 +27,5 @@ __all__ = [
     "ROLES", "CalculatorEnv", "ChatRenderer", "EnvError", "EnvSpec", "EnvStep", "Environment", "GuessNumberEnv",
     "Message", "PythonEnv", "ToolCall", "ToolCallError", "allowed", "env_names", "format_tool_call",
     "make_calculator_tasks", "make_env", "make_guess_tasks", "make_programming_tasks", "make_python_tasks",
-    "parse_tool_calls", "register", "resolve", "tool_result_message",
+    "import_paths", "parse_tool_calls", "register", "resolve", "tool_result_message",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 from .base import Environment
 
-__all__ = ["allowed", "env_names", "make_env", "register", "resolve"]
+__all__ = ["allowed", "env_names", "import_paths", "make_env", "register", "resolve"]
 
 _REGISTRY: dict[str, type[Environment]] = {}
 
@@ -106,15 +106,26 @@ def make_env(name_or_path: str, **kwargs: Any) -> Environment:
     return cls(**kwargs)
 
 
-def allowed(name_or_path: str, modules: Iterable[str]) -> bool:
-    """Whether a worker started with the user modules ``modules`` may run ``name_or_path``.
+def import_paths(name: str, kwargs: dict[str, Any] | None) -> list[str]:
+    """The import paths a registered adapter would import from its ``kwargs`` (its ``IMPORT_KWARGS``: e.g. the
+    ``skyrl`` adapter's ``entry_point``); [] for the other built-ins and for import paths."""
+    cls = _REGISTRY.get(name)
+    names = getattr(cls, "IMPORT_KWARGS", ()) if cls is not None else ()
+    return [v if isinstance(v, str) else repr(v) for k in names if (v := (kwargs or {}).get(k)) is not None]
 
-    Registered built-ins are always allowed; an import path only when its module is exactly one of
+
+def allowed(name_or_path: str, modules: Iterable[str], kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether a worker started with the user modules ``modules`` may run ``name_or_path`` with ``kwargs``.
+
+    Registered built-ins are always allowed — an adapter only when every import path of its ``kwargs``
+    (:func:`import_paths`) has its module in ``modules``; an import path only when its module is exactly one of
     ``modules`` (a package does not allow its submodules: list each). Nothing is imported here.
     """
     if not isinstance(name_or_path, str):
         return False
+    mods = set(modules)
     if name_or_path in _REGISTRY:
-        return True
+        return all((p := _split_path(path)) is not None and p[0] in mods
+                   for path in import_paths(name_or_path, kwargs))
     parts = _split_path(name_or_path)
-    return parts is not None and parts[0] in set(modules)
+    return parts is not None and parts[0] in mods
