@@ -70,6 +70,7 @@ class EndpointConfig:
     body_timeout_s: float = 30.0
     max_queue: int = 256
     max_batch_prompts: int = 64
+    batch_window_s: float = 0.002
     limits: EndpointLimits = EndpointLimits()
     max_sessions: int = 4096
     session_idle_s: float = 3600.0
@@ -197,7 +198,7 @@ class OpenAIEndpoint:
     # -- routes ------------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "weight_version": self.weight_version(),
-                                  "sessions": len(self.sessions), "queued": self._pending})
+                                  "sessions": len(self.sessions), "queued": self._pending, **self.stats})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -301,6 +302,8 @@ class OpenAIEndpoint:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self.cfg.batch_window_s > 0:  # calls that arrive together (agents of one step) go in one engine call
+                await asyncio.sleep(self.cfg.batch_window_s)
             while self._queue:
                 first = self._queue.pop(0)
                 batch = [first]
