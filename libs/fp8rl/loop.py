@@ -37,14 +37,13 @@ import torch
 from tqdm import tqdm
 
 from fp8rl import memory
-from fp8rl.agents import load_agent, run_agents
+from fp8rl.agents import AgentDriver, AgentSettings
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, check_data, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
 from fp8rl.controller.validation import ValidationResult, validate
 from fp8rl.data import ArithDataset, DataFileError, get_grader
-from fp8rl.endpoint import EndpointConfig, EndpointLimits, OpenAIEndpoint
 from fp8rl.engines import (
     MemoryBudgetError,
     SamplingParams,
@@ -286,8 +285,7 @@ class _InProcess:
         # generate() is handed the problems (the tasks): multi-turn jobs (an environment, or the user's agent)
         self.wants_problems = loop.plan.env is not None or loop.job.agent.entrypoint is not None
         self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
-        self._agent: tuple | None = None  # agent jobs: (function, endpoint, base URL), from the first agent step
-        self._agent_version = 0  # the version the endpoint's calls are pinned to (the step's)
+        self._agent: AgentDriver | None = None  # agent jobs: the endpoint and the user's function (first step on)
 
     def restart(self, scales) -> None:
         """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
@@ -354,27 +352,19 @@ class _InProcess:
 
     def _agent_trajectories(self, problems, prompts, version, *, step, n, temperature):
         """``n`` trajectories of every problem, each the session of one call of the user's agent
-        (:func:`fp8rl.agents.run_agents`) on the loop's endpoint, its calls pinned to ``version`` and sampled at
+        (:class:`fp8rl.agents.AgentDriver`) on the loop's endpoint, its calls pinned to ``version`` and sampled at
         the step's ``temperature`` (the agent may not choose another: the trained logprobs are of it)."""
         loop, a = self.loop, self.loop.job.agent
-        lim = EndpointLimits(max_tokens=a.max_tokens_per_call, default_max_tokens=a.max_tokens_per_call,
-                             temperature=temperature, top_p=loop.job.policy.generation.top_p)
         if self._agent is None:
-            fn = load_agent(a.entrypoint)
-            cfg = EndpointConfig(model_name=loop.model_name, limits=lim, session_max_tokens=a.max_trajectory_tokens)
-            ep = OpenAIEndpoint(lambda p, params, keys: loop.rollout.generate(
-                p, params, weight_version=self._agent_version, sessions=keys), loop.tok,
-                vocab_size=loop.model_config.vocab_size, max_len=loop.rollout.max_len, config=cfg,
-                weight_version=lambda: loop.rollout.weight_version, drop_session=loop.rollout.drop_session)
-            self._agent = (fn, ep, f"http://127.0.0.1:{ep.start()}/v1")
-        fn, ep, url = self._agent
-        ep.cfg = replace(ep.cfg, limits=lim)  # this phase's temperature (validation's may differ)
-        self._agent_version = version
+            self._agent = AgentDriver(
+                AgentSettings(a.entrypoint, a.concurrency, a.timeout_s, a.max_tokens_per_call,
+                              a.max_trajectory_tokens), loop.rollout, loop.tok,
+                vocab_size=loop.model_config.vocab_size, model_name=loop.model_name,
+                top_p=loop.job.policy.generation.top_p, grade=loop.grader)
         tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
         with self._trajectories, memory.phase("rollout"):  # a refit waits for the agents in flight
-            trajs = run_agents(fn, tasks, n, ep, url, concurrency=a.concurrency, timeout_s=a.timeout_s,
-                               grade=self.loop.grader, openings=prompts, version=version,
-                               tag=f"s{step}-{uuid.uuid4().hex[:6]}")
+            trajs = self._agent.run(tasks, prompts, version, n=n, temperature=temperature,
+                                    tag=f"s{step}-{uuid.uuid4().hex[:6]}")
         self.last_trajectories = trajs[:4]  # what the report shows
         return [(t.prompt_index, t) for t in trajs]
 

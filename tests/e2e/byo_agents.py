@@ -38,3 +38,11 @@ def hot(task, client):
     """Asks for another temperature than the job's: refused by the endpoint, so this agent fails."""
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], temperature=1.7)
     return 1.0
+
+
+def parity(task, client):
+    """One model call, then the reward of the task alone (1 when its answer is even): an evaluation through the
+    agent measures exactly this, whatever the random policy writes."""
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": str(task["question"])}],
+                                   max_tokens=2)
+    return float(int(task["answer"]) % 2 == 0)

@@ -335,3 +335,25 @@ def test_an_agents_failures_are_ungraded_and_counted(served):
     assert m["mismatch/max_abs_logprob_diff"] == 0.0  # the graded ones trained, exactly
     hot = GRPOLoop(LoopConfig(parse_job_config(_agent_job(served.path, "hot"))))
     assert hot.step(0)["env/ungraded"] == 4.0  # every call refused: the agents failed, nothing trained on them
+
+
+def test_eval_runs_an_agent_jobs_agent(served, tmp_path):
+    """``python -m fp8rl.eval MODEL --config agent-job.yaml``: the policy is scored through the job's agent (its
+    reward), greedy and with k samples — here an agent whose reward is the parity of the task's answer, so the
+    accuracy is known exactly."""
+    import yaml
+
+    from fp8rl.eval.__main__ import main as eval_main
+
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((1, 2), (2, 2), (3, 3), (4, 1), (5, 5))]
+    data = tmp_path / "val.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = _agent_job(served.path, "parity")
+    job["data"] = {"task": "jsonl", "path": str(data)}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    out = tmp_path / "r.json"
+    assert eval_main([str(served.path), "--data", str(data), "--config", str(tmp_path / "job.yaml"), "--k", "2",
+                      "--out", str(out), "--no-progress"]) == 0
+    r = json.loads(out.read_text())
+    even = sum(int(x["answer"]) % 2 == 0 for x in rows) / len(rows)
+    assert r["problems"] == 5 and r["val_accuracy"] == even and r["val/pass@2"] == even == r["val/mean@2"]

@@ -44,7 +44,7 @@ LIBS = {
     "fp8rl.report": {"fp8rl.limits"},
     "fp8rl.export": {"fp8rl.fp8", "fp8rl.model", "fp8rl.engines", "fp8rl.presets"},
     "fp8rl.eval": {"fp8rl.config", "fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.export", "fp8rl.fp8",
-                   "fp8rl.model", "fp8rl.presets"},
+                   "fp8rl.model", "fp8rl.presets", "fp8rl.agents"},
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from fp8rl.agents import AgentDriver, AgentSettings
 from fp8rl.config import JobConfig
 from fp8rl.controller.plan import encode_prompt, load_split, sampling_seed
 from fp8rl.controller.validation import ValidationResult, validate
@@ -53,14 +54,27 @@ class _Engine:
     def __init__(self, job: JobConfig, rollout: TorchRolloutEngine, tok: Tokenizer) -> None:
         self.job, self.rollout, self.tok = job, rollout, tok
         self.grader = get_grader(job.reward.grader)
+        a = job.agent
+        # an agent job: its agent drives the policy through the endpoint, as in training (fp8rl.agents)
+        self.agent = None if a.entrypoint is None else AgentDriver(
+            AgentSettings(a.entrypoint, a.concurrency, a.timeout_s, a.max_tokens_per_call, a.max_trajectory_tokens),
+            rollout, tok, vocab_size=rollout.model.config.vocab_size, model_name=job.policy.model,
+            top_p=job.policy.generation.top_p, grade=self.grader)
+        self.wants_problems = self.agent is not None
 
-    def generate(self, prompts, version, *, step, n, temperature):
+    def generate(self, prompts, version, *, step, n, temperature, problems=None):
+        if self.agent is not None:
+            trajs = self.agent.run([{"question": p.prompt, "answer": p.answer} for p in problems], prompts, version,
+                                   n=n, temperature=temperature, tag=f"eval{step}")
+            return [(t.prompt_index, t) for t in trajs]
         g = self.job.policy.generation
         params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, n=n,
                                 seed=sampling_seed(self.job.job.seed, step, 0))
         return [(s.prompt_index, s) for s in self.rollout.generate(prompts, params, weight_version=version)]
 
     def score(self, pairs):
+        if self.agent is not None:  # the agent's reward (None: it failed, never counted right)
+            return [s.reward for _, s in pairs]
         return [float(self.grader(self.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
 
 
