@@ -3,6 +3,13 @@ and accuracy before → after, over seeds, with the tools-disabled control — e
 
     python bench/agent_learning.py [--config deploy/tool-job-tiny.yaml] [--seeds 0 1 2] [--steps 30] [--prompts N]
                                    [--group N] [--lr LR] [--arms tools control] [--parallel N --threads T]
+                                   [--agent endpoint_agents:python_tool]
+
+``--agent MODULE:FUNCTION`` (issue 51) runs the same job as an agent job: the environment's tasks written to a
+JSON-lines file (``data.task: jsonl``), no ``env`` section, ``agent.entrypoint`` the function — which drives the
+policy through the loop's OpenAI-compatible endpoint (``bench/endpoint_agents.py:python_tool`` runs the python
+environment's episode itself, its calls in the sandbox); training and both measurements go through it. The tools
+arm only (an agent has no control switch).
 
 For each seed it runs ``--config`` (default ``deploy/tool-job-tiny.yaml``: the tiny-arith-tool preset, fp8_e2e + FP8
 KV; ``deploy/tool-job.yaml`` is SmolLM2-135M-Instruct) in the in-process loop twice: with the calculator, and with
@@ -41,10 +48,11 @@ EVAL_SEED = 1 << 50  # held-out tasks: a seed stream no training step draws from
 EVAL_CHUNK = 16  # held-out tasks generated together
 
 
-def measure(loop: GRPOLoop, tasks: int, samples: int, seed: int) -> dict[str, float]:
-    """Accuracy and tool-call rate of ``samples`` trajectories of each of ``tasks`` held-out tasks, at temperature 1,
-    through the rollout engine at the version it holds."""
-    problems = env_tasks(loop.job, tasks, EVAL_SEED + seed)
+def measure(loop: GRPOLoop, env_job, tasks: int, samples: int, seed: int) -> dict[str, float]:
+    """Accuracy and tool-call rate of ``samples`` trajectories of each of ``tasks`` held-out tasks (``env_job``'s
+    environment's), at temperature 1, through the rollout engine at the version it holds (an agent job: through
+    its agent)."""
+    problems = env_tasks(env_job, tasks, EVAL_SEED + seed)
     trajs = []
     # EVAL_CHUNK tasks at a time: their trajectories' K/V sessions fit the rollout's bound (all 256 at once evicted
     # some, and the whole batch's re-prefill that forced ran out of memory)
@@ -66,16 +74,20 @@ def one_run(seed: int, tools: bool, args) -> dict[str, float]:
                        ("policy.training.lr", args.lr)):
         if value is not None:  # else the job file's
             settings[key] = value
-    job = load_job_config(args.config).with_settings(settings)
-    loop = GRPOLoop(LoopConfig(job))
-    before = measure(loop, args.eval_tasks, args.eval_samples, seed)
+    env_job = job = load_job_config(args.config).with_settings(settings)
+    data_root = None
+    if args.agent:
+        job = as_agent_job(job, args.agent, seed)
+        data_root = str(Path(job.data.path).parent)
+    loop = GRPOLoop(LoopConfig(job, data_root=data_root))
+    before = measure(loop, env_job, args.eval_tasks, args.eval_samples, seed)
     t0 = time.perf_counter()
     diffs = []
     for step in range(args.steps):
         row = loop.step(step)
         diffs.append(row["mismatch/max_abs_logprob_diff"])
     took = time.perf_counter() - t0
-    after = measure(loop, args.eval_tasks, args.eval_samples, seed)
+    after = measure(loop, env_job, args.eval_tasks, args.eval_samples, seed)
     out = {"seed": seed, "tools": tools, "s_per_step": took / args.steps, "max_abs_logprob_diff": max(diffs),
            **{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()}}
     print(f"seed {seed} {'tools  ' if tools else 'control'}: accuracy {before['accuracy']:.3f} -> "
@@ -83,6 +95,25 @@ def one_run(seed: int, tools: bool, args) -> dict[str, float]:
           f"turns {before['turns']:.2f} -> {after['turns']:.2f}, {out['s_per_step']:.1f} s/step, "
           f"max |dlogprob| over steps {out['max_abs_logprob_diff']!r}", flush=True)
     return out
+
+
+def as_agent_job(job, entrypoint: str, seed: int):
+    """``job`` (an environment job) as an agent job of ``entrypoint`` on the environment's own tasks, written to a
+    JSON-lines file: enough for every step (the file is read in order, an epoch being one pass)."""
+    import json
+    import tempfile
+
+    from fp8rl.config import parse_job_config
+
+    problems = env_tasks(job, job.grpo.num_prompts_per_step * job.job.steps, seed)
+    path = Path(tempfile.mkdtemp(prefix="agent-tasks-")) / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"question": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+    d = job.to_dict()
+    e = d.pop("env")
+    d["data"] = {"task": "jsonl", "path": str(path)}
+    d["agent"] = {"entrypoint": entrypoint, "concurrency": 16, "max_tokens_per_call": e["max_tokens_per_turn"],
+                  "max_trajectory_tokens": 4096, "timeout_s": 600.0}
+    return parse_job_config(d)
 
 
 def _run_in_worker(seed: int, tools: bool, args) -> dict[str, float]:
@@ -109,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at once, each a process of --threads torch threads (default 1: one after another)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    p.add_argument("--agent", default=None, metavar="MODULE:FUNCTION",
+                   help="run the job as an agent job of this function (tools arm only; bench/ is on the path)")
     args = p.parse_args(argv)
+    if args.agent and "control" in args.arms:
+        p.error("--agent runs the tools arm only: pass --arms tools")
     arms = [arm == "tools" for arm in args.arms]
     todo = [(seed, tools, args) for seed in args.seeds for tools in arms]
     if args.parallel > 1:  # separate processes (spawned: no threads or engines shared), all numbers from this run

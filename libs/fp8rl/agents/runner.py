@@ -91,6 +91,7 @@ def trajectory_of_session(record: dict, prompt_index: int, result: AgentResult, 
         else:
             t.segments.append((src, 1))
     t.turns, t.reward, t.end_reason, t.version_begun = record["turns"], result.reward, result.end_reason, version
+    t.tool_calls = record.get("tool_calls", 0)  # the calls the endpoint returned in OpenAI's tool_calls shape
     return t
 
 
@@ -140,6 +141,6 @@ def run_agents(fn: Callable[[dict, Any], Any], tasks: Sequence[dict], n: int, en
             res = AgentResult(None, "env_error", res.error or "the agent made no model call")
             ids = list(openings[k // n])
             rec = {"token_ids": ids, "loss_mask": [0] * len(ids), "logprobs": [0.0] * len(ids),
-                   "weight_versions": [-1] * len(ids), "turns": 0}
+                   "weight_versions": [-1] * len(ids), "turns": 0, "tool_calls": 0}
         trajs.append(trajectory_of_session(rec, k // n, res, version))
     return trajs

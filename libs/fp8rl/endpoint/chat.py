@@ -247,7 +247,10 @@ def _messages(body: dict, lim: EndpointLimits) -> list[dict[str, Any]]:
 
 
 def _tools(body: dict, lim: EndpointLimits) -> list[dict[str, Any]] | None:
-    tools = body.get("tools")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise EndpointError("tool_choice: only 'auto' and 'none' are supported (the model decides; nothing "
+                            "forces its tokens)", param="tool_choice")
     if tools is None:
         return None
     if not isinstance(tools, list) or len(tools) > lim.max_tools:
@@ -258,10 +261,6 @@ def _tools(body: dict, lim: EndpointLimits) -> list[dict[str, Any]] | None:
                 and isinstance(fn.get("name"), str) and fn["name"]):
             raise EndpointError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., "
                                 f"'parameters': ...}}}}", param="tools")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise EndpointError("tool_choice: only 'auto' and 'none' are supported (the model decides; nothing "
-                            "forces its tokens)", param="tool_choice")
     return tools if choice != "none" else None
 
 
@@ -377,9 +376,9 @@ def parse_chat(body: Any, renderer: ChatRenderer, *, vocab_size: int, max_len: i
     stops = _stops(body)
     try:
         prompt = _spliced_prompt(raw, msgs, tools, renderer, vocab_size, session)
+    except EndpointError:
+        raise
     except ValueError as exc:  # the template refused the messages (e.g. a system message not first)
-        if isinstance(exc, EndpointError):
-            raise
         raise EndpointError(f"the chat template refused the messages: {exc}", param="messages") from None
     except Exception as exc:  # noqa: BLE001 - Jinja raises its own errors (raise_exception in a template)
         raise EndpointError(f"the chat template refused the messages: {exc}", param="messages") from None

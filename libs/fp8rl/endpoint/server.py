@@ -150,8 +150,14 @@ class OpenAIEndpoint:
                 return
             ready.set()
             loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
-            loop.close()
+            try:  # stopped: the server's connections closed, then every task of ours ended, then the loop
+                loop.run_until_complete(self._runner.cleanup())
+                pending = asyncio.all_tasks(loop)
+                for t in pending:
+                    t.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            finally:
+                loop.close()
 
         self._thread = threading.Thread(target=run, name="openai-endpoint", daemon=True)
         self._thread.start()

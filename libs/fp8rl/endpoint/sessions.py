@@ -43,6 +43,7 @@ class SessionRecord:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # -1 where the caller wrote the token
     turns: int = 0
+    tool_calls: int = 0
     n_messages: int = 0
     reply: dict[str, Any] | None = None
     used: float = field(default_factory=time.monotonic)
@@ -53,7 +54,7 @@ class SessionRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "loss_mask": self.mask, "logprobs": self.logprobs,
-                "weight_versions": self.versions, "turns": self.turns}
+                "weight_versions": self.versions, "turns": self.turns, "tool_calls": self.tool_calls}
 
 
 class SessionBook:
@@ -120,6 +121,7 @@ class SessionBook:
                 rec.logprobs += [0.0] * len(new) + list(logprobs)
                 rec.versions += [-1] * len(new) + [version] * len(ids)
                 rec.turns += 1
+                rec.tool_calls += len((reply or {}).get("tool_calls") or [])
                 rec.n_messages, rec.reply = n_messages + 1, reply
             finally:
                 rec.busy, rec.used = False, time.monotonic()
