@@ -449,6 +449,10 @@ def test_a_replica_serves_the_openai_endpoint_beside_generate(stack: Stack, spaw
 
     import openai
 
+    latest = stack.store.latest()  # earlier tests may have left the newest version without its QKV scales
+    if stack.store.get_scales(latest) is None:
+        stack.cal().Calibrate(calibrator_pb2.CalibrateRequest(version=latest, sequences=[
+            common_pb2.TokenSequence(token_ids=q) for q in PROMPTS]), timeout=T)
     p = spawner.start("rollout", stack.cfg, "rollout-openai", "--openai-port", "0").wait_listening()
     try:
         port = int(wait_until(lambda: re.search(r"OpenAI-compatible endpoint on http://127\.0\.0\.1:(\d+)/v1",
