@@ -66,7 +66,7 @@ class EndpointError(Exception):
 
 @dataclass(frozen=True)
 class EndpointLimits:
-    """Per-request bounds (each a flag of the rollout service: ``--openai-*``)."""
+    """Per-request bounds of a call (messages, samples, tokens, tools), and the sampling an agent job pins."""
 
     max_messages: int = 1024
     max_n: int = 64
