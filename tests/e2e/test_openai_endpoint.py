@@ -357,3 +357,29 @@ def test_eval_runs_an_agent_jobs_agent(served, tmp_path):
     r = json.loads(out.read_text())
     even = sum(int(x["answer"]) % 2 == 0 for x in rows) / len(rows)
     assert r["problems"] == 5 and r["val_accuracy"] == even and r["val/pass@2"] == even == r["val/mean@2"]
+
+
+def test_an_asynchronous_agent_job_stays_within_its_lag_and_exact(served):
+    """Asynchronous GRPO (k = 1) with an agent: step s+1's agents run while step s trains, their calls pinned to the
+    version the rollout holds; every row within the lag bound, and the rows of the trainer's version bitwise
+    (``numeric/``: a row one version behind differs by the update, as it should — ``stale/``)."""
+    job = _agent_job(served.path, "two_turns")
+    job["job"]["steps"] = 2
+    job["grpo"]["async_grpo"] = {"enabled": True, "max_weight_lag": 1}
+    rows = []
+    GRPOLoop(LoopConfig(parse_job_config(job))).run_async(2, rows.append)
+    assert len(rows) == 2 and all(r["weight_lag_max"] <= 1 and r["env/turns_mean"] == 2.0 for r in rows)
+    assert rows[0]["weight_lag_max"] == 0.0 and rows[0]["mismatch/max_abs_logprob_diff"] == 0.0  # at its version
+    # step 1's agents ran while step 0 trained (on version 0, one behind: their logprobs differ by that update), or
+    # on version 1 if the refit came first; rows of the trainer's own version are exact either way
+    r = rows[1]
+    assert r["numeric/mismatch/max_abs_logprob_diff"] == 0.0
+    assert r["weight_lag_mean"] == 0.0 or r["stale/mismatch/max_abs_logprob_diff"] > 0.0
+
+
+def test_the_stack_refuses_agent_jobs_naming_why(served):
+    from fp8rl.config import ConfigError
+
+    job = parse_job_config(_agent_job(served.path, "two_turns"))
+    with pytest.raises(ConfigError, match="agent jobs run in the in-process loop"):
+        job.check_services()
