@@ -73,6 +73,7 @@ class EndpointLimits:
     max_tokens: int = 4096
     default_max_tokens: int = 512
     max_tools: int = 128
+    max_generated_tokens: int = limits.MAX_GENERATED_TOKENS  # prompts x n x max_tokens of one call
     temperature: float | None = None  # set: every call samples at it (an agent job's policy temperature)
     top_p: float | None = None  # likewise
 
@@ -285,6 +286,13 @@ def _sampling(body: dict, lim: EndpointLimits, prompt_len: int, max_len: int, *,
                           n=_int(body, "n", 1, 1, n_cap), seed=_int(body, "seed", None, 0, limits.INT64_MAX))
 
 
+def _check_budget(prompts: int, sampling: SamplingParams, lim: EndpointLimits) -> None:
+    tokens = prompts * sampling.n * sampling.max_tokens
+    if tokens > lim.max_generated_tokens:
+        raise EndpointError(f"prompts x n x max_tokens = {prompts} x {sampling.n} x {sampling.max_tokens} = {tokens} "
+                            f"tokens; the limit of one call is {lim.max_generated_tokens}", param="max_tokens")
+
+
 def _include_usage(body: dict) -> bool:
     so = body.get("stream_options")
     if so is None:
@@ -414,6 +422,7 @@ def parse_completion(body: Any, encode, *, vocab_size: int, max_len: int, lim: E
         raise EndpointError("a session carries one prompt per call", param="prompt")
     logprobs, stream = _flags(body, chat=False)
     sampling = _sampling(body, lim, max(map(len, prompts)), max_len, n_cap=1 if session is not None else lim.max_n)
+    _check_budget(len(prompts), sampling, lim)
     return CompletionRequest(prompts, sampling, _stops(body), logprobs, stream, False, str(body.get("model") or ""),
                              echo=bool(body.get("echo")), include_usage=_include_usage(body))
 

@@ -72,7 +72,7 @@ class EndpointConfig:
     max_batch_prompts: int = 64
     batch_window_s: float = 0.002
     limits: EndpointLimits = EndpointLimits()
-    max_sessions: int = 4096
+    max_sessions: int = 1024
     session_idle_s: float = 3600.0
     session_max_tokens: int = 1 << 20
 

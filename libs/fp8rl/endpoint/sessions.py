@@ -5,8 +5,9 @@ order, whether the model sampled it (mask 1: its logprob and weight version kept
 tools / environment wrote it (mask 0), the number of calls (turns) and what the next call must continue. Each
 call's prompt must extend the recorded ids exactly — the first differing token is named in the refusal — and a
 session takes one call at a time (a second concurrent call is refused, never interleaved). Bounded: at most
-``max_sessions`` live, each at most ``max_tokens`` tokens; a session idle for ``idle_s`` is forgotten (its engine
-K/V released by the caller of :meth:`SessionBook.expire`).
+``max_sessions`` live, each at most ``max_tokens`` tokens (and never more than the model's context: every call's
+prompt is the whole trajectory); a session idle for ``idle_s`` is forgotten (its engine K/V released by the caller
+of :meth:`SessionBook.expire`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class SessionRecord:
 class SessionBook:
     """The live sessions of one endpoint (thread-safe)."""
 
-    def __init__(self, *, max_sessions: int = 4096, max_tokens: int = 1 << 20, idle_s: float = 3600.0) -> None:
+    def __init__(self, *, max_sessions: int = 1024, max_tokens: int = 1 << 20, idle_s: float = 3600.0) -> None:
         self.max_sessions, self.max_tokens, self.idle_s = max_sessions, max_tokens, idle_s
         self._s: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()

@@ -143,3 +143,16 @@ def test_a_stop_string_cuts_text_and_tokens():
     kept, lps, text, why = cut_at_stop(ids, [0.0] * 8, "length", text_of, ["XY"])
     assert (kept, text, why) == (list("abcXY"), "abc", "stop")
     assert cut_at_stop(ids, [0.0] * 8, "length", text_of, ["zz"])[2:] == ("abcXYdef", "length")
+
+
+def test_a_completions_call_is_bounded_in_tokens():
+    from fp8rl.endpoint.chat import parse_completion
+
+    lim = EndpointLimits(max_generated_tokens=1000)
+    enc = list  # never called: token-id prompts
+    req = parse_completion({"prompt": [[5, 6]] * 10, "n": 5, "max_tokens": 20}, enc, vocab_size=V, max_len=L,
+                           lim=lim, session=None)
+    assert len(req.prompts) == 10 and req.sampling.n == 5
+    with pytest.raises(EndpointError, match="10 x 5 x 21 = 1050 tokens; the limit of one call is 1000"):
+        parse_completion({"prompt": [[5, 6]] * 10, "n": 5, "max_tokens": 21}, enc, vocab_size=V, max_len=L,
+                         lim=lim, session=None)
