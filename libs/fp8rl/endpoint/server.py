@@ -226,11 +226,10 @@ class OpenAIEndpoint:
 
     async def _session_delete(self, request: web.Request) -> web.Response:
         sid = check_session_id(request.match_info["sid"])
-        rec = self.sessions.drop(sid)
+        rec = await asyncio.get_running_loop().run_in_executor(self._engine, self.close_session, sid)
         if rec is None:
             raise EndpointError(f"no session {sid!r}", status=404, code="session_not_found")
-        await asyncio.get_running_loop().run_in_executor(self._engine, self.drop_session, _key(sid))
-        return web.json_response({"id": sid, "deleted": True, **rec.to_json()})
+        return web.json_response({"id": sid, "deleted": True, **rec})
 
     async def _body(self, request: web.Request) -> Any:
         try:
