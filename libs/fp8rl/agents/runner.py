@@ -102,7 +102,11 @@ def run_agents(fn: Callable[[dict, Any], Any], tasks: Sequence[dict], n: int, en
     ``endpoint`` (served at ``base_url``); each session is dropped from the endpoint (and its K/V from the engine)
     once read. ``openings[i]``: task ``i``'s prompt ids, the row of a trajectory whose agent never called the
     model (ungraded, masked: the batch keeps its shape); ``version`` the one the calls are pinned to."""
-    import openai  # the real client, imported where agents run
+    try:
+        import openai  # the real client, imported where agents run
+    except ImportError:
+        raise RuntimeError("agent jobs hand each agent an openai.OpenAI client: pip install 'fp8rl[agents]' (the "
+                           "openai package)") from None
 
     tag = tag or uuid.uuid4().hex[:8]
     sids = [f"agent-{tag}-{i}-{j}" for i in range(len(tasks)) for j in range(n)]
