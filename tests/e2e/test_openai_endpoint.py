@@ -22,7 +22,7 @@ import torch
 
 from fp8rl.config import parse_job_config
 from fp8rl.endpoint import EndpointConfig, OpenAIEndpoint
-from fp8rl.endpoint.chat import tool_calls_of
+from fp8rl.endpoint.choices import tool_calls_of
 from fp8rl.engines.batch import build_train_batch
 from fp8rl.envs.trajectory import Trajectory
 from fp8rl.loop import GRPOLoop, LoopConfig

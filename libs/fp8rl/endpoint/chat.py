@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fp8rl import limits
 from fp8rl.engines.base import SamplingParams
 from fp8rl.envs.render import ChatRenderer
-from fp8rl.envs.tools import ToolCall, parse_tool_calls
 
-__all__ = ["TOKEN_FIELDS", "CompletionRequest", "EndpointError", "EndpointLimits", "SessionView", "choice_text",
-           "cut_at_stop", "parse_chat", "parse_completion", "tool_calls_of"]
+__all__ = ["TOKEN_FIELDS", "CompletionRequest", "EndpointError", "EndpointLimits", "SessionView", "parse_chat",
+           "parse_completion"]
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 """The token-carrying fields on each returned assistant message (NeMo-Gym's names), sent back to be spliced."""
@@ -425,51 +422,3 @@ def parse_completion(body: Any, encode, *, vocab_size: int, max_len: int, lim: E
     _check_budget(len(prompts), sampling, lim)
     return CompletionRequest(prompts, sampling, _stops(body), logprobs, stream, False, str(body.get("model") or ""),
                              echo=bool(body.get("echo")), include_usage=_include_usage(body))
-
-
-def cut_at_stop(ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, text_of,
-                stops: Sequence[str]) -> tuple[list[int], list[float], str, str]:
-    """``(token_ids, logprobs, text, finish_reason)`` of a sample cut at its first stop string: the tokens up to
-    the one that completes the stop (the record holds what the text came from), the text before the stop.
-    ``text_of(ids)`` is a turn's text (its stop token left out). The shortest such prefix is found by bisection:
-    a prefix's text holding a stop is monotone in its length."""
-    ids, lps = list(ids), list(logprobs)
-    text = text_of(ids)
-    hits = [text.find(s) for s in stops if s in text]
-    if not hits:
-        return ids, lps, text, finish_reason
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in text_of(ids[:mid]) for s in stops):
-            hi = mid
-        else:
-            lo = mid + 1
-    return ids[:lo], lps[:lo], text[:min(hits)], "stop"
-
-
-def tool_calls_of(text: str, names: frozenset[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """The content and OpenAI ``tool_calls`` of a model turn: well-formed ``<tool_call>`` blocks (of a tool the
-    request offered, when it offered any) become calls; the content is the text outside them (None when empty).
-    A malformed block stays in the content, for the agent to see."""
-    calls = [c for c in parse_tool_calls(text) if isinstance(c, ToolCall) and (not names or c.name in names)]
-    if not calls:
-        return text, []
-    rest = text
-    while "<tool_call>" in rest and "</tool_call>" in rest:
-        a = rest.find("<tool_call>")
-        b = rest.find("</tool_call>", a)
-        if b < 0:
-            break
-        rest = rest[:a] + rest[b + len("</tool_call>"):]
-    rest = rest.strip()
-    return rest or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                           "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
-
-
-def choice_text(decode, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
-    """The text of a model turn without its stop token (the message content a client sees)."""
-    ids = list(ids)
-    if ids and ids[-1] in stop_ids:
-        ids = ids[:-1]
-    return decode(ids)

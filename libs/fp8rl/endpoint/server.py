@@ -37,17 +37,8 @@ from aiohttp import web
 from fp8rl.engines.base import Sample, SamplingParams
 from fp8rl.envs.render import ChatRenderer
 
-from .chat import (
-    CompletionRequest,
-    EndpointError,
-    EndpointLimits,
-    SessionView,
-    choice_text,
-    cut_at_stop,
-    parse_chat,
-    parse_completion,
-    tool_calls_of,
-)
+from .chat import CompletionRequest, EndpointError, EndpointLimits, SessionView, parse_chat, parse_completion
+from .choices import choice_text, make_choice, stream_chunks
 from .sessions import SESSION_HEADER, SessionBook, check_extends, check_session_id
 
 __all__ = ["EndpointConfig", "OpenAIEndpoint", "Generate"]
@@ -269,7 +260,7 @@ class OpenAIEndpoint:
             if view is not None:
                 check_extends(list(view.ids), req.prompts[0])
             samples = await self._submit(req, None if sid is None else [_key(sid)])
-            choices = [self._choice(i, s, req) for i, s in enumerate(samples)]
+            choices = [make_choice(i, s, req, self._decode, self._text_of) for i, s in enumerate(samples)]
             if sid is not None:
                 c = choices[0]
                 self.sessions.record(sid, req.prompts[0], c["_ids"], c["_lps"], samples[0].weight_version,
@@ -348,35 +339,10 @@ class OpenAIEndpoint:
 
     # -- answers -----------------------------------------------------------------------------------
     def _text_of(self, ids: Sequence[int]) -> str:
-        return choice_text(lambda t: self.tok.decode(t, skip_special=False), ids, self.stop_ids)
+        return choice_text(self._decode, ids, self.stop_ids)
 
-    def _choice(self, index: int, s: Sample, req: CompletionRequest) -> dict[str, Any]:
-        ids, lps, text, finish = cut_at_stop(s.token_ids, s.logprobs, s.finish_reason, self._text_of,
-                                             req.stop_strings)
-        fields = {"prompt_token_ids": list(s.prompt_ids), "generation_token_ids": ids,
-                  "generation_log_probs": lps, "weight_version": s.weight_version}
-        out: dict[str, Any] = {"index": index, "_ids": ids, "_lps": lps, "_text": text}
-        if req.chat:
-            content, calls = tool_calls_of(text, req.tool_names)
-            msg: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                msg["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
-            out["message"] = {**msg, **fields}
-        else:
-            out["text"] = (self._text_of(s.prompt_ids) if req.echo else "") + text
-            out.update(fields)
-        out["finish_reason"] = finish
-        out["weight_version"] = s.weight_version
-        if req.logprobs:
-            toks = [self.tok.decode([t], skip_special=False) for t in ids]
-            if req.chat:
-                out["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                                                "top_logprobs": []} for t, lp in zip(toks, lps, strict=True)]}
-            else:
-                out["logprobs"] = {"tokens": toks, "token_logprobs": lps, "top_logprobs": None,
-                                   "text_offset": _offsets(toks)}
-        return out
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special=False)
 
     async def _answer(self, request: web.Request, req: CompletionRequest, choices: list[dict], samples: list[Sample]
                       ) -> web.StreamResponse:
@@ -398,27 +364,8 @@ class OpenAIEndpoint:
         async def send(choice: dict[str, Any]) -> None:
             await resp.write(f"data: {json.dumps({**head, 'object': obj, 'choices': [choice]})}\n\n".encode())
 
-        for c, pc in zip(choices, public, strict=True):
-            pieces = _pieces(self._text_of, c["_ids"], c["_text"])
-            if req.chat:
-                await send({"index": c["index"], "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-                msg = pc["message"]
-                if not msg.get("tool_calls"):
-                    for piece in pieces:
-                        await send({"index": c["index"], "delta": {"content": piece}, "finish_reason": None})
-                last = {k: v for k, v in msg.items() if k not in ("role", "content")}
-                if last.get("tool_calls"):
-                    last["tool_calls"] = [{"index": j, **tc} for j, tc in enumerate(last["tool_calls"])]
-                    if msg.get("content"):
-                        await send({"index": c["index"], "delta": {"content": msg["content"]}, "finish_reason": None})
-                await send({"index": c["index"], "delta": last, "finish_reason": pc["finish_reason"],
-                            "weight_version": pc["weight_version"]})
-            else:
-                for piece in pieces:
-                    await send({"index": c["index"], "text": piece, "finish_reason": None})
-                await send({"index": c["index"], "text": "", "finish_reason": pc["finish_reason"],
-                            **{k: pc[k] for k in ("prompt_token_ids", "generation_token_ids",
-                                                  "generation_log_probs", "weight_version")}})
+        for chunk in stream_chunks(req, choices, public, self._text_of):
+            await send(chunk)
         if req.include_usage:
             await resp.write(f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
                              .encode())
@@ -440,28 +387,3 @@ def _engine_error(exc: Exception) -> EndpointError:
         return EndpointError(str(exc))
     log.exception("the engine failed a batch", exc_info=exc)
     return EndpointError(f"the engine failed: {type(exc).__name__}: {exc}", status=500, type="server_error")
-
-
-def _pieces(text_of, ids: list[int], text: str) -> list[str]:
-    """The text deltas of a turn token by token (a token that ends inside a multi-byte character adds nothing
-    until the character completes); their concatenation is ``text``."""
-    out, prev = [], ""
-    for j in range(1, len(ids) + 1):
-        t = text_of(ids[:j])
-        if "\ufffd" in t[len(prev):]:
-            continue
-        t = t[:len(text)] if len(t) > len(text) else t
-        if t.startswith(prev) and len(t) > len(prev):
-            out.append(t[len(prev):])
-            prev = t
-    if prev != text:
-        out.append(text[len(prev):] if text.startswith(prev) else text)
-    return [p for p in out if p]
-
-
-def _offsets(toks: list[str]) -> list[int]:
-    out, at = [], 0
-    for t in toks:
-        out.append(at)
-        at += len(t)
-    return out

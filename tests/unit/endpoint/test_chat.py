@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from fp8rl.endpoint.chat import EndpointError, EndpointLimits, SessionView, cut_at_stop, parse_chat
+from fp8rl.endpoint.chat import EndpointError, EndpointLimits, SessionView, parse_chat
+from fp8rl.endpoint.choices import cut_at_stop
 from fp8rl.envs import ChatRenderer
 from fp8rl.model.tokenizer import load_tokenizer
 from tests.unit.envs.chatml_tokenizer import build_chatml_tokenizer, chatml_template
