@@ -28,7 +28,6 @@ import statistics
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -364,7 +363,7 @@ class _InProcess:
         tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
         with self._trajectories, memory.phase("rollout"):  # a refit waits for the agents in flight
             trajs = self._agent.run(tasks, prompts, version, n=n, temperature=temperature,
-                                    tag=f"s{step}-{uuid.uuid4().hex[:6]}")
+                                    tag=f"s{step}")
         self.last_trajectories = trajs[:4]  # what the report shows
         return [(t.prompt_index, t) for t in trajs]
 

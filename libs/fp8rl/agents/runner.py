@@ -108,7 +108,7 @@ def run_agents(fn: Callable[[dict, Any], Any], tasks: Sequence[dict], n: int, en
         raise RuntimeError("agent jobs hand each agent an openai.OpenAI client: pip install 'fp8rl[agents]' (the "
                            "openai package)") from None
 
-    tag = tag or uuid.uuid4().hex[:8]
+    tag = f"{tag}-{uuid.uuid4().hex[:8]}" if tag else uuid.uuid4().hex[:8]  # session ids are single-use
     sids = [f"agent-{tag}-{i}-{j}" for i in range(len(tasks)) for j in range(n)]
 
     def one(k: int) -> AgentResult:

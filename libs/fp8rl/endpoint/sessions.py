@@ -7,7 +7,8 @@ call's prompt must extend the recorded ids exactly — the first differing token
 session takes one call at a time (a second concurrent call is refused, never interleaved). Bounded: at most
 ``max_sessions`` live, each at most ``max_tokens`` tokens (and never more than the model's context: every call's
 prompt is the whole trajectory); a session idle for ``idle_s`` is forgotten (its engine K/V released by the caller
-of :meth:`SessionBook.expire`).
+of :meth:`SessionBook.expire`). An ended session's id is not reopened: a call under it is refused (410), so an agent
+still running after its trajectory was read records nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from .chat import EndpointError, SessionView
 __all__ = ["SESSION_HEADER", "SessionBook", "SessionRecord", "check_session_id"]
 
 SESSION_HEADER = "X-Session-Id"
+CLOSED_KEPT = 65_536  # ended session ids remembered (a call under one is refused: an agent past its time)
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -64,6 +67,7 @@ class SessionBook:
     def __init__(self, *, max_sessions: int = 1024, max_tokens: int = 1 << 20, idle_s: float = 3600.0) -> None:
         self.max_sessions, self.max_tokens, self.idle_s = max_sessions, max_tokens, idle_s
         self._s: dict[str, SessionRecord] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()  # ended ids (the newest CLOSED_KEPT): never reopened
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -77,6 +81,10 @@ class SessionBook:
         """
         with self._lock:
             rec = self._s.get(sid)
+            if rec is None and sid in self._closed:
+                raise EndpointError(f"session {sid!r} has ended (its trajectory was read and closed); a session is "
+                                    f"one trajectory: start a new one under a new id", status=410,
+                                    code="session_closed")
             if rec is None:
                 if len(self._s) >= self.max_sessions:
                     raise EndpointError(f"{self.max_sessions} sessions are open; end some (DELETE "
@@ -132,7 +140,12 @@ class SessionBook:
             return self._s.get(sid)
 
     def drop(self, sid: str) -> SessionRecord | None:
+        """End ``sid``: its record (None when there is none); later calls under the id are refused (410)."""
         with self._lock:
+            self._closed[sid] = None
+            self._closed.move_to_end(sid)
+            while len(self._closed) > CLOSED_KEPT:
+                self._closed.popitem(last=False)
             return self._s.pop(sid, None)
 
     def expire(self) -> list[str]:

@@ -157,3 +157,20 @@ def test_a_completions_call_is_bounded_in_tokens():
     with pytest.raises(EndpointError, match="10 x 5 x 21 = 1050 tokens; the limit of one call is 1000"):
         parse_completion({"prompt": [[5, 6]] * 10, "n": 5, "max_tokens": 21}, enc, vocab_size=V, max_len=L,
                          lim=lim, session=None)
+
+
+def test_an_ended_session_is_not_reopened():
+    from fp8rl.endpoint.sessions import SessionBook
+
+    book = SessionBook(max_sessions=2)
+    view = book.begin("a")
+    assert view.ids == () and len(book) == 1
+    book.record("a", [1, 2], [3], [-0.5], 0, n_messages=1, reply={"role": "assistant", "content": "x"})
+    assert book.get("a").to_json()["loss_mask"] == [0, 0, 1]
+    assert book.drop("a") is not None
+    with pytest.raises(EndpointError, match="has ended") as ei:
+        book.begin("a")  # an agent past its time calls again: refused, nothing recorded
+    assert ei.value.status == 410 and len(book) == 0
+    book.begin("b")
+    with pytest.raises(EndpointError, match="call in flight"):
+        book.begin("b")
