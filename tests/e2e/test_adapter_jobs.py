@@ -11,6 +11,7 @@ from fp8rl.loop import GRPOLoop, LoopConfig
 from .test_trajectories import MAX_DIFF, _chat_model, _job
 
 HERE = "tests.unit.envs.ecosystem_envs"
+pytestmark = pytest.mark.agents  # whole GRPO steps in the loop: the agents tier (make test-agents)
 
 
 @pytest.fixture(scope="module")

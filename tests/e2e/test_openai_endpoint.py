@@ -315,6 +315,7 @@ def _agent_job(path, entrypoint: str, **agent) -> dict:
     return job
 
 
+@pytest.mark.agents  # whole GRPO steps in the loop: the agents tier (make test-agents)
 def test_an_agent_job_trains_its_sessions_bitwise(served):
     """A GRPO step whose trajectories are a user's agent function driving the policy through the endpoint (two calls
     each, the assistant message sent back as returned): every session becomes a trajectory of two model turns with
@@ -328,6 +329,7 @@ def test_an_agent_job_trains_its_sessions_bitwise(served):
     assert loop.rollout.session_stats()["entries"] == 0  # every session's K/V released
 
 
+@pytest.mark.agents  # whole GRPO steps in the loop: the agents tier (make test-agents)
 def test_an_agents_failures_are_ungraded_and_counted(served):
     loop = GRPOLoop(LoopConfig(parse_job_config(_agent_job(served.path, "flaky", timeout_s=60))))
     m = loop.step(0)
@@ -337,6 +339,7 @@ def test_an_agents_failures_are_ungraded_and_counted(served):
     assert hot.step(0)["env/ungraded"] == 4.0  # every call refused: the agents failed, nothing trained on them
 
 
+@pytest.mark.agents  # whole GRPO steps in the loop: the agents tier (make test-agents)
 def test_eval_runs_an_agent_jobs_agent(served, tmp_path):
     """``python -m fp8rl.eval MODEL --config agent-job.yaml``: the policy is scored through the job's agent (its
     reward), greedy and with k samples — here an agent whose reward is the parity of the task's answer, so the
@@ -359,6 +362,7 @@ def test_eval_runs_an_agent_jobs_agent(served, tmp_path):
     assert r["problems"] == 5 and r["val_accuracy"] == even and r["val/pass@2"] == even == r["val/mean@2"]
 
 
+@pytest.mark.agents  # whole GRPO steps in the loop: the agents tier (make test-agents)
 def test_an_asynchronous_agent_job_stays_within_its_lag_and_exact(served):
     """Asynchronous GRPO (k = 1) with an agent: step s+1's agents run while step s trains, their calls pinned to the
     version the rollout holds; every row within the lag bound, and the rows of the trainer's version bitwise
