@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from fp8rl import memory
-from fp8rl.agents import AgentDriver, AgentSettings
+from fp8rl.agents import AgentDriver
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, check_data, sampling_seed
@@ -353,17 +353,12 @@ class _InProcess:
         """``n`` trajectories of every problem, each the session of one call of the user's agent
         (:class:`fp8rl.agents.AgentDriver`) on the loop's endpoint, its calls pinned to ``version`` and sampled at
         the step's ``temperature`` (the agent may not choose another: the trained logprobs are of it)."""
-        loop, a = self.loop, self.loop.job.agent
+        loop = self.loop
         if self._agent is None:
-            self._agent = AgentDriver(
-                AgentSettings(a.entrypoint, a.concurrency, a.timeout_s, a.max_tokens_per_call,
-                              a.max_trajectory_tokens), loop.rollout, loop.tok,
-                vocab_size=loop.model_config.vocab_size, model_name=loop.model_name,
-                top_p=loop.job.policy.generation.top_p, grade=loop.grader)
-        tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
+            self._agent = AgentDriver(loop.job, loop.rollout, loop.tok, vocab_size=loop.model_config.vocab_size,
+                                      model_name=loop.model_name, grade=loop.grader)
         with self._trajectories, memory.phase("rollout"):  # a refit waits for the agents in flight
-            trajs = self._agent.run(tasks, prompts, version, n=n, temperature=temperature,
-                                    tag=f"s{step}")
+            trajs = self._agent.run(problems, prompts, version, n=n, temperature=temperature, tag=f"s{step}")
         self.last_trajectories = trajs[:4]  # what the report shows
         return [(t.prompt_index, t) for t in trajs]
 

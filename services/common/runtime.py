@@ -44,7 +44,7 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from .service import Context, Service, ServiceSpec, StartupError
 
 log = logging.getLogger("fp8rl.service")
 
-__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "rpc_method",
+__all__ = ["ENV", "Abort", "StartupError", "Service", "ServiceSpec", "Context", "optional_port", "rpc_method",
            "require", "check_token_ids", "serve", "main"]
 
 # flag -> environment fallback (the flag wins; the env var is read when the flag is absent)
@@ -88,18 +88,27 @@ def _default_replica_id(role: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "-", f"{role}-{socket.gethostname()}")[:64]
 
 
-def _metrics_port(value: str | int | None) -> int | None:
-    """``--metrics-port``: None / "" = off, else a port in [0, 65535] (0 = a free one)."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--metrics-port (or ${ENV['metrics_port']}) must be a port number, "
-                                         f"got {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"--metrics-port must be in [0, 65535], got {port}")
-    return port
+def optional_port(flag: str) -> Callable[[str | int | None], int | None]:
+    """The argparse type of a port flag that may be off (``--metrics-port``, the rollout's ``--openai-port``):
+    None / "" = off, else a port in [0, 65535] (0 = a free one); a bad value names the flag and its variable."""
+    name = f"--{flag.replace('_', '-')}"
+
+    def parse(value: str | int | None) -> int | None:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        try:
+            port = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} (or ${ENV.get(flag, f'FP8RL_{flag.upper()}')}) must be a port "
+                                             f"number, got {value!r}") from None
+        if not 0 <= port <= 65535:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, 65535], got {port}")
+        return port
+
+    return parse
+
+
+_metrics_port = optional_port("metrics_port")
 
 
 def _memory_limit_gb(value: str | float | None) -> float | None:

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -58,6 +59,7 @@ from services.common.runtime import (
     StartupError,
     check_token_ids,
     env_default,
+    optional_port,
     require,
     rpc_method,
 )
@@ -68,20 +70,21 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutService", "RolloutServicer", "SPEC"]
 
 
-def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, int, int]:
-    """``(engine, vocab_size, max_positions)`` for ``policy.generation.backend`` (:func:`make_rollout_engine`)."""
+def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, Any, int, int]:
+    """``(engine, tokenizer, vocab_size, max_positions)`` for ``policy.generation.backend``
+    (:func:`make_rollout_engine`)."""
     name = job.policy.model
     if job.policy.generation.backend == "vllm":  # vLLM loads the checkpoint itself
         from fp8rl.engines.vllm.launch import Fp8UnsupportedError, VllmUnavailableError
 
-        path = _model_dir(name)
+        path = prepare_preset(name) if name in PRESETS else Path(name)
         tok = load_tokenizer(path)
         try:
             engine = make_rollout_engine(job, None, path, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,
                                          max_batch_size=args.max_batch_size)
         except (Fp8UnsupportedError, VllmUnavailableError) as exc:
             raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
-        return engine, engine.config.vocab_size, engine.config.max_position_embeddings
+        return engine, tok, engine.config.vocab_size, engine.config.max_position_embeddings
     policy, tok, path = load_policy(name)
     config = policy.config
     try:  # the loaded model is the engine's own (converted in place): never two copies in this process
@@ -89,7 +92,7 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
                                      max_batch_size=args.max_batch_size, take_model=True)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return engine, config.vocab_size, config.max_position_embeddings
+    return engine, tok, config.vocab_size, config.max_position_embeddings
 
 
 class OpenSessions:
@@ -167,7 +170,7 @@ class RolloutService(Service):
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.engine, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
+        self.engine, self.tok, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
         self.backend = ctx.job.policy.generation.backend
         self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
         # the refit apply (validate, quantize, copy into the parameters) runs on the compute thread too
@@ -190,7 +193,7 @@ class RolloutService(Service):
 
     def start(self, ctx: Context) -> None:
         self.follower.start()  # registers the lease (version None), then pulls weights:latest when applicable
-        self.endpoint = start_endpoint(ctx, self.engine, self.vocab_size, self.max_len, self.ready)
+        self.endpoint = start_endpoint(ctx, self.engine, self.tok, self.vocab_size, self.max_len, self.ready)
 
     def stop(self) -> None:
         if getattr(self, "endpoint", None) is not None:
@@ -199,11 +202,7 @@ class RolloutService(Service):
         self.source.close()
 
 
-def _model_dir(name: str) -> Path:
-    return prepare_preset(name) if name in PRESETS else Path(name)
-
-
-def start_endpoint(ctx: Context, engine: RolloutEngine, vocab_size: int, max_len: int, ready
+def start_endpoint(ctx: Context, engine: RolloutEngine, tok, vocab_size: int, max_len: int, ready
                    ) -> OpenAIEndpoint | None:
     """The OpenAI-compatible endpoint (``--openai-port``; off when unset) over this replica's engine, its calls on
     the compute thread like Generate's. Loopback unless ``--openai-token-file`` names its bearer token (or
@@ -223,8 +222,7 @@ def start_endpoint(ctx: Context, engine: RolloutEngine, vocab_size: int, max_len
     cfg = EndpointConfig(model_name=a.openai_model_name or ctx.job.policy.model, token=token,
                          max_queue=a.openai_max_queue, max_body_bytes=a.openai_max_body_bytes)
     ep = OpenAIEndpoint(lambda prompts, params, keys: ctx.compute(engine.generate, prompts, params, sessions=keys),
-                        load_tokenizer(_model_dir(ctx.job.policy.model)), vocab_size=vocab_size, max_len=max_len,
-                        config=cfg,
+                        tok, vocab_size=vocab_size, max_len=max_len, config=cfg,
                         weight_version=lambda: engine.weight_version, ready=ready,
                         drop_session=lambda key: ctx.compute(engine.drop_session, key))
     try:
@@ -371,7 +369,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-hold-s", type=float, default=float(env_default("session_hold_s", 120.0)),
                    help="asynchronous multi-turn jobs: a newer version waits while trajectories of the held one are "
                         "in flight, but not for a trajectory idle this long (default 120 s)")
-    p.add_argument("--openai-port", type=int, default=_opt_int(env_default("openai_port")),
+    p.add_argument("--openai-port", type=optional_port("openai_port"),
+                   default=optional_port("openai_port")(env_default("openai_port", "")),
                    help="serve the OpenAI-compatible, token-carrying endpoint (/v1/chat/completions, "
                         "/v1/completions) on this port (0: a free one, logged); off when unset")
     p.add_argument("--openai-host", default=env_default("openai_host", "127.0.0.1"),
@@ -391,10 +390,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-generated-tokens", type=int,
                    default=int(env_default("max_generated_tokens", limits.MAX_GENERATED_TOKENS)),
                    help="token budget of one Generate call: prompts x n x max_tokens")
-
-
-def _opt_int(value: str | None) -> int | None:
-    return None if value is None or not str(value).strip() else int(value)
 
 
 SPEC = ServiceSpec(name="rollout", default_port=50052, build=RolloutService, add_args=_add_args,

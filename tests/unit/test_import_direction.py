@@ -34,8 +34,9 @@ LIBS = {
                          "fp8rl.refit", "fp8rl.rpc", "fp8rl.limits"},
     "fp8rl.observatory": {"fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.rl", "fp8rl.presets", "fp8rl.data"},
     # the OpenAI-compatible endpoint: an engine's samples as OpenAI choices, messages rendered by envs' renderer
-    "fp8rl.endpoint": {"fp8rl.engines", "fp8rl.envs", "fp8rl.limits"},
-    "fp8rl.agents": {"fp8rl.endpoint", "fp8rl.envs"},  # users' agents: their endpoint sessions as trajectories
+    "fp8rl.endpoint": {"fp8rl.engines", "fp8rl.envs", "fp8rl.model", "fp8rl.limits"},
+    # users' agents: their endpoint sessions as trajectories; a job's agent section (its type only)
+    "fp8rl.agents": {"fp8rl.endpoint", "fp8rl.envs", "fp8rl.config"},
     "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.envs", "fp8rl.fp8", "fp8rl.model",
                    "fp8rl.presets", "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory",
                    "fp8rl.export", "fp8rl.rundir", "fp8rl.loop_config", "fp8rl.endpoint", "fp8rl.agents"},

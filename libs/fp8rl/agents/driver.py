@@ -7,46 +7,38 @@ was trained with) both drive agents this way, so the agent a user trained is the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from fp8rl.endpoint import EndpointConfig, EndpointLimits, OpenAIEndpoint
 from fp8rl.envs.trajectory import Trajectory
 
 from .runner import load_agent, run_agents
 
-__all__ = ["AgentDriver", "AgentSettings"]
+if TYPE_CHECKING:
+    from fp8rl.config import JobConfig
 
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """A job's ``agent`` section, as plain values (``JobConfig.agent`` has these names)."""
-
-    entrypoint: str
-    concurrency: int = 16
-    timeout_s: float = 300.0
-    max_tokens_per_call: int = 256
-    max_trajectory_tokens: int = 4096
+__all__ = ["AgentDriver"]
 
 
 class AgentDriver:
-    """Runs an agent job's agents on one engine (its ``generate(prompts, params, *, weight_version, sessions)``).
+    """Runs a job's agents (its ``agent`` section) on one engine (``generate(prompts, params, *, weight_version,
+    sessions)``, ``max_len``, ``weight_version``, ``drop_session``).
 
     Args:
-        settings: the job's agent section.
-        engine: the rollout engine (``generate``, ``max_len``, ``weight_version``, ``drop_session``).
-        tokenizer, vocab_size, model_name: what the endpoint renders with and reports.
-        top_p: the job's ``policy.generation.top_p`` (every call samples at it).
+        job: the agent job (``agent.*``; ``policy.generation.top_p``: every call samples at it).
+        engine, tokenizer: the rollout engine and the policy's tokenizer (what the endpoint renders with).
+        vocab_size, model_name: what the endpoint checks ids against and reports.
         grade: ``grade(text, answer)`` for an agent that returns a text.
     """
 
-    def __init__(self, settings: AgentSettings, engine: Any, tokenizer: Any, *, vocab_size: int, model_name: str,
-                 top_p: float, grade: Callable[[str, str], float]) -> None:
-        self.settings, self.engine, self.top_p, self.grade = settings, engine, top_p, grade
-        self.fn = load_agent(settings.entrypoint)
+    def __init__(self, job: JobConfig, engine: Any, tokenizer: Any, *, vocab_size: int, model_name: str,
+                 grade: Callable[[str, str], float]) -> None:
+        self.settings, self.top_p, self.grade = job.agent, job.policy.generation.top_p, grade
+        self.fn = load_agent(job.agent.entrypoint)
         self._version = 0
         cfg = EndpointConfig(model_name=model_name, limits=self._limits(1.0),
-                             session_max_tokens=settings.max_trajectory_tokens)
+                             session_max_tokens=job.agent.max_trajectory_tokens)
         self.endpoint = OpenAIEndpoint(
             lambda p, params, keys: engine.generate(p, params, weight_version=self._version, sessions=keys),
             tokenizer, vocab_size=vocab_size, max_len=engine.max_len, config=cfg,
@@ -58,13 +50,14 @@ class AgentDriver:
         return EndpointLimits(max_tokens=s.max_tokens_per_call, default_max_tokens=s.max_tokens_per_call,
                               temperature=temperature, top_p=self.top_p)
 
-    def run(self, tasks: Sequence[dict], openings: Sequence[Sequence[int]], version: int, *, n: int,
+    def run(self, problems: Sequence[Any], openings: Sequence[Sequence[int]], version: int, *, n: int,
             temperature: float, tag: str) -> list[Trajectory]:
-        """``n`` trajectories of every task at ``version`` and ``temperature`` (the calls may not ask for
-        another), prompt-major."""
+        """``n`` trajectories of every problem (``prompt``, ``answer``: the agent's task) at ``version`` and
+        ``temperature`` (the calls may not ask for another), prompt-major."""
         self.endpoint.cfg = replace(self.endpoint.cfg, limits=self._limits(temperature))
         self._version = version
         s = self.settings
+        tasks = [{"question": p.prompt, "answer": p.answer} for p in problems]
         return run_agents(self.fn, tasks, n, self.endpoint, self.base_url, concurrency=s.concurrency,
                           timeout_s=s.timeout_s, grade=self.grade, openings=openings, version=version, tag=tag)
 

@@ -20,7 +20,6 @@ service stack agents are to run in the sandbox; not yet.)
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8rl.endpoint import SESSION_HEADER, OpenAIEndpoint
+from fp8rl.envs.adapters.common import import_object
 from fp8rl.envs.trajectory import Trajectory
 
 __all__ = ["AgentResult", "load_agent", "run_agents", "trajectory_of_session"]
@@ -43,18 +43,12 @@ def load_agent(entrypoint: str) -> Callable[[dict, Any], Any]:
     """Import ``package.module:function``.
 
     Raises:
-        ValueError: the module cannot be imported, or the attribute is missing or not callable (the message says
-            which).
+        ValueError: not an import path, the module cannot be imported, or the attribute is missing or not callable
+            (the message says which).
     """
-    module, _, attr = entrypoint.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - the user's module: any import error, named
-        raise ValueError(f"agent.entrypoint {entrypoint!r}: cannot import {module!r}: {type(exc).__name__}: "
-                         f"{exc}") from None
-    fn = getattr(mod, attr, None)
+    fn = import_object(entrypoint, "agent.entrypoint")
     if not callable(fn):
-        raise ValueError(f"agent.entrypoint {entrypoint!r}: {module!r} has no callable {attr!r}")
+        raise ValueError(f"agent.entrypoint {entrypoint!r} is not callable")
     return fn
 
 

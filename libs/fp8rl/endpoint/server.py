@@ -36,6 +36,7 @@ from aiohttp import web
 
 from fp8rl.engines.base import Sample, SamplingParams
 from fp8rl.envs.render import ChatRenderer
+from fp8rl.model.tokenizer import stop_token_ids
 
 from .chat import CompletionRequest, EndpointError, EndpointLimits, SessionView, parse_chat, parse_completion
 from .choices import choice_text, make_choice, stream_chunks
@@ -92,7 +93,7 @@ class OpenAIEndpoint:
             self._no_chat = ""
         except ValueError as exc:  # a base model's tokenizer: /v1/completions only
             self.renderer, self._no_chat = None, str(exc)
-        self.stop_ids = tuple(getattr(tokenizer, "eos_ids", None) or [tokenizer.eos_id])
+        self.stop_ids = tuple(stop_token_ids(tokenizer))
         self.sessions = SessionBook(max_sessions=config.max_sessions, idle_s=config.session_idle_s,
                                     max_tokens=config.session_max_tokens)
         self._queue: list[_Job] = []

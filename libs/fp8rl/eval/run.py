@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from fp8rl.agents import AgentDriver, AgentSettings
+from fp8rl.agents import AgentDriver
 from fp8rl.config import JobConfig
 from fp8rl.controller.plan import encode_prompt, load_split, sampling_seed
 from fp8rl.controller.validation import ValidationResult, validate
@@ -54,18 +54,15 @@ class _Engine:
     def __init__(self, job: JobConfig, rollout: TorchRolloutEngine, tok: Tokenizer) -> None:
         self.job, self.rollout, self.tok = job, rollout, tok
         self.grader = get_grader(job.reward.grader)
-        a = job.agent
         # an agent job: its agent drives the policy through the endpoint, as in training (fp8rl.agents)
-        self.agent = None if a.entrypoint is None else AgentDriver(
-            AgentSettings(a.entrypoint, a.concurrency, a.timeout_s, a.max_tokens_per_call, a.max_trajectory_tokens),
-            rollout, tok, vocab_size=rollout.model.config.vocab_size, model_name=job.policy.model,
-            top_p=job.policy.generation.top_p, grade=self.grader)
+        self.agent = None if job.agent.entrypoint is None else AgentDriver(
+            job, rollout, tok, vocab_size=rollout.model.config.vocab_size, model_name=job.policy.model,
+            grade=self.grader)
         self.wants_problems = self.agent is not None
 
     def generate(self, prompts, version, *, step, n, temperature, problems=None):
         if self.agent is not None:
-            trajs = self.agent.run([{"question": p.prompt, "answer": p.answer} for p in problems], prompts, version,
-                                   n=n, temperature=temperature, tag=f"eval{step}")
+            trajs = self.agent.run(problems, prompts, version, n=n, temperature=temperature, tag=f"eval{step}")
             return [(t.prompt_index, t) for t in trajs]
         g = self.job.policy.generation
         params = SamplingParams(temperature=temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, n=n,
@@ -99,11 +96,16 @@ def evaluate_policy(policy: CausalLM, tok: Tokenizer, job: JobConfig, data: Data
         rollout.load_scales(scales)
     engine, e = _Engine(job, rollout, tok), job.eval
     parts = []
-    with torch.inference_mode(), tqdm(total=len(prompts), desc="eval", unit="problem", disable=not progress) as bar:
-        for lo in range(0, len(prompts), CHUNK_PROBLEMS):
-            hi = min(lo + CHUNK_PROBLEMS, len(prompts))
-            parts.append(validate(engine, split.problems[lo:hi], prompts[lo:hi], rollout.weight_version, k=e.k,
-                                  temperature=e.temperature, part=lo // CHUNK_PROBLEMS))
-            bar.update(hi - lo)
+    try:
+        with torch.inference_mode(), tqdm(total=len(prompts), desc="eval", unit="problem",
+                                          disable=not progress) as bar:
+            for lo in range(0, len(prompts), CHUNK_PROBLEMS):
+                hi = min(lo + CHUNK_PROBLEMS, len(prompts))
+                parts.append(validate(engine, split.problems[lo:hi], prompts[lo:hi], rollout.weight_version, k=e.k,
+                                      temperature=e.temperature, part=lo // CHUNK_PROBLEMS))
+                bar.update(hi - lo)
+    finally:
+        if engine.agent is not None:  # the agent's endpoint: its port and thread
+            engine.agent.close()
     return EvalReport(ValidationResult.combine(parts), split.dropped, time.perf_counter() - t0,
                       job.policy.generation.max_new_tokens)
