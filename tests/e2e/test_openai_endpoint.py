@@ -234,6 +234,22 @@ def test_every_route_wants_the_token_when_one_is_set(served):
             for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"}):
                 status, raw = _request(port, method, route, b"{}" if method == "POST" else None, headers=auth)
                 assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key", (method, route, auth)
+        # 32 callers without the token that promise a 1 MiB body and never send it: each refused at its headers (the
+        # body is never waited for), and the token holder's health call meanwhile answers at once
+        stalled = []
+        for _ in range(32):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1048576\r\n\r\n{")
+            stalled.append(sock)
+        try:
+            t0 = time.monotonic()
+            assert _request(port, "GET", "/health", headers={"Authorization": "Bearer s3cret-token"})[0] == 200
+            assert time.monotonic() - t0 < 2.0
+            assert all(" 401 " in sock.recv(4096).decode().splitlines()[0] for sock in stalled)
+        finally:
+            for sock in stalled:
+                sock.close()
         good = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret-token", max_retries=0)
         assert good.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         with pytest.raises(openai.AuthenticationError):
