@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -218,12 +220,15 @@ def test_reflection_lists_services(authed):
 
 
 def test_wait_ready_names_the_target():
-    # Bind-then-stop to get a port with nothing listening.
-    server, _, port = _serve()
-    server.stop(None)
-    with make_channel(f"127.0.0.1:{port}") as ch:
-        with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
-            wait_ready(ch, 0.2)
+    # A port held bound but not listening: connections to it are refused, and no other socket can take it
+    # meanwhile (a port freed by a stopped server may be reused by another listener, or by this client's own
+    # ephemeral source port, a TCP self-connect that then looks like a server).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with make_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
+                wait_ready(ch, 0.2)
 
 
 def test_port_in_use_is_an_error(plain):
