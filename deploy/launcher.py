@@ -267,11 +267,16 @@ def trainer_ranks(ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
-       ready_timeout: float = 300.0, metrics: bool = False, env_modules: tuple[str, ...] = ()) -> _Stack:
+       ready_timeout: float = 300.0, metrics: bool = False, env_modules: tuple[str, ...] = (),
+       agents: bool = False) -> _Stack:
     """Start the stack for ``job_path`` into ``run_dir``; returns it once every service is ready.
 
     ``env_modules``: user environment modules the reward service's env workers import (``--env-module``); the
-    module of a job whose ``env.name`` is an import path is added on its own.
+    module of a job whose ``env.name`` (or ``agent.entrypoint``) is an import path is added on its own.
+
+    ``agents`` (on by itself for a job with ``agent.entrypoint``): the rollout replicas serve the OpenAI-compatible
+    endpoint on a free loopback port (``--openai-port 0``) for agent jobs, its token the service token, which the
+    reward service's agent proxy sends (the sandboxed agents never see it).
 
     ``metrics``: every service serves Prometheus metrics on a free loopback port (``metrics_port`` of
     each process in ``stack.json``)."""
@@ -306,11 +311,15 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                                             *extra], ready)
 
         launch, extra = trainer_ranks(job.trainer_ranks)
+        agents = agents or job.agent.entrypoint is not None
+        endpoint = ["--openai-token-file", tokens["service_token_file"]] if agents else []
         first = [service("trainer", "trainer", "--checkpoint-dir", str(run_dir / "checkpoints"), *extra,
                          launch=launch),
                  service("calibrator", "calibrator"),
-                 *(service(f"rollout-{i}", "rollout") for i in range(replicas)),
-                 service("reward", "reward", *(a for m in _env_modules(job, env_modules) for a in ("--env-module", m)))]
+                 *(service(f"rollout-{i}", "rollout", *(["--openai-port", "0", *endpoint] if agents else []))
+                   for i in range(replicas)),
+                 service("reward", "reward", *endpoint,
+                         *(a for m in _env_modules(job, env_modules) for a in ("--env-module", m)))]
         stack.wait_ready(first, ready_timeout)
         ctl = service("controller", "controller")  # finds the others through their leases in Redis
         stack.wait_ready([ctl], ready_timeout)
@@ -326,9 +335,9 @@ def _env_modules(job, extra: tuple[str, ...]) -> list[str]:
     """The reward service's ``--env-module`` list: ``extra``, plus the module of the job's ``env.name`` when that
     is an import path (``package.module:Class``)."""
     mods = list(extra)
-    name = job.env.name
-    if name and ":" in name and name.partition(":")[0] not in mods:
-        mods.append(name.partition(":")[0])
+    for name in (job.env.name, job.agent.entrypoint):
+        if name and ":" in name and name.partition(":")[0] not in mods:
+            mods.append(name.partition(":")[0])
     return mods
 
 
@@ -375,7 +384,7 @@ def _interrupt(signum, _frame) -> None:
 
 def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
         plain: bool = False, ready_timeout: float = 300.0, metrics: bool = False,
-        env_modules: tuple[str, ...] = ()) -> int:
+        env_modules: tuple[str, ...] = (), agents: bool = False) -> int:
     """up → submit → watch (progress bar) → report → down. Returns the exit status."""
     from tqdm import tqdm
 
@@ -384,7 +393,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     from fp8rl.sdk import Fp8rlClient
 
     stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics,
-               env_modules=env_modules)
+               env_modules=env_modules, agents=agents)
     # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
     signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
@@ -448,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                             "module of an env.name import path is added on its own)")
         p.add_argument("--metrics", action="store_true",
                        help="every service serves Prometheus /metrics on a free loopback port (see stack.json)")
+        p.add_argument("--agents", action="store_true",
+                       help="the rollout replicas serve the OpenAI-compatible endpoint for agent jobs (on by itself "
+                            "when the job sets agent.entrypoint)")
         if name == "run":
             p.add_argument("--plain", action="store_true", help="one line per step instead of a progress bar")
     d = sub.add_parser("down", help="stop a stack")
@@ -460,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             stack = up(args.job, args.run_dir, replicas=args.replicas, ready_timeout=args.ready_timeout,
-                       metrics=args.metrics, env_modules=tuple(args.env_module))
+                       metrics=args.metrics, env_modules=tuple(args.env_module), agents=args.agents)
             client_file = stack.info["secrets"]["client_token_file"]
             print(json.dumps({"controller": stack.info["controller"], "run_dir": str(stack.run_dir),
                               "client_token_file": client_file}))
@@ -472,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             down(args.run_dir, grace=args.grace)
             return EXIT_OK
         return run(args.job, args.run_dir, replicas=args.replicas, plain=args.plain,
-                   ready_timeout=args.ready_timeout, metrics=args.metrics, env_modules=tuple(args.env_module))
+                   ready_timeout=args.ready_timeout, metrics=args.metrics, env_modules=tuple(args.env_module),
+                   agents=args.agents)
     except (LaunchError, ConfigError, Fp8rlError) as exc:
         print(f"launcher: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -72,8 +72,11 @@ class GrpcStep:
 
     def __init__(self, runner, plan: JobPlan) -> None:
         self.r, self.plan = runner, plan  # the JobRunner: its settings, rollout pool, refit store, cancel check
-        self.wants_problems = plan.env is not None  # multi-turn: generate() is handed the problems (the tasks)
+        self.agent = plan.job.agent.entrypoint is not None
+        # multi-turn and agent jobs: generate() is handed the problems (the tasks)
+        self.wants_problems = plan.env is not None or self.agent
         self._trajectories = None
+        self._agents = None
 
     @property
     def trajectories(self):
@@ -88,6 +91,24 @@ class GrpcStep:
                 deadline_exceeded=lambda e: isinstance(e, RpcFailed) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED)
         return self._trajectories
 
+    @property
+    def agents(self):
+        """The job's :class:`~services.controller.agents.AgentJobRunner` (agent jobs)."""
+        if self._agents is None:
+            from .agents import AgentJobRunner
+
+            self._agents = AgentJobRunner(
+                self.plan, lambda method, req, timeout: call(self.r, "rollout", "reward", method, req, timeout, "env"),
+                self.r.refit, wait_s=self.r.settings.replica_wait_s,
+                tick=lambda: self.r._check(self.plan.job_id, cancel=False))
+        return self._agents
+
+    def markdown(self) -> str:
+        """A few of the last step's trajectories (multi-turn and agent jobs), else ""."""
+        if self.plan.env is not None:
+            return self.trajectories.markdown()
+        return self.agents.markdown() if self.agent else ""
+
     def prompts_of(self, problems) -> list[list[int]]:
         """The problems' prompts: a multi-turn job's are its environments' openings (reset in the env workers)."""
         return self.trajectories.openings(problems) if self.plan.env is not None else self.plan.prompts(problems)
@@ -100,10 +121,15 @@ class GrpcStep:
                 return self.trajectories.run(problems, version, step=step, n=n, temperature=temperature)
             except RolloutError as exc:
                 raise _rollout_failed(exc) from None
+        if self.agent:
+            try:
+                return self.agents.run(problems, prompts, version, step=step, n=n, temperature=temperature)
+            except RolloutError as exc:
+                raise _rollout_failed(exc) from None
         return self._sample(self.plan, prompts, version, step=step, n=n, temperature=temperature)
 
     def score(self, pairs):
-        if self.plan.env is not None:  # the environment graded each trajectory (None: it failed, ungraded)
+        if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
         return self._grade(self.plan, pairs)
 

@@ -197,12 +197,17 @@ class JobRunner:
     def _check_env(self, job: JobConfig) -> None:
         """``env.name`` must be an environment the reward service's env workers run (what it recorded in Redis when
         it started: the registered ones and its ``--env-module`` modules; the registered ones while it has recorded
-        nothing). No environment code is imported here."""
+        nothing). So must an agent job's ``agent.entrypoint`` module (its agents run in the reward service's
+        sandbox). No environment or agent code is imported here."""
         name = job.env.name
-        if name is None:
-            return
         recorded = self.refit.envs()
         names, modules = recorded if recorded is not None else (set(env_names()), set())
+        if (entry := job.agent.entrypoint) is not None and entry.partition(":")[0] not in modules:
+            raise ConfigError(f"agent.entrypoint: {short(entry)} does not run on this stack: the reward service runs "
+                              f"agents of its --env-module modules only ({', '.join(sorted(modules)) or 'none'}); "
+                              f"start it with --env-module {short(entry.partition(':')[0])}")
+        if name is None:
+            return
         if not (name in names or name.partition(":")[0] in modules):
             raise ConfigError(f"env.name: {short(name)} does not run on this stack; the reward service's environment "
                               f"workers run {', '.join(sorted(names))}"
@@ -458,8 +463,8 @@ class JobRunner:
         ``inflight`` before anything else."""
         b = GrpcStep(self, plan)
         partial = first_half(plan, b, step, v, check=lambda: self._check(plan.job_id))
-        if plan.env is not None:  # a few trajectories for the report (model and environment tokens told apart)
-            partial["trajectories_md"] = b.trajectories.markdown()
+        if md := b.markdown():  # a few trajectories for the report (model and environment tokens told apart)
+            partial["trajectories_md"] = md
         self.jobs.set_inflight(plan.job_id, partial)
         return partial
 

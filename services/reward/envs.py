@@ -63,8 +63,9 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         max_timeout_s: the largest per-step bound a caller may ask for (EnvStepRequest.timeout_s).
     """
 
-    def __init__(self, pool: EnvWorkerPool, max_timeout_s: float = 3600.0) -> None:
+    def __init__(self, pool: EnvWorkerPool, max_timeout_s: float = 3600.0, agents=None) -> None:
         self.pool, self.max_timeout_s = pool, max_timeout_s
+        self.agents = agents  # services.reward.agents.AgentRunner (RunAgents); None: not served
 
     @rpc_method
     def Reset(self, request, context):
@@ -106,3 +107,9 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         for i, tid in enumerate(ids):
             _check_id(tid, f"trajectory_ids[{i}]")
         return env_pb2.EnvCloseResponse(closed=self.pool.close(ids))
+
+    @rpc_method
+    def RunAgents(self, request, context):
+        if self.agents is None:
+            raise Abort(grpc.StatusCode.UNIMPLEMENTED, "this reward service runs no agents")
+        return self.agents.run(request)

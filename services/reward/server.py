@@ -41,8 +41,10 @@ from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingCancelled, GradingPool,
 from fp8rl.envs import env_names
 from fp8rl.envs.worker_pool import EnvWorkerPool, Rlimits
 from fp8rl.rpc import env_pb2_grpc, reward_pb2, reward_pb2_grpc
+from fp8rl.rpc.channel import read_token_file
 from services.common.runtime import Context, Service, ServiceSpec, StartupError, env_default
 
+from .agents import AgentRunner
 from .envs import EnvServicer
 
 log = logging.getLogger("fp8rl.reward")
@@ -155,10 +157,16 @@ class RewardService(Service):
         # started at the first Reset: a stack that runs no multi-turn job holds no environment worker
         self.envs = EnvWorkerPool(a.env_workers, modules=env_modules, rlimits=Rlimits(memory_mb=a.env_memory_mb),
                                   timeout_s=job.env.step_timeout_s, eager=False)
+        if a.agent_slots < 1 or a.agent_memory_mb < 256:
+            raise StartupError(f"--agent-slots must be >= 1 and --agent-memory-mb >= 256, got {a.agent_slots}, "
+                               f"{a.agent_memory_mb}")
+        token = read_token_file(a.openai_token_file, "--openai-token-file") if a.openai_token_file else None
+        self.agents = AgentRunner(env_modules, self.pool, grader, timeout_s, slots=a.agent_slots,
+                                  memory_mb=a.agent_memory_mb, token=token)
 
     def servicers(self):
         return [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer),
-                (env_pb2_grpc.add_EnvServiceServicer_to_server, EnvServicer(self.envs))]
+                (env_pb2_grpc.add_EnvServiceServicer_to_server, EnvServicer(self.envs, agents=self.agents))]
 
     def start(self, ctx: Context) -> None:
         ctx.set_serving(True)
@@ -176,6 +184,7 @@ class RewardService(Service):
                 ctx.stopping.wait(5.0)
 
     def stop(self) -> None:
+        self.agents.close()
         self.pool.close()
         self.envs.close_all()
 
@@ -202,6 +211,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="environment worker processes (default 2): at most this many environment steps run at once")
     p.add_argument("--env-memory-mb", type=int, default=int(env_default("env_memory_mb", 4096)),
                    help="address-space limit of each environment worker in MiB (default 4096)")
+    p.add_argument("--agent-slots", type=int, default=int(env_default("agent_slots", 4)),
+                   help="agents of agent jobs running at once, each in its sandbox (default 4)")
+    p.add_argument("--agent-memory-mb", type=int, default=int(env_default("agent_memory_mb", 2048)),
+                   help="address-space limit of each agent process in MiB (default 2048)")
+    p.add_argument("--openai-token-file", default=env_default("openai_token_file"),
+                   help="file holding the rollout replicas' OpenAI-endpoint token, which agents' calls carry "
+                        "(the agents never see it)")
     p.add_argument("--max-items", type=int, default=int(env_default("max_items", limits.MAX_SCORE_ITEMS)),
                    help=f"most items in one Score call (default {limits.MAX_SCORE_ITEMS})")
     p.add_argument("--max-response-chars", type=int,

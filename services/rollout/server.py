@@ -194,9 +194,23 @@ class RolloutService(Service):
     def start(self, ctx: Context) -> None:
         self.follower.start()  # registers the lease (version None), then pulls weights:latest when applicable
         self.endpoint = start_endpoint(ctx, self.engine, self.tok, self.vocab_size, self.max_len, self.ready)
+        if self.endpoint is not None:  # where an agent job's calls reach this replica (services.controller.agents)
+            host = ctx.args.openai_host
+            if host in ("", "0.0.0.0", "::", "[::]"):
+                host = ctx.endpoint.rsplit(":", 1)[0]  # the address the gRPC server is advertised at
+            self.agent_url = f"http://{host}:{self.endpoint.port}/v1"
+            try:
+                ctx.store.set_agent_endpoint(ctx.replica_id, self.agent_url)
+            except Exception as exc:  # noqa: BLE001 - Redis away: the endpoint serves its own callers meanwhile
+                log.warning("cannot record the OpenAI endpoint %s in Redis (%s): agent jobs will not find this "
+                            "replica", self.agent_url, exc)
 
     def stop(self) -> None:
         if getattr(self, "endpoint", None) is not None:
+            try:
+                self.ctx.store.set_agent_endpoint(self.ctx.replica_id, None)
+            except Exception:  # noqa: BLE001, S110 - best effort: a replica without a live lease is not used
+                pass
             self.endpoint.stop()
         self.follower.stop()
         self.source.close()

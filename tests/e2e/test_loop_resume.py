@@ -63,6 +63,7 @@ def _final_state(out: Path) -> dict:
     return torch.load(out / "checkpoints" / state["checkpoint"], map_location="cpu", weights_only=True)
 
 
+@pytest.mark.chaos  # a SIGKILLed loop process (~15 s): the chaos tier (make test-chaos)
 def test_a_sigkilled_run_keeps_its_rows_and_resume_finishes_it_bitwise(preset, tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     args = [*JOB, "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]

@@ -397,9 +397,11 @@ def test_an_asynchronous_agent_job_stays_within_its_lag_and_exact(served):
     assert r["weight_lag_mean"] == 0.0 or r["stale/mismatch/max_abs_logprob_diff"] > 0.0
 
 
-def test_the_stack_refuses_agent_jobs_naming_why(served):
+def test_the_stack_refuses_asynchronous_agent_jobs_naming_why(served):
     from fp8rl.config import ConfigError
 
-    job = parse_job_config(_agent_job(served.path, "two_turns"))
-    with pytest.raises(ConfigError, match="agent jobs run in the in-process loop"):
-        job.check_services()
+    parse_job_config(_agent_job(served.path, "two_turns")).check_services()  # synchronous: runs on the stack
+    job = _agent_job(served.path, "two_turns")
+    job["grpo"]["async_grpo"] = {"enabled": True, "max_weight_lag": 1}
+    with pytest.raises(ConfigError, match="asynchronous agent jobs run in the in-process loop"):
+        parse_job_config(job).check_services()

@@ -14,8 +14,9 @@ answer. It ends its trajectory like an environment would (:data:`~fp8rl.envs.tra
 when it returned, ``env_error`` when it raised or made no model call, ``env_timeout`` past ``agent.timeout_s`` —
 the last two ungraded (out of the loss, counted), never a silent 0.
 
-The function runs in the loop's process: the loop trusts its user's code, as it trusts the job's model. (On the
-service stack agents are to run in the sandbox; not yet.)
+The function runs in the loop's process: the loop trusts its user's code, as it trusts the job's model. On the
+service stack it runs in the reward service's sandbox instead (:mod:`fp8rl.agents.sandboxed`,
+:mod:`services.controller.agents`), and its session records become trajectories by :func:`trajectory_or_opening` too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fp8rl.endpoint import SESSION_HEADER, OpenAIEndpoint
 from fp8rl.envs.adapters.common import import_object
 from fp8rl.envs.trajectory import Trajectory
 
-__all__ = ["AgentResult", "load_agent", "run_agents", "trajectory_of_session"]
+__all__ = ["AgentResult", "load_agent", "run_agents", "trajectory_of_session", "trajectory_or_opening"]
 
 log = logging.getLogger(__name__)
 
@@ -132,13 +133,18 @@ def run_agents(fn: Callable[[dict, Any], Any], tasks: Sequence[dict], n: int, en
     errors = [r.error for r in results if r.error]
     if errors:
         log.warning("%d of %d agents ended ungraded; the first: %s", len(errors), len(results), errors[0][:300])
-    trajs = []
-    for k, (sid, res) in enumerate(zip(sids, results, strict=True)):
-        rec = endpoint.close_session(sid)
-        if rec is None or not any(rec["loss_mask"]):  # it never had the model write a token: its opening, ungraded
-            res = AgentResult(None, "env_error", res.error or "the agent made no model call")
-            ids = list(openings[k // n])
-            rec = {"token_ids": ids, "loss_mask": [0] * len(ids), "logprobs": [0.0] * len(ids),
-                   "weight_versions": [-1] * len(ids), "turns": 0, "tool_calls": 0}
-        trajs.append(trajectory_of_session(rec, k // n, res, version))
-    return trajs
+    return [trajectory_or_opening(endpoint.close_session(sid), openings[k // n], k // n, res, version)
+            for k, (sid, res) in enumerate(zip(sids, results, strict=True))]
+
+
+def trajectory_or_opening(record: dict | None, opening: Sequence[int], prompt_index: int, result: AgentResult,
+                          version: int) -> Trajectory:
+    """The trajectory of a session's ``record`` — or, when the agent had the model write no token (no record,
+    or one without a model token), its task's ``opening`` ids as an ungraded row (masked: the batch keeps its
+    shape)."""
+    if record is None or not any(record["loss_mask"]):
+        result = AgentResult(None, "env_error", result.error or "the agent made no model call")
+        ids = list(opening)
+        record = {"token_ids": ids, "loss_mask": [0] * len(ids), "logprobs": [0.0] * len(ids),
+                  "weight_versions": [-1] * len(ids), "turns": 0, "tool_calls": 0}
+    return trajectory_of_session(record, prompt_index, result, version)

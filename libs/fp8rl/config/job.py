@@ -164,10 +164,11 @@ class JobConfig(Section):
         the services stack has no phase that would run it and tell every replica and trainer rank the result,
         so a job asks for the layer counts the observatory suggests (``python -m fp8rl.observatory``) instead.
         """
-        if self.agent.entrypoint is not None:
-            raise ConfigError("agent.entrypoint: agent jobs run in the in-process loop (python -m fp8rl.loop) for "
-                              "now; on the services stack the rollout replicas serve the OpenAI endpoint "
-                              "(--openai-port) to agents a user runs, but the controller does not run agents yet")
+        if self.agent.entrypoint is not None and self.grpo.async_grpo.enabled:
+            raise ConfigError("agent.entrypoint with grpo.async_grpo.enabled: asynchronous agent jobs run in the "
+                              "in-process loop (python -m fp8rl.loop) for now; on the services stack a replica's "
+                              "endpoint does not hold a refit back for the agent sessions in flight, so run the job "
+                              "synchronously there")
         if self.policy.numerics.auto_bf16_layers:
             raise ConfigError("policy.numerics.auto_bf16_layers=true is run by the in-process loop only "
                               "(python -m fp8rl.loop --auto-bf16-layers); the services stack does not run the "

@@ -29,8 +29,8 @@ from fp8rl.rl.shaping import overlong_penalty
 __all__ = [
     "CORRECT_REWARD", "DEPLOYMENT_KEYS", "DeploymentMismatchError", "JobPlan", "Split", "check_data",
     "check_deployment", "deployment_mismatch", "encode_prompt", "env_tasks", "eval_problems", "graded_advantages",
-    "group_advantages", "load_split", "load_job_tokenizer", "model_max_positions", "new_job_id", "problem_source",
-    "reward_summary", "sampling_seed", "split_evenly",
+    "group_advantages", "load_split", "load_job_tokenizer", "model_config_of", "model_max_positions", "new_job_id",
+    "problem_source", "reward_summary", "sampling_seed", "split_evenly",
 ]
 
 log = logging.getLogger(__name__)
@@ -222,16 +222,22 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer |
     return load_split(job, "validation", data, tok).problems
 
 
-def model_max_positions(job: JobConfig) -> int:
-    """The policy's context (``max_position_embeddings`` of its checkpoint's config.json), read without the
-    weights: what bounds a multi-turn trajectory where the controller drives the turns."""
+def model_config_of(job: JobConfig):
+    """The policy's :class:`~fp8rl.model.config.ModelConfig` (its checkpoint's config.json), read without the
+    weights."""
     import json
 
     from fp8rl.model.config import ModelConfig
 
     model = job.policy.model
     path = prepare_preset(model, progress=False) if model in PRESETS else Path(model)
-    return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())).max_position_embeddings
+    return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+
+
+def model_max_positions(job: JobConfig) -> int:
+    """The policy's context (``max_position_embeddings``): what bounds a multi-turn trajectory where the
+    controller drives the turns."""
+    return model_config_of(job).max_position_embeddings
 
 
 def load_job_tokenizer(job: JobConfig) -> Tokenizer:

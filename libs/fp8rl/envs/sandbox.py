@@ -30,8 +30,8 @@ call — :class:`SandboxUnavailable`, a recorded reason — instead of hanging s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -48,16 +48,25 @@ PYTHON = "/usr/bin/python3"  # the sandbox's interpreter: the system's, under th
 # bubblewrap's PID namespace leaves one of its processes orphaned per run; where the host's PID 1 is slow to reap
 # (a container's), those zombies pile up on the slot's uid and count against its process limit. So bwrap runs
 # under this small reaper (a child subreaper: the orphans come back to it), which reaps every one and exits with
-# bwrap's status (128 + n for a signal n).
+# bwrap's status (128 + n for a signal n). The reaper also sets the rlimits and drops to the slot's uid (argv[1],
+# JSON) before it starts bwrap: the service forks it without running Python in the child (no ``preexec_fn``),
+# which a multi-threaded parent — a gRPC server — cannot do safely.
 _REAPER = """
-import ctypes, os, sys
+import ctypes, json, os, resource, sys
+lim = json.loads(sys.argv[1])
+for name, value in lim["rlimits"].items():
+    resource.setrlimit(getattr(resource, name), tuple(value))
+if lim["uid"] is not None:
+    os.setgroups([])
+    os.setgid(lim["uid"])
+    os.setuid(lim["uid"])
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 pid = os.fork()
 if pid == 0:
     try:
-        os.execvp(sys.argv[1], sys.argv[1:])
+        os.execvp(sys.argv[2], sys.argv[2:])
     except OSError as e:
-        os.write(2, f"bwrap: cannot run {sys.argv[1]}: {e}\\n".encode())
+        os.write(2, f"bwrap: cannot run {sys.argv[2]}: {e}\\n".encode())
         os._exit(127)
 code = 1
 while True:
@@ -172,36 +181,32 @@ def sandbox_problem() -> str | None:
 class Sandbox:
     """Runs programs under bubblewrap with :class:`SandboxLimits` (module docstring), as uid ``uid``."""
 
-    def __init__(self, limits: SandboxLimits | None = None, *, uid: int = 60000) -> None:
+    def __init__(self, limits: SandboxLimits | None = None, *, uid: int = 60000,
+                 ro_binds: tuple[tuple[str, str], ...] = ()) -> None:
         self.limits = limits or SandboxLimits()
         self.uid = uid
+        self.ro_binds = ro_binds  # (host path, sandbox path) pairs mounted read-only after the work directory
 
     def _argv(self, code: str) -> list[str]:
         size = str(self.limits.tmp_bytes)
+        binds = [a for src, dest in self.ro_binds for a in ("--ro-bind", src, dest)]
         return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 *_ROOT, *(["--proc", "/proc"] if proc_mountable() else []), "--dev", "/dev",
-                "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/work", "--chdir", "/work",
+                "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/work", *binds, "--chdir", "/work",
                 "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work",
                 PYTHON, "-I", "-B", "-c", code]
 
-    def _command(self, code: str) -> list[str]:
-        """bwrap's argv under the reaper (:data:`_REAPER`)."""
-        return [PYTHON, "-I", "-S", "-B", "-c", _REAPER, *self._argv(code)]
-
-    def _limit(self, procs: int) -> None:
-        """In the child, before ``exec bwrap``: drop to the slot's uid, then the rlimits, ``procs`` processes (a new
-        session is ``start_new_session``). Nothing here reads files: the parent computed what it needs."""
+    def _command(self, code: str, procs: int) -> list[str]:
+        """bwrap's argv under the reaper (:data:`_REAPER`), which first sets the rlimits — ``procs`` processes,
+        CPU (``SIGXCPU``, then ``SIGKILL`` a second later), address space, file size, no core files — and, as root,
+        drops to the slot's uid (root ignores ``RLIMIT_NPROC``)."""
         lim = self.limits
-        if os.geteuid() == 0:
-            os.setgroups([])
-            os.setgid(self.uid)
-            os.setuid(self.uid)
         cpu = int(lim.cpu_seconds)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.output_bytes, lim.output_bytes))
-        resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        setup = {"uid": self.uid if os.geteuid() == 0 else None, "rlimits": {
+            "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (lim.memory_bytes, lim.memory_bytes),
+            "RLIMIT_FSIZE": (lim.output_bytes, lim.output_bytes), "RLIMIT_NPROC": (procs, procs),
+            "RLIMIT_CORE": (0, 0)}}
+        return [PYTHON, "-I", "-S", "-B", "-c", _REAPER, json.dumps(setup), *self._argv(code)]
 
     def run(self, code: str, on_start=None) -> SandboxResult:
         """Run ``code`` (a Python program) and return what it printed and how it ended; ``on_start()`` is called
@@ -222,9 +227,9 @@ class Sandbox:
         t0 = time.perf_counter()
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
-                proc = subprocess.Popen(self._command(code), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        cwd="/", env={"PATH": "/usr/bin:/bin"}, close_fds=True,
-                                        start_new_session=True, preexec_fn=lambda: self._limit(procs))
+                proc = subprocess.Popen(self._command(code, procs), stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=err, cwd="/", env={"PATH": "/usr/bin:/bin"}, close_fds=True,
+                                        start_new_session=True)
             except (OSError, subprocess.SubprocessError) as e:
                 raise SandboxUnavailable(f"the sandbox could not start: {e}") from None
             finally:
@@ -292,10 +297,13 @@ class SandboxPool:
         max_starting: runs starting at once (the rest wait their turn in the queue).
         queue_timeout_s: the longest wait for a slot; past it :meth:`run` raises :class:`SandboxUnavailable`.
         limits: of every run.
+        ro_binds: ``(host path, sandbox path)`` pairs mounted read-only into every run (an agent's interpreter
+            packages, :mod:`fp8rl.agents.sandboxed`); none for model-written code.
     """
 
     def __init__(self, slots: int = 4, *, max_starting: int = 2, queue_timeout_s: float = 10.0,
-                 limits: SandboxLimits | None = None, uid_base: int = 60000) -> None:
+                 limits: SandboxLimits | None = None, uid_base: int = 60000,
+                 ro_binds: tuple[tuple[str, str], ...] = ()) -> None:
         if slots < 1 or max_starting < 1 or not queue_timeout_s > 0:
             raise ValueError(f"SandboxPool needs slots >= 1, max_starting >= 1 and queue_timeout_s > 0, got "
                              f"{slots}, {max_starting}, {queue_timeout_s}")
@@ -304,12 +312,14 @@ class SandboxPool:
         self._free = list(range(slots))
         self._cond = threading.Condition()
         self._starting = threading.BoundedSemaphore(max_starting)
-        self._uid_base = uid_base
+        self._uid_base, self.ro_binds = uid_base, ro_binds
         self.stats = {"runs": 0, "unavailable": 0, "start_s_total": 0.0, "queue_s_max": 0.0,
                       **{f"killed/{r}": 0 for r in KILL_REASONS}}
 
-    def run(self, code: str) -> SandboxResult:
-        """Run ``code`` in a free slot (waiting at most ``queue_timeout_s`` for one and for its start)."""
+    def run(self, code: str, ro_binds: tuple[tuple[str, str], ...] = (), limits: SandboxLimits | None = None
+            ) -> SandboxResult:
+        """Run ``code`` in a free slot (waiting at most ``queue_timeout_s`` for one and for its start), with the
+        pool's read-only mounts and ``ro_binds``, under ``limits`` (default: the pool's)."""
         t0 = time.perf_counter()
         deadline = t0 + self.queue_timeout_s
         with self._cond:
@@ -326,7 +336,8 @@ class SandboxPool:
                 self.stats["unavailable"] += 1
                 raise SandboxUnavailable(f"no sandbox start within {self.queue_timeout_s:.1f}s")
             waited = time.perf_counter() - t0
-            result = Sandbox(self.limits, uid=self._uid_base + slot).run(code, on_start=self._starting.release)
+            result = Sandbox(limits or self.limits, uid=self._uid_base + slot, ro_binds=self.ro_binds + ro_binds).run(
+                code, on_start=self._starting.release)
         finally:
             with self._cond:
                 self._free.append(slot)

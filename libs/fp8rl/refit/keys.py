@@ -20,6 +20,7 @@ key                     type         meaning
 ``P events``            stream       ``weights_published``, ``scales_published``, ``replica_fenced``
 ``P replicas:{id}``     hash + TTL   a replica's lease: endpoint, version, ttl
 ``P replicas``          set          index of replica ids that registered (lease may be gone)
+``P agents:endpoints``  hash         replica id → base URL of its OpenAI-compatible endpoint (agent jobs' calls)
 ``P collective:members``  set        ids of replicas asking for the collective refit transport
 ``P collective:members:{id}``  bytes + TTL  a collective member's heartbeat (JSON; gone = left)
 ``P collective:epoch``  bytes        the current collective group (strict JSON: epoch, store, members)
@@ -138,6 +139,10 @@ class Keys:
     def replica_index(self) -> str:
         """``replicas`` — set of replica ids that registered (their leases may have expired)."""
         return f"{self.prefix}replicas"
+
+    def agent_endpoints(self) -> str:
+        """``agents:endpoints`` — hash replica id → the base URL of its OpenAI-compatible endpoint (agent jobs)."""
+        return f"{self.prefix}agents:endpoints"
 
     # -- collective refit transport (transport/collective.py) ------------------------------------
     def collective_members(self) -> str:

@@ -465,6 +465,20 @@ class RefitStore:
             return None
         return {e for e in entries if not e.endswith(":")}, {e[:-1] for e in entries if e.endswith(":")}
 
+    def set_agent_endpoint(self, replica_id: str, base_url: str | None) -> None:
+        """Record (None: forget) the base URL of ``replica_id``'s OpenAI-compatible endpoint, where an agent job's
+        calls go (:mod:`services.controller.agents`); only replicas with a live lease are used."""
+        validate_replica_id(replica_id)
+        if base_url is None:
+            self.client.hdel(self.keys.agent_endpoints(), replica_id)
+        else:
+            self.client.hset(self.keys.agent_endpoints(), replica_id, base_url)
+
+    def agent_endpoints(self) -> dict[str, str]:
+        """Replica id → the base URL of its OpenAI-compatible endpoint, for every replica that recorded one (its
+        lease may have expired: join with :meth:`live_replicas`)."""
+        return {_s(a): _s(b) for a, b in self.client.hgetall(self.keys.agent_endpoints()).items()}
+
     def endpoint_of(self, role: str) -> ReplicaLease | None:
         """The newest live lease of ``role`` (latest registration), or None when none is live."""
         leases = self.live_replicas(role)

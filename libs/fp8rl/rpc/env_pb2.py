@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66p8rl/v1/env.proto\x12\x08\x66p8rl.v1\"]\n\x0f\x45nvResetRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x13\n\x0bkwargs_json\x18\x03 \x01(\t\x12\x11\n\ttask_json\x18\x04 \x01(\t\"=\n\x10\x45nvResetResponse\x12\x15\n\rmessages_json\x18\x01 \x01(\t\x12\x12\n\ntools_json\x18\x02 \x01(\t\"H\n\x0e\x45nvStepRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x8d\x01\n\x0f\x45nvStepResponse\x12#\n\x06status\x18\x01 \x01(\x0e\x32\x13.fp8rl.v1.EnvStatus\x12\x15\n\rmessages_json\x18\x02 \x01(\t\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x11\n\tinfo_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\")\n\x0f\x45nvCloseRequest\x12\x16\n\x0etrajectory_ids\x18\x01 \x03(\t\"\"\n\x10\x45nvCloseResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x05*}\n\tEnvStatus\x12\x1a\n\x16\x45NV_STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rENV_STATUS_OK\x10\x01\x12\x14\n\x10\x45NV_STATUS_ERROR\x10\x02\x12\x16\n\x12\x45NV_STATUS_TIMEOUT\x10\x03\x12\x13\n\x0f\x45NV_STATUS_LOST\x10\x04\x32\xc9\x01\n\nEnvService\x12>\n\x05Reset\x12\x19.fp8rl.v1.EnvResetRequest\x1a\x1a.fp8rl.v1.EnvResetResponse\x12;\n\x04Step\x12\x18.fp8rl.v1.EnvStepRequest\x1a\x19.fp8rl.v1.EnvStepResponse\x12>\n\x05\x43lose\x12\x19.fp8rl.v1.EnvCloseRequest\x1a\x1a.fp8rl.v1.EnvCloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66p8rl/v1/env.proto\x12\x08\x66p8rl.v1\"]\n\x0f\x45nvResetRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x13\n\x0bkwargs_json\x18\x03 \x01(\t\x12\x11\n\ttask_json\x18\x04 \x01(\t\"=\n\x10\x45nvResetResponse\x12\x15\n\rmessages_json\x18\x01 \x01(\t\x12\x12\n\ntools_json\x18\x02 \x01(\t\"H\n\x0e\x45nvStepRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x8d\x01\n\x0f\x45nvStepResponse\x12#\n\x06status\x18\x01 \x01(\x0e\x32\x13.fp8rl.v1.EnvStatus\x12\x15\n\rmessages_json\x18\x02 \x01(\t\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x11\n\tinfo_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\")\n\x0f\x45nvCloseRequest\x12\x16\n\x0etrajectory_ids\x18\x01 \x03(\t\"\"\n\x10\x45nvCloseResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x05\"D\n\tAgentTask\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\"\xc3\x01\n\x10RunAgentsRequest\x12\x12\n\nentrypoint\x18\x01 \x01(\t\x12\"\n\x05tasks\x18\x02 \x03(\x0b\x32\x13.fp8rl.v1.AgentTask\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x63oncurrency\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\r\n\x05top_p\x18\x06 \x01(\x01\x12\x0e\n\x06grader\x18\x07 \x01(\t\x12\x1b\n\x13max_tokens_per_call\x18\x08 \x01(\x05\"\xe6\x01\n\x0c\x41gentOutcome\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x03\x65nd\x18\x02 \x01(\x0e\x32\x12.fp8rl.v1.AgentEnd\x12\x0e\n\x06graded\x18\x03 \x01(\x08\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x11\n\tloss_mask\x18\x08 \x01(\x0c\x12\x17\n\x0fweight_versions\x18\t \x03(\x03\x12\r\n\x05turns\x18\n \x01(\x05\x12\x12\n\ntool_calls\x18\x0b \x01(\x05\"=\n\x11RunAgentsResponse\x12(\n\x08outcomes\x18\x01 \x03(\x0b\x32\x16.fp8rl.v1.AgentOutcome*}\n\tEnvStatus\x12\x1a\n\x16\x45NV_STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rENV_STATUS_OK\x10\x01\x12\x14\n\x10\x45NV_STATUS_ERROR\x10\x02\x12\x16\n\x12\x45NV_STATUS_TIMEOUT\x10\x03\x12\x13\n\x0f\x45NV_STATUS_LOST\x10\x04*e\n\x08\x41gentEnd\x12\x19\n\x15\x41GENT_END_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x41GENT_END_DONE\x10\x01\x12\x13\n\x0f\x41GENT_END_ERROR\x10\x02\x12\x15\n\x11\x41GENT_END_TIMEOUT\x10\x03\x32\x8f\x02\n\nEnvService\x12>\n\x05Reset\x12\x19.fp8rl.v1.EnvResetRequest\x1a\x1a.fp8rl.v1.EnvResetResponse\x12;\n\x04Step\x12\x18.fp8rl.v1.EnvStepRequest\x1a\x19.fp8rl.v1.EnvStepResponse\x12>\n\x05\x43lose\x12\x19.fp8rl.v1.EnvCloseRequest\x1a\x1a.fp8rl.v1.EnvCloseResponse\x12\x44\n\tRunAgents\x12\x1a.fp8rl.v1.RunAgentsRequest\x1a\x1b.fp8rl.v1.RunAgentsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.env_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENVSTATUS']._serialized_start=487
-  _globals['_ENVSTATUS']._serialized_end=612
+  _globals['_ENVSTATUS']._serialized_start=1051
+  _globals['_ENVSTATUS']._serialized_end=1176
+  _globals['_AGENTEND']._serialized_start=1178
+  _globals['_AGENTEND']._serialized_end=1279
   _globals['_ENVRESETREQUEST']._serialized_start=32
   _globals['_ENVRESETREQUEST']._serialized_end=125
   _globals['_ENVRESETRESPONSE']._serialized_start=127
@@ -45,6 +47,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENVCLOSEREQUEST']._serialized_end=449
   _globals['_ENVCLOSERESPONSE']._serialized_start=451
   _globals['_ENVCLOSERESPONSE']._serialized_end=485
-  _globals['_ENVSERVICE']._serialized_start=615
-  _globals['_ENVSERVICE']._serialized_end=816
+  _globals['_AGENTTASK']._serialized_start=487
+  _globals['_AGENTTASK']._serialized_end=555
+  _globals['_RUNAGENTSREQUEST']._serialized_start=558
+  _globals['_RUNAGENTSREQUEST']._serialized_end=753
+  _globals['_AGENTOUTCOME']._serialized_start=756
+  _globals['_AGENTOUTCOME']._serialized_end=986
+  _globals['_RUNAGENTSRESPONSE']._serialized_start=988
+  _globals['_RUNAGENTSRESPONSE']._serialized_end=1049
+  _globals['_ENVSERVICE']._serialized_start=1282
+  _globals['_ENVSERVICE']._serialized_end=1553
 # @@protoc_insertion_point(module_scope)

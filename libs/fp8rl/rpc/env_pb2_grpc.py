@@ -53,6 +53,11 @@ class EnvServiceStub:
                 request_serializer=fp8rl_dot_v1_dot_env__pb2.EnvCloseRequest.SerializeToString,
                 response_deserializer=fp8rl_dot_v1_dot_env__pb2.EnvCloseResponse.FromString,
                 _registered_method=True)
+        self.RunAgents = channel.unary_unary(
+                '/fp8rl.v1.EnvService/RunAgents',
+                request_serializer=fp8rl_dot_v1_dot_env__pb2.RunAgentsRequest.SerializeToString,
+                response_deserializer=fp8rl_dot_v1_dot_env__pb2.RunAgentsResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -86,6 +91,16 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunAgents(self, request, context):
+        """Runs an agent job's agents (agent.entrypoint, whose module must be one the workers were started
+        with), each in the sandbox with its OpenAI client reaching its replica's endpoint only through a
+        Unix socket, and returns how each ended and the session its calls recorded there. An entrypoint
+        not run here is INVALID_ARGUMENT; a service that cannot sandbox agents FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -103,6 +118,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=fp8rl_dot_v1_dot_env__pb2.EnvCloseRequest.FromString,
                     response_serializer=fp8rl_dot_v1_dot_env__pb2.EnvCloseResponse.SerializeToString,
+            ),
+            'RunAgents': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunAgents,
+                    request_deserializer=fp8rl_dot_v1_dot_env__pb2.RunAgentsRequest.FromString,
+                    response_serializer=fp8rl_dot_v1_dot_env__pb2.RunAgentsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,6 +210,33 @@ class EnvService:
             '/fp8rl.v1.EnvService/Close',
             fp8rl_dot_v1_dot_env__pb2.EnvCloseRequest.SerializeToString,
             fp8rl_dot_v1_dot_env__pb2.EnvCloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAgents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fp8rl.v1.EnvService/RunAgents',
+            fp8rl_dot_v1_dot_env__pb2.RunAgentsRequest.SerializeToString,
+            fp8rl_dot_v1_dot_env__pb2.RunAgentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 import yaml
@@ -29,7 +30,7 @@ import yaml
 from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
 from fp8rl.model.tokenizer import load_tokenizer
 from fp8rl.presets.chatml import build_chatml_tokenizer
-from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
+from fp8rl.rpc import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.sdk import Fp8rlClient, InvalidArgument
 
@@ -78,7 +79,8 @@ def env_stack(tmp_path_factory) -> Stack:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(E2E), env.get("PYTHONPATH", "")])
     up = subprocess.run([sys.executable, "-m", "deploy.launcher", "up", "--job", str(job_file), "--run-dir",
                          str(tmp / "run"), "--replicas", "2", "--ready-timeout", "180", "--env-module", "stack_envs",
-                         "--env-module", "envs_for_tests"], cwd=REPO, env=env, capture_output=True, text=True,
+                         "--env-module", "envs_for_tests", "--env-module", "stack_agents", "--agents"], cwd=REPO,
+                        env=env, capture_output=True, text=True,
                         timeout=300)
     if up.returncode != 0:
         pytest.fail(f"launcher up failed ({up.returncode}):\n{up.stderr[-4000:]}", pytrace=False)
@@ -263,3 +265,75 @@ def test_the_controller_killed_with_trajectories_in_flight_resumes_none_lost_or_
     # once, on the first step it recorded
     assert reports[0].metrics["resume/rollouts_restarted"] == 4.0
     assert "resume/rollouts_restarted" not in reports[1].metrics
+
+
+# -- agent jobs: the agents in the reward service's sandbox, their calls on the replicas' endpoints ---------------
+def _agent_job(stack: Stack, name: str, entrypoint: str, rows: list[dict], *, steps: int, n: int = 2,
+               **agent) -> dict:
+    job = _job(stack.model_dir, name, steps=steps)
+    del job["env"]
+    data = f"agent-tasks-{uuid.uuid4().hex[:8]}.jsonl"
+    (stack.job_file.parent / data).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job["data"] = {"task": "jsonl", "path": data}
+    job["grpo"] = {"num_prompts_per_step": len(rows), "num_generations_per_prompt": n}
+    job["agent"] = {"entrypoint": f"stack_agents:{entrypoint}", "concurrency": 4, "max_tokens_per_call": 8,
+                    "timeout_s": 60, **agent}
+    return job
+
+
+def test_an_agent_job_runs_three_steps_on_the_stack_bitwise(env_stack):
+    """A user's agent function, run by the reward service in its sandbox, drives the policy through the replicas'
+    OpenAI endpoints (two calls each, the assistant message sent back as the client returned it): every session is
+    a trajectory of two model turns, and the trainer's logprobs over it are the replicas', bitwise, for 3 steps."""
+    rows = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "What is 3+4?", "answer": "7"}]
+    reports, info = _run(env_stack, _agent_job(env_stack, f"agent-{uuid.uuid4().hex[:6]}", "two_turns", rows,
+                                               steps=3))
+    assert_zero_mismatch(info, reports, 3)
+    for r in reports:
+        m = r.metrics
+        assert m["env/turns_mean"] == 2.0 and m["env/ungraded"] == 0.0 and m["env/end/done"] == 4.0
+        assert m["env/masked_tokens"] > 0 and m["env/model_tokens"] > 0  # the agent's messages: context only
+        assert "stack_agents:two_turns" in r.trajectories_md and "**model**" in r.trajectories_md
+
+
+def test_an_agent_cannot_leave_its_sandbox_and_its_failures_are_ungraded(env_stack):
+    """Agents that try to read the service's token file, reach a loopback port and read the service's
+    environment find none of them (each such agent returns 1.0 only when all failed); one that hangs past
+    agent.timeout_s is killed, one that raises ends its trajectory — both ungraded, counted, never a 0."""
+    target = json.dumps({"file": env_stack.info["secrets"]["service_token_file"],
+                         "port": env_stack.info["controller"].rsplit(":", 1)[1]})
+    rows = [{"prompt": target, "answer": "probe"}, {"prompt": target, "answer": "probe"},
+            {"prompt": "-", "answer": "hang"}, {"prompt": "-", "answer": "raise"}]
+    reports, info = _run(env_stack, _agent_job(env_stack, f"escape-{uuid.uuid4().hex[:6]}", "escape", rows, steps=1,
+                                               timeout_s=8))
+    assert (info.state, info.error) == ("succeeded", ""), info.error
+    m = reports[0].metrics
+    assert m["env/end/env_timeout"] == 2.0 and m["env/end/env_error"] == 2.0 and m["env/ungraded"] == 4.0
+    assert m["env/end/done"] == 4.0 and reports[0].reward_mean == 1.0  # every probe found every way out shut
+    assert reports[0].max_abs_logprob_diff == 0.0
+
+
+def test_the_stack_refuses_an_agent_whose_module_the_reward_service_does_not_run(env_stack):
+    job = _agent_job(env_stack, "agent-bad", "two_turns", [{"prompt": "x", "answer": "1"}], steps=1)
+    job["agent"]["entrypoint"] = "os:system"
+    with Fp8rlClient(env_stack.target, token=env_stack.client_token, tls_ca="", timeout_s=30) as c:
+        with pytest.raises(InvalidArgument, match="agent.entrypoint.*--env-module"):
+            c.submit_job(yaml.safe_dump(job))
+    # nor does the reward service run one when asked directly (the service token: the controller's own calls)
+    task = env_pb2.AgentTask(session_id="s", task_json="{}", base_url="http://127.0.0.1:1/v1")
+    ok = {"timeout_s": 5, "concurrency": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens_per_call": 4}
+    with make_channel(f"127.0.0.1:{env_stack.process('reward')['port']}", token=env_stack.service_token,
+                      tls_ca="") as ch:
+        stub = env_pb2_grpc.EnvServiceStub(ch)
+        for req, fragment in (
+                (env_pb2.RunAgentsRequest(entrypoint="os:system", tasks=[task], **ok), "--env-module"),
+                (env_pb2.RunAgentsRequest(entrypoint="stack_agents", tasks=[task], **ok), "package.module:function"),
+                (env_pb2.RunAgentsRequest(entrypoint="stack_agents:two_turns", tasks=[task, task], **ok), "repeated"),
+                (env_pb2.RunAgentsRequest(entrypoint="stack_agents:two_turns", tasks=[env_pb2.AgentTask(
+                    session_id="s", task_json="{}", base_url="file:///etc/passwd")], **ok), "base_url"),
+                (env_pb2.RunAgentsRequest(entrypoint="stack_agents:two_turns", tasks=[task],
+                                          **{**ok, "timeout_s": float("nan")}), "timeout_s")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RunAgents(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details(), (
+                fragment, err.value.details())

@@ -93,6 +93,9 @@ def _internal_calls(version: int) -> dict[str, tuple[str, object]]:
             env_pb2.EnvStepRequest(trajectory_id="t", text="Answer: 6"), timeout=T)),
         "Close": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).Close(
             env_pb2.EnvCloseRequest(trajectory_ids=["t"]), timeout=T)),
+        "RunAgents": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).RunAgents(env_pb2.RunAgentsRequest(
+            entrypoint="os:system", timeout_s=5, concurrency=1, temperature=1.0, top_p=1.0, max_tokens_per_call=4,
+            tasks=[env_pb2.AgentTask(session_id="s", task_json="{}", base_url="http://127.0.0.1:1/v1")]), timeout=T)),
     }
 
 

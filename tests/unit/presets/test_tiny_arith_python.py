@@ -67,6 +67,7 @@ def test_python_copy_rows_copy_the_printed_result(tok):
     assert kinds == {True, False}
 
 
+@pytest.mark.agents  # a training stage per step (~10-20 s): the agents tier (make test-agents)
 def test_a_step_per_stage_writes_a_loadable_preset(tmp_path, tok):
     base = tmp_path / "base"
     torch.manual_seed(0)

@@ -137,6 +137,7 @@ def test_short_rows_are_episodes_without_the_system_turn(tok):
     assert tok.decode(ids, skip_special=False).startswith(f"<|im_start|>user\n{task['question']}<|im_end|>")
 
 
+@pytest.mark.agents  # a training stage per step (~10-20 s): the agents tier (make test-agents)
 def test_a_step_per_stage_writes_a_loadable_preset(tmp_path):
     """The whole warm start, one step per stage (no target can be met): the checkpoint and its record."""
     stages = tuple(T.Stage(s.name, 1, 2, s.lr, 1) for s in T.STAGES)
