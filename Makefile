@@ -43,7 +43,7 @@ test-invariant: $(STAMP) redis  ## batch-invariant numerics: stack jobs (fp8_e2e
 test-moe: $(STAMP) redis  ## mixture-of-experts through the service stack: a job with routing replay (routes on the wire, TrainStep refusing bad ones) and a batch-invariant one with zero mismatch on 2 trainer ranks; multi-turn MoE trajectories in the loop (about 2 min)
 	$(BIN)/python -m pytest -m moe $(PYTEST_ARGS)
 
-test-agents: $(STAMP) redis  ## multi-turn trajectories through a launched stack (2 replicas): a 3-step calculator job, bitwise turns with sticky KV, environments that crash / hang, a replica killed mid-trajectory; agent jobs through the OpenAI endpoint and the adapters' jobs in the loop (about 3.5 min)
+test-agents: $(STAMP) redis  ## multi-turn trajectories through a launched stack (2 replicas): a 3-step calculator job, bitwise turns with sticky KV, environments that crash / hang, a replica killed mid-trajectory; agent jobs through the OpenAI endpoint in the loop and on the stack (sandboxed), the adapters' jobs, the tool presets' training stages (about 4 min)
 	$(BIN)/python -m pytest -m agents $(PYTEST_ARGS)
 
 test-hostile: $(STAMP) redis  ## hostile clients against a launched stack (loopback): stalled and oversized calls without a token, job floods, cancelled Score callers, the smaller defects (about 2 min)

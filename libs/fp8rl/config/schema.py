@@ -461,9 +461,12 @@ class AgentSection(Section):
         "function(task, client) for every trajectory, task a dict (question, answer) of data's problems and client "
         "an openai.OpenAI pointed at the policy's OpenAI-compatible endpoint (one session per trajectory: every call "
         "it makes is a turn, the model's tokens trained, everything else masked). It returns the reward (a number), "
-        "or a text that reward.grader grades against the task's answer. Unset: no agent.", kind=str, optional=True)
-    concurrency: int = setting(16, "Agents run at once (threads of the in-process loop); their calls are batched by "
-                               "the endpoint.", gt=0, le=1024)
+        "or a text that reward.grader grades against the task's answer. On the service stack it runs in the reward "
+        "service's code sandbox (its module one of the service's --env-module). Unset: no agent.", kind=str,
+        optional=True)
+    concurrency: int = setting(16, "Agents run at once (threads of the in-process loop; on the stack at most the "
+                               "reward service's --agent-slots); their calls are batched by the endpoint.",
+                               gt=0, le=1024)
     timeout_s: float = setting(300.0, "Seconds one agent may take; past it its trajectory ends ungraded "
                                "(env_timeout).", gt=0.0)
     max_tokens_per_call: int = setting(256, "max_tokens of an agent's call that sets none (and the most any call may "
