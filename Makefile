@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -61,6 +61,10 @@ test-chaos: $(STAMP)  ## chaos tier: services SIGKILLed mid-job and restarted on
 
 test-containers: $(STAMP)  ## podman: the Debian base image, the reward image built here and run (health, metrics, non-root, SIGTERM); skips where podman cannot run
 	$(BIN)/python -m pytest -m containers tests/containers $(PYTEST_ARGS)
+
+test-adapters: $(STAMP)  ## the ecosystem adapters that need heavy optional packages: OpenEnv environments (installs the openenv extra)
+	@$(BIN)/python -c "import openenv.core" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,openenv]"
+	FP8RL_REQUIRE_ADAPTERS=1 $(BIN)/python -m pytest -m adapters $(PYTEST_ARGS)
 
 test-ray: $(STAMP)  ## Ray Serve tier: 2 rollout replicas refitted on a local Ray cluster (installs the ray extra)
 	@$(BIN)/python -c "import ray.serve" 2>/dev/null || nice -n 10 $(BIN)/pip install --quiet -e ".[dev,ray]"

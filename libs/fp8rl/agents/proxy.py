@@ -38,6 +38,7 @@ __all__ = ["AgentProxy", "SOCKET_NAME"]
 
 SOCKET_NAME = "agent.sock"
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+_TAKE_TIMEOUT_S = 60.0  # ending a session on the endpoint: no engine work waits before it
 
 
 @dataclass
@@ -175,12 +176,13 @@ class AgentProxy:
             self._call(o.runner.cleanup(), 30)
         finally:
             shutil.rmtree(o.directory, ignore_errors=True)
-        return self._call(self._take(o.origin, session_id), self.timeout_s + 5)
+        return self._call(self._take(o.origin, session_id), _TAKE_TIMEOUT_S + 5)
 
     async def _take(self, origin: str, sid: str) -> dict[str, Any] | None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            async with self._client.delete(f"{origin}/v1/fp8rl/sessions/{sid}", headers=headers) as r:
+            async with self._client.delete(f"{origin}/v1/fp8rl/sessions/{sid}", headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=_TAKE_TIMEOUT_S)) as r:
                 if r.status == 404:
                     return None
                 body = await r.read()
