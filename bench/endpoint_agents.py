@@ -29,3 +29,18 @@ def python_tool(task, client):
             return out.reward
         messages += [msg.model_dump(exclude_none=True), *out.messages]
     return 0.0
+
+
+def two_turns(task, client):
+    """Asks, then asks it to check its answer, the assistant message sent back as returned; the last text is the
+    reward's (graded). bench/agent_sandbox.py runs it in-process and in the sandbox."""
+    msgs = [{"role": "user", "content": str(task["question"])}]
+    r = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+    msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Check it."}]
+    r = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+    return r.choices[0].message.content or ""
+
+
+def no_call(task, client):
+    """Returns at once: what starting an agent costs (the sandbox, the interpreter, importing openai)."""
+    return 1.0
