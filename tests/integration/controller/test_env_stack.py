@@ -294,6 +294,8 @@ def test_an_agent_job_runs_three_steps_on_the_stack_bitwise(env_stack):
         assert m["env/turns_mean"] == 2.0 and m["env/ungraded"] == 0.0 and m["env/end/done"] == 4.0
         assert m["env/masked_tokens"] > 0 and m["env/model_tokens"] > 0  # the agent's messages: context only
         assert "stack_agents:two_turns" in r.trajectories_md and "**model**" in r.trajectories_md
+        print(f"\nstep {r.step}: 4 sandboxed agents x 2 calls, rollout {r.phase_times.rollout:.2f} s of the step's "
+              f"{r.phase_times.total:.2f} s")
 
 
 def test_an_agent_cannot_leave_its_sandbox_and_its_failures_are_ungraded(env_stack):
