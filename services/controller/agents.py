@@ -95,8 +95,10 @@ class AgentJobRunner:
         req = env_pb2.RunAgentsRequest(entrypoint=agent.entrypoint, tasks=tasks, timeout_s=agent.timeout_s,
                                        concurrency=agent.concurrency, temperature=temperature, top_p=g.top_p,
                                        grader=plan.job.reward.grader, max_tokens_per_call=agent.max_tokens_per_call)
-        waves = math.ceil(total / max(1, agent.concurrency))
-        resp = self.env_call("RunAgents", req, agent.timeout_s * waves + _RPC_SLACK_S)
+        # the bound of the whole call: every agent is bounded by timeout_s in the reward service, but how many run at
+        # once there (its --agent-slots) is its own, so the worst case is one at a time; a reward service that dies
+        # fails the call at once (UNAVAILABLE), not at this deadline
+        resp = self.env_call("RunAgents", req, agent.timeout_s * total + _RPC_SLACK_S)
         by_sid = {o.session_id: o for o in resp.outcomes}
         trajs = []
         for k, sid in enumerate(sids):

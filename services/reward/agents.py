@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +21,7 @@ import grpc
 
 from fp8rl import limits
 from fp8rl.agents.proxy import AgentProxy
-from fp8rl.agents.sandboxed import run_sandboxed_agent, sandbox_python_problem
+from fp8rl.agents.sandboxed import AgentRun, run_sandboxed_agent, sandbox_python_problem
 from fp8rl.data.scoring import grade_many
 from fp8rl.envs.sandbox import SandboxPool, sandbox_problem
 from fp8rl.rpc import env_pb2
@@ -55,8 +56,13 @@ class AgentRunner:
         self.slots, self.memory_mb, self.token = slots, memory_mb, token
         self._pool: SandboxPool | None = None
         self._proxy: AgentProxy | None = None
+        self._lock = threading.Lock()
 
     def _started(self) -> tuple[SandboxPool, AgentProxy]:
+        with self._lock:
+            return self._start()
+
+    def _start(self) -> tuple[SandboxPool, AgentProxy]:
         if self._pool is None:  # at the first call: a stack that runs no agent job holds no proxy thread
             problem = sandbox_problem() or sandbox_python_problem()
             if problem:
@@ -109,13 +115,13 @@ class AgentRunner:
             try:
                 run = run_sandboxed_agent(pool, request.entrypoint, tasks[i], socket_dir,
                                           timeout_s=request.timeout_s, memory_mb=self.memory_mb)
+            except ValueError as exc:  # its module has nothing to mount (agent_mounts)
+                run = AgentRun("env_error", error=f"the agent cannot be sandboxed: {exc}")
             finally:
                 try:
-                    record = proxy.close(t.session_id)
-                except RuntimeError as exc:  # the replica went away: the session's tokens are lost with it
-                    record, run_error = None, str(exc)
-                else:
-                    run_error = ""
+                    record, run_error = proxy.close(t.session_id), ""
+                except (RuntimeError, TimeoutError) as exc:  # the replica went away: its tokens are lost with it
+                    record, run_error = None, str(exc) or "ending the session timed out"
             if run.end != "done" and run.stderr:
                 log.info("agent %s ended %s: %s", t.session_id, run.end, run.stderr[-500:])
             out = env_pb2.AgentOutcome(session_id=t.session_id, end=_ENDS[run.end], error=run.error or run_error)
