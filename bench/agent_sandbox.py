@@ -93,7 +93,8 @@ def main() -> None:
             sid = f"sb-{name}-{time.monotonic_ns()}-{k}"
             d = proxy.open(sid, base, temperature=1.0, top_p=1.0, max_tokens=8)
             try:
-                r = run_sandboxed_agent(pool, f"endpoint_agents:{name}", tasks[k], d, timeout_s=300)
+                r = run_sandboxed_agent(pool, f"endpoint_agents:{name}", tasks[k], d, timeout_s=300,
+                                        give=lambda uid: proxy.give_to(sid, uid))
             finally:
                 proxy.close(sid)
             if r.end != "done":

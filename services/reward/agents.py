@@ -114,7 +114,8 @@ class AgentRunner:
                 return env_pb2.AgentOutcome(session_id=t.session_id, end=env_pb2.AGENT_END_ERROR, error=str(exc))
             try:
                 run = run_sandboxed_agent(pool, request.entrypoint, tasks[i], socket_dir,
-                                          timeout_s=request.timeout_s, memory_mb=self.memory_mb)
+                                          timeout_s=request.timeout_s, memory_mb=self.memory_mb,
+                                          give=lambda uid: proxy.give_to(t.session_id, uid))
             except ValueError as exc:  # its module has nothing to mount (agent_mounts)
                 run = AgentRun("env_error", error=f"the agent cannot be sandboxed: {exc}")
             finally:

@@ -79,15 +79,15 @@ class AgentProxy:
 
     def open(self, session_id: str, base_url: str, *, temperature: float, top_p: float, max_tokens: int) -> str:
         """Serve a socket for one agent run whose calls go to ``base_url`` (``http://host:port/v1``) as session
-        ``session_id``; returns the directory holding it (:data:`SOCKET_NAME`, connectable by any uid: bind the
-        directory into the sandbox)."""
+        ``session_id``; returns the directory holding it (:data:`SOCKET_NAME`). The directory is this process's
+        alone (0700) until :func:`give_to` hands it to the uid the agent runs as: no other local user can reach
+        the endpoint through it."""
         if not base_url.startswith(("http://", "https://")) or not base_url.rstrip("/").endswith("/v1"):
             raise ValueError(f"an endpoint's base URL is http(s)://host:port/v1, got {base_url[:200]!r}")
         with self._lock:
             if session_id in self._open:
                 raise ValueError(f"session {session_id!r} has a proxy open already")
-        directory = tempfile.mkdtemp(prefix="fp8rl-agent-")
-        os.chmod(directory, 0o755)
+        directory = tempfile.mkdtemp(prefix="fp8rl-agent-")  # 0700
         origin = base_url.rstrip("/")[: -len("/v1")]
         pins = {"temperature": float(temperature), "top_p": float(top_p), "max_tokens": int(max_tokens)}
         try:
@@ -108,7 +108,7 @@ class AgentProxy:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.UnixSite(runner, path).start()
-        os.chmod(path, 0o666)  # the sandbox's uid connects
+        os.chmod(path, 0o600)
         return runner
 
     async def _forward(self, request: web.Request, sid: str, origin: str, pins: dict[str, float]
@@ -160,6 +160,16 @@ class AgentProxy:
         except (aiohttp.ClientError, TimeoutError) as exc:
             return _error(502, f"the model endpoint could not be reached: {type(exc).__name__}: {exc}"[:300],
                           "api_error")
+
+    def give_to(self, session_id: str, uid: int | None) -> None:
+        """Let ``uid`` (the sandbox's, once its slot is known) and no other reach ``session_id``'s socket: the
+        directory and the socket become its (the service, root, still reaches them). None: the sandbox runs as
+        this process's own uid, which owns them already."""
+        with self._lock:
+            o = self._open[session_id]
+        if uid is not None:
+            for p in (o.directory, os.path.join(o.directory, SOCKET_NAME)):
+                os.chown(p, uid, uid)
 
     def close(self, session_id: str) -> dict[str, Any] | None:
         """Stop ``session_id``'s socket and end its session on the endpoint: the session's record

@@ -136,15 +136,18 @@ def agent_limits(timeout_s: float, memory_mb: int = 2048) -> SandboxLimits:
 
 
 def run_sandboxed_agent(pool: SandboxPool, entrypoint: str, task: dict[str, Any], socket_dir: str, *,
-                        timeout_s: float, memory_mb: int = 2048) -> AgentRun:
+                        timeout_s: float, give, memory_mb: int = 2048) -> AgentRun:
     """Run ``entrypoint(task, client)`` in ``pool`` with the proxy socket of ``socket_dir`` (under
-    :func:`agent_limits`); never raises for the agent's own failures (they are the run's ``end``)."""
+    :func:`agent_limits`); ``give(uid)`` hands the socket to the uid the sandbox runs as, before it starts
+    (:meth:`AgentProxy.give_to <fp8rl.agents.proxy.AgentProxy.give_to>`). Never raises for the agent's own
+    failures (they are the run's ``end``)."""
     binds, site_dirs, roots = agent_mounts(entrypoint)
     params = {"site_dirs": site_dirs, "paths": roots, "mark": RESULT_MARK, "entrypoint": entrypoint, "task": task,
               "socket": f"{SOCKET_DIR}/{SOCKET_NAME}", "timeout_s": timeout_s}
     code = _RUNNER.replace("@PARAMS@", repr(json.dumps(params)))
     try:
-        r = pool.run(code, ro_binds=(*binds, (socket_dir, SOCKET_DIR)), limits=agent_limits(timeout_s, memory_mb))
+        r = pool.run(code, ro_binds=(*binds, (socket_dir, SOCKET_DIR)), limits=agent_limits(timeout_s, memory_mb),
+                     before_start=give)
     except SandboxUnavailable as exc:
         return AgentRun("env_error", error=f"sandbox: {exc}")
     tail = r.stderr[-2000:]

@@ -316,10 +316,12 @@ class SandboxPool:
         self.stats = {"runs": 0, "unavailable": 0, "start_s_total": 0.0, "queue_s_max": 0.0,
                       **{f"killed/{r}": 0 for r in KILL_REASONS}}
 
-    def run(self, code: str, ro_binds: tuple[tuple[str, str], ...] = (), limits: SandboxLimits | None = None
-            ) -> SandboxResult:
+    def run(self, code: str, ro_binds: tuple[tuple[str, str], ...] = (), limits: SandboxLimits | None = None,
+            before_start=None) -> SandboxResult:
         """Run ``code`` in a free slot (waiting at most ``queue_timeout_s`` for one and for its start), with the
-        pool's read-only mounts and ``ro_binds``, under ``limits`` (default: the pool's)."""
+        pool's read-only mounts and ``ro_binds``, under ``limits`` (default: the pool's). ``before_start(uid)`` is
+        called once the slot is taken, before the sandbox starts, with the uid the program will run as (None: the
+        service's own, when it is not root) — e.g. to give that uid alone a resource mounted into the sandbox."""
         t0 = time.perf_counter()
         deadline = t0 + self.queue_timeout_s
         with self._cond:
@@ -336,6 +338,12 @@ class SandboxPool:
                 self.stats["unavailable"] += 1
                 raise SandboxUnavailable(f"no sandbox start within {self.queue_timeout_s:.1f}s")
             waited = time.perf_counter() - t0
+            if before_start is not None:
+                try:
+                    before_start(self._uid_base + slot if os.geteuid() == 0 else None)
+                except BaseException:
+                    self._starting.release()
+                    raise
             result = Sandbox(limits or self.limits, uid=self._uid_base + slot, ro_binds=self.ro_binds + ro_binds).run(
                 code, on_start=self._starting.release)
         finally:

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,7 +25,7 @@ from aiohttp import web
 from fp8rl.agents.proxy import SOCKET_NAME, AgentProxy
 from fp8rl.agents.sandboxed import run_sandboxed_agent, sandbox_python_problem
 from fp8rl.endpoint import SESSION_HEADER
-from fp8rl.envs.sandbox import SandboxPool, sandbox_problem
+from fp8rl.envs.sandbox import PYTHON, SandboxPool, sandbox_problem
 
 RECORD = {"token_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "logprobs": [0.0, -0.25, -1.5],
           "weight_versions": [-1, 3, 3], "turns": 1, "tool_calls": 0}
@@ -107,7 +108,7 @@ def proxy():
 def test_the_proxy_sets_the_session_token_and_sampling_and_refuses_the_rest(upstream, proxy):
     d = proxy.open("sess-1", upstream.url, temperature=0.7, top_p=0.9, max_tokens=8)
     sock = os.path.join(d, SOCKET_NAME)
-    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o666  # the sandbox's uid connects
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 and stat.S_IMODE(os.stat(sock).st_mode) == 0o600
     before = len(upstream.calls)
     # the agent's own session id and token are replaced; the job's sampling filled in
     status, body = _call(sock, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
@@ -183,7 +184,8 @@ def test_agents_run_in_the_sandbox_through_the_proxy(upstream, proxy, monkeypatc
     def run(name: str, timeout_s: float = 30.0):
         d = proxy.open(f"s-{name}", upstream.url, temperature=1.0, top_p=1.0, max_tokens=4)
         try:
-            return run_sandboxed_agent(pool, f"proxy_test_agent:{name}", {"question": "q"}, d, timeout_s=timeout_s)
+            return run_sandboxed_agent(pool, f"proxy_test_agent:{name}", {"question": "q"}, d, timeout_s=timeout_s,
+                                       give=lambda uid: proxy.give_to(f"s-{name}", uid))
         finally:
             proxy.close(f"s-{name}")
 
@@ -197,3 +199,25 @@ def test_agents_run_in_the_sandbox_through_the_proxy(upstream, proxy, monkeypatc
     assert r.end == "env_timeout" and time.monotonic() - t0 < 20
     assert sys.modules.get("proxy_test_agent") is None  # nothing of the agent ran in this process
     shutil.rmtree(home)
+
+
+def _connects_as(uid: int, path: str) -> bool:
+    """Whether a process of ``uid`` can connect to the Unix socket ``path`` (run as that uid: root is needed)."""
+    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1])\nexcept OSError:\n    sys.exit(1)\n")
+    return subprocess.run([PYTHON, "-I", "-S", "-c", code, path], user=uid, group=uid, extra_groups=[], cwd="/",
+                          timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing uids needs root")
+def test_only_the_sandboxs_uid_reaches_an_agents_socket(upstream, proxy):
+    """Another local user cannot drive the endpoint through an agent's socket (it would write into the agent's
+    trajectory with the service's token): the socket is the service's until handed to the sandbox's uid, then that
+    uid's alone."""
+    d = proxy.open("sess-uid", upstream.url, temperature=1.0, top_p=1.0, max_tokens=4)
+    sock = os.path.join(d, SOCKET_NAME)
+    assert not _connects_as(61007, sock) and not _connects_as(65534, sock)
+    proxy.give_to("sess-uid", 61007)  # the slot's uid, as the sandbox pool hands it over before the start
+    assert _connects_as(61007, sock) and not _connects_as(65534, sock)
+    assert _call(sock, "GET", "/v1/models")[0] == 200  # the service (root) still reaches it
+    proxy.close("sess-uid")
