@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-setup: $(STAMP)  ## create .venv and install fp8rl with dev extras (idempotent)
+setup: $(STAMP)  ## create .venv and install fp8rl with dev extras, and warm-start the tiny-arith preset (idempotent)
+	@# the default job's and most tests' policy: built once (about a minute) into $$FP8RL_CACHE, then read
+	$(BIN)/python -c "from fp8rl.presets import prepare_preset; prepare_preset('tiny-arith')"
 
 test: $(STAMP)  ## default test tier (unit + integration, CPU, no slow/vllm/megatron/gpu)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
