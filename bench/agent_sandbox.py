@@ -29,24 +29,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _chat_model(path: Path) -> Path:
-    import torch
-
-    from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
-    from fp8rl.model.tokenizer import load_tokenizer
-    from fp8rl.presets.chatml import build_chatml_tokenizer
-
-    build_chatml_tokenizer(path)
-    tok = load_tokenizer(path)
-    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                      max_position_embeddings=2048, bos_token_id=None, eos_token_id=tok.eos_id,
-                      pad_token_id=tok.pad_id)
-    torch.manual_seed(0)
-    save_hf_checkpoint(CausalLM(cfg), cfg, path)
-    return path
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=16)
@@ -62,10 +44,12 @@ def main() -> None:
     from fp8rl.endpoint import EndpointConfig, EndpointLimits, OpenAIEndpoint
     from fp8rl.envs.sandbox import SandboxPool, sandbox_problem
     from fp8rl.loop import GRPOLoop, LoopConfig
+    from fp8rl.presets.chatml import random_chat_checkpoint
 
     if problem := sandbox_problem() or sandbox_python_problem():
         sys.exit(f"no agent sandbox here: {problem}")
-    model = _chat_model(Path(tempfile.mkdtemp(prefix="bench-agent-sandbox-")) / "model")
+    model = random_chat_checkpoint(Path(tempfile.mkdtemp(prefix="bench-agent-sandbox-")) / "model",
+                                   max_position_embeddings=2048)
     job = {"job": {"name": "bench-agent-sandbox", "steps": 1, "seed": 0, "checkpoint_every": 0},
            "policy": {"model": str(model), "generation": {"vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "fp8"}},
                       "training": {"megatron_cfg": {"fp8_cfg": {"enabled": True}}}},

@@ -20,26 +20,14 @@ import torch
 from fp8rl.config import parse_job_config
 from fp8rl.engines.batch import build_train_batch
 from fp8rl.loop import GRPOLoop, LoopConfig
-from fp8rl.model.config import ModelConfig
-from fp8rl.model.hf_io import save_hf_checkpoint
-from fp8rl.model.tokenizer import load_tokenizer
-from fp8rl.model.transformer import CausalLM
-from fp8rl.presets.chatml import build_chatml_tokenizer, chatml_template
+from fp8rl.presets.chatml import chatml_template, random_chat_checkpoint
 
 TURNS = 3
 MAX_DIFF = "mismatch/max_abs_logprob_diff"
 
 
 def _chat_model(path: Path, *, rewrite_history: bool = False, **arch) -> Path:
-    build_chatml_tokenizer(path, chat_template=chatml_template(rewrite_history=rewrite_history))
-    tok = load_tokenizer(path)
-    cfg = ModelConfig(**{**dict(architecture="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
-                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                max_position_embeddings=512, bos_token_id=None, eos_token_id=tok.eos_id,
-                                pad_token_id=tok.pad_id), **arch})
-    torch.manual_seed(0)
-    save_hf_checkpoint(CausalLM(cfg), cfg, path)
-    return path
+    return random_chat_checkpoint(path, chat_template=chatml_template(rewrite_history=rewrite_history), **arch)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["SPECIAL_TOKENS", "VOCAB_SIZE", "build_chatml_tokenizer", "chatml_template"]
+__all__ = ["SPECIAL_TOKENS", "VOCAB_SIZE", "build_chatml_tokenizer", "chatml_template", "random_chat_checkpoint"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 _MERGES = [("t", "h"), ("th", "e"), ("a", "n"), ("i", "n"), ("e", "r"), ("o", "n"), ("r", "e"), ("e", " "),
@@ -100,4 +100,27 @@ def build_chatml_tokenizer(directory: str | Path, *, chat_template: str | None =
     hf.save_pretrained(str(directory))
     stop = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}) + "\n")
+    return directory
+
+
+def random_chat_checkpoint(directory: str | Path, *, chat_template: str | None = None, seed: int = 0,
+                           **arch) -> Path:
+    """A seeded random 2-layer Llama (hidden 128, 2 heads, 1 KV head, 512 positions) with this tokenizer, saved as
+    an HF checkpoint in ``directory``: the small chat policy the tests and benches of multi-turn trajectories,
+    agents and the endpoint run (a random policy writes noise; what they check is the contract and exactness).
+    ``arch`` overrides :class:`~fp8rl.model.ModelConfig` fields (e.g. ``max_position_embeddings``)."""
+    import torch
+
+    from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
+    from fp8rl.model.tokenizer import load_tokenizer
+
+    directory = build_chatml_tokenizer(directory, chat_template=chat_template)
+    tok = load_tokenizer(directory)
+    # the embedding padded to 128 rows past the tokenizer's VOCAB_SIZE ids (as real checkpoints pad theirs)
+    cfg = ModelConfig(**{**dict(architecture="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                max_position_embeddings=512, bos_token_id=None, eos_token_id=tok.eos_id,
+                                pad_token_id=tok.pad_id), **arch})
+    torch.manual_seed(seed)
+    save_hf_checkpoint(CausalLM(cfg), cfg, directory)
     return directory

@@ -24,12 +24,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 import yaml
 
-from fp8rl.model import CausalLM, ModelConfig, save_hf_checkpoint
-from fp8rl.model.tokenizer import load_tokenizer
-from fp8rl.presets.chatml import build_chatml_tokenizer
+from fp8rl.presets.chatml import random_chat_checkpoint
 from fp8rl.rpc import env_pb2, env_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.channel import make_channel
 from fp8rl.sdk import Fp8rlClient, InvalidArgument
@@ -45,15 +42,7 @@ E2E = REPO / "tests" / "e2e"  # envs_for_tests: FlakyEnv (crash / hang)
 
 
 def _chat_model(path: Path) -> Path:
-    build_chatml_tokenizer(path)
-    tok = load_tokenizer(path)
-    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                      max_position_embeddings=2048, bos_token_id=None, eos_token_id=tok.eos_id,
-                      pad_token_id=tok.pad_id)
-    torch.manual_seed(0)
-    save_hf_checkpoint(CausalLM(cfg), cfg, path)
-    return path
+    return random_chat_checkpoint(path, max_position_embeddings=2048)
 
 
 def _job(model: Path, name: str, *, steps: int = 2, env: dict | None = None, **more) -> dict:
