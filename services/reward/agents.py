@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from fp8rl import limits
-from fp8rl.agents.proxy import AgentProxy
+from fp8rl.agents.proxy import AgentProxy, base_url_problem
 from fp8rl.agents.sandboxed import AgentRun, run_sandboxed_agent, sandbox_python_problem
 from fp8rl.data.scoring import grade_many
 from fp8rl.envs.sandbox import SandboxPool, sandbox_problem
@@ -97,8 +97,8 @@ class AgentRunner:
             _check_id(t.session_id, f"tasks[{i}].session_id")
             require(t.session_id not in seen, f"tasks[{i}].session_id {t.session_id!r} is repeated")
             seen.add(t.session_id)
-            require(t.base_url.startswith(("http://", "https://")) and t.base_url.rstrip("/").endswith("/v1")
-                    and len(t.base_url) <= 512, f"tasks[{i}].base_url must be http(s)://host:port/v1")
+            problem = base_url_problem(t.base_url)
+            require(problem is None, f"tasks[{i}].base_url: {problem}")
 
     def run(self, request) -> env_pb2.RunAgentsResponse:
         self.check(request)

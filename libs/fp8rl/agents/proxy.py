@@ -34,7 +34,7 @@ from aiohttp import web
 
 from fp8rl.endpoint import SESSION_HEADER
 
-__all__ = ["AgentProxy", "SOCKET_NAME"]
+__all__ = ["AgentProxy", "SOCKET_NAME", "base_url_problem"]
 
 SOCKET_NAME = "agent.sock"
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -46,6 +46,15 @@ class _Open:
     runner: web.AppRunner
     directory: str
     origin: str
+
+
+def base_url_problem(base_url: str) -> str | None:
+    """Why ``base_url`` is not a replica endpoint's base URL (``http(s)://host:port/v1``, at most 512 characters),
+    or None."""
+    if (base_url.startswith(("http://", "https://")) and base_url.rstrip("/").endswith("/v1")
+            and len(base_url) <= 512):
+        return None
+    return f"an endpoint's base URL is http(s)://host:port/v1 (at most 512 characters), got {base_url[:200]!r}"
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -82,8 +91,8 @@ class AgentProxy:
         ``session_id``; returns the directory holding it (:data:`SOCKET_NAME`). The directory is this process's
         alone (0700) until :func:`give_to` hands it to the uid the agent runs as: no other local user can reach
         the endpoint through it."""
-        if not base_url.startswith(("http://", "https://")) or not base_url.rstrip("/").endswith("/v1"):
-            raise ValueError(f"an endpoint's base URL is http(s)://host:port/v1, got {base_url[:200]!r}")
+        if problem := base_url_problem(base_url):
+            raise ValueError(problem)
         with self._lock:
             if session_id in self._open:
                 raise ValueError(f"session {session_id!r} has a proxy open already")

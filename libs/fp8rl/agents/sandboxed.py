@@ -103,13 +103,14 @@ def _package_dirs(module: str) -> tuple[list[str], list[str]]:
     return places, sorted({os.path.dirname(p) for p in places})
 
 
-def agent_mounts(entrypoint: str) -> tuple[tuple[tuple[str, str], ...], list[str], list[str]]:
+@functools.cache  # a service's modules and packages do not move while it runs: looked up once per entrypoint
+def agent_mounts(entrypoint: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], tuple[str, ...]]:
     """What an agent of ``entrypoint`` needs mounted: ``(read-only binds, site dirs, import roots)``."""
     site_dirs = [p for p in site.getsitepackages() if os.path.isdir(p)]
     places, roots = _package_dirs(entrypoint.partition(":")[0])
     fp8rl_places, fp8rl_roots = _package_dirs("fp8rl")
     binds = tuple(dict.fromkeys((p, p) for p in [*site_dirs, *places, *fp8rl_places]))
-    return binds, site_dirs, sorted({*roots, *fp8rl_roots})
+    return binds, tuple(site_dirs), tuple(sorted({*roots, *fp8rl_roots}))
 
 
 @dataclass(frozen=True)
