@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm vllm-venv smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm vllm-venv trl-venv smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -109,6 +109,17 @@ $(VLLM_STAMP): pyproject.toml
 	  "grpcio-reflection==1.85.1" "math-verify==0.9.0" "xxhash==4.1.0" "pytest==9.2.0"
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
+
+# TRL for bench/vs_trl.py only (not a dependency of fp8rl): its own venv, at the versions the default venv pins
+TRL_VENV ?= .venv-trl
+$(TRL_VENV)/.installed-trl-1.16.0:
+	@test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(TRL_VENV)/bin/pip install --quiet "trl==1.16.0" "transformers==5.24.0" "accelerate==1.16.0" "datasets==5.2.0"
+	@touch $@
+
+trl-venv: $(TRL_VENV)/.installed-trl-1.16.0  ## TRL's venv for bench/vs_trl.py (fp8rl's step beside TRL's GRPOTrainer)
 
 vllm-venv: $(VLLM_STAMP)  ## build the vLLM tier's venv only (.ci/run installs it beside the tiers that do not time anything)
 

@@ -152,7 +152,9 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
                    max_weight_lag: int = 0, record_qkv: QKVCalibrator | None = None) -> TrainOutcome:
     """The trainer's logprobs of the sampled tokens at the weights it holds (``batch.prev_logprobs``, the
     proximal policy), the train/rollout mismatch against the batch's generation logprobs (split into
-    numeric and stale parts by :func:`lag_metrics`), then one optimizer step.
+    numeric and stale parts by :func:`lag_metrics`), then one optimizer step. A trainer whose train pass can give
+    those logprobs itself (``fuses_logprob_pass``: one update per step on one rank, bitwise the same numbers) runs no
+    logprob pass: its time is then all ``train_s`` (``logprobs_s`` 0), and the metrics are computed after the step.
 
     ``record_qkv`` (calibration.site logprobs): that calibrator records the Q/K/V amax of the logprob pass — the
     held version's weights over every sequence of the batch — and the outcome carries them as the new version's
@@ -171,6 +173,18 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     check_memory = getattr(trainer, "check_memory", None)  # the embedded trainer: refuse what cannot fit, unrun
     if check_memory is not None:
         check_memory(*batch.input_ids.shape)
+    fuses = getattr(trainer, "fuses_logprob_pass", None)
+    if batch.prev_logprobs is None and fuses is not None and fuses(batch, recording=record_qkv is not None):
+        # the train pass's own forwards give the prev logprobs (bitwise those of a logprob pass): one pass fewer
+        t = time.perf_counter()
+        with memory.phase("train"), \
+                record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:
+            version = trainer.version
+            train = trainer.train_step(batch, should_stop=should_stop)
+        mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
+        mismatch.update(lag_metrics(batch, version, mismatch))
+        return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, 0.0, time.perf_counter() - t,
+                            recorded.scales(trainer.version) if recorded is not None else None)
     t = time.perf_counter()
     with memory.phase("logprobs"), \
             record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:

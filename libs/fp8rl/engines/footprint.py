@@ -21,8 +21,8 @@ recipes. ``tests/unit/engines/test_footprint.py`` measures the saved tensors of 
 (``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
 
 :func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's
-two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight — the trainer keeps no FP32
-dequantization) and refuses, naming
+two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight, 5 where it keeps the FP32
+dequantization — :func:`keeps_dequantized_weights`) and refuses, naming
 ``policy.training.micro_batch_size`` and the largest value that fits, when the total passes the memory this process
 may still take (:func:`fp8rl.memory.available_bytes`) — before the kernel's OOM killer would end the process with
 nothing said.
@@ -42,8 +42,9 @@ from fp8rl.memory import GB, available_bytes
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.logprobs import LOGPROB_CHUNK_ELEMENTS
 
-__all__ = ["AUTO_RECOMPUTE_FLOOR_SHARE", "AUTO_RECOMPUTE_MIN_BYTES", "MemoryBudgetError", "TrainFootprint",
-           "activation_elements_per_token", "check_fits", "recompute_by_default"]
+__all__ = ["AUTO_RECOMPUTE_FLOOR_SHARE", "AUTO_RECOMPUTE_MIN_BYTES", "DEQUANTIZED_CACHE_MAX_BYTES", "MemoryBudgetError",
+           "TrainFootprint", "activation_elements_per_token", "check_fits", "keeps_dequantized_weights",
+           "recompute_by_default"]
 
 # activation checkpointing left "auto": recompute a micro-batch whose saved activations pass this share of the
 # trainer's floor (the floor is 16 bytes per trained parameter; the memory target is a peak <= 1.3x it, and the
@@ -52,6 +53,22 @@ AUTO_RECOMPUTE_FLOOR_SHARE = 0.25
 # ... and at least this many bytes: a small model's activations can pass the share while costing less than the
 # process's fixed memory; recomputing them would spend a third more train time to save nothing that matters
 AUTO_RECOMPUTE_MIN_BYTES = 1 << 30
+
+
+# An FP8 trainer on the reference GEMMs keeps its weights' FP32 dequantization for the version (4 bytes per FP8 weight
+# element) up to this many bytes: SmolLM2-135M's 0.42 GB is kept (on CPU the E4M3 -> FP32 conversion per call cost more
+# than a micro-batch's GEMM: issue 53), a Qwen2-0.5B-sized model's ~1.4 GB is not (its logprob pass, with gradients
+# and AdamW moments held, is the train phase's peak: issue 30). The numbers are the same either way.
+DEQUANTIZED_CACHE_MAX_BYTES = 1 << 30
+
+
+def keeps_dequantized_weights(fp8_elements: int, available: int | None = None) -> bool:
+    """Whether a trainer whose FP8 weights have ``fp8_elements`` elements keeps their FP32 dequantization: within
+    :data:`DEQUANTIZED_CACHE_MAX_BYTES` and an eighth of the memory available (``available``, default
+    :func:`fp8rl.memory.available_bytes`; unknown: the bound alone)."""
+    need = 4 * fp8_elements
+    room = available_bytes() if available is None else available
+    return need <= DEQUANTIZED_CACHE_MAX_BYTES and (room is None or need <= room // 8)
 
 
 class MemoryBudgetError(MemoryError):

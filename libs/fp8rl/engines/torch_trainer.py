@@ -42,7 +42,7 @@ from fp8rl.model.shared_prefix import shared_prefix_length
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
-from .footprint import check_fits, recompute_by_default
+from .footprint import check_fits, keeps_dequantized_weights, recompute_by_default
 from .logprob_pass import sequence_logprobs, sequence_logprobs_and_entropy
 from .parallel import DataParallel, full_tensor
 from .routing_stats import RouteStats, plan_for
@@ -164,6 +164,11 @@ class TorchTrainer(TrainerBackend):
                     m.freeze()
         if config.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
+        # the FP8 weights' FP32 dequantization kept per version where memory allows (footprint's rule; the same numbers)
+        cached = [m for m in self.model.modules() if isinstance(m, Fp8Linear) and m.weight_cache is not None]
+        if cached and keeps_dequantized_weights(sum(m.weight.numel() for m in cached)):
+            for m in cached:
+                m.weight_cache.keep_dequantized = True
         self._trained_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         # Trainer-side FP8 KV (batch-invariant recipes): the quantizers stay off the model except during this
         # trainer's own passes, which need the QKV scales the rollout used for the version they recompute; a
@@ -382,8 +387,10 @@ class TorchTrainer(TrainerBackend):
         to_come = sum(4 * p.numel() for p in trained if p.grad is None)
         if not self.optimizer.state:
             to_come += 8 * sum(p.numel() for p in trained)
-        to_come += sum(m.weight.numel() for m in self.model.modules()  # E4M3 only (dequantized per call)
-                       if isinstance(m, Fp8Linear) and m.weight_cache is not None and m.weight_cache.q is None)
+        for m in self.model.modules():  # E4M3 (1 byte), and its FP32 dequantization where the cache keeps it (4)
+            c = m.weight_cache if isinstance(m, Fp8Linear) else None
+            if c is not None:
+                to_come += m.weight.numel() * ((c.q is None) + 4 * (c.keep_dequantized and c.dequantized is None))
         return check_fits(self.model.config, micro_batch_size=self.config.micro_batch_size, rows=rows,
                           seq_len=seq_len, batch_invariant=self.recipe.batch_invariant, state_to_come=to_come,
                           checkpointing=self.recomputes(min(rows, self.config.micro_batch_size), seq_len),
@@ -410,8 +417,31 @@ class TorchTrainer(TrainerBackend):
                                     batch_invariant=self.recipe.batch_invariant,
                                     activation_bytes=self._activation_bytes, shared=shared)
 
+    # train_step may compute a batch's prev logprobs in its own forward (fuses_logprob_pass); a subclass whose
+    # _backward is another's (the Megatron backend's) says False
+    fuses_logprobs = True
+
+    def fuses_logprob_pass(self, batch: TrainBatch, *, recording: bool = False) -> bool:
+        """Whether :meth:`train_step` of ``batch`` (``prev_logprobs`` None) takes them from its own forward instead of a
+        logprob pass of their own: one optimizer update per step (its first micro-batches' forwards are then at the
+        weights a logprob pass would run, over the same micro-batches: bitwise the same logprobs, so the same loss,
+        gradient and metrics — ``tests/unit/engines/test_fused_logprobs.py``), one rank, a dense model (a mixture of
+        experts' logprob pass also measures its routing). ``recording``: a calibrator records the pass's Q/K/V
+        (``calibration.site logprobs``), which needs each layer to run forward once per micro-batch: no micro-batch
+        of ``batch`` may recompute its layers (activation checkpointing)."""
+        if not self.fuses_logprobs or self.parallel is not None or self._moe_layers:
+            return False
+        rows = batch.input_ids.shape[0]
+        if min(self.config.num_minibatches, rows) != 1:
+            return False
+        if recording:
+            return not any(self.recomputes(*mb.input_ids.shape, shared=self._prefix_len(mb))
+                           for mb in (batch.slice(a, b) for a, b in self._spans(rows)))
+        return True
+
     def train_step(self, batch: TrainBatch, *, should_stop: ShouldStop | None = None) -> dict[str, float]:
-        if batch.prev_logprobs is None:
+        fused = batch.prev_logprobs is None and self.fuses_logprob_pass(batch)
+        if batch.prev_logprobs is None and not fused:
             batch.prev_logprobs = self.compute_logprobs(batch, should_stop=should_stop)
         if self.config.loss.kl_coef > 0 and batch.ref_logprobs is None:
             if self.ref_model is None:
@@ -430,7 +460,7 @@ class TorchTrainer(TrainerBackend):
         try:
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
                 with self._fp8_kv():
-                    m = self._update(batch.slice(lo, hi), should_stop)
+                    m = self._update(batch if fused else batch.slice(lo, hi), should_stop, fill_prev=fused)
                 for key, val in m.items():
                     totals[key] = totals.get(key, 0.0) + val / k
         except Exception:
@@ -442,11 +472,14 @@ class TorchTrainer(TrainerBackend):
         totals["lr"] = self.config.lr
         return totals
 
-    def _update(self, batch: TrainBatch, should_stop: ShouldStop | None = None) -> dict[str, float]:
-        """One optimizer update on ``batch`` (token-level mean over its generated tokens)."""
+    def _update(self, batch: TrainBatch, should_stop: ShouldStop | None = None, *, fill_prev: bool = False
+                ) -> dict[str, float]:
+        """One optimizer update on ``batch`` (token-level mean over its generated tokens); ``fill_prev``: ``batch``'s
+        prev logprobs are its forwards' own (:meth:`fuses_logprob_pass`), set on ``batch`` before the step."""
         self._zero_grads()
         norm = LossNorm.of(batch.loss_mask)
-        totals, weights = self._backward(batch, LossNorm(max(norm.tokens, 1), max(norm.sequences, 1)), should_stop)
+        totals, weights = self._backward(batch, LossNorm(max(norm.tokens, 1), max(norm.sequences, 1)), should_stop,
+                                         **({"fill_prev": True} if fill_prev else {}))
         if self.parallel is not None:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
             self._reduce_grads()
             keys, wkeys = sorted(totals), sorted(weights)
@@ -468,16 +501,21 @@ class TorchTrainer(TrainerBackend):
         totals["grad_norm"] = float(gn)
         return totals
 
-    def _backward(self, batch: TrainBatch, norm: LossNorm, should_stop: ShouldStop | None = None
-                  ) -> tuple[dict[str, float], dict[str, float]]:
+    def _backward(self, batch: TrainBatch, norm: LossNorm, should_stop: ShouldStop | None = None, *,
+                  fill_prev: bool = False) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward over this rank's micro-batches of ``batch`` (losses over ``norm``, the update's
         global token and sequence counts), gradients accumulated; this rank's metric sums and their token
-        weights."""
+        weights. ``fill_prev`` (one rank): each micro-batch's prev logprobs are its forward's own, detached, and
+        ``batch.prev_logprobs`` is set to them all (0 in a micro-batch without trained tokens: never read)."""
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grouped = self.parallel is not None
         recomputed = runs = 0
+        prev = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device) \
+            if fill_prev else None
+        spans = iter(self._spans(batch.input_ids.shape[0]))  # one rank (fill_prev): each micro-batch's rows
         for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
+            a, b = next(spans) if prev is not None else (0, 0)
             if mb.num_tokens == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue
             coef = self.config.router_aux_loss_coef
@@ -489,6 +527,8 @@ class TorchTrainer(TrainerBackend):
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
                                                           self.config.temperature, entropy=True, prefix_len=shared)
+            if prev is not None:  # the weights a logprob pass would have run: ratio exactly 1, as that pass gives
+                prev[a:b] = mb.prev_logprobs = curr.detach()
             loss, m = self._loss(curr, mb, norm, ent)
             if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
                 loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)
@@ -498,6 +538,8 @@ class TorchTrainer(TrainerBackend):
             release_free_memory()  # the micro-batch's activations, freed: back to the kernel (tune_allocator)
         if runs and self.reports_recompute:  # the share of this rank's micro-batches that recomputed their layers
             totals["recomputed"], weights["recomputed"] = float(recomputed), float(runs)
+        if prev is not None:
+            batch.prev_logprobs = prev
         return totals, weights
 
     def _loss(self, curr: torch.Tensor, mb: TrainBatch, norm: LossNorm, entropy: torch.Tensor | None = None):

@@ -16,11 +16,15 @@ long as the weight is the same tensor at the
 same version counter — every in-place change (the optimizer's step, ``load_state_dict``'s ``copy_``) bumps
 that counter — so the micro-batches and logprob passes between two optimizer updates quantize it once,
 with bitwise the numbers of quantizing it per call. The cache costs 1 byte per weight element. On the
-reference backend the GEMM multiplies by the FP32 dequantization: the trainer's passes (training, logprobs,
-calibration) dequantize per call (a broadcast multiply, a few percent of the GEMM; again in a training pass's
-backward) and release what the cache held, so no pass of the trainer carries an FP32 copy of the FP8 weights
-(4 bytes per element more); a shared rollout keeps it (:meth:`WeightCache.dequantize_held`) while it generates,
-where every decode step would dequantize again. It is off for weights
+reference backend the GEMM multiplies by the FP32 dequantization. Where memory allows
+(:func:`fp8rl.engines.footprint.keeps_dequantized_weights`: a small model's) the trainer has the cache keep it
+(``WeightCache.keep_dequantized``): every pass of the version (logprobs, training forward and dgrad, calibration,
+a shared rollout's decode steps) multiplies the one dequantization — on CPU the E4M3 -> FP32 conversion of a
+weight costs more than a small micro-batch's GEMM with it (issue 53: 2x at 64 rows on SmolLM2's shapes). Otherwise
+the trainer's passes dequantize per call (again in a training pass's backward) and release what the cache held, so
+no pass of the trainer carries an FP32 copy of the FP8 weights (4 bytes per element more: issue 30's choice for
+the larger models); a shared rollout keeps it (:meth:`WeightCache.dequantize_held`) while it generates,
+where every decode step would dequantize again. The numbers are the same either way. It is off for weights
 whose storage is swapped without a version bump (FSDP's unsharded parameters: :mod:`fp8rl.engines.parallel`
 turns it off).
 
@@ -133,7 +137,7 @@ def _reads_dequantized(fmt: LinearFormat, device: torch.device) -> bool:
 class WeightCache:
     """The FP8 form of one master weight at one version (see the module docstring)."""
 
-    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses", "frozen")
+    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses", "frozen", "keep_dequantized")
 
     def __init__(self) -> None:
         self._ref, self._key = None, None
@@ -141,6 +145,9 @@ class WeightCache:
         self.fmt: LinearFormat = _DEFAULT
         self.hits = self.misses = 0
         self.frozen = False  # holds a frozen weight's only form (Fp8Linear.freeze): never quantized again
+        # keep the FP32 dequantization for the version's passes (the trainer's choice where memory allows:
+        # fp8rl.engines.footprint.keeps_dequantized_weights) instead of releasing it on every get
+        self.keep_dequantized = False
 
     @classmethod
     def holding(cls, q: torch.Tensor, scale: torch.Tensor, fmt: LinearFormat) -> WeightCache:
@@ -152,14 +159,16 @@ class WeightCache:
     def get(self, weight: torch.Tensor, pow2: bool, fmt: LinearFormat | None = None) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
         """``(w_q, w_scale)`` of ``weight`` in ``fmt``'s forward form (default blockwise) now, quantized only when
-        it changed. Releases any FP32 dequantization held (:meth:`dequantize_held`): the trainer's passes
-        dequantize per call, so it holds 1 byte per weight element, not 5."""
+        it changed. Releases any FP32 dequantization held (:meth:`dequantize_held`) unless ``keep_dequantized``:
+        then the trainer's passes multiply the one held for this version (4 bytes per weight element more), else
+        they dequantize per call and the cache holds 1 byte per weight element."""
         fmt = fmt or _DEFAULT
         if self.frozen:
             if fmt.name != self.fmt.name:
                 raise ValueError(f"a frozen {self.fmt.name} FP8 weight cannot be used as {fmt.name}")
             self.hits += 1
-            self.dequantized = None
+            if not self.keep_dequantized:
+                self.dequantized = None
             return self.q, self.scale
         key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), pow2, fmt.name)
         if self._ref is not None and self._ref() is weight and self._key == key:
@@ -170,7 +179,8 @@ class WeightCache:
             self.fmt = fmt
             self.dequantized = None
             self._ref, self._key = weakref.ref(weight), key
-        self.dequantized = None
+        if not self.keep_dequantized:
+            self.dequantized = None
         return self.q, self.scale
 
     def dequantize_held(self) -> torch.Tensor | None:
@@ -199,9 +209,13 @@ class _Fp8LinearFn(torch.autograd.Function):
             w_q, w_s = cache.get(weight, pow2_w, fmt)
         else:
             w_q, w_s = fmt.quantize_weight(weight, pow2=pow2_w)  # blockwise: (N, K), (N/128, K/128)
+        held = None  # the version's FP32 dequantization, where the cache keeps it
         if _reads_dequantized(fmt, x2d.device):
             x = fmt.fake_act(x2d, pow2_a, row_tile is not None)  # (T, K) FP32, E4M3 values x scales
-            w = fmt.dequantize_weight(w_q, w_s)
+            if cache is not None and cache.keep_dequantized:
+                w = held = cache.dequantize_held()
+            else:
+                w = fmt.dequantize_weight(w_q, w_s)
             out = x @ w.t() if row_tile is None else tiled_mm(x, w.t(), row_tile)
         else:
             x_q, x_s = quantize_per_token_group(x2d, pow2_scale=pow2_a)  # (T, K), (T, K/128)
@@ -210,8 +224,10 @@ class _Fp8LinearFn(torch.autograd.Function):
             out = out + bias.float()
         # wgrad reduces over tokens: keep x only in its E4M3 form along T (blockwise: 1x128, token-major)
         saved_x = fmt.save_act(x2d, pow2_a)
-        # a format whose dgrad quantizes the weight along N from the high-precision weight keeps it (a reference)
-        ctx.save_for_backward(*saved_x, w_q, w_s, weight if fmt.dgrad_from_master else None)
+        # a format whose dgrad quantizes the weight along N from the high-precision weight keeps it (a reference);
+        # any other multiplies the forward form's dequantization in dgrad too: the held one, when there is one
+        ctx.save_for_backward(*saved_x, w_q, w_s, weight if fmt.dgrad_from_master else None,
+                              None if fmt.dgrad_from_master else held)
         ctx.n_saved_x = len(saved_x)
         ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
         ctx.has_bias = bias is not None
@@ -221,13 +237,14 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
-        saved_x, (w_q, w_s, weight) = saved[:ctx.n_saved_x], saved[ctx.n_saved_x:]
+        saved_x, (w_q, w_s, weight, held) = saved[:ctx.n_saved_x], saved[ctx.n_saved_x:]
         fmt = ctx.fmt
         x_dtype, w_dtype = ctx.dtypes
         g = grad_out.contiguous()  # (T, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            w = fmt.weight_for_dgrad(weight, w_q, w_s, ctx.pow2_w)  # (N, K), quantized along N
+            # (N, K), quantized along N; the held forward dequantization is that (LinearFormat.dgrad_from_master)
+            w = held if held is not None else fmt.weight_for_dgrad(weight, w_q, w_s, ctx.pow2_w)
             g_deq = fmt.fake_grad_dgrad(g, ctx.pow2_a)  # along N
             grad_x = (g_deq @ w).to(x_dtype)  # (T, K)
         if ctx.needs_input_grad[1]:
@@ -267,9 +284,8 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     pow2_a = pow2_scale if pow2_activation_scale is None else pow2_activation_scale
     lead = x.shape[:-1]
-    # every pass dequantizes the weight per call (and a training one again in its backward) instead of keeping the
-    # FP32 dequantization cached: the numbers are the same, and the trainer holds 1 byte per weight element in its
-    # logprob pass too — where its gradients and moments are all held, the pass's peak (issue 30)
+    # the weight's FP32 dequantization: the one its cache keeps for the version (weight_cache.keep_dequantized), or
+    # made per call (and again in a training pass's backward) — the same numbers (module docstring)
     out = _Fp8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, pow2_scale, pow2_a, weight_cache, row_tile,
                              linear_format(scaling))
     return out.reshape(*lead, weight.shape[0])

@@ -59,11 +59,14 @@ def test_train_step_stopped_between_micro_batches_changes_nothing(policy, prompt
     batch = build_train_batch(samples, torch.rand(len(samples), dtype=torch.float64), 4, pad_id=0)
     tr = TorchTrainer(policy, recipe_for_role("bf16", "trainer"), TrainerConfig(lr=1e-2, micro_batch_size=4))
     before = {k: v.clone() for k, v in tr.state_dict().items()}
-    n_micro = math.ceil(batch.input_ids.shape[0] / 4)
-    stop = StopAfter(n_micro + 2)  # past the logprobs pass, inside the update's micro-batches
+    assert math.ceil(batch.input_ids.shape[0] / 4) > 2
+    # the update's prev logprobs come from its own forwards (one update per step): no logprob pass before it
+    assert tr.fuses_logprob_pass(batch)
+    stop = StopAfter(2)  # inside the update's micro-batches, one forward and backward done
     with pytest.raises(Cancelled, match="training step stopped"):
         tr.train_step(batch, should_stop=stop)
     assert tr.version == 0 and all(torch.equal(v, before[k]) for k, v in tr.state_dict().items())
+    assert batch.prev_logprobs is None  # a stopped step leaves no half-filled logprobs behind
     with pytest.raises(Cancelled):
         tr.compute_logprobs(batch, should_stop=lambda: True)
     tr.train_step(batch, should_stop=lambda: False)

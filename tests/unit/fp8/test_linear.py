@@ -194,3 +194,60 @@ def test_no_pass_of_the_trainer_holds_an_fp32_copy_of_the_fp8_weight():
     with torch.no_grad():
         assert torch.equal(layer(x), y0) and cache.dequantized is None
     assert (cache.misses, cache.hits) == (1, 2)  # quantized once: the E4M3 form outlived every pass
+
+
+@pytest.mark.parametrize("scaling", ["blockwise", "tensorwise", "mxfp8"])
+def test_a_kept_dequantization_serves_every_pass_of_the_version_with_the_same_numbers(scaling):
+    """``WeightCache.keep_dequantized`` (the trainer's choice for a small model): one FP32 dequantization per weight
+    version, multiplied by every forward and (formats whose dgrad reads the forward form) by dgrad — outputs and
+    gradients bitwise those of dequantizing per call, over updates, and a new version dequantizes again."""
+    import copy
+
+    torch.manual_seed(0)
+    kept = Fp8Linear(256, 200, bias=True, scaling=scaling)  # 200: a ragged block
+    plain = copy.deepcopy(kept)
+    kept.weight_cache.keep_dequantized = True
+    opt_k, opt_p = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (kept, plain))
+    held = []
+    for step in range(2):
+        for mb in range(2):
+            x = torch.randn(24, 256, generator=torch.Generator().manual_seed(10 * step + mb))
+            xk, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+            yk, yp = kept(xk), plain(xp)
+            assert torch.equal(yk, yp)
+            yk.square().sum().backward()
+            yp.square().sum().backward()
+            assert torch.equal(xk.grad, xp.grad)
+            held.append(kept.weight_cache.dequantized)
+            assert held[-1] is not None and plain.weight_cache.dequantized is None
+        assert torch.equal(kept.weight.grad, plain.weight.grad) and torch.equal(kept.bias.grad, plain.bias.grad)
+        for opt in (opt_k, opt_p):
+            opt.step()
+            opt.zero_grad()
+    assert held[0] is held[1] and held[2] is held[3] and held[1] is not held[2]  # one per version
+
+
+def test_every_format_whose_dgrad_reads_the_forward_form_dequantizes_it_as_the_forward_does():
+    """The rule the kept dequantization relies on (``LinearFormat.dgrad_from_master`` False): ``weight_for_dgrad``
+    is bitwise ``dequantize_weight`` of the forward form."""
+    from fp8rl.fp8.formats import format_names, linear_format
+
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(3))
+    checked = 0
+    for name in format_names():
+        fmt = linear_format(name)
+        if fmt.dgrad_from_master:
+            continue
+        q, s = fmt.quantize_weight(w)
+        assert torch.equal(fmt.weight_for_dgrad(w, q, s, False), fmt.dequantize_weight(q, s)), name
+        checked += 1
+    assert checked >= 2  # blockwise and tensorwise at least
+
+
+def test_the_trainer_keeps_the_dequantization_of_a_small_model_only():
+    from fp8rl.engines.footprint import DEQUANTIZED_CACHE_MAX_BYTES, keeps_dequantized_weights
+
+    small = 100_000_000  # SmolLM2-135M's linears: 0.4 GB in FP32
+    assert keeps_dequantized_weights(small, available=16 << 30)
+    assert not keeps_dequantized_weights(small, available=2 << 30)  # more than an eighth of what is left
+    assert not keeps_dequantized_weights(DEQUANTIZED_CACHE_MAX_BYTES // 4 + 1, available=1 << 40)

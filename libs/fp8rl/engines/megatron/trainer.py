@@ -149,6 +149,8 @@ class MegatronTrainer(TorchTrainer):
     CHECKPOINT_FORMAT = "fp8rl-megatron-trainer/1"
     supports_lora = False  # Megatron-Core's LoRA is NeMo's PEFT wrappers, not in megatron-core (policy.lora refused)
 
+    fuses_logprobs = False  # its _backward runs Megatron's schedule: the logprob pass stays a pass of its own
+
     def __init__(
         self,
         model: CausalLM,

@@ -32,7 +32,9 @@ class LinearFormat:
     summary: str = ""  # one phrase for the job file's documentation of fp8_recipe
     # dgrad multiplies the forward form's transpose, so a frozen (LoRA base) layer needs only its FP8 weight
     freezes_to_fp8: bool = True
-    # dgrad quantizes the weight along N from the high-precision master (the forward saves a reference to it)
+    # dgrad quantizes the weight along N from the high-precision master (the forward saves a reference to it); False:
+    # dgrad multiplies the forward form's dequantization (weight_for_dgrad is dequantize_weight of it, so the FP32
+    # form a trainer's weight cache keeps serves both GEMMs)
     dgrad_from_master: bool = False
     # a Hopper fast path (fp8rl.fp8.linear.fp8_gemm) exists; without one every device runs the reference GEMMs
     has_fast_gemm: bool = False
