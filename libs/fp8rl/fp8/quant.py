@@ -263,6 +263,16 @@ def quantize_per_token_group(
 _CHUNK_ELEMS = 1 << 19  # 2 MiB of FP32 per chunk: stays in L2/L3 between passes
 
 
+def _group_spans(k: int, group_size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` along a dim of ``k``: its whole groups as one span, and the ragged last group (if any) alone —
+    each span's groups are a view (no padded copy), and a group's amax is what zero padding would leave it."""
+    whole = k - k % group_size
+    return [(lo, hi) for lo, hi in ((0, whole), (whole, k)) if hi > lo]
+
+
+_CHUNK_ELEMS = 1 << 19  # 2 MiB of FP32 per chunk: stays in L2/L3 between passes
+
+
 def _per_token_group_chunked(x: torch.Tensor, group_size: int, pow2_scale: bool):
     """Same numbers as the padded path, a few rows at a time through a reused FP32 buffer."""
     k = x.shape[-1]
@@ -298,24 +308,36 @@ def fake_quantize_per_token_group(x: torch.Tensor, group_size: int = BLOCK, *,
     path (``tests/unit/fp8/test_quant.py`` checks bitwise equality), so a caller may use either.
     """
     k = x.shape[-1]
-    if k % group_size or not x.is_contiguous():
+    if not x.is_contiguous():
         return dequantize_per_token_group(*quantize_per_token_group(x, group_size, pow2_scale=pow2_scale), group_size)
-    g = k // group_size
-    rows = x.reshape(-1, g, group_size)  # (R, G, group)
+    g = -(-k // group_size)
+    rows = x.reshape(-1, k)  # (R, K)
     r = rows.shape[0]
-    out = torch.empty(r, g, group_size, dtype=torch.float32, device=x.device)
-    step = max(1, _CHUNK_ELEMS // k)
+    step = max(1, _CHUNK_ELEMS // (g * group_size))
+    ragged = k % group_size != 0
+    if ragged:  # K = 576 (4 x 128 + 64): each chunk through a zero-padded buffer, whose padding stays 0 (0 / s = 0)
+        out = torch.empty(r, k, dtype=torch.float32, device=x.device)
+        buf = torch.zeros(min(step, r), g, group_size, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(r, g, group_size, dtype=torch.float32, device=x.device)
     upcast = x.dtype != torch.float32
     for i in range(0, r, step):
         chunk = rows[i:i + step]
-        o = out[i:i + chunk.shape[0]]
-        if upcast:
-            chunk = o.copy_(chunk)
+        n = chunk.shape[0]
+        if ragged:
+            o = buf[:n]
+            chunk = o.view(n, -1)[:, :k].copy_(chunk)
+            chunk = o
+        else:
+            o = out[i:i + n]
+            chunk = o.copy_(chunk.view(n, g, group_size)) if upcast else chunk.view(n, g, group_size)
         amax = torch.maximum(chunk.amax(dim=-1), chunk.amin(dim=-1).neg())  # (n, G)
         s = compute_scale(amax, pow2_scale=pow2_scale).unsqueeze(-1)
         torch.div(chunk, s, out=o)
         o.copy_(_e4m3_to_f32(o.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)))  # the E4M3 rounding, back in FP32
         o.mul_(s)
+        if ragged:
+            out[i:i + n] = o.view(n, -1)[:, :k]
     return out.view(x.shape)
 
 
@@ -328,12 +350,15 @@ def quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
     ``dW = dyᵀ x`` wants both operands token-major anyway. Returns ``(q (T, K), scale (ceil(T/group), K))``.
     """
     t, k = x.shape
-    xp = _pad_to(x.float(), {0: group_size})
-    groups = xp.view(-1, group_size, k)  # (G, group, K)
-    amax = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg())  # (G, K)
-    scale = compute_scale(amax, pow2_scale=pow2_scale)
-    q = _cast(groups, scale.unsqueeze(1)).view(-1, k)
-    return (q[:t] if q.shape[0] != t else q), scale
+    xf = x.float()
+    q = torch.empty(t, k, dtype=E4M3, device=x.device)
+    scales = []
+    for lo, hi in _group_spans(t, group_size):  # whole groups of tokens, then a ragged last one: no padded copy
+        groups = xf[lo:hi].view(-1, min(group_size, hi - lo), k)  # (G, group, K)
+        amax = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg())  # (G, K)
+        scales.append(compute_scale(amax, pow2_scale=pow2_scale))
+        q[lo:hi] = _cast(groups, scales[-1].unsqueeze(1)).view(-1, k)
+    return q, scales[0] if len(scales) == 1 else torch.cat(scales, dim=0)
 
 
 def dequantize_columnwise(q: torch.Tensor, scale: torch.Tensor, group_size: int = BLOCK) -> torch.Tensor:
@@ -342,7 +367,16 @@ def dequantize_columnwise(q: torch.Tensor, scale: torch.Tensor, group_size: int 
     g = scale.shape[0]
     if g * group_size == t:
         return (_e4m3_to_f32(q).view(g, group_size, k) * scale.float().unsqueeze(1)).view(t, k)
-    return _e4m3_to_f32(q) * scale.float().repeat_interleave(group_size, dim=0)[:t]
+    v = _e4m3_to_f32(q)
+    out = torch.empty(t, k, dtype=torch.float32, device=q.device)
+    first = 0  # each span's groups times their scales, broadcast (no repeated scale tensor)
+    for lo, hi in _group_spans(t, group_size):
+        width = min(group_size, hi - lo)
+        n = (hi - lo) // width
+        torch.mul(v[lo:hi].view(n, width, k), scale[first:first + n].float().unsqueeze(1),
+                  out=out[lo:hi].view(n, width, k))
+        first += n
+    return out
 
 
 def fake_quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
