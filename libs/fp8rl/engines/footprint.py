@@ -16,8 +16,8 @@ width, Hkv·D the key/value width, H query heads, S the keys each query sees —
 
 plus, per token, the embedding and the final norm (3 C) and one chunk of FP32 logits with its softmax and
 gradient (:data:`fp8rl.model.logprobs.LOGPROB_CHUNK_ELEMENTS` each, whatever the batch). FP8 linears keep some
-inputs as E4M3 (1 byte instead of 4): the estimate ignores that saving, so it errs high by a few percent on FP8
-recipes. ``tests/unit/engines/test_footprint.py`` measures the saved tensors of real forwards
+inputs as E4M3 (1 byte instead of 4): the estimate ignores that saving, so it errs high on FP8 recipes (by up to
+~30% on the shapes the tests measure). ``tests/unit/engines/test_footprint.py`` measures the saved tensors of real forwards
 (``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
 
 :func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's

@@ -178,24 +178,3 @@ def test_a_taken_model_is_converted_in_place_and_samples_as_a_copy_does(policy, 
     with pytest.raises(ValueError, match="take_model and shared_with"):
         TorchRolloutEngine(copy.deepcopy(policy), FP8, eos_token_ids=[2], take_model=True, shared_with=policy)
 
-
-def test_draw_from_follows_the_weights_and_never_draws_a_zero_one():
-    """``draw_from`` (the sampler's inverse-CDF draw). Statistic: each token's count over N draws from one row is
-    Binomial(N, p); the check is |count - N p| <= 5 standard deviations (a seeded draw: a failure means the sampler is
-    wrong, not unlucky — 5 sigma is ~6e-7 per token for a correct one). Zero-probability tokens, at the ends and
-    between, are never drawn, including from a one-hot row and rows whose weights do not sum to 1."""
-    from fp8rl.engines.torch_rollout import draw_from
-
-    p = torch.tensor([0.0, 0.1, 0.0, 0.35, 0.05, 0.5, 0.0])
-    n = 40_000
-    g = torch.Generator().manual_seed(11)
-    counts = torch.bincount(draw_from(p.expand(n, -1), g), minlength=p.numel()).double()
-    sd = (n * p * (1 - p)).sqrt()
-    assert torch.all((counts - n * p).abs() <= 5 * sd + 1e-9), counts.tolist()
-    assert counts[p == 0].sum() == 0
-    rows = torch.zeros(3, 9)
-    rows[0, 0] = 1.0  # one-hot at the start
-    rows[1, 8] = 2.5  # one-hot at the end, not normalised
-    rows[2, 4] = rows[2, 6] = 1e-30  # tiny weights only
-    for _ in range(50):
-        assert draw_from(rows, g).tolist() in ([0, 8, 4], [0, 8, 6])

@@ -25,7 +25,8 @@ def _rollout_batch(policy, prompts, recipe_name, seed=0, kv="auto"):
     if kv == "fp8":
         eng.load_scales(QKVCalibrator(policy).calibrate(0, prompts))
     samples = eng.generate(prompts, SamplingParams(max_tokens=10, n=4, seed=seed))
-    rewards = torch.tensor([float(len(s.token_ids) % 2) for s in samples], dtype=torch.float64)
+    # every group holds both rewards whatever was sampled (a reward of the samples could be the same for all)
+    rewards = torch.tensor([float(i % 2) for i in range(len(samples))], dtype=torch.float64)
     return build_train_batch(samples, rewards, 4, pad_id=0)
 
 
