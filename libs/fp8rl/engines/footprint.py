@@ -17,8 +17,9 @@ width, Hkv·D the key/value width, H query heads, S the keys each query sees —
 plus, per token, the embedding and the final norm (3 C) and one chunk of FP32 logits with its softmax and
 gradient (:data:`fp8rl.model.logprobs.LOGPROB_CHUNK_ELEMENTS` each, whatever the batch). FP8 linears keep some
 inputs as E4M3 (1 byte instead of 4): the estimate ignores that saving, so it errs high on FP8 recipes (by up to
-~30% on the shapes the tests measure). ``tests/unit/engines/test_footprint.py`` measures the saved tensors of real forwards
-(``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it.
+~30% on the shapes the tests measure). ``tests/unit/engines/test_footprint.py`` measures the saved tensors of real
+forwards (``torch.autograd.graph.saved_tensors_hooks``) and keeps this estimate between the measurement and 1.25x it
+(1.4x on FP8 recipes).
 
 :func:`check_fits` adds what the first step will still allocate (gradients: 4 bytes per trained parameter; AdamW's
 two moments: 8; the FP8 weight cache of an ``fp8_e2e`` trainer: 1 per FP8 weight, 5 where it keeps the FP32
