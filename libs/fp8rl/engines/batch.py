@@ -174,28 +174,22 @@ def train_on_batch(trainer: TrainerBackend, batch: TrainBatch, *, should_stop: S
     if check_memory is not None:
         check_memory(*batch.input_ids.shape)
     fuses = getattr(trainer, "fuses_logprob_pass", None)
-    if batch.prev_logprobs is None and fuses is not None and fuses(batch, recording=record_qkv is not None):
-        # the train pass's own forwards give the prev logprobs (bitwise those of a logprob pass): one pass fewer
-        t = time.perf_counter()
-        with memory.phase("train"), \
-                record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:
-            version = trainer.version
-            train = trainer.train_step(batch, should_stop=should_stop)
-        mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
-        mismatch.update(lag_metrics(batch, version, mismatch))
-        return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, 0.0, time.perf_counter() - t,
-                            recorded.scales(trainer.version) if recorded is not None else None)
-    t = time.perf_counter()
-    with memory.phase("logprobs"), \
-            record_qkv.recording() if record_qkv is not None else contextlib.nullcontext() as recorded:
-        batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
+    fused = batch.prev_logprobs is None and fuses is not None and fuses(batch, recording=record_qkv is not None)
+    held = trainer.version
+    recording = record_qkv.recording() if record_qkv is not None else contextlib.nullcontext()
+    t, t_logprobs = time.perf_counter(), 0.0
+    if not fused:  # a logprob pass of its own (fused: the train pass's forwards give them, bitwise the same)
+        with memory.phase("logprobs"), recording as recorded:
+            batch.prev_logprobs = trainer.compute_logprobs(batch, should_stop=should_stop)
+        recording = contextlib.nullcontext(recorded)  # recorded already: the train pass adds nothing to it
+        t_logprobs, t = time.perf_counter() - t, time.perf_counter()
+    with memory.phase("train"), recording as recorded:
+        train = trainer.train_step(batch, should_stop=should_stop)
+    t_train = time.perf_counter() - t
     mismatch = mismatch_metrics(batch.prev_logprobs, batch.gen_logprobs, batch.loss_mask)
-    mismatch.update(lag_metrics(batch, trainer.version, mismatch))
+    mismatch.update(lag_metrics(batch, held, mismatch))
     route_metrics = getattr(trainer, "routing_metrics", None)  # mixture-of-experts trainers: moe/* of that pass
     if route_metrics is not None:
         mismatch.update(route_metrics())
-    t_logprobs, t = time.perf_counter() - t, time.perf_counter()
-    with memory.phase("train"):
-        train = trainer.train_step(batch, should_stop=should_stop)
-    return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, t_logprobs,
-                        time.perf_counter() - t, recorded.scales(trainer.version) if recorded is not None else None)
+    return TrainOutcome({**mismatch, **{f"train/{k}": v for k, v in train.items()}}, t_logprobs, t_train,
+                        recorded.scales(trainer.version) if recorded is not None else None)

@@ -479,7 +479,7 @@ class TorchTrainer(TrainerBackend):
         self._zero_grads()
         norm = LossNorm.of(batch.loss_mask)
         totals, weights = self._backward(batch, LossNorm(max(norm.tokens, 1), max(norm.sequences, 1)), should_stop,
-                                         **({"fill_prev": True} if fill_prev else {}))
+                                         fill_prev=fill_prev)
         if self.parallel is not None:  # sums over ranks; every rank ran >= 1 micro-batch, so all hold the same keys
             self._reduce_grads()
             keys, wkeys = sorted(totals), sorted(weights)
@@ -513,9 +513,8 @@ class TorchTrainer(TrainerBackend):
         recomputed = runs = 0
         prev = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device) \
             if fill_prev else None
-        spans = iter(self._spans(batch.input_ids.shape[0]))  # one rank (fill_prev): each micro-batch's rows
-        for _, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
-            a, b = next(spans) if prev is not None else (0, 0)
+        spans = self._spans(batch.input_ids.shape[0])  # one rank (fill_prev): micro-batch j is rows spans[j]
+        for j, mb in self._micro_batches(batch, should_stop):  # Cancelled here: no optimizer step taken
             if mb.num_tokens == 0 and not grouped:  # in a group every rank runs every round (FSDP's collectives)
                 continue
             coef = self.config.router_aux_loss_coef
@@ -528,7 +527,7 @@ class TorchTrainer(TrainerBackend):
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
                                                           self.config.temperature, entropy=True, prefix_len=shared)
             if prev is not None:  # the weights a logprob pass would have run: ratio exactly 1, as that pass gives
-                prev[a:b] = mb.prev_logprobs = curr.detach()
+                prev[slice(*spans[j])] = mb.prev_logprobs = curr.detach()
             loss, m = self._loss(curr, mb, norm, ent)
             if plan is not None and plan.aux_loss is not None:  # its token mean, weighted like the policy loss
                 loss = loss + coef * plan.aux_loss * (mb.num_tokens / norm.tokens)

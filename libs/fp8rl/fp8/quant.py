@@ -260,12 +260,10 @@ def quantize_per_token_group(
     return (q[..., :k].contiguous() if g * group_size != k else q), scale
 
 
-_CHUNK_ELEMS = 1 << 19  # 2 MiB of FP32 per chunk: stays in L2/L3 between passes
-
-
 def _group_spans(k: int, group_size: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` along a dim of ``k``: its whole groups as one span, and the ragged last group (if any) alone —
-    each span's groups are a view (no padded copy), and a group's amax is what zero padding would leave it."""
+    each span's groups are a view (no padded copy), and a group's amax is what zero padding would leave it (the
+    column-wise quantization of wgrad's operands, along the tokens)."""
     whole = k - k % group_size
     return [(lo, hi) for lo, hi in ((0, whole), (whole, k)) if hi > lo]
 
@@ -326,7 +324,7 @@ def fake_quantize_per_token_group(x: torch.Tensor, group_size: int = BLOCK, *,
         n = chunk.shape[0]
         if ragged:
             o = buf[:n]
-            chunk = o.view(n, -1)[:, :k].copy_(chunk)
+            o.view(n, -1)[:, :k].copy_(chunk)  # upcast too: the buffer is FP32
             chunk = o
         else:
             o = out[i:i + n]

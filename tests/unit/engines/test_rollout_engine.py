@@ -177,4 +177,3 @@ def test_a_taken_model_is_converted_in_place_and_samples_as_a_copy_does(policy, 
     assert [(s.token_ids, s.logprobs) for s in a] == [(s.token_ids, s.logprobs) for s in b]
     with pytest.raises(ValueError, match="take_model and shared_with"):
         TorchRolloutEngine(copy.deepcopy(policy), FP8, eos_token_ids=[2], take_model=True, shared_with=policy)
-

@@ -440,9 +440,11 @@ class MegatronTrainer(TorchTrainer):
                for k, (_, mb) in enumerate(rounds)]
         return self._rows_of(batch, ((i, lp) for (i, _), lp in zip(rounds, lps, strict=True)))
 
-    def _backward(self, batch: TrainBatch, norm: LossNorm, should_stop: ShouldStop | None = None):
+    def _backward(self, batch: TrainBatch, norm: LossNorm, should_stop: ShouldStop | None = None, *,
+                  fill_prev: bool = False):
         if self.pp == 1:
-            return super()._backward(batch, norm, should_stop)
+            return super()._backward(batch, norm, should_stop, fill_prev=fill_prev)
+        assert not fill_prev, "the Megatron backend keeps its logprob pass (fuses_logprobs = False)"
         mbs = [mb for _, mb in self._micro_batches(batch, should_stop)]
         store = self._schedule(self.model, mbs, forward_only=False, norm=norm)
         totals: dict[str, float] = {}
