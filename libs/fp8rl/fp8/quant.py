@@ -356,6 +356,8 @@ def quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
         amax = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg())  # (G, K)
         scales.append(compute_scale(amax, pow2_scale=pow2_scale))
         q[lo:hi] = _cast(groups, scales[-1].unsqueeze(1)).view(-1, k)
+    if not scales:  # no tokens (an expert no row was routed to): no groups
+        return q, torch.empty(0, k, dtype=torch.float32, device=x.device)
     return q, scales[0] if len(scales) == 1 else torch.cat(scales, dim=0)
 
 

@@ -221,3 +221,14 @@ def test_blockwise_dequantization_is_each_code_times_its_tile_scale(shape):
     assert torch.equal(got, want) and got.is_contiguous()
     assert torch.equal(q.view(torch.uint8), before)
     assert torch.equal(dequantize_blockwise(q.t(), s.t()), want.t())
+
+
+def test_columnwise_of_no_tokens_is_empty():
+    """An expert no row was routed to quantizes a (0, K) input: no groups, the same as the transpose's."""
+    from fp8rl.fp8.quant import dequantize_columnwise, fake_quantize_columnwise, quantize_columnwise
+
+    x = torch.zeros(0, 130)
+    q, s = quantize_columnwise(x)
+    qt, st = quantize_per_token_group(x.t().contiguous())
+    assert (q.shape, s.shape, s.dtype) == ((0, 130), st.t().shape, torch.float32) == ((0, 130), (0, 130), torch.float32)
+    assert dequantize_columnwise(q, s).shape == fake_quantize_columnwise(x).shape == (0, 130)
