@@ -428,14 +428,15 @@ class TorchTrainer(TrainerBackend):
         gradient and metrics — ``tests/unit/engines/test_fused_logprobs.py``), one rank, a dense model (a mixture of
         experts' logprob pass also measures its routing). ``recording``: a calibrator records the pass's Q/K/V
         (``calibration.site logprobs``), which needs each layer to run forward once per micro-batch: no micro-batch
-        of ``batch`` may recompute its layers (activation checkpointing)."""
+        of ``batch`` may recompute its layers (activation checkpointing) or skip its forward (no trained token in it:
+        the logprob pass records every sequence, the train pass only those it trains)."""
         if not self.fuses_logprobs or self.parallel is not None or self._moe_layers:
             return False
         rows = batch.input_ids.shape[0]
         if min(self.config.num_minibatches, rows) != 1:
             return False
         if recording:
-            return not any(self.recomputes(*mb.input_ids.shape, shared=self._prefix_len(mb))
+            return not any(mb.num_tokens == 0 or self.recomputes(*mb.input_ids.shape, shared=self._prefix_len(mb))
                            for mb in (batch.slice(a, b) for a, b in self._spans(rows)))
         return True
 

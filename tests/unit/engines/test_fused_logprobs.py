@@ -7,8 +7,9 @@ Checked here against the unfused path (a logprob pass, then the step), built ali
 logprobs, every metric of the step, the weights after it and the Q/K/V scales a recording calibrator takes from the
 pass (``calibration.site logprobs``) are all exactly equal, for the bf16 and fp8_e2e recipes, with and without a
 shared prefix and batch invariance. Where fusing would change something it is not used: several updates per step,
-and a recording calibrator beside a micro-batch that recomputes its layers (the recomputed forward would record
-twice).
+a recording calibrator beside a micro-batch that recomputes its layers (the recomputed forward would record
+twice), and a recording calibrator beside a micro-batch with no trained token (the train pass skips its forward: the
+calibration would miss its sequences, or see none at all when every row failed).
 """
 
 import pytest
@@ -82,3 +83,13 @@ def test_fusing_is_not_used_where_it_would_change_the_step(awkward, prompts):
     assert one.fuses_logprob_pass(batch) and not one.fuses_logprob_pass(batch, recording=True)
     out = train_on_batch(one, batch, record_qkv=QKVCalibrator(one.model, pad_token_id=0))
     assert out.logprobs_s > 0.0 and out.qkv_scales is not None  # the logprob pass recorded the scales
+
+
+def test_a_recording_calibrator_sees_every_sequence_even_of_rows_without_trained_tokens(awkward, prompts):
+    """A step whose rows all carry no trained token (every agent of the step failed: ungraded, masked out) still
+    records the logprob pass over all of them — fusing would have run no forward, hence no scales."""
+    (one, _), (batch, _) = _pair(awkward, prompts, "bf16", "auto", share=True, invariant=True)
+    batch.loss_mask.zero_()
+    assert one.fuses_logprob_pass(batch) and not one.fuses_logprob_pass(batch, recording=True)
+    out = train_on_batch(one, batch, record_qkv=QKVCalibrator(one.model, pad_token_id=0))
+    assert out.logprobs_s > 0.0 and out.qkv_scales is not None and out.qkv_scales.version == 1
