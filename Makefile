@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm vllm-venv trl-venv smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-controls test-collective test-distributed test-invariant test-agents test-rewards test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm vllm-venv trl-venv smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ test-moe: $(STAMP) redis  ## mixture-of-experts through the service stack: a job
 
 test-agents: $(STAMP) redis  ## multi-turn trajectories through a launched stack (2 replicas): a 3-step calculator job, bitwise turns with sticky KV, environments that crash / hang, a replica killed mid-trajectory; agent jobs through the OpenAI endpoint in the loop and on the stack (sandboxed), the adapters' jobs, the tool presets' training stages (about 4 min)
 	$(BIN)/python -m pytest -m agents $(PYTEST_ARGS)
+
+test-rewards: $(STAMP) redis  ## reward models on a launched stack: a 3-step job judged by two reward replicas, one killed mid-job (about 2 min)
+	$(BIN)/python -m pytest -m rewards $(PYTEST_ARGS)
 
 test-hostile: $(STAMP) redis  ## hostile clients against a launched stack (loopback): stalled and oversized calls without a token, job floods, cancelled Score callers, the smaller defects (about 2 min)
 	$(BIN)/python -m pytest -m hostile tests/hostile $(PYTEST_ARGS)

@@ -268,8 +268,11 @@ def trainer_ranks(ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
        ready_timeout: float = 300.0, metrics: bool = False, env_modules: tuple[str, ...] = (),
-       agents: bool = False) -> _Stack:
+       agents: bool = False, reward_replicas: int = 1) -> _Stack:
     """Start the stack for ``job_path`` into ``run_dir``; returns it once every service is ready.
+
+    ``reward_replicas``: reward services (``reward``, ``reward-1``, ...); the controller finds them by their leases
+    and sends each chunk of a reward model's items to the one with the fewest in flight.
 
     ``env_modules``: user environment modules the reward service's env workers import (``--env-module``); the
     module of a job whose ``env.name`` (or ``agent.entrypoint``) is an import path is added on its own.
@@ -291,6 +294,8 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
     stack = _Stack(run_dir)
     namespace = re.sub(r"[^A-Za-z0-9_.\-]", "-", job.job.name).strip("-_.")[:64] or "fp8rl"
     stack.info.update(job=str(job_path), namespace=namespace)
+    if reward_replicas < 1:
+        raise LaunchError(f"--reward-replicas must be >= 1, got {reward_replicas}")
     py = sys.executable
     tokens = write_tokens(run_dir)
     stack.info["secrets"] = tokens
@@ -318,8 +323,9 @@ def up(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *,
                  service("calibrator", "calibrator"),
                  *(service(f"rollout-{i}", "rollout", *(["--openai-port", "0", *endpoint] if agents else []))
                    for i in range(replicas)),
-                 service("reward", "reward", *endpoint,
-                         *(a for m in _env_modules(job, env_modules) for a in ("--env-module", m)))]
+                 *(service("reward" if i == 0 else f"reward-{i}", "reward", *endpoint,
+                           *(a for m in _env_modules(job, env_modules) for a in ("--env-module", m)))
+                   for i in range(reward_replicas))]
         stack.wait_ready(first, ready_timeout)
         ctl = service("controller", "controller")  # finds the others through their leases in Redis
         stack.wait_ready([ctl], ready_timeout)
@@ -384,7 +390,7 @@ def _interrupt(signum, _frame) -> None:
 
 def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *, replicas: int = 1,
         plain: bool = False, ready_timeout: float = 300.0, metrics: bool = False,
-        env_modules: tuple[str, ...] = (), agents: bool = False) -> int:
+        env_modules: tuple[str, ...] = (), agents: bool = False, reward_replicas: int = 1) -> int:
     """up → submit → watch (progress bar) → report → down. Returns the exit status."""
     from tqdm import tqdm
 
@@ -393,7 +399,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     from fp8rl.sdk import Fp8rlClient
 
     stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics,
-               env_modules=env_modules, agents=agents)
+               env_modules=env_modules, agents=agents, reward_replicas=reward_replicas)
     # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
     signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
@@ -451,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--job", default=str(DEFAULT_JOB), help="job YAML (default deploy/default-job.yaml)")
         p.add_argument("--run-dir", default=None, help="where logs, stack.json and the report go (default runs/<ts>)")
         p.add_argument("--replicas", type=int, default=1, help="rollout replicas (default 1)")
+        p.add_argument("--reward-replicas", type=int, default=1,
+                       help="reward services (default 1): a reward model's items go to the least loaded")
         p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each service may take to start")
         p.add_argument("--env-module", action="append", default=[], metavar="MODULE",
                        help="a user environment module the reward service's env workers import (repeatable; the "
@@ -472,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             stack = up(args.job, args.run_dir, replicas=args.replicas, ready_timeout=args.ready_timeout,
-                       metrics=args.metrics, env_modules=tuple(args.env_module), agents=args.agents)
+                       metrics=args.metrics, env_modules=tuple(args.env_module), agents=args.agents,
+                       reward_replicas=args.reward_replicas)
             client_file = stack.info["secrets"]["client_token_file"]
             print(json.dumps({"controller": stack.info["controller"], "run_dir": str(stack.run_dir),
                               "client_token_file": client_file}))
@@ -485,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         return run(args.job, args.run_dir, replicas=args.replicas, plain=args.plain,
                    ready_timeout=args.ready_timeout, metrics=args.metrics, env_modules=tuple(args.env_module),
-                   agents=args.agents)
+                   agents=args.agents, reward_replicas=args.reward_replicas)
     except (LaunchError, ConfigError, Fp8rlError) as exc:
         print(f"launcher: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

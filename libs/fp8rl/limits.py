@@ -134,7 +134,7 @@ MAX_BULK_MESSAGE_BYTES = 256 * 1024 * 1024
 """Largest request of the batch-carrying RPCs (:data:`BULK_REQUEST_METHODS`) and largest message any server sends
 (weight-shard chunks, big rollout batches); every service's ``--max-message-bytes``. gRPC's default is 4 MiB."""
 
-BULK_REQUEST_METHODS = frozenset({"TrainStep", "ComputeLogprobs", "Calibrate", "Score", "Generate"})
+BULK_REQUEST_METHODS = frozenset({"TrainStep", "ComputeLogprobs", "Calibrate", "Score", "ScoreModel", "Generate"})
 """RPCs whose request carries a batch (token rows, texts): they take up to ``--max-message-bytes``."""
 
 MAX_ENV_TASK_BYTES = 1 << 20

@@ -62,6 +62,9 @@ from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
 from fp8rl.presets import load_policy
+from fp8rl.rewards.combine import combined, model_metrics, needs_model
+from fp8rl.rewards.items import item_of
+from fp8rl.rewards.model import RewardModel
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, mismatch_promise
 from fp8rl.rundir import LoopState, RunDir, RunDirError
 
@@ -116,6 +119,9 @@ class GRPOLoop:
         self.data = ArithDataset(job.arith_config(), seed=job.job.seed) if job.data.task == "arith" else None
         self.eval_set = self.plan.eval_set
         self.grader = get_grader(job.reward.grader)
+        # a reward model (reward.model: a judge or a classifier) on an engine of its own, beside the rule grader
+        self.reward_model = RewardModel(job.reward.model, scaling=self.rollout_recipe.scaling, seed=job.job.seed) \
+            if job.reward.model.kind is not None else None
         # multi-turn trajectories (env.name): the environment's messages rendered by the policy's chat template
         self.renderer = ChatRenderer(self.tok) if self.plan.env is not None else None
         self.backends = _InProcess(self)
@@ -285,6 +291,7 @@ class _InProcess:
         self.wants_problems = loop.plan.env is not None or loop.job.agent.entrypoint is not None
         self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
         self._agent: AgentDriver | None = None  # agent jobs: the endpoint and the user's function (first step on)
+        self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
 
     def restart(self, scales) -> None:
         """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
@@ -365,8 +372,22 @@ class _InProcess:
     def score(self, pairs):
         if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
+        loop = self.loop
         with memory.phase("reward"):
-            return [float(self.loop.grader(self.loop.tok.decode(s.token_ids), p.answer)) for p, s in pairs]
+            texts = [loop.tok.decode(s.token_ids) for _, s in pairs]
+            rules = [float(loop.grader(t, p.answer)) for t, (p, _) in zip(texts, pairs, strict=True)]
+            if loop.reward_model is None:
+                return rules
+            c = loop.job.reward.combine
+            ask = [k for k, r in enumerate(rules) if needs_model(r, gate=c.gate)]
+            t = time.perf_counter()
+            got = loop.reward_model.score([item_of(pairs[k][0], texts[k]) for k in ask])
+            scores: list = [None] * len(rules)
+            for k, sc in zip(ask, got, strict=True):
+                scores[k] = sc
+            self.reward_metrics = model_metrics(rules, scores, time.perf_counter() - t)
+            return [combined(r, sc, gate=c.gate, rule_weight=c.rule_weight, model_weight=c.model_weight)
+                    for r, sc in zip(rules, scores, strict=True)]
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         loop = self.loop

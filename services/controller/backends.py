@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,9 +21,13 @@ import grpc
 from fp8rl.controller.plan import JobPlan, sampling_seed
 from fp8rl.controller.pool import RolloutError
 from fp8rl.controller.step import Trained
+from fp8rl.rewards.combine import combined, model_metrics, needs_model
+from fp8rl.rewards.items import item_of
 from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
 from fp8rl.rpc.routes import routes_to_proto
+
+from .reward_router import NoReplica, RewardRouter
 
 log = logging.getLogger("fp8rl.controller")
 
@@ -77,6 +82,8 @@ class GrpcStep:
         self.wants_problems = plan.env is not None or self.agent
         self._trajectories = None
         self._agents = None
+        self._rewards: RewardRouter | None = None
+        self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
 
     @property
     def trajectories(self):
@@ -131,7 +138,52 @@ class GrpcStep:
     def score(self, pairs):
         if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
-        return self._grade(self.plan, pairs)
+        self.rewards.reset()  # a new step: a replica that failed the last one may serve again
+        rules = self._grade(self.plan, pairs)
+        out = rules if self.plan.job.reward.model.kind is None else self._mix(pairs, rules)
+        # replicas passed over this step (gone, or past a deadline): their calls went to the others
+        self.reward_metrics = {**(self.reward_metrics if out is not rules else {}),
+                               "reward/replicas_failed": float(len(self.rewards.failed))}
+        return out
+
+    @property
+    def rewards(self) -> RewardRouter:
+        """The job's calls to the reward replicas: every live ``reward`` lease (else the ``--reward`` address), the
+        least loaded first, a failed one passed over."""
+        if self._rewards is None:
+            def endpoints() -> list[str]:
+                live = sorted(ls.endpoint for ls in self.r.refit.live_replicas("reward").values())
+                fallback = self.r.b.fallback.get("reward")
+                return live or ([fallback] if fallback else [])
+
+            self._rewards = RewardRouter(endpoints, lambda ep: self.r.b.stub("reward", ep))
+        return self._rewards
+
+    def _mix(self, pairs, rules: list[float]) -> list[float | None]:
+        """The rule rewards mixed with the reward model's scores (``reward.combine``); a sample the model left
+        unscored after its attempts is None (ungraded: out of the step, counted in ``reward/model_unscored``)."""
+        c = self.plan.job.reward.combine
+        ask = [k for k, r in enumerate(rules) if needs_model(r, gate=c.gate)]
+        t = time.perf_counter()
+        rm = self.plan.job.reward.model
+        try:
+            got = self.rewards.score_model([item_of(pairs[k][0], self.plan.tok.decode(pairs[k][1].token_ids))
+                                            for k in ask], chunk=rm.max_batch,
+                                           attempts=self.r.settings.score_attempts, timeout_s=rm.timeout_s) \
+                if ask else []
+        except NoReplica as exc:
+            raise RpcFailed("reward", exc.code, exc.detail) from None
+        scores: list = [None] * len(rules)
+        for k, sc in zip(ask, got, strict=True):
+            scores[k] = sc
+        self.reward_metrics = model_metrics(rules, scores, time.perf_counter() - t)
+        out = [combined(r, sc, gate=c.gate, rule_weight=c.rule_weight, model_weight=c.model_weight)
+               for r, sc in zip(rules, scores, strict=True)]
+        unscored = [sc for sc in scores if sc is not None and sc.score is None]
+        if unscored:
+            log.warning("job %s: the reward model left %d of %d samples unscored (%s); they are left out of the step",
+                        self.plan.job_id, len(unscored), len(ask), unscored[0].error)
+        return out
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag,
@@ -185,8 +237,11 @@ class GrpcStep:
         rewards: list[float | None] = [None] * len(items)
         todo, why = list(range(len(items))), {}
         for attempt in range(self.r.settings.score_attempts):
-            resp = self.rpc("reward", "reward", "Score", reward_pb2.ScoreRequest(items=[items[i] for i in todo]),
-                             DL.score)
+            try:  # the least loaded reward replica, failed over to another when it is gone
+                resp = self.rewards.call("Score", reward_pb2.ScoreRequest(items=[items[i] for i in todo]), DL.score,
+                                         items=len(todo))
+            except NoReplica as exc:
+                raise RpcFailed("reward", exc.code, exc.detail) from None
             if not (len(resp.rewards) == len(resp.statuses) == len(todo)):
                 raise JobFailed(f"reward: the reward service answered {len(resp.rewards)} rewards and "
                               f"{len(resp.statuses)} statuses for {len(todo)} items")

@@ -23,6 +23,11 @@ trajectories, each trajectory's environment in one of ``--env-workers`` worker p
 (``--env-memory-mb``) and a per-step bound (the job's ``env.step_timeout_s``, which the controller sends). The
 environments it runs — the registered ones and import paths of each ``--env-module`` — are recorded in Redis too;
 SubmitJob refuses a job whose ``env.name`` is not among them.
+
+With ``reward.model`` set in the job it starts with, the service also holds that reward model — a judge or a
+classifier on its own embedded engine (:mod:`fp8rl.rewards.model`), loaded before it serves — and scores items with it
+in ``ScoreModel``: the items of concurrent calls share forward batches on one worker thread, beside the rule graders'
+process pool, which it never holds up. An item the model cannot score comes back unscored, with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import threading
 
 import grpc
@@ -40,6 +46,8 @@ from fp8rl.data.process_pool import ProcessGradingPool
 from fp8rl.data.scoring import DEFAULT_TIMEOUT_S, GradingCancelled, GradingPool, grade_many
 from fp8rl.envs import env_names
 from fp8rl.envs.worker_pool import EnvWorkerPool, Rlimits
+from fp8rl.rewards.items import ModelItem
+from fp8rl.rewards.model import RewardModel
 from fp8rl.rpc import env_pb2_grpc, reward_pb2, reward_pb2_grpc
 from fp8rl.rpc.channel import read_token_file
 from services.common.runtime import Context, Service, ServiceSpec, StartupError, env_default
@@ -84,6 +92,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise ValueError(f"max_items and max_response_chars must be >= 1, got {max_items}, {max_response_chars}")
         self.default_grader, self.timeout_s, self.pool = default_grader, timeout_s, pool
         self.max_items, self.max_response_chars = max_items, max_response_chars
+        self.model: RewardModel | None = None  # the job's reward.model, served by ScoreModel (set by the service)
+        self.model_name = ""
 
     def _check_size(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> None:
         if len(request.items) > self.max_items:
@@ -119,6 +129,34 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             statuses=[STATUS_CODES[r.status] for r in results],
         )
 
+    def ScoreModel(self, request: reward_pb2.ScoreModelRequest,
+                   context: grpc.ServicerContext) -> reward_pb2.ScoreModelResponse:
+        if len(request.items) > self.max_items:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: {len(request.items)} items; the limit is "
+                                                            f"{self.max_items} (--max-items)")
+        for i, item in enumerate(request.items):
+            for field in ("question", "response", "answer"):
+                n = len(getattr(item, field))
+                if n > self.max_response_chars:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"items[{i}].{field}: {n} characters; the limit is {self.max_response_chars} "
+                                  f"(--max-response-chars)")
+        timeout_s = request.timeout_s
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: {timeout_s} is not a finite number >= 0")
+        if self.model is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this reward service holds no reward model: start it with a job whose reward.model is set "
+                          "(--config JOB.yaml)")
+        got = self.model.score([ModelItem(it.question, it.response, it.answer) for it in request.items],
+                               timeout_s=timeout_s or None, should_stop=lambda: not context.is_active())
+        if self.metrics is not None:
+            self.metrics.graded.inc(len(got))
+        return reward_pb2.ScoreModelResponse(
+            scores=[reward_pb2.ModelScore(scored=s.score is not None, score=s.score or 0.0, error=s.error,
+                                          tokens=s.tokens, unparsable=s.unparsable) for s in got],
+            model=self.model_name)
+
 
 class RewardService(Service):
     """A grading process pool and the servicer over it."""
@@ -152,6 +190,14 @@ class RewardService(Service):
         self.pool = ProcessGradingPool(a.grading_workers, modules=modules, eager=True)
         self.servicer.pool = self.pool  # made after the servicer validated the flags: no workers for a bad config
         self.servicer.metrics = ctx.metrics
+        rm = job.reward.model
+        if rm.kind is not None:  # loaded before serving: a model that cannot load is a startup error, named
+            log.info("loading the reward model (%s %s, %s)", rm.kind, rm.model, rm.precision)
+            try:
+                self.servicer.model = RewardModel(rm, scaling=job.fp8_recipe("rollout").scaling, seed=job.job.seed)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"reward.model: {rm.model!r} cannot be served: {exc}") from None
+            self.servicer.model_name = f"{rm.kind} {rm.model} {rm.precision}"
         self.grader, self.timeout_s = grader, timeout_s
         self.env_modules = env_modules
         # started at the first Reset: a stack that runs no multi-turn job holds no environment worker
@@ -184,6 +230,8 @@ class RewardService(Service):
                 ctx.stopping.wait(5.0)
 
     def stop(self) -> None:
+        if self.servicer.model is not None:
+            self.servicer.model.close()
         self.agents.close()
         self.pool.close()
         self.envs.close_all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,23 @@ def test_scores_a_mixed_batch(stub):
     assert [e.split(":")[0] for e in response.errors] == ["", "", "unparsable", "", "unparsable"]
     g, u = reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE
     assert list(response.statuses) == [g, g, u, g, u]
+
+
+def test_score_model_refuses_bad_requests_and_without_a_reward_model_says_so(stub):
+    """ScoreModel (issue 52): oversized items and a bad time bound are INVALID_ARGUMENT, named; a service started with
+    no reward.model is FAILED_PRECONDITION saying how to start one (the served model: tests/unit/rewards)."""
+    big = reward_pb2.ModelItem(question="x" * ((1 << 18) + 1), response="4")
+    for req, match in ((reward_pb2.ScoreModelRequest(items=[big]), "items\\[0\\].question"),
+                       (reward_pb2.ScoreModelRequest(timeout_s=float("nan")), "timeout_s"),
+                       (reward_pb2.ScoreModelRequest(timeout_s=-1.0), "timeout_s")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ScoreModel(req, timeout=DEFAULT_DEADLINE_S.score)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and re.search(match, err.value.details())
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ScoreModel(reward_pb2.ScoreModelRequest(items=[reward_pb2.ModelItem(response="4")]),
+                        timeout=DEFAULT_DEADLINE_S.score)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "reward.model" in err.value.details()
+    assert len(stub.Score(reward_pb2.ScoreRequest(items=[_item("4", "4")]), timeout=5).rewards) == 1  # still serves
 
 
 @pytest.fixture

@@ -37,9 +37,13 @@ LIBS = {
     "fp8rl.endpoint": {"fp8rl.engines", "fp8rl.envs", "fp8rl.model", "fp8rl.limits"},
     # users' agents: their endpoint sessions as trajectories; a job's agent section (its type only)
     "fp8rl.agents": {"fp8rl.endpoint", "fp8rl.envs", "fp8rl.config"},
+    # reward models (judge, classifier) on the embedded engine, and how their scores mix with the rule grader's
+    "fp8rl.rewards": {"fp8rl.config", "fp8rl.data", "fp8rl.engines", "fp8rl.fp8", "fp8rl.model", "fp8rl.presets",
+                      "fp8rl.limits"},
     "fp8rl.loop": {"fp8rl.controller", "fp8rl.data", "fp8rl.engines", "fp8rl.envs", "fp8rl.fp8", "fp8rl.model",
-                   "fp8rl.presets", "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits", "fp8rl.observatory",
-                   "fp8rl.export", "fp8rl.rundir", "fp8rl.loop_config", "fp8rl.endpoint", "fp8rl.agents"},
+                   "fp8rl.rewards", "fp8rl.presets", "fp8rl.rl", "fp8rl.report", "fp8rl.config", "fp8rl.limits",
+                   "fp8rl.observatory", "fp8rl.export", "fp8rl.rundir", "fp8rl.loop_config", "fp8rl.endpoint",
+                   "fp8rl.agents"},
     "fp8rl.loop_config": {"fp8rl.config", "fp8rl.data", "fp8rl.fp8"},  # the loop's job and flags
     "fp8rl.rundir": {"fp8rl.report"},  # the loop's run directory: rows and checkpoints as a run goes
     "fp8rl.report": {"fp8rl.limits"},

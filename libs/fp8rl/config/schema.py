@@ -17,7 +17,7 @@ __all__ = [
     "AgentSection", "ArithSection", "AsyncGrpoConfig", "CalibrationConfig", "DataConfig", "EnvSection", "Fp8Cfg",
     "GenerationConfig",
     "GrpoConfig", "EvalSection", "ImportanceSamplingConfig", "JobSection", "LoraConfig", "LossSection", "MegatronCfg",
-    "PolicyConfig", "RewardConfig", "RewardShapingConfig",
+    "PolicyConfig", "RewardCombineConfig", "RewardConfig", "RewardModelConfig", "RewardShapingConfig",
     "RouterReplayConfig", "TrainingConfig", "VllmCfg", "MAX_PATH_CHARS",
 ]
 
@@ -485,12 +485,114 @@ class AgentSection(Section):
                               f"agent.max_tokens_per_call ({self.max_tokens_per_call})")
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "You are grading a response to a question.\n\nQuestion:\n{question}\n\nReference answer:\n{answer}\n\n"
+    "Response:\n{response}\n\nIs the response correct? Think briefly, then end with \\boxed{{1}} if it is "
+    "correct and \\boxed{{0}} if it is not.")
+
+
+@dataclass(frozen=True)
+class RewardModelConfig(Section):
+    KEY = "reward.model"
+    kind: str | None = setting(None, "A reward model beside the rule grader: judge (an LLM-as-judge, GenRM: a causal "
+                               "LM reads the question, the response and the reference answer through template and "
+                               "its text or verdict probability becomes a score) or classifier (a transformers "
+                               "*ForSequenceClassification checkpoint: its score head over the last token). None: "
+                               "the rule grader alone.", kind=str, optional=True, choices=("judge", "classifier"))
+    model: str | None = setting(None, "The reward model: a preset name or a local HF checkpoint directory (its "
+                                "weights fixed for the job).", kind=str, optional=True)
+    precision: str = setting("fp8", "Its linears: fp8 (block-scaled E4M3, the policy's fp8_recipe scaling) or bf16.",
+                             choices=("bf16", "fp8"))
+    kv_cache_dtype: str = setting("auto", "judge: its KV cache, auto (the model dtype) or fp8 (per-tensor Q/K/V "
+                                  "scales calibrated once, on the first batch it judges).", choices=("auto", "fp8"))
+    max_batch: int = setting(16, "Items one forward batch holds (gathered across concurrent Score calls).", gt=0,
+                             le=limits.MAX_BATCH_ROWS)
+    max_input_tokens: int = setting(2048, "Tokens one rendered judge prompt or classifier input may hold; a longer "
+                                    "one leaves its item ungraded (counted), never scored.", gt=0, le=1 << 20)
+    max_new_tokens: int = setting(256, "judge: tokens the judge may write per item (parse boxed / score / verdict).",
+                                  gt=0, le=limits.MAX_NEW_TOKENS)
+    template: str = setting(DEFAULT_JUDGE_TEMPLATE, "judge: the prompt, with {question}, {response} and {answer} "
+                            "(the reference answer, empty when there is none) filled in; rendered as one user turn "
+                            "by the judge's chat template when it has one. Literal braces are doubled.")
+    parse: str = setting("boxed", "judge: how its output becomes a score in [0, 1]: boxed (the last \\boxed{x}, "
+                         "x / max_score), score (the last 'score: x', x / max_score), verdict (the last of the "
+                         "verdicts' words it writes, that word's value) or verdict_prob (no generation: the "
+                         "verdict words' probabilities as the judge's first token, value-weighted). Output that "
+                         "does not parse leaves its sample unscored.",
+                         choices=("boxed", "score", "verdict", "verdict_prob"))
+    verdicts: dict | None = setting(None, "judge, parse verdict / verdict_prob: each verdict word and its score in "
+                                    "[0, 1] (None: yes 1, no 0).", kind=dict, optional=True)
+    max_score: float = setting(1.0, "judge, parse boxed / score: the top of the judge's scale (10 for a 0-10 "
+                               "scale); a value outside [0, max_score] does not parse.", gt=0.0)
+    n: int = setting(1, "judge: samples per item, their parsed scores averaged (an item with none parsed is left "
+                     "unscored).", gt=0, le=limits.MAX_SAMPLES_PER_PROMPT)
+    temperature: float = setting(0.0, "judge: sampling temperature of its samples (0: greedy; n > 1 wants > 0).",
+                                 ge=0.0, le=limits.MAX_TEMPERATURE)
+    positive_label: int = setting(-1, "classifier: the label whose probability is the score (softmax over the "
+                                  "labels; a one-label head: sigmoid of its logit). -1: the last label.")
+    timeout_s: float = setting(600.0, "Seconds one Score call may wait for its model scores; past it the items not "
+                               "scored are ungraded (retried, then left out of the step).", gt=0.0)
+
+    @property
+    def verdict_scores(self) -> dict[str, float]:
+        """The verdict words and their scores (``verdicts``, or yes 1 / no 0)."""
+        return dict(self.verdicts) if self.verdicts is not None else {"yes": 1.0, "no": 0.0}
+
+    def check(self) -> None:
+        if self.kind is None:
+            return
+        if not self.model:
+            raise ConfigError(f"{self.key('model')}: {self.key('kind')} {self.kind!r} needs a model (a preset or a "
+                              f"checkpoint directory)")
+        if len(self.model) > MAX_PATH_CHARS:
+            raise ConfigError(f"{self.key('model')}: longer than {MAX_PATH_CHARS} characters")
+        if self.kind == "classifier" and self.kv_cache_dtype != "auto":
+            raise ConfigError(f"{self.key('kv_cache_dtype')}: a classifier keeps no KV cache (one forward per item)")
+        if self.kind == "judge":
+            from string import Formatter
+
+            try:
+                names = {f for _, f, _, _ in Formatter().parse(self.template) if f is not None}
+            except ValueError as exc:
+                raise ConfigError(f"{self.key('template')}: not a format string: {exc} (double literal braces)") \
+                    from None
+            unknown = names - {"question", "response", "answer"}
+            if unknown or "response" not in names:
+                raise ConfigError(f"{self.key('template')}: fields {sorted(names)}; it must hold {{response}} and "
+                                  f"may hold {{question}} and {{answer}} only")
+            if self.parse.startswith("verdict"):
+                bad = {w: v for w, v in self.verdict_scores.items() if not (w.strip() and isinstance(v, int | float)
+                                                                       and not isinstance(v, bool) and 0 <= v <= 1)}
+                if len(self.verdict_scores) < 2 or bad:
+                    raise ConfigError(f"{self.key('verdicts')}: at least two words, each mapped to a score in "
+                                      f"[0, 1], got {self.verdict_scores}")
+            if self.parse == "verdict_prob" and self.n != 1:
+                raise ConfigError(f"{self.key('n')}: verdict_prob reads one distribution per item (n must be 1)")
+
+
+@dataclass(frozen=True)
+class RewardCombineConfig(Section):
+    KEY = "reward.combine"
+    gate: bool = setting(False, "With a reward model: the rule grader gates it — a response the rule grader "
+                         "fails scores 0 (the model is not asked), one it passes gets the weighted mix below.")
+    rule_weight: float = setting(0.0, "Weight of the rule grader's reward in the mix (with a reward model).", ge=0.0)
+    model_weight: float = setting(1.0, "Weight of the reward model's score in the mix.", ge=0.0)
+
+    def check(self) -> None:
+        if self.rule_weight + self.model_weight <= 0:
+            raise ConfigError(f"{self.key('rule_weight')} + {self.key('model_weight')} must be > 0")
+
+
 @dataclass(frozen=True)
 class RewardConfig(Section):
     KEY = "reward"
     grader: str = setting("exact_match", "Grader name (fp8rl.data graders, or one registered by "
                           "--grader-module).")
     timeout_s: float = setting(5.0, "Seconds one item may take to grade; past it the item is TIMEOUT.", gt=0.0)
+    model: RewardModelConfig = section(RewardModelConfig, "A reward model (judge or classifier) served by the "
+                                       "reward service beside the rule grader.")
+    combine: RewardCombineConfig = section(RewardCombineConfig, "How the rule grader's reward and the model's score "
+                                           "make the reward (with a reward model).")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from fp8rl.config import ConfigError, DataConfig, JobConfig
 from fp8rl.config.fields import short
 from fp8rl.data import ArithDataset, DataRoot, EpochBatches, Problem, check_data_path, read_problems
+from fp8rl.data.grading import CORRECT_REWARD  # re-exported: the validation and the reports read it here
 from fp8rl.model.tokenizer import Tokenizer, chat_template_of, load_tokenizer, render_chat_prompt
 from fp8rl.presets import PRESETS, prepare_preset
 from fp8rl.rl import grpo_advantages
@@ -35,8 +36,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# A sample counts as correct when its reward exceeds this (graders return 0/1; partial credit is < 1).
-CORRECT_REWARD = 0.5
 
 # Settings each service reads from its own --config at startup (the model, the numerics, the loss and
 # optimizer, the calibration): a submitted job must agree with the deployment on all of them, or the
@@ -45,6 +44,7 @@ CORRECT_REWARD = 0.5
 DEPLOYMENT_KEYS = (
     "policy.model", "policy.generation.backend", "policy.generation.temperature", "policy.generation.vllm_cfg",
     "policy.training", "policy.numerics", "policy.router_replay", "loss", "calibration",
+    "reward.model",  # the reward service loads it at start
 )
 
 

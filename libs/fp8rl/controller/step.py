@@ -129,7 +129,8 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
     t0, times = time.time(), {}
     problems, prompts, samples, rewards = _sample_round(plan, b, plan.batch(step), step, version, times, check)
     shaped = plan.shaped_rewards(rewards, samples)
-    summary, stats = reward_summary(rewards), {}
+    # a reward model's reward/* of the step's own batch (its score distribution, unscored samples, judge tokens)
+    summary, stats = reward_summary(rewards), dict(getattr(b, "reward_metrics", None) or {})
     if samples and hasattr(samples[0][1], "end_reason"):  # multi-turn trajectories: turns, tools, env time
         from fp8rl.envs.trajectory import trajectory_metrics
 
@@ -154,11 +155,11 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
         rewards = [flat[3][k * g + j] for k in chosen for j in range(g)]
         shaped = [flat[4][k * g + j] for k in chosen for j in range(g)]
         # drawn = kept + dropped (all-equal rewards) + surplus (informative, past the step's quota)
-        stats = {"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups_drawn": float(drawn),
+        stats.update({"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups_drawn": float(drawn),
                  "dynamic_sampling/groups_kept": float(len(kept[:want])),
                  "dynamic_sampling/groups_dropped": float(drawn - len(kept)),
                  "dynamic_sampling/groups_surplus": float(len(kept) - len(kept[:want])),
-                 "dynamic_sampling/filled": float(len(kept) >= want)}
+                 "dynamic_sampling/filled": float(len(kept) >= want)})
     return {"step": step, "problems": problems, "prompts": prompts, "samples": samples, "rewards": rewards,
             "shaped": shaped, "summary": summary, "stats": stats, "phase_times": times, "started_unix": t0}
 

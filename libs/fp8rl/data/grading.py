@@ -16,6 +16,7 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 
 __all__ = [
+    "CORRECT_REWARD",
     "GRADERS",
     "Grader",
     "exact_match_grader",
@@ -30,6 +31,9 @@ __all__ = [
 ]
 
 Grader = Callable[[str, str], float]
+
+# A response counts as correct when its reward exceeds this (graders return 0/1; partial credit is < 1).
+CORRECT_REWARD = 0.5
 
 # A number: optional minus (not when it reads as a binary minus right after a digit, "10-3"),
 # then either comma-grouped thousands ("1,234,567") or plain digits, then an optional fraction.

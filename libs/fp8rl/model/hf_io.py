@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig
 from .transformer import CausalLM
 
-__all__ = ["hf_shapes", "load_hf_checkpoint", "model_from_tensors", "save_hf_checkpoint"]
+__all__ = ["checked_model", "hf_shapes", "load_hf_checkpoint", "load_hf_tensors", "model_from_tensors",
+           "save_hf_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -115,9 +116,24 @@ def load_hf_checkpoint(
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
     config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
-    tensors = _read_tensors(path, device)
+    return checked_model(path, config, load_hf_tensors(path, device), dtype), config
 
-    tensors = _unfuse_experts({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")})
+
+def load_hf_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint directory ``path`` by HF name (fused experts split per expert, RoPE buffers
+    left out), as stored."""
+    tensors = _read_tensors(path, device)
+    return _unfuse_experts({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")})
+
+
+def checked_model(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                  dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The :class:`CausalLM` of ``config`` over ``tensors`` (read from ``path``, named in errors), converted to
+    ``dtype`` one tensor at a time; ``tensors`` is emptied.
+
+    Raises:
+        ValueError: tensors missing or unexpected (each listed by name), or one of the wrong shape.
+    """
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     expected = hf_shapes(config)
@@ -139,7 +155,7 @@ def load_hf_checkpoint(
     # one tensor at a time, each file-dtype tensor dropped once converted: the load never holds the checkpoint
     # twice (a bfloat16 checkpoint loaded in FP32 peaked at 1.5x the model's FP32 size)
     converted = {k: tensors.pop(k).to(dtype=dtype) for k in list(tensors)}
-    return model_from_tensors(config, converted), config
+    return model_from_tensors(config, converted)
 
 
 def model_from_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> CausalLM:

@@ -20,6 +20,46 @@ GRADE_STATUS_UNPARSABLE: GradeStatus
 GRADE_STATUS_TIMEOUT: GradeStatus
 GRADE_STATUS_ERROR: GradeStatus
 
+class ModelItem(_message.Message):
+    __slots__ = ("question", "response", "answer")
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    question: str
+    response: str
+    answer: str
+    def __init__(self, question: _Optional[str] = ..., response: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
+
+class ScoreModelRequest(_message.Message):
+    __slots__ = ("items", "timeout_s")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ModelItem]
+    timeout_s: float
+    def __init__(self, items: _Optional[_Iterable[_Union[ModelItem, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ModelScore(_message.Message):
+    __slots__ = ("scored", "score", "error", "tokens", "unparsable")
+    SCORED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNPARSABLE_FIELD_NUMBER: _ClassVar[int]
+    scored: bool
+    score: float
+    error: str
+    tokens: int
+    unparsable: int
+    def __init__(self, scored: _Optional[bool] = ..., score: _Optional[float] = ..., error: _Optional[str] = ..., tokens: _Optional[int] = ..., unparsable: _Optional[int] = ...) -> None: ...
+
+class ScoreModelResponse(_message.Message):
+    __slots__ = ("scores", "model")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[ModelScore]
+    model: str
+    def __init__(self, scores: _Optional[_Iterable[_Union[ModelScore, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+
 class ScoreItem(_message.Message):
     __slots__ = ("response", "answer", "grader")
     RESPONSE_FIELD_NUMBER: _ClassVar[int]

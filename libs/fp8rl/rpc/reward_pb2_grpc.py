@@ -42,6 +42,11 @@ class RewardServiceStub:
                 request_serializer=fp8rl_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=fp8rl_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreModel = channel.unary_unary(
+                '/fp8rl.v1.RewardService/ScoreModel',
+                request_serializer=fp8rl_dot_v1_dot_reward__pb2.ScoreModelRequest.SerializeToString,
+                response_deserializer=fp8rl_dot_v1_dot_reward__pb2.ScoreModelResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -57,6 +62,14 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreModel(self, request, context):
+        """Scores every item with the service's reward model (a judge or a classifier: the reward.model of the job it
+        was started with); FAILED_PRECONDITION when it holds none. Items of concurrent calls share forward batches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -64,6 +77,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=fp8rl_dot_v1_dot_reward__pb2.ScoreRequest.FromString,
                     response_serializer=fp8rl_dot_v1_dot_reward__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreModel,
+                    request_deserializer=fp8rl_dot_v1_dot_reward__pb2.ScoreModelRequest.FromString,
+                    response_serializer=fp8rl_dot_v1_dot_reward__pb2.ScoreModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -96,6 +114,33 @@ class RewardService:
             '/fp8rl.v1.RewardService/Score',
             fp8rl_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
             fp8rl_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fp8rl.v1.RewardService/ScoreModel',
+            fp8rl_dot_v1_dot_reward__pb2.ScoreModelRequest.SerializeToString,
+            fp8rl_dot_v1_dot_reward__pb2.ScoreModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,8 @@ def _internal_calls(version: int) -> dict[str, tuple[str, object]]:
             rollout_pb2.ReleaseSessionsRequest(session_keys=["k"]), timeout=T)),
         "Score": ("reward", lambda ch: reward_pb2_grpc.RewardServiceStub(ch).Score(
             reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="4", answer="4")]), timeout=T)),
+        "ScoreModel": ("reward", lambda ch: reward_pb2_grpc.RewardServiceStub(ch).ScoreModel(
+            reward_pb2.ScoreModelRequest(items=[reward_pb2.ModelItem(question="2+2?", response="4")]), timeout=T)),
         "Reset": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).Reset(env_pb2.EnvResetRequest(
             trajectory_id="t", env="calculator", task_json='{"question": "What is 2*3?", "answer": "6"}'), timeout=T)),
         "Step": ("reward", lambda ch: env_pb2_grpc.EnvServiceStub(ch).Step(
