@@ -62,7 +62,7 @@ from fp8rl.model import model_from_tensors
 from fp8rl.model.tokenizer import stop_token_ids
 from fp8rl.observatory import ObservatoryConfig, ObservatoryResult, observe
 from fp8rl.presets import load_policy
-from fp8rl.rewards.combine import combined, model_metrics, needs_model
+from fp8rl.rewards.combine import mix_rewards
 from fp8rl.rewards.items import item_of
 from fp8rl.rewards.model import RewardModel
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, mismatch_promise
@@ -379,15 +379,11 @@ class _InProcess:
             if loop.reward_model is None:
                 return rules
             c = loop.job.reward.combine
-            ask = [k for k, r in enumerate(rules) if needs_model(r, gate=c.gate)]
-            t = time.perf_counter()
-            got = loop.reward_model.score([item_of(pairs[k][0], texts[k]) for k in ask])
-            scores: list = [None] * len(rules)
-            for k, sc in zip(ask, got, strict=True):
-                scores[k] = sc
-            self.reward_metrics = model_metrics(rules, scores, time.perf_counter() - t)
-            return [combined(r, sc, gate=c.gate, rule_weight=c.rule_weight, model_weight=c.model_weight)
-                    for r, sc in zip(rules, scores, strict=True)]
+            out, self.reward_metrics = mix_rewards(
+                [item_of(p, t) for (p, _), t in zip(pairs, texts, strict=True)], rules, loop.reward_model.score,
+                gate=c.gate, rule_weight=c.rule_weight, model_weight=c.model_weight,
+                pairwise=loop.job.reward.model.pairwise, group=loop.plan.group)
+            return out
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         loop = self.loop

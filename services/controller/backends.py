@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ import grpc
 from fp8rl.controller.plan import JobPlan, sampling_seed
 from fp8rl.controller.pool import RolloutError
 from fp8rl.controller.step import Trained
-from fp8rl.rewards.combine import combined, model_metrics, needs_model
+from fp8rl.rewards.combine import mix_rewards
 from fp8rl.rewards.items import item_of
 from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
@@ -162,27 +161,22 @@ class GrpcStep:
     def _mix(self, pairs, rules: list[float]) -> list[float | None]:
         """The rule rewards mixed with the reward model's scores (``reward.combine``); a sample the model left
         unscored after its attempts is None (ungraded: out of the step, counted in ``reward/model_unscored``)."""
-        c = self.plan.job.reward.combine
-        ask = [k for k, r in enumerate(rules) if needs_model(r, gate=c.gate)]
-        t = time.perf_counter()
-        rm = self.plan.job.reward.model
+        c, rm = self.plan.job.reward.combine, self.plan.job.reward.model
+        items = [item_of(p, self.plan.tok.decode(s.token_ids)) for p, s in pairs]
+
+        def score(batch: list) -> list:
+            return self.rewards.score_model(batch, chunk=rm.max_batch, attempts=self.r.settings.score_attempts,
+                                            timeout_s=rm.timeout_s)
+
         try:
-            got = self.rewards.score_model([item_of(pairs[k][0], self.plan.tok.decode(pairs[k][1].token_ids))
-                                            for k in ask], chunk=rm.max_batch,
-                                           attempts=self.r.settings.score_attempts, timeout_s=rm.timeout_s) \
-                if ask else []
+            out, self.reward_metrics = mix_rewards(items, rules, score, gate=c.gate, rule_weight=c.rule_weight,
+                                                   model_weight=c.model_weight, pairwise=rm.pairwise,
+                                                   group=self.plan.group)
         except NoReplica as exc:
             raise RpcFailed("reward", exc.code, exc.detail) from None
-        scores: list = [None] * len(rules)
-        for k, sc in zip(ask, got, strict=True):
-            scores[k] = sc
-        self.reward_metrics = model_metrics(rules, scores, time.perf_counter() - t)
-        out = [combined(r, sc, gate=c.gate, rule_weight=c.rule_weight, model_weight=c.model_weight)
-               for r, sc in zip(rules, scores, strict=True)]
-        unscored = [sc for sc in scores if sc is not None and sc.score is None]
-        if unscored:
-            log.warning("job %s: the reward model left %d of %d samples unscored (%s); they are left out of the step",
-                        self.plan.job_id, len(unscored), len(ask), unscored[0].error)
+        if self.reward_metrics["reward/model_unscored"]:
+            log.warning("job %s: the reward model left %d samples unscored; they are left out of the step",
+                        self.plan.job_id, self.reward_metrics["reward/model_unscored"])
         return out
 
     def train(self, version, step, rows, *, max_weight_lag=0):

@@ -41,12 +41,13 @@ class NoReplica(Exception):
 
 
 def _score(s: reward_pb2.ModelScore, ep: str) -> ModelScore:
+    ref = float(s.reference) if s.reference_scored and 0.0 <= s.reference <= 1.0 else None
     if not s.scored:
-        return ModelScore(None, s.error or "unscored", s.tokens, s.unparsable)
+        return ModelScore(None, s.error or "unscored", s.tokens, s.unparsable, s.compared, ref)
     if not 0.0 <= s.score <= 1.0:  # NaN fails this too
         return ModelScore(None, f"reward replica {ep} answered score {s.score}, outside [0, 1]", s.tokens,
                           s.unparsable)
-    return ModelScore(float(s.score), "", s.tokens, s.unparsable)
+    return ModelScore(float(s.score), "", s.tokens, s.unparsable, s.compared, ref)
 
 
 class RewardRouter:
@@ -122,7 +123,8 @@ class RewardRouter:
     def _send(self, live: Sequence[str], items: list[ModelItem], timeout_s: float) -> list[ModelScore]:
         ep = self._pick(live, len(items))
         req = reward_pb2.ScoreModelRequest(items=[reward_pb2.ModelItem(question=i.question, response=i.response,
-                                                                       answer=i.answer) for i in items],
+                                                                       answer=i.answer, other=i.other)
+                                                  for i in items],
                                            timeout_s=timeout_s)
         try:
             resp = self.stub(ep).ScoreModel(req, timeout=timeout_s + _DEADLINE_MARGIN_S)

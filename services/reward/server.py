@@ -135,7 +135,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: {len(request.items)} items; the limit is "
                                                             f"{self.max_items} (--max-items)")
         for i, item in enumerate(request.items):
-            for field in ("question", "response", "answer"):
+            for field in ("question", "response", "answer", "other"):
                 n = len(getattr(item, field))
                 if n > self.max_response_chars:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -148,13 +148,15 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "this reward service holds no reward model: start it with a job whose reward.model is set "
                           "(--config JOB.yaml)")
-        got = self.model.score([ModelItem(it.question, it.response, it.answer) for it in request.items],
+        got = self.model.score([ModelItem(it.question, it.response, it.answer, it.other) for it in request.items],
                                timeout_s=timeout_s or None, should_stop=lambda: not context.is_active())
         if self.metrics is not None:
             self.metrics.graded.inc(len(got))
         return reward_pb2.ScoreModelResponse(
             scores=[reward_pb2.ModelScore(scored=s.score is not None, score=s.score or 0.0, error=s.error,
-                                          tokens=s.tokens, unparsable=s.unparsable) for s in got],
+                                          tokens=s.tokens, unparsable=s.unparsable, compared=s.compared,
+                                          reference_scored=s.reference is not None, reference=s.reference or 0.0)
+                    for s in got],
             model=self.model_name)
 
 

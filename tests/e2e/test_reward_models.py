@@ -66,3 +66,12 @@ def test_a_judge_whose_output_never_parses_leaves_every_sample_out_and_counts_th
     assert m["reward/judge_unparsable_samples"] == SAMPLES and m["reward/judge_tokens"] >= SAMPLES
     assert m["reward_mean"] == 0.0 and "reward/model_mean" not in m  # nothing scored: no score learned from
     assert loop.trainer.version == 1  # the step still made its version, on zero advantages
+
+
+def test_a_pairwise_judge_scores_each_response_against_its_group():
+    """Every response compared with the 3 others of its group in both orders: each one's score is its mean win, so
+    a group's scores average exactly 1/2 whatever the judge prefers (the wins of a pair sum to 1)."""
+    loop = _job({**JUDGE, "pairwise": True, "template": "{response}{other}="}, {"gate": False})
+    m = loop.step(0)
+    assert (m["reward/model_scored"], m["reward/model_unscored"]) == (SAMPLES, 0.0)
+    assert m["reward/model_mean"] == pytest.approx(0.5, abs=MEAN_ATOL) and m["reward/model_std"] > 0

@@ -291,3 +291,27 @@ def test_lora_settings_and_the_engines_that_refuse_them():
         job.with_settings({"policy.training.backend": "megatron"})
     with pytest.raises(ConfigError, match=r"^policy.lora.rank: must be > 0"):
         job.with_settings({"policy.lora.rank": 0})
+
+
+@pytest.mark.parametrize("model,match", [
+    ({"kind": "judge"}, "reward.model.model: reward.model.kind 'judge' needs a model"),
+    ({"kind": "judge", "model": "m", "template": "{question}"}, "reward.model.template: fields"),
+    ({"kind": "judge", "model": "m", "template": "{response} {oops}"}, "reward.model.template: fields"),
+    ({"kind": "judge", "model": "m", "template": "{response"}, "not a format string"),
+    ({"kind": "judge", "model": "m", "pairwise": True}, r"\{other\} \(pairwise\)"),
+    ({"kind": "judge", "model": "m", "template": "{response} vs {other}"}, "reward.model.template: fields"),
+    ({"kind": "classifier", "model": "m", "pairwise": True}, "pairwise needs a judge"),
+    ({"kind": "classifier", "model": "m", "kv_cache_dtype": "fp8"}, "a classifier keeps no KV cache"),
+    ({"kind": "judge", "model": "m", "parse": "verdict", "verdicts": {"yes": 2}}, "reward.model.verdicts"),
+    ({"kind": "judge", "model": "m", "parse": "verdict_prob", "n": 2}, "reward.model.n"),
+    ({"kind": "judge", "model": "m", "precision": "bf16", "agreement": True}, "needs reward.model.precision: fp8"),
+    ({"kind": "critic", "model": "m"}, "reward.model.kind"),
+])
+def test_reward_model_settings_are_checked_naming_the_key(model, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_job_config({"reward": {"model": model}})
+    with pytest.raises(ConfigError, match="rule_weight"):
+        parse_job_config({"reward": {"combine": {"rule_weight": 0.0, "model_weight": 0.0}}})
+    ok = parse_job_config({"reward": {"model": {"kind": "judge", "model": "m", "pairwise": True,
+                                                 "template": "{question}: {response} or {other}?"}}})
+    assert ok.reward.model.pairwise and ok.reward.model.verdict_scores == {"yes": 1.0, "no": 0.0}

@@ -532,6 +532,15 @@ class RewardModelConfig(Section):
                                   "labels; a one-label head: sigmoid of its logit). -1: the last label.")
     timeout_s: float = setting(600.0, "Seconds one Score call may wait for its model scores; past it the items not "
                                "scored are ungraded (retried, then left out of the step).", gt=0.0)
+    pairwise: bool = setting(False, "judge: compare each response with every other response of its GRPO group (that "
+                             "the gate let through) instead of judging it alone: the template reads the two as "
+                             "{response} and {other}, the parsed score is the chance the first is the better, and a "
+                             "response's score is its mean win over both orders of every pair (G(G-1) judge calls "
+                             "per group).")
+    agreement: bool = setting(False, "precision fp8: also score every item with the same model in bf16 (twice the "
+                              "model's work) and record reward/model_agreement (the share of items whose bf16 score "
+                              "equals the FP8 one, unscored counting as a value) and reward/model_abs_diff_mean "
+                              "(mean |FP8 - bf16| over the items both scored); the FP8 score is the reward.")
 
     @property
     def verdict_scores(self) -> dict[str, float]:
@@ -546,6 +555,11 @@ class RewardModelConfig(Section):
                               f"checkpoint directory)")
         if len(self.model) > MAX_PATH_CHARS:
             raise ConfigError(f"{self.key('model')}: longer than {MAX_PATH_CHARS} characters")
+        if self.agreement and self.precision != "fp8":
+            raise ConfigError(f"{self.key('agreement')}: compares the FP8 model with itself in bf16; it needs "
+                              f"{self.key('precision')}: fp8")
+        if self.pairwise and self.kind != "judge":
+            raise ConfigError(f"{self.key('pairwise')}: a {self.kind} scores one response; pairwise needs a judge")
         if self.kind == "classifier" and self.kv_cache_dtype != "auto":
             raise ConfigError(f"{self.key('kv_cache_dtype')}: a classifier keeps no KV cache (one forward per item)")
         if self.kind == "judge":
@@ -556,10 +570,12 @@ class RewardModelConfig(Section):
             except ValueError as exc:
                 raise ConfigError(f"{self.key('template')}: not a format string: {exc} (double literal braces)") \
                     from None
-            unknown = names - {"question", "response", "answer"}
-            if unknown or "response" not in names:
-                raise ConfigError(f"{self.key('template')}: fields {sorted(names)}; it must hold {{response}} and "
-                                  f"may hold {{question}} and {{answer}} only")
+            allowed = {"question", "response", "answer"} | ({"other"} if self.pairwise else set())
+            unknown = names - allowed
+            if unknown or "response" not in names or (self.pairwise and "other" not in names):
+                raise ConfigError(f"{self.key('template')}: fields {sorted(names)}; it must hold {{response}}"
+                                  f"{' and {other} (pairwise)' if self.pairwise else ''} and may hold {{question}} "
+                                  f"and {{answer}}")
             if self.parse.startswith("verdict"):
                 bad = {w: v for w, v in self.verdict_scores.items() if not (w.strip() and isinstance(v, int | float)
                                                                        and not isinstance(v, bool) and 0 <= v <= 1)}

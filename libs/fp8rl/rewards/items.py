@@ -13,22 +13,27 @@ __all__ = ["ModelItem", "ModelScore", "item_of"]
 @dataclass(frozen=True)
 class ModelItem:
     """What the reward model reads of one sample: the task's question, the policy's response, the reference answer
-    ("" when there is none)."""
+    ("" when there is none), and for a pairwise judge another response of its group to compare it with."""
 
     question: str
     response: str
     answer: str = ""
+    other: str = ""
 
 
 @dataclass(frozen=True)
 class ModelScore:
     """The model's score of one item in [0, 1], or None (unscored) with ``error`` saying why; ``tokens``: what the
-    judge wrote for it, ``unparsable``: its judge samples whose text did not parse."""
+    judge wrote for it, ``unparsable``: its judge samples whose text did not parse; ``reference``: with
+    ``reward.model.agreement``, the same model's score in bf16 (None: unscored there, or not measured — see
+    ``compared``)."""
 
     score: float | None
     error: str = ""
     tokens: int = 0
     unparsable: int = 0
+    compared: bool = False
+    reference: float | None = None
 
 
 def item_of(problem: Problem, response: str) -> ModelItem:

@@ -32,10 +32,12 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
-def render_judge_prompt(tok: Tokenizer, template: str, *, question: str, response: str, answer: str) -> list[int]:
-    """The judge's prompt token ids for one item: ``template`` filled in, then one user turn of the tokenizer's chat
-    template (generation prompt added) when it has one, else the text after BOS."""
-    text = template.format(question=question, response=response, answer=answer)
+def render_judge_prompt(tok: Tokenizer, template: str, *, question: str, response: str, answer: str,
+                        other: str = "") -> list[int]:
+    """The judge's prompt token ids for one item: ``template`` filled in (``other``: the response it is compared with,
+    pairwise), then one user turn of the tokenizer's chat template (generation prompt added) when it has one, else
+    the text after BOS."""
+    text = template.format(question=question, response=response, answer=answer, other=other)
     if chat_template_of(tok) is not None:
         return tok.encode(render_chat_prompt(tok, text), add_bos=False)
     return tok.encode(text)

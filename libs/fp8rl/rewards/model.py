@@ -16,6 +16,7 @@ fp8``: per-tensor Q/K/V scales calibrated once, on the first batch's prompts); i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -61,13 +62,16 @@ class RewardModel:
         cfg: the job's ``reward.model``.
         scaling: the FP8 scaling of its linears (the job's ``fp8_recipe``).
         seed: seeds the judge's sampling (n > 1 or temperature > 0).
+        serve: start the worker thread (:meth:`score`); False: :meth:`compute` only (the bf16 reference of
+            ``reward.model.agreement``).
 
     Raises:
         ValueError / FileNotFoundError: no kind, a model that does not load (a classifier that is not a
             ``*ForSequenceClassification`` checkpoint, verdict words that share a first token, ...), named.
     """
 
-    def __init__(self, cfg: RewardModelConfig, *, scaling: str = DEFAULT_SCALING, seed: int = 0) -> None:
+    def __init__(self, cfg: RewardModelConfig, *, scaling: str = DEFAULT_SCALING, seed: int = 0,
+                 serve: bool = True) -> None:
         if cfg.kind is None or not cfg.model:
             raise ValueError("reward.model.kind and reward.model.model must be set to serve a reward model")
         self.cfg = cfg
@@ -93,20 +97,26 @@ class RewardModel:
                 p.requires_grad_(False)
             self.net, self.engine = clf, None
             self.max_len = clf.config.max_position_embeddings
+        # reward.model.agreement: the same model in bf16, scoring every batch too (its scores are only compared)
+        self.reference = RewardModel(dataclasses.replace(cfg, precision="bf16", kv_cache_dtype="auto",
+                                                         agreement=False), scaling=scaling, seed=seed, serve=False) \
+            if cfg.agreement else None
         self.batch_sizes: list[int] = []  # every forward batch's item count, in order (the last 1000)
         self._seed = seed
         self._queue: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
         self._closed = False
-        self._worker = threading.Thread(target=self._serve, name="reward-model", daemon=True)
-        self._worker.start()
+        self._worker = threading.Thread(target=self._serve, name="reward-model", daemon=True) if serve else None
+        if self._worker is not None:
+            self._worker.start()
 
     # ------------------------------------------------------------------ callers
     def score(self, items: Sequence[ModelItem], *, timeout_s: float | None = None,
               should_stop: Callable[[], bool] | None = None) -> list[ModelScore]:
         """One :class:`ModelScore` per item, in order; items still unscored after ``timeout_s`` (default the config's)
         or once ``should_stop`` says so come back unscored (those not yet begun are withdrawn)."""
-        if self._closed:
-            raise RuntimeError("the reward model is closed")
+        if self._closed or self._worker is None:
+            raise RuntimeError("the reward model is closed" if self._closed else "this reward model serves no callers "
+                               "(serve=False): call compute")
         waiting = [_Waiting(item, Future()) for item in items]
         for w in waiting:
             self._queue.put(w)
@@ -133,8 +143,9 @@ class RewardModel:
         """Stop the worker (after the batch it is on); queued items come back unscored."""
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-            self._worker.join(timeout=60)
+            if self._worker is not None:
+                self._queue.put(None)
+                self._worker.join(timeout=60)
 
     # ------------------------------------------------------------------ the worker
     def _serve(self) -> None:
@@ -195,12 +206,15 @@ class RewardModel:
                 self._judge([inputs[i] for i in ok])
             for i, r in zip(ok, got, strict=True):
                 out[i] = r
+        if self.reference is not None:  # the same items through the bf16 copy: its score beside the FP8 one
+            refs = self.reference.compute(items)
+            out = [dataclasses.replace(r, compared=True, reference=x.score) for r, x in zip(out, refs, strict=True)]
         return out  # type: ignore[return-value]
 
     def _render(self, it: ModelItem) -> list[int]:
         if self.cfg.kind == "judge":
             return render_judge_prompt(self.tok, self.cfg.template, question=it.question, response=it.response,
-                                       answer=it.answer)
+                                       answer=it.answer, other=it.other)
         if chat_template_of(self.tok) is not None:  # the conversation the classifier was trained to read
             text = self.tok.hf_tokenizer.apply_chat_template(  # type: ignore[attr-defined]
                 [{"role": "user", "content": it.question}, {"role": "assistant", "content": it.response}],

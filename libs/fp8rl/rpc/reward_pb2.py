@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66p8rl/v1/reward.proto\x12\x08\x66p8rl.v1\"?\n\tModelItem\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x03 \x01(\t\"J\n\x11ScoreModelRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.fp8rl.v1.ModelItem\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"^\n\nModelScore\x12\x0e\n\x06scored\x18\x01 \x01(\x08\x12\r\n\x05score\x18\x02 \x01(\x01\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\x05\x12\x12\n\nunparsable\x18\x05 \x01(\x05\"I\n\x12ScoreModelResponse\x12$\n\x06scores\x18\x01 \x03(\x0b\x32\x14.fp8rl.v1.ModelScore\x12\r\n\x05model\x18\x02 \x01(\t\"=\n\tScoreItem\x12\x10\n\x08response\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x0e\n\x06grader\x18\x03 \x01(\t\"2\n\x0cScoreRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.fp8rl.v1.ScoreItem\"q\n\rScoreResponse\x12\x0f\n\x07rewards\x18\x01 \x03(\x02\x12\x16\n\x0enum_unparsable\x18\x02 \x01(\x05\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\x12\'\n\x08statuses\x18\x04 \x03(\x0e\x32\x15.fp8rl.v1.GradeStatus*\x93\x01\n\x0bGradeStatus\x12\x1c\n\x18GRADE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13GRADE_STATUS_GRADED\x10\x01\x12\x1b\n\x17GRADE_STATUS_UNPARSABLE\x10\x02\x12\x18\n\x14GRADE_STATUS_TIMEOUT\x10\x03\x12\x16\n\x12GRADE_STATUS_ERROR\x10\x04\x32\x92\x01\n\rRewardService\x12\x38\n\x05Score\x12\x16.fp8rl.v1.ScoreRequest\x1a\x17.fp8rl.v1.ScoreResponse\x12G\n\nScoreModel\x12\x1b.fp8rl.v1.ScoreModelRequest\x1a\x1c.fp8rl.v1.ScoreModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66p8rl/v1/reward.proto\x12\x08\x66p8rl.v1\"N\n\tModelItem\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x03 \x01(\t\x12\r\n\x05other\x18\x04 \x01(\t\"J\n\x11ScoreModelRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.fp8rl.v1.ModelItem\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"\x9d\x01\n\nModelScore\x12\x0e\n\x06scored\x18\x01 \x01(\x08\x12\r\n\x05score\x18\x02 \x01(\x01\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\x05\x12\x12\n\nunparsable\x18\x05 \x01(\x05\x12\x10\n\x08\x63ompared\x18\x06 \x01(\x08\x12\x18\n\x10reference_scored\x18\x07 \x01(\x08\x12\x11\n\treference\x18\x08 \x01(\x01\"I\n\x12ScoreModelResponse\x12$\n\x06scores\x18\x01 \x03(\x0b\x32\x14.fp8rl.v1.ModelScore\x12\r\n\x05model\x18\x02 \x01(\t\"=\n\tScoreItem\x12\x10\n\x08response\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x0e\n\x06grader\x18\x03 \x01(\t\"2\n\x0cScoreRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.fp8rl.v1.ScoreItem\"q\n\rScoreResponse\x12\x0f\n\x07rewards\x18\x01 \x03(\x02\x12\x16\n\x0enum_unparsable\x18\x02 \x01(\x05\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\x12\'\n\x08statuses\x18\x04 \x03(\x0e\x32\x15.fp8rl.v1.GradeStatus*\x93\x01\n\x0bGradeStatus\x12\x1c\n\x18GRADE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13GRADE_STATUS_GRADED\x10\x01\x12\x1b\n\x17GRADE_STATUS_UNPARSABLE\x10\x02\x12\x18\n\x14GRADE_STATUS_TIMEOUT\x10\x03\x12\x16\n\x12GRADE_STATUS_ERROR\x10\x04\x32\x92\x01\n\rRewardService\x12\x38\n\x05Score\x12\x16.fp8rl.v1.ScoreRequest\x1a\x17.fp8rl.v1.ScoreResponse\x12G\n\nScoreModel\x12\x1b.fp8rl.v1.ScoreModelRequest\x1a\x1c.fp8rl.v1.ScoreModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.reward_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRADESTATUS']._serialized_start=578
-  _globals['_GRADESTATUS']._serialized_end=725
+  _globals['_GRADESTATUS']._serialized_start=657
+  _globals['_GRADESTATUS']._serialized_end=804
   _globals['_MODELITEM']._serialized_start=35
-  _globals['_MODELITEM']._serialized_end=98
-  _globals['_SCOREMODELREQUEST']._serialized_start=100
-  _globals['_SCOREMODELREQUEST']._serialized_end=174
-  _globals['_MODELSCORE']._serialized_start=176
-  _globals['_MODELSCORE']._serialized_end=270
-  _globals['_SCOREMODELRESPONSE']._serialized_start=272
-  _globals['_SCOREMODELRESPONSE']._serialized_end=345
-  _globals['_SCOREITEM']._serialized_start=347
-  _globals['_SCOREITEM']._serialized_end=408
-  _globals['_SCOREREQUEST']._serialized_start=410
-  _globals['_SCOREREQUEST']._serialized_end=460
-  _globals['_SCORERESPONSE']._serialized_start=462
-  _globals['_SCORERESPONSE']._serialized_end=575
-  _globals['_REWARDSERVICE']._serialized_start=728
-  _globals['_REWARDSERVICE']._serialized_end=874
+  _globals['_MODELITEM']._serialized_end=113
+  _globals['_SCOREMODELREQUEST']._serialized_start=115
+  _globals['_SCOREMODELREQUEST']._serialized_end=189
+  _globals['_MODELSCORE']._serialized_start=192
+  _globals['_MODELSCORE']._serialized_end=349
+  _globals['_SCOREMODELRESPONSE']._serialized_start=351
+  _globals['_SCOREMODELRESPONSE']._serialized_end=424
+  _globals['_SCOREITEM']._serialized_start=426
+  _globals['_SCOREITEM']._serialized_end=487
+  _globals['_SCOREREQUEST']._serialized_start=489
+  _globals['_SCOREREQUEST']._serialized_end=539
+  _globals['_SCORERESPONSE']._serialized_start=541
+  _globals['_SCORERESPONSE']._serialized_end=654
+  _globals['_REWARDSERVICE']._serialized_start=807
+  _globals['_REWARDSERVICE']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

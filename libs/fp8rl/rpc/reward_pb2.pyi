@@ -21,14 +21,16 @@ GRADE_STATUS_TIMEOUT: GradeStatus
 GRADE_STATUS_ERROR: GradeStatus
 
 class ModelItem(_message.Message):
-    __slots__ = ("question", "response", "answer")
+    __slots__ = ("question", "response", "answer", "other")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
     question: str
     response: str
     answer: str
-    def __init__(self, question: _Optional[str] = ..., response: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
+    other: str
+    def __init__(self, question: _Optional[str] = ..., response: _Optional[str] = ..., answer: _Optional[str] = ..., other: _Optional[str] = ...) -> None: ...
 
 class ScoreModelRequest(_message.Message):
     __slots__ = ("items", "timeout_s")
@@ -39,18 +41,24 @@ class ScoreModelRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ModelItem, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ModelScore(_message.Message):
-    __slots__ = ("scored", "score", "error", "tokens", "unparsable")
+    __slots__ = ("scored", "score", "error", "tokens", "unparsable", "compared", "reference_scored", "reference")
     SCORED_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     UNPARSABLE_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_SCORED_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     scored: bool
     score: float
     error: str
     tokens: int
     unparsable: int
-    def __init__(self, scored: _Optional[bool] = ..., score: _Optional[float] = ..., error: _Optional[str] = ..., tokens: _Optional[int] = ..., unparsable: _Optional[int] = ...) -> None: ...
+    compared: bool
+    reference_scored: bool
+    reference: float
+    def __init__(self, scored: _Optional[bool] = ..., score: _Optional[float] = ..., error: _Optional[str] = ..., tokens: _Optional[int] = ..., unparsable: _Optional[int] = ..., compared: _Optional[bool] = ..., reference_scored: _Optional[bool] = ..., reference: _Optional[float] = ...) -> None: ...
 
 class ScoreModelResponse(_message.Message):
     __slots__ = ("scores", "model")

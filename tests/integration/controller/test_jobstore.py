@@ -108,6 +108,12 @@ def test_deployment_mismatch_names_the_key():
                                deployed) is None
     why = deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, "calibration": {"margin": 1.2}}), deployed)
     assert why.startswith("calibration.margin:")
+    # the reward model is the reward services' (loaded at start): a job asking another one is refused, naming it
+    judge = {"reward": {"model": {"kind": "judge", "model": "tiny-arith"}}}
+    why = deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, **judge}), deployed)
+    assert why.startswith("reward.model.kind:")
+    assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, "reward": {"grader": "math_verify"}}),
+                               deployed) is None  # the rule grader is the job's
 
 
 def test_a_long_model_name_is_not_echoed_whole():

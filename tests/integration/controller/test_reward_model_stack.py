@@ -1,6 +1,7 @@
 """A 3-step job rewarded by a judge on a launched stack with two reward replicas (issue 52; ``make test-rewards``).
 
-The judge is the tiny-arith preset (FP8 linears, its verdict probability the score), served by both reward services;
+The judge is the tiny-arith preset (FP8 linears, its verdict probability the score, and beside it the same judge in
+bf16 for the agreement metric), served by both reward services;
 the controller sends each chunk of a step's items (``reward.model.max_batch`` of them) to the replica with the
 fewest in flight — after step 0 both have answered ScoreModel calls (their Prometheus counters). Then one replica is
 killed (SIGKILL, its lease still live for up to its TTL): the items sent to it are scored again on the other, and the
@@ -35,6 +36,7 @@ def test_a_judge_rewards_a_stack_job_across_two_replicas_and_survives_one_killed
     model_dir = tiny_model(tmp_path / "model")
     job = tiny_job(model_dir, steps=STEPS)
     job["reward"] = {"model": {"kind": "judge", "model": "tiny-arith", "precision": "fp8", "max_batch": 4,
+                               "agreement": True,
                                "template": "{question}{response}=", "parse": "verdict_prob",
                                "verdicts": {"1": 1.0, "0": 0.0}}}
     job_file = tmp_path / "job.yaml"
@@ -62,6 +64,8 @@ def test_a_judge_rewards_a_stack_job_across_two_replicas_and_survives_one_killed
             assert m["reward/model_scored"] >= SAMPLES / 2, (r.step, m)  # at least half of each step's judged
             assert m["reward/model_scored"] + m["reward/model_unscored"] == SAMPLES  # no gate: every sample asked
             assert 0.0 <= m["reward/model_mean"] <= 1.0 and m["reward/model_seconds"] > 0
+            # the FP8 judge against itself in bf16 (agreement: on), carried back with each score
+            assert 0.0 <= m["reward/model_agreement"] <= 1.0 and 0.0 <= m["reward/model_abs_diff_mean"] < 0.5
         # while the killed replica's lease outlives it (up to its TTL), a call to it fails over to the live one and
         # it is passed over for the rest of that step: at most that one replica is counted, never before the kill
         assert [r.metrics["reward/replicas_failed"] <= (r.step > 0) for r in reports] == [True] * STEPS

@@ -115,6 +115,19 @@ def test_a_wait_past_its_bound_comes_back_unscored_and_closing_refuses_more():
         rm.score(ITEMS[:1])
 
 
+def test_agreement_scores_each_batch_with_the_same_model_in_bf16_too():
+    rm = _judge(precision="fp8", agreement=True)
+    plain = _judge(precision="bf16")
+    try:
+        got, want = rm.compute(ITEMS), plain.compute(ITEMS)  # one batch, and the same through a bf16 judge
+        assert [s.reference for s in got] == [w.score for w in want]  # the same code on the same batch: bitwise
+        assert all(s.compared and s.score is not None for s in got)
+        assert [s.score for s in got] != [s.reference for s in got]  # FP8 linears round differently
+    finally:
+        rm.close()
+        plain.close()
+
+
 def test_fp8_linears_and_an_fp8_kv_cache_calibrated_on_the_first_batch_serve():
     rm = _judge(precision="fp8", kv_cache_dtype="fp8")
     try:
