@@ -65,6 +65,7 @@ from fp8rl.presets import load_policy
 from fp8rl.rewards.combine import mix_rewards
 from fp8rl.rewards.items import item_of
 from fp8rl.rewards.model import RewardModel
+from fp8rl.rewards.policy_judge import PolicyJudge
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, mismatch_promise
 from fp8rl.rundir import LoopState, RunDir, RunDirError
 
@@ -84,6 +85,20 @@ class GRPOLoop:
     def __init__(self, cfg: LoopConfig, *, share_weights: bool | None = None) -> None:
         with memory.phase("setup"):  # every role's weights and first FP8 forms: step 0's record reports its peak
             self._build(cfg, share_weights)
+
+    def _reward_model(self, job) -> RewardModel | PolicyJudge:
+        """``reward.model``: on an engine of its own, or (``follow_policy``) the policy judging on the rollout engine
+        at the version it holds."""
+        rm = job.reward.model
+        if not rm.follow_policy:
+            return RewardModel(rm, scaling=self.rollout_recipe.scaling, seed=job.job.seed)
+
+        def generate(prompts, n, seed):
+            params = SamplingParams(temperature=rm.temperature, max_tokens=rm.max_new_tokens, n=n, seed=seed)
+            return [(s.prompt_index, s.token_ids) for s in self.rollout.generate(prompts, params)]
+
+        return PolicyJudge(rm, self.tok, generate, max_len=self.model_config.max_position_embeddings, attempts=2,
+                           seed=job.job.seed)
 
     def _build(self, cfg: LoopConfig, share_weights: bool | None) -> None:
         self.cfg, self.job = cfg, cfg.job
@@ -120,8 +135,7 @@ class GRPOLoop:
         self.eval_set = self.plan.eval_set
         self.grader = get_grader(job.reward.grader)
         # a reward model (reward.model: a judge or a classifier) on an engine of its own, beside the rule grader
-        self.reward_model = RewardModel(job.reward.model, scaling=self.rollout_recipe.scaling, seed=job.job.seed) \
-            if job.reward.model.kind is not None else None
+        self.reward_model = self._reward_model(job) if job.reward.model.kind is not None else None
         # multi-turn trajectories (env.name): the environment's messages rendered by the policy's chat template
         self.renderer = ChatRenderer(self.tok) if self.plan.env is not None else None
         self.backends = _InProcess(self)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from fp8rl.controller.plan import JobPlan, sampling_seed
+from fp8rl.controller.plan import JobPlan, model_max_positions, sampling_seed
 from fp8rl.controller.pool import RolloutError
 from fp8rl.controller.step import Trained
 from fp8rl.rewards.combine import mix_rewards
 from fp8rl.rewards.items import item_of
+from fp8rl.rewards.policy_judge import PolicyJudge
 from fp8rl.rpc import calibrator_pb2, common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
 from fp8rl.rpc.routes import routes_to_proto
@@ -82,6 +83,7 @@ class GrpcStep:
         self._trajectories = None
         self._agents = None
         self._rewards: RewardRouter | None = None
+        self._judged = 0  # follow_policy: the judging rounds so far (each its own request id and seeds)
         self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
 
     @property
@@ -168,6 +170,8 @@ class GrpcStep:
             return self.rewards.score_model(batch, chunk=rm.max_batch, attempts=self.r.settings.score_attempts,
                                             timeout_s=rm.timeout_s)
 
+        if rm.follow_policy:  # the policy judges, on the rollout replicas, at the version they hold (at least the
+            score = self._policy_judge(min(s.weight_version for _, s in pairs)).score  # samples')
         try:
             out, self.reward_metrics = mix_rewards(items, rules, score, gate=c.gate, rule_weight=c.rule_weight,
                                                    model_weight=c.model_weight, pairwise=rm.pairwise,
@@ -178,6 +182,28 @@ class GrpcStep:
             log.warning("job %s: the reward model left %d samples unscored; they are left out of the step",
                         self.plan.job_id, self.reward_metrics["reward/model_unscored"])
         return out
+
+    def _policy_judge(self, version: int) -> PolicyJudge:
+        """``reward.model.follow_policy``: judge prompts sampled on the rollout replicas (the pool's routing and
+        retries), at ``version`` or newer."""
+        rm, job_id = self.plan.job.reward.model, self.plan.job_id
+        self._judged += 1
+
+        def generate(prompts, n, seed):
+            try:
+                got = self.r.pool.generate(
+                    prompts, version, n=n, sampling={"temperature": rm.temperature, "top_p": 1.0,
+                                                     "max_tokens": rm.max_new_tokens},
+                    seed_of=lambda a: seed + a, request_id=f"{job_id}-judge-{self._judged}",
+                    wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(job_id, cancel=False),
+                    at_least=True)
+            except RolloutError as exc:
+                raise _rollout_failed(exc) from None
+            return [(i, list(s.token_ids)) for i, s in got]
+
+        return PolicyJudge(rm, self.plan.tok, generate, max_len=model_max_positions(self.plan.job),
+                           attempts=self.r.settings.score_attempts,
+                           seed=sampling_seed(self.plan.job.job.seed, 1_000_000 + self._judged, 0))
 
     def train(self, version, step, rows, *, max_weight_lag=0):
         req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag,

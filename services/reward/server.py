@@ -193,7 +193,8 @@ class RewardService(Service):
         self.servicer.pool = self.pool  # made after the servicer validated the flags: no workers for a bad config
         self.servicer.metrics = ctx.metrics
         rm = job.reward.model
-        if rm.kind is not None:  # loaded before serving: a model that cannot load is a startup error, named
+        # loaded before serving (a model that cannot load is a startup error, named); follow_policy: the rollout's
+        if rm.kind is not None and not rm.follow_policy:
             log.info("loading the reward model (%s %s, %s)", rm.kind, rm.model, rm.precision)
             try:
                 self.servicer.model = RewardModel(rm, scaling=job.fp8_recipe("rollout").scaling, seed=job.job.seed)

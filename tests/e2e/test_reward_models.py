@@ -75,3 +75,22 @@ def test_a_pairwise_judge_scores_each_response_against_its_group():
     m = loop.step(0)
     assert (m["reward/model_scored"], m["reward/model_unscored"]) == (SAMPLES, 0.0)
     assert m["reward/model_mean"] == pytest.approx(0.5, abs=MEAN_ATOL) and m["reward/model_std"] > 0
+
+
+def test_the_policy_as_its_own_judge_follows_its_refits():
+    """``follow_policy``: the judge prompts go to the loop's rollout engine — the policy at the version it holds —
+    and what it writes is parsed (tiny-arith writes digits: the ``score`` rule finds no ``score: x``, so every sample
+    is unscored and counted, its generation tried twice); nothing is loaded for it."""
+    loop = _job({"kind": "judge", "follow_policy": True, "template": "{question}{response}=", "parse": "score",
+                 "max_new_tokens": 3}, {"gate": False})
+    assert not hasattr(loop.reward_model, "net")  # no engine of its own
+    seen = []
+    generate = loop.rollout.generate
+    loop.rollout.generate = lambda prompts, params, **kw: (seen.append(loop.rollout.weight_version),
+                                                           generate(prompts, params, **kw))[1]
+    for step in range(2):
+        m = loop.step(step)
+        assert (m["reward/model_scored"], m["reward/model_unscored"]) == (0.0, SAMPLES)
+        assert m["reward/judge_unparsable_samples"] == 2 * SAMPLES  # two generations each
+    # per step: the policy's rollout, then its two judging rounds — at the version the step started from
+    assert seen == [0, 0, 0, 1, 1, 1]

@@ -306,6 +306,8 @@ def test_lora_settings_and_the_engines_that_refuse_them():
     ({"kind": "judge", "model": "m", "parse": "verdict_prob", "n": 2}, "reward.model.n"),
     ({"kind": "judge", "model": "m", "precision": "bf16", "agreement": True}, "needs reward.model.precision: fp8"),
     ({"kind": "critic", "model": "m"}, "reward.model.kind"),
+    ({"kind": "judge", "follow_policy": True, "parse": "verdict_prob"}, "reward.model.follow_policy"),
+    ({"kind": "classifier", "follow_policy": True}, "reward.model.follow_policy"),
 ])
 def test_reward_model_settings_are_checked_naming_the_key(model, match):
     with pytest.raises(ConfigError, match=match):

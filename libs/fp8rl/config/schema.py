@@ -532,6 +532,10 @@ class RewardModelConfig(Section):
                                   "labels; a one-label head: sigmoid of its logit). -1: the last label.")
     timeout_s: float = setting(600.0, "Seconds one Score call may wait for its model scores; past it the items not "
                                "scored are ungraded (retried, then left out of the step).", gt=0.0)
+    follow_policy: bool = setting(False, "judge: the policy itself is the judge, at the version the rollout holds (it "
+                                  "refits with the rollout: the loop's rollout engine, the stack's rollout replicas; "
+                                  "their precision); model / precision / kv_cache_dtype are then unused and parse "
+                                  "is boxed, score or verdict.")
     pairwise: bool = setting(False, "judge: compare each response with every other response of its GRPO group (that "
                              "the gate let through) instead of judging it alone: the template reads the two as "
                              "{response} and {other}, the parsed score is the chance the first is the better, and a "
@@ -550,10 +554,15 @@ class RewardModelConfig(Section):
     def check(self) -> None:
         if self.kind is None:
             return
-        if not self.model:
+        if self.follow_policy:
+            if self.kind != "judge" or self.parse == "verdict_prob" or self.agreement:
+                raise ConfigError(f"{self.key('follow_policy')}: the policy judges as a generating judge: it needs "
+                                  f"kind judge, a parse other than verdict_prob (the rollout returns no verdict "
+                                  f"probabilities) and no agreement (its precision is the rollout's)")
+        elif not self.model:
             raise ConfigError(f"{self.key('model')}: {self.key('kind')} {self.kind!r} needs a model (a preset or a "
                               f"checkpoint directory)")
-        if len(self.model) > MAX_PATH_CHARS:
+        if self.model and len(self.model) > MAX_PATH_CHARS:
             raise ConfigError(f"{self.key('model')}: longer than {MAX_PATH_CHARS} characters")
         if self.agreement and self.precision != "fp8":
             raise ConfigError(f"{self.key('agreement')}: compares the FP8 model with itself in bf16; it needs "

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 DEPLOYMENT_KEYS = (
     "policy.model", "policy.generation.backend", "policy.generation.temperature", "policy.generation.vllm_cfg",
     "policy.training", "policy.numerics", "policy.router_replay", "loss", "calibration",
-    "reward.model",  # the reward service loads it at start
+    "reward.model",  # the reward services load it at start: bound only for a job they serve it to (_served_model)
 )
 
 
@@ -69,7 +69,11 @@ def deployment_mismatch(job: JobConfig, deployed: JobConfig) -> str | None:
                 f"policy.generation.vllm_cfg.precision, policy.generation.vllm_cfg.kv_cache_dtype, "
                 f"policy.training.megatron_cfg.fp8_cfg.enabled)")
     mine, theirs = job.settings(), deployed.settings()
+    rm = job.reward.model
+    served = rm.kind is not None and not rm.follow_policy  # the job scores with the reward services' model
     for key in sorted(theirs, key=lambda k: (k != "policy.model", k)):
+        if key.startswith("reward.model.") and not served:
+            continue  # rule grading alone, or the policy as judge: the services' reward model is not used
         if _bound(key) and mine.get(key) != theirs[key]:
             return (f"{key}: the job sets {short(mine.get(key))} but the deployed services run {short(theirs[key])}; "
                     f"this setting is fixed when the services start — submit the job with the deployed value, "

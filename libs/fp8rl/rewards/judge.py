@@ -24,7 +24,10 @@ import torch
 
 from fp8rl.model.tokenizer import Tokenizer, chat_template_of, render_chat_prompt
 
-__all__ = ["PARSES", "parse_judge_output", "render_judge_prompt", "verdict_first_tokens", "verdict_prob_scores"]
+from .items import ModelScore
+
+__all__ = ["PARSES", "parse_judge_output", "render_judge_prompt", "scores_of_outputs", "verdict_first_tokens",
+           "verdict_prob_scores"]
 
 PARSES = ("boxed", "score", "verdict", "verdict_prob")
 
@@ -101,3 +104,20 @@ def verdict_prob_scores(logits: torch.Tensor, tokens: Mapping[int, float]) -> li
     mass = p.sum(-1)
     out: Sequence[float] = ((p * values).sum(-1) / mass.clamp_min(1e-300)).tolist()
     return [float(x) if m > 0 else None for x, m in zip(out, mass.tolist(), strict=True)]
+
+
+def scores_of_outputs(outputs: Sequence[Sequence[tuple[str, int]]], parse: str, *, verdicts: Mapping[str, float],
+                      max_score: float) -> list[ModelScore]:
+    """Each item's score from its judge samples ``(text, tokens written)``: the mean of the samples that parse,
+    unscored (with the last sample's tail as the reason) when none does; ``tokens`` and ``unparsable`` counted."""
+    out = []
+    for samples in outputs:
+        parsed = [parse_judge_output(t, parse, verdicts=verdicts, max_score=max_score) for t, _ in samples]
+        good = [x for x in parsed if x is not None]
+        tokens, bad = sum(n for _, n in samples), len(parsed) - len(good)
+        if good:
+            out.append(ModelScore(sum(good) / len(good), "", tokens, bad))
+        else:
+            tail = samples[-1][0][-120:] if samples else ""
+            out.append(ModelScore(None, f"the judge's output did not parse ({parse}): {tail!r}", tokens, bad))
+    return out

@@ -40,7 +40,7 @@ from fp8rl.presets import PRESETS, load_policy, prepare_preset
 
 from .classifier import classify, label_scores, load_classifier
 from .items import ModelItem, ModelScore
-from .judge import parse_judge_output, render_judge_prompt, verdict_first_tokens, verdict_prob_scores
+from .judge import render_judge_prompt, scores_of_outputs, verdict_first_tokens, verdict_prob_scores
 
 __all__ = ["ModelItem", "ModelScore", "RewardModel"]
 
@@ -72,8 +72,9 @@ class RewardModel:
 
     def __init__(self, cfg: RewardModelConfig, *, scaling: str = DEFAULT_SCALING, seed: int = 0,
                  serve: bool = True) -> None:
-        if cfg.kind is None or not cfg.model:
-            raise ValueError("reward.model.kind and reward.model.model must be set to serve a reward model")
+        if cfg.kind is None or not cfg.model or cfg.follow_policy:
+            raise ValueError("reward.model.kind and reward.model.model must be set to serve a reward model (with "
+                             "follow_policy the policy judges on the rollout side: fp8rl.rewards.policy_judge)")
         self.cfg = cfg
         recipe = recipe_for_role("fp8_e2e" if cfg.precision == "fp8" else "bf16", "rollout",
                                  kv_cache_dtype=cfg.kv_cache_dtype, scaling=scaling)
@@ -252,21 +253,7 @@ class RewardModel:
         self._seed += 1
         params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, n=cfg.n, seed=self._seed)
         samples = self.engine.generate(prompts, params)
-        texts: list[list[str]] = [[] for _ in prompts]
-        tokens = [0] * len(prompts)
+        outputs: list[list[tuple[str, int]]] = [[] for _ in prompts]
         for s in samples:
-            texts[s.prompt_index].append(self.tok.decode(s.token_ids))
-            tokens[s.prompt_index] += len(s.token_ids)
-        out = []
-        for i, outs in enumerate(texts):
-            parsed = [parse_judge_output(t, cfg.parse, verdicts=cfg.verdict_scores, max_score=cfg.max_score)
-                      for t in outs]
-            good = [x for x in parsed if x is not None]
-            bad = len(parsed) - len(good)
-            if good:
-                out.append(ModelScore(sum(good) / len(good), "", tokens[i], bad))
-            else:
-                tail = outs[-1][-120:] if outs else ""
-                out.append(ModelScore(None, f"the judge's output did not parse ({cfg.parse}): {tail!r}", tokens[i],
-                                      bad))
-        return out
+            outputs[s.prompt_index].append((self.tok.decode(s.token_ids), len(s.token_ids)))
+        return scores_of_outputs(outputs, cfg.parse, verdicts=cfg.verdict_scores, max_score=cfg.max_score)

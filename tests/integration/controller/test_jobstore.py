@@ -114,6 +114,13 @@ def test_deployment_mismatch_names_the_key():
     assert why.startswith("reward.model.kind:")
     assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, "reward": {"grader": "math_verify"}}),
                                deployed) is None  # the rule grader is the job's
+    served = parse_job_config({"policy": {"model": "/m"}, **judge})  # services deployed with a judge serve it, and
+    assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}}), served) is None  # rule-only jobs
+    follow = {"reward": {"model": {"kind": "judge", "follow_policy": True}}}
+    assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, **follow}), served) is None
+    other = {"reward": {"model": {"kind": "judge", "model": "tiny-arith", "precision": "bf16"}}}
+    assert deployment_mismatch(parse_job_config({"policy": {"model": "/m"}, **other}), served).startswith(
+        "reward.model.precision:")
 
 
 def test_a_long_model_name_is_not_echoed_whole():

@@ -66,6 +66,21 @@ def test_a_judge_rewards_a_stack_job_across_two_replicas_and_survives_one_killed
             assert 0.0 <= m["reward/model_mean"] <= 1.0 and m["reward/model_seconds"] > 0
             # the FP8 judge against itself in bf16 (agreement: on), carried back with each score
             assert 0.0 <= m["reward/model_agreement"] <= 1.0 and 0.0 <= m["reward/model_abs_diff_mean"] < 0.5
+        # the same stack serves a job whose judge is the policy itself (follow_policy: the judge prompts go to the
+        # rollout replica, at the version it holds; the random tiny policy writes no \\boxed{}: every sample is
+        # unscored and counted, the step trains on none of them and still makes its version)
+        follow = {**job, "job": {**job["job"], "steps": 1, "name": "follow"},
+                  "reward": {"model": {"kind": "judge", "follow_policy": True, "template": "{question}{response}",
+                                       "max_new_tokens": 4}}}
+        (tmp_path / "follow.yaml").write_text(yaml.safe_dump(follow))
+        with Fp8rlClient(stack.target, token=stack.client_token, tls_ca="", timeout_s=30) as c:
+            job_id = c.submit_job(tmp_path / "follow.yaml")
+            followed = list(c.watch(job_id, timeout_s=300))
+            info = c.get_job(job_id)
+        assert (info.state, info.error) == ("succeeded", ""), info.error
+        m = followed[0].metrics
+        assert (m["reward/model_scored"], m["reward/model_unscored"]) == (0.0, SAMPLES)
+        assert m["reward/judge_tokens"] >= SAMPLES and m["reward/judge_unparsable_samples"] >= SAMPLES
         # while the killed replica's lease outlives it (up to its TTL), a call to it fails over to the live one and
         # it is passed over for the rest of that step: at most that one replica is counted, never before the kill
         assert [r.metrics["reward/replicas_failed"] <= (r.step > 0) for r in reports] == [True] * STEPS
