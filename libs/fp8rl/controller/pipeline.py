@@ -2,10 +2,13 @@
 
 The same two halves of a step as the synchronous path (:func:`~fp8rl.controller.step.rollout_phase`,
 :func:`~fp8rl.controller.step.train_phase`) over the same :class:`~fp8rl.controller.step.StepBackends`,
-on three threads, one per role:
+on four threads:
 
-    rollout  rollout_phase of steps in order. Step s waits until the rollout side holds (at least) the
+    rollout  generate_phase of steps in order. Step s waits until the rollout side holds (at least) the
              version step s-k starts from, then pins every sample to the newest version it holds.
+    reward   score_phase of each generated step, in order: step s is graded (a reward model's judging
+             included) while step s+1 generates. With dynamic sampling, whose next round depends on the
+             last one's rewards, the rollout thread runs the whole rollout_phase and this one is idle.
     trainer  (the caller's thread) train_phase of step s on its rollout at the version the trainer holds,
              calibration when the backend cannot overlap it, then ``record``.
     refit    each new version in order: calibrate (when it overlaps: a calibrator with its own copy of
@@ -26,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .step import StepBackends, StepPlan, rollout_phase, train_phase
+from .step import StepBackends, StepPlan, generate_phase, rollout_phase, score_phase, train_phase
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class Pipeline:
         self._error: BaseException | None = None
         self._stop = False
         self._refits: queue.Queue = queue.Queue()
+        self._generated: queue.Queue = queue.Queue()  # generated, not yet graded steps (the reward thread's)
 
     # -- the trainer's thread -------------------------------------------------------------------------
     def run(self, record: Callable[[dict, dict, dict], bool], on_trained: Callable[[dict], None] = lambda p: None
@@ -72,8 +76,10 @@ class Pipeline:
         ``record(partial, phase times, metrics)``, which returns whether to go on. Returns once the rollout
         side holds the last version trained (or raises what any of the three threads raised)."""
         producer = threading.Thread(target=self._produce, name="pipeline-rollout", daemon=True)
+        grader = threading.Thread(target=self._grade, name="pipeline-reward", daemon=True)
         refitter = threading.Thread(target=self._refit, name="pipeline-refit", daemon=True)
         producer.start()
+        grader.start()
         refitter.start()
         last = self._start_of[self.first]
         try:
@@ -110,7 +116,9 @@ class Pipeline:
                 self._stop = True
                 self._cv.notify_all()
             self._refits.put(None)
+            self._generated.put(None)
             producer.join(_JOIN_S)
+            grader.join(_JOIN_S)
             refitter.join(_JOIN_S)
         self._raise()
 
@@ -168,13 +176,28 @@ class Pipeline:
                     if self._stop:
                         return
                     version = self._held
-                ro = rollout_phase(self.plan, self.b, step, version, self._check)
-                with self._cv:
-                    self._rollouts[step] = ro
-                    self._cv.notify_all()
+                if self.plan.max_gen_rounds > 1:  # each round graded before the next is drawn: all here
+                    self._ready(rollout_phase(self.plan, self.b, step, version, self._check))
+                else:  # graded on the reward thread while the next step generates
+                    self._generated.put(generate_phase(self.plan, self.b, step, version, self._check))
         except _Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread, which raises it
+            self._fail(exc)
+
+    def _ready(self, ro: dict) -> None:
+        with self._cv:
+            self._rollouts[ro["step"]] = ro
+            self._cv.notify_all()
+
+    # -- the reward thread ----------------------------------------------------------------------------
+    def _grade(self) -> None:
+        try:
+            while (generated := self._generated.get()) is not None:
+                self._ready(score_phase(self.plan, self.b, generated, self._check))
+        except _Stopped:
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
             self._fail(exc)
 
     # -- the refit thread -----------------------------------------------------------------------------

@@ -33,8 +33,8 @@ from fp8rl.rl.shaping import truncated
 
 from .plan import graded_advantages, reward_summary
 
-__all__ = ["PHASES", "StepBackends", "StepPlan", "Trained", "finish", "first_half", "rollout_phase", "run_step",
-           "train_phase"]
+__all__ = ["PHASES", "StepBackends", "StepPlan", "Trained", "finish", "first_half", "generate_phase", "rollout_phase",
+           "run_step", "score_phase", "train_phase"]
 
 PHASES = ("rollout", "reward", "logprobs", "train", "publish", "calibrate", "refit")
 
@@ -95,10 +95,10 @@ class StepBackends(Protocol):
         """Until the rollout side holds ``version``; returns metrics of the refit (e.g. replicas fenced)."""
 
 
-def _sample_round(plan: StepPlan, b: StepBackends, problems: list[Problem], index: int, version: int, times: dict,
-                  check: Callable[[], None]) -> tuple[list[Problem], list[list[int]], list, list[float]]:
-    """Generate and grade ``problems`` (a step's own batch, or a dynamic-sampling refill) at ``version``, seeded
-    as step ``index``: ``(problems, prompts, samples, rewards)``; the time spent is added to ``times``."""
+def _generate_round(plan: StepPlan, b: StepBackends, problems: list[Problem], index: int, version: int, times: dict,
+                    check: Callable[[], None]) -> tuple[list[Problem], list[list[int]], list]:
+    """Generate ``problems`` (a step's own batch, or a dynamic-sampling refill) at ``version``, seeded as step
+    ``index``: ``(problems, prompts, samples)``; the time spent is added to ``times``."""
     check()
     # multi-turn on the stack: the openings come from the environment workers (no environment code here)
     prompts = b.prompts_of(problems) if hasattr(b, "prompts_of") else plan.prompts(problems)
@@ -106,11 +106,63 @@ def _sample_round(plan: StepPlan, b: StepBackends, problems: list[Problem], inde
     more = {"problems": problems} if getattr(b, "wants_problems", False) else {}  # multi-turn: the tasks
     samples = b.generate(prompts, version, step=index, n=plan.group, temperature=plan.temperature, **more)
     times["rollout"] = times.get("rollout", 0.0) + time.perf_counter() - t
+    return problems, prompts, samples
+
+
+def _score_round(b: StepBackends, problems: list[Problem], samples: list, times: dict,
+                 check: Callable[[], None]) -> tuple[list[float], dict[str, float]]:
+    """Grade a round's samples: ``(rewards, the backend's reward/* metrics of them)``; the time spent is added to
+    ``times``."""
     check()
     t = time.perf_counter()
     rewards = b.score([(problems[i], s) for i, s in samples])
+    # a reward model's reward/* (its score distribution, unscored samples, judge tokens), read at once: the
+    # asynchronous pipeline scores on a thread of its own
+    metrics = dict(getattr(b, "reward_metrics", None) or {})
     times["reward"] = times.get("reward", 0.0) + time.perf_counter() - t
-    return problems, prompts, samples, rewards
+    return rewards, metrics
+
+
+def _sample_round(plan: StepPlan, b: StepBackends, problems: list[Problem], index: int, version: int, times: dict,
+                  check: Callable[[], None]) -> tuple[list[Problem], list[list[int]], list, list[float]]:
+    """Generate and grade a round: ``(problems, prompts, samples, rewards)``."""
+    problems, prompts, samples = _generate_round(plan, b, problems, index, version, times, check)
+    return problems, prompts, samples, _score_round(b, problems, samples, times, check)[0]
+
+
+def generate_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
+                   check: Callable[[], None] = lambda: None) -> dict:
+    """The first half of :func:`rollout_phase` without dynamic sampling: step ``step``'s samples at ``version``,
+    not yet graded (``{"step", "problems", "prompts", "samples", "phase_times", "started_unix"}``);
+    :func:`score_phase` grades them. Asynchronous GRPO runs the two on different threads, so a step is graded
+    while the next one generates."""
+    if plan.max_gen_rounds > 1:
+        raise ValueError("dynamic sampling grades each round before it draws the next: use rollout_phase")
+    return _first_round(plan, b, step, version, check)
+
+
+def _first_round(plan: StepPlan, b: StepBackends, step: int, version: int, check: Callable[[], None]) -> dict:
+    t0, times = time.time(), {}
+    problems, prompts, samples = _generate_round(plan, b, plan.batch(step), step, version, times, check)
+    return {"step": step, "problems": problems, "prompts": prompts, "samples": samples, "phase_times": times,
+            "started_unix": t0}
+
+
+def score_phase(plan: StepPlan, b: StepBackends, generated: dict, check: Callable[[], None] = lambda: None) -> dict:
+    """The second half: a :func:`generate_phase` record graded, as :func:`rollout_phase` returns it."""
+    times = dict(generated["phase_times"])
+    rewards, stats = _score_round(b, generated["problems"], generated["samples"], times, check)
+    return _graded(plan, generated, rewards, stats, times)
+
+
+def _graded(plan: StepPlan, generated: dict, rewards: list, stats: dict, times: dict) -> dict:
+    samples = generated["samples"]
+    if samples and hasattr(samples[0][1], "end_reason"):  # multi-turn trajectories: turns, tools, env time
+        from fp8rl.envs.trajectory import trajectory_metrics
+
+        stats.update(trajectory_metrics([s for _, s in samples], times.get("rollout")))
+    return {**generated, "rewards": rewards, "shaped": plan.shaped_rewards(rewards, samples),
+            "summary": reward_summary(rewards), "stats": stats, "phase_times": times}
 
 
 def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
@@ -126,42 +178,35 @@ def rollout_phase(plan: StepPlan, b: StepBackends, step: int, version: int,
     (the first ones, in draw order; all of the first round's when none was kept, so the step still trains, on zero
     advantages). ``summary`` (reward_mean, accuracy) is over the step's own batch, the first round.
     """
-    t0, times = time.time(), {}
-    problems, prompts, samples, rewards = _sample_round(plan, b, plan.batch(step), step, version, times, check)
-    shaped = plan.shaped_rewards(rewards, samples)
-    # a reward model's reward/* of the step's own batch (its score distribution, unscored samples, judge tokens)
-    summary, stats = reward_summary(rewards), dict(getattr(b, "reward_metrics", None) or {})
-    if samples and hasattr(samples[0][1], "end_reason"):  # multi-turn trajectories: turns, tools, env time
-        from fp8rl.envs.trajectory import trajectory_metrics
-
-        stats.update(trajectory_metrics([s for _, s in samples], times.get("rollout")))
-    if plan.max_gen_rounds > 1:
-        want, g = len(problems), plan.group
-        rounds = [(problems, prompts, samples, rewards, shaped)]
-        kept = _informative_groups(shaped, g)
-        drawn = len(problems)
-        while len(kept) < want and len(rounds) < plan.max_gen_rounds:
-            r = len(rounds)
-            more = _sample_round(plan, b, plan.refill(step, r), plan.refill_index(step, r), version, times, check)
-            rounds.append((*more, plan.shaped_rewards(more[3], more[2])))
-            base = drawn
-            kept += [base + k for k in _informative_groups(rounds[-1][4], g)]
-            drawn += len(more[0])
-        chosen = kept[:want] or list(range(len(problems)))
-        flat = [tuple(x for r in rounds for x in r[j]) for j in range(5)]  # problems, prompts, samples, ... of all
-        problems = [flat[0][k] for k in chosen]
-        prompts = [flat[1][k] for k in chosen]
-        samples = [(new, flat[2][k * g + j][1]) for new, k in enumerate(chosen) for j in range(g)]
-        rewards = [flat[3][k * g + j] for k in chosen for j in range(g)]
-        shaped = [flat[4][k * g + j] for k in chosen for j in range(g)]
-        # drawn = kept + dropped (all-equal rewards) + surplus (informative, past the step's quota)
-        stats.update({"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups_drawn": float(drawn),
-                 "dynamic_sampling/groups_kept": float(len(kept[:want])),
-                 "dynamic_sampling/groups_dropped": float(drawn - len(kept)),
-                 "dynamic_sampling/groups_surplus": float(len(kept) - len(kept[:want])),
-                 "dynamic_sampling/filled": float(len(kept) >= want)})
-    return {"step": step, "problems": problems, "prompts": prompts, "samples": samples, "rewards": rewards,
-            "shaped": shaped, "summary": summary, "stats": stats, "phase_times": times, "started_unix": t0}
+    if plan.max_gen_rounds == 1:
+        return score_phase(plan, b, generate_phase(plan, b, step, version, check), check)
+    first = _first_round(plan, b, step, version, check)
+    times = first["phase_times"]
+    rewards, stats = _score_round(b, first["problems"], first["samples"], times, check)
+    ro = _graded(plan, first, rewards, stats, times)  # the step's own batch: summary and stats are of it
+    problems, prompts, samples, shaped = ro["problems"], ro["prompts"], ro["samples"], ro["shaped"]
+    want, g = len(problems), plan.group
+    rounds = [(problems, prompts, samples, rewards, shaped)]
+    kept = _informative_groups(shaped, g)
+    drawn = len(problems)
+    while len(kept) < want and len(rounds) < plan.max_gen_rounds:
+        r = len(rounds)
+        more = _sample_round(plan, b, plan.refill(step, r), plan.refill_index(step, r), version, times, check)
+        rounds.append((*more, plan.shaped_rewards(more[3], more[2])))
+        kept += [drawn + k for k in _informative_groups(rounds[-1][4], g)]
+        drawn += len(more[0])
+    chosen = kept[:want] or list(range(len(problems)))
+    flat = [tuple(x for r in rounds for x in r[j]) for j in range(5)]  # problems, prompts, samples, ... of all
+    # drawn = kept + dropped (all-equal rewards) + surplus (informative, past the step's quota)
+    ro["stats"].update({"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups_drawn": float(drawn),
+                        "dynamic_sampling/groups_kept": float(len(kept[:want])),
+                        "dynamic_sampling/groups_dropped": float(drawn - len(kept)),
+                        "dynamic_sampling/groups_surplus": float(len(kept) - len(kept[:want])),
+                        "dynamic_sampling/filled": float(len(kept) >= want)})
+    return {**ro, "problems": [flat[0][k] for k in chosen], "prompts": [flat[1][k] for k in chosen],
+            "samples": [(new, flat[2][k * g + j][1]) for new, k in enumerate(chosen) for j in range(g)],
+            "rewards": [flat[3][k * g + j] for k in chosen for j in range(g)],
+            "shaped": [flat[4][k * g + j] for k in chosen for j in range(g)], "phase_times": times}
 
 
 def _informative_groups(shaped: Sequence[float], group: int) -> list[int]:

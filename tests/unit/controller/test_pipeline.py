@@ -132,3 +132,36 @@ def test_a_failure_on_the_rollout_thread_reaches_the_caller():
     with pytest.raises(RuntimeError, match="replica on fire"):
         Pipeline(_Plan(1), b, first_step=0, total=5, version=10, calibrate_inline=True).run(lambda *a: True)
     assert b.trainer <= 12  # nothing trained past the failed rollout
+
+
+def test_a_step_is_graded_while_the_next_one_generates():
+    """The reward thread (issue 52): with k = 1, step 0's grading waits until step 1's generation has begun — which
+    only a pipeline that grades beside generating can get past — and a failure there reaches the caller."""
+    b = _Backends(10, 0)
+    began = {s: threading.Event() for s in range(3)}
+    generate = b.generate
+
+    def marked(prompts, version, *, step, n, temperature):
+        began[step].set()
+        return generate(prompts, version, step=step, n=n, temperature=temperature)
+
+    def score(pairs):
+        step = int(pairs[0][0].prompt[1:].split("-")[0])
+        if step == 0:
+            assert began[1].wait(10), "step 0 was graded only after generation stopped"
+        return _Backends.score(b, pairs)
+
+    b.generate, b.score = marked, score
+    got = []
+    Pipeline(_Plan(1), b, first_step=0, total=3, version=10, calibrate_inline=True).run(
+        lambda partial, times, metrics: got.append(partial) or True)
+    assert [p["step"] for p in got] == [0, 1, 2]
+
+    def broken(pairs):
+        raise RuntimeError("judge on fire")
+
+    b2 = _Backends(10, 0)
+    b2.score = broken
+    with pytest.raises(RuntimeError, match="judge on fire"):
+        Pipeline(_Plan(1), b2, first_step=0, total=3, version=10, calibrate_inline=True).run(lambda *a: True)
+    assert b2.trainer == 10  # nothing trained on ungraded samples
