@@ -94,32 +94,30 @@ def main() -> None:
     rule_s, _ = _time(lambda: [grader(i.response, i.answer) for i in items], args.repeats)
     rows = {"rule (math_verify)": len(items) / rule_s}
     parsed = {}
-    for precision in ("bf16", "fp8"):
-        cfg = parse_job_config({"reward": {"model": {"kind": "judge", "model": args.judge, "precision": precision,
-                                                     "max_new_tokens": args.max_new_tokens,
-                                                     "max_batch": len(items)}}}).reward.model
-        rm = RewardModel(cfg)
+
+    def measure(model: dict) -> tuple[float, list]:
+        """Seconds per batch (median) and the scores of ``reward.model`` settings ``model`` on the items."""
+        rm = RewardModel(parse_job_config({"reward": {"model": {**model, "max_batch": len(items)}}}).reward.model)
         try:
-            s, got = _time(lambda rm=rm: rm.compute(items), args.repeats)
+            return _time(lambda: rm.compute(items), args.repeats)
         finally:
             rm.close()
+
+    for precision in ("bf16", "fp8"):
+        s, got = measure({"kind": "judge", "model": args.judge, "precision": precision,
+                          "max_new_tokens": args.max_new_tokens})
         rows[f"judge {precision}"] = len(items) / s
         parsed[precision] = [g.score for g in got]
         tokens = sum(g.tokens for g in got)
-        unparsable = sum(g.score is None for g in got)
-        print(f"judge {precision}: {s:.2f} s per batch, {tokens} tokens written, {unparsable}/{len(items)} "
-              f"unparsable, mean score {statistics.fmean([x for x in parsed[precision] if x is not None] or [0]):.3f}")
+        unscored = [g.error for g in got if g.score is None]
+        first = f" (the first: {unscored[0][:80]})" if unscored else ""
+        print(f"judge {precision}: {s:.2f} s per batch, {tokens} tokens written, {len(unscored)}/{len(items)} "
+              f"unscored{first}, mean score "
+              f"{statistics.fmean([x for x in parsed[precision] if x is not None] or [0]):.3f}")
     with tempfile.TemporaryDirectory() as tmp:
         clf = _classifier_dir(Path(judge_path), Path(tmp))
         for precision in ("bf16", "fp8"):
-            cfg = parse_job_config({"reward": {"model": {"kind": "classifier", "model": str(clf),
-                                                         "precision": precision,
-                                                         "max_batch": len(items)}}}).reward.model
-            rm = RewardModel(cfg)
-            try:
-                s, _ = _time(lambda rm=rm: rm.compute(items), args.repeats)
-            finally:
-                rm.close()
+            s, _ = measure({"kind": "classifier", "model": str(clf), "precision": precision})
             rows[f"classifier {precision}"] = len(items) / s
     print("\n| scorer | items/s |\n|---|---|")
     for k, v in rows.items():
