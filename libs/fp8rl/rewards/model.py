@@ -121,7 +121,8 @@ class RewardModel:
         waiting = [_Waiting(item, Future()) for item in items]
         for w in waiting:
             self._queue.put(w)
-        deadline = time.monotonic() + (self.cfg.timeout_s if timeout_s is None else timeout_s)
+        bound = self.cfg.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
         out = []
         for w in waiting:
             while True:
@@ -131,7 +132,7 @@ class RewardModel:
                     w.future.cancel()  # not begun: the worker skips it; begun: its result is dropped
                     out.append(w.future.result() if w.future.done() and not w.future.cancelled() else
                                ModelScore(None, "the caller stopped waiting" if stop else
-                                          f"timeout: not scored within {self.cfg.timeout_s:g} s"))
+                                          f"timeout: not scored within {bound:g} s"))
                     break
                 try:
                     out.append(w.future.result(timeout=min(left, _POLL_S)))

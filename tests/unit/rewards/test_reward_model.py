@@ -105,7 +105,7 @@ def test_a_wait_past_its_bound_comes_back_unscored_and_closing_refuses_more():
     rm.compute = lambda items: (go.wait(30), compute(items))[1]
     try:
         got = rm.score(ITEMS[:2], timeout_s=0.3)
-        assert all(s.score is None and s.error.startswith("timeout") for s in got)
+        assert all(s.score is None and s.error == "timeout: not scored within 0.3 s" for s in got)
         stopped = rm.score(ITEMS[:1], timeout_s=30, should_stop=lambda: True)
         assert stopped[0].score is None and stopped[0].error == "the caller stopped waiting"
     finally:
