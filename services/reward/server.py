@@ -198,7 +198,7 @@ class RewardService(Service):
             log.info("loading the reward model (%s %s, %s)", rm.kind, rm.model, rm.precision)
             try:
                 self.servicer.model = RewardModel(rm, scaling=job.fp8_recipe("rollout").scaling, seed=job.job.seed)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: vLLM missing, or no FP8 here
                 raise StartupError(f"reward.model: {rm.model!r} cannot be served: {exc}") from None
             self.servicer.model_name = f"{rm.kind} {rm.model} {rm.precision}"
         self.grader, self.timeout_s = grader, timeout_s

@@ -308,6 +308,8 @@ def test_lora_settings_and_the_engines_that_refuse_them():
     ({"kind": "critic", "model": "m"}, "reward.model.kind"),
     ({"kind": "judge", "follow_policy": True, "parse": "verdict_prob"}, "reward.model.follow_policy"),
     ({"kind": "classifier", "follow_policy": True}, "reward.model.follow_policy"),
+    ({"kind": "judge", "model": "m", "backend": "vllm", "parse": "verdict_prob"}, "reward.model.backend"),
+    ({"kind": "classifier", "model": "m", "backend": "vllm"}, "reward.model.backend"),
 ])
 def test_reward_model_settings_are_checked_naming_the_key(model, match):
     with pytest.raises(ConfigError, match=match):

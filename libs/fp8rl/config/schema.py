@@ -503,6 +503,10 @@ class RewardModelConfig(Section):
                                 "weights fixed for the job).", kind=str, optional=True)
     precision: str = setting("fp8", "Its linears: fp8 (block-scaled E4M3, the policy's fp8_recipe scaling) or bf16.",
                              choices=("bf16", "fp8"))
+    backend: str = setting("torch", "judge: the engine it generates on, torch (embedded, exact FP8 numerics) or vllm "
+                           "(vLLM on the checkpoint directory; its FP8 needs what the vLLM rollout needs: AMX on "
+                           "CPU, refused at start elsewhere; parse verdict_prob reads logits vLLM does not return).",
+                           choices=("torch", "vllm"))
     kv_cache_dtype: str = setting("auto", "judge: its KV cache, auto (the model dtype) or fp8 (per-tensor Q/K/V "
                                   "scales calibrated once, on the first batch it judges).", choices=("auto", "fp8"))
     max_batch: int = setting(16, "Items one forward batch holds (gathered across concurrent Score calls).", gt=0,
@@ -567,6 +571,12 @@ class RewardModelConfig(Section):
         if self.agreement and self.precision != "fp8":
             raise ConfigError(f"{self.key('agreement')}: compares the FP8 model with itself in bf16; it needs "
                               f"{self.key('precision')}: fp8")
+        if self.backend == "vllm" and (self.kind != "judge" or self.parse == "verdict_prob" or self.agreement
+                                       or self.kv_cache_dtype != "auto" or self.follow_policy):
+            raise ConfigError(f"{self.key('backend')}: vllm serves a generating judge of its own: it needs kind "
+                              f"judge, a parse other than verdict_prob (vLLM returns no verdict probabilities), "
+                              f"kv_cache_dtype auto (no calibration is built for it), no agreement and no "
+                              f"follow_policy")
         if self.pairwise and self.kind != "judge":
             raise ConfigError(f"{self.key('pairwise')}: a {self.kind} scores one response; pairwise needs a judge")
         if self.kind == "classifier" and self.kv_cache_dtype != "auto":

@@ -79,7 +79,15 @@ class RewardModel:
         recipe = recipe_for_role("fp8_e2e" if cfg.precision == "fp8" else "bf16", "rollout",
                                  kv_cache_dtype=cfg.kv_cache_dtype, scaling=scaling)
         self._master: torch.nn.Module | None = None  # the unquantized judge, until its Q/K/V scales are calibrated
-        if cfg.kind == "judge":
+        if cfg.kind == "judge" and cfg.backend == "vllm":  # vLLM on the checkpoint directory (optional install)
+            from fp8rl.engines.vllm.rollout import VllmRolloutEngine
+
+            path = prepare_preset(cfg.model) if cfg.model in PRESETS else cfg.model
+            self.tok = load_tokenizer(path)
+            self.engine = VllmRolloutEngine(path, recipe, eos_token_ids=stop_token_ids(self.tok), initial_version=0,
+                                            max_batch_size=cfg.max_batch * cfg.n, seed=seed)
+            self.max_len, self._verdict_tokens, self.net = self.engine.max_len, None, None
+        elif cfg.kind == "judge":
             model, self.tok, _ = load_policy(cfg.model)
             self.engine = TorchRolloutEngine(model, recipe, eos_token_ids=stop_token_ids(self.tok),
                                              pad_token_id=self.tok.pad_id, max_batch_size=cfg.max_batch * cfg.n,
@@ -142,12 +150,15 @@ class RewardModel:
         return out
 
     def close(self) -> None:
-        """Stop the worker (after the batch it is on); queued items come back unscored."""
+        """Stop the worker (after the batch it is on); queued items come back unscored. A vLLM judge's engine is
+        shut down."""
         if not self._closed:
             self._closed = True
             if self._worker is not None:
                 self._queue.put(None)
                 self._worker.join(timeout=60)
+            if hasattr(self.engine, "close"):
+                self.engine.close()
 
     # ------------------------------------------------------------------ the worker
     def _serve(self) -> None:
