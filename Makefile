@@ -48,7 +48,7 @@ test-moe: $(STAMP) redis  ## mixture-of-experts through the service stack: a job
 test-agents: $(STAMP) redis  ## multi-turn trajectories through a launched stack (2 replicas): a 3-step calculator job, bitwise turns with sticky KV, environments that crash / hang, a replica killed mid-trajectory; agent jobs through the OpenAI endpoint in the loop and on the stack (sandboxed), the adapters' jobs, the tool presets' training stages (about 4 min)
 	$(BIN)/python -m pytest -m agents $(PYTEST_ARGS)
 
-test-rewards: $(STAMP) redis  ## reward models on a launched stack: a 3-step job judged by two reward replicas, one killed mid-job (about 2 min)
+test-rewards: $(STAMP) redis  ## reward models: loop steps judged, classifier-gated, pairwise, by the policy itself; a 3-step stack job judged by two reward replicas, one killed mid-job (about 2 min)
 	$(BIN)/python -m pytest -m rewards $(PYTEST_ARGS)
 
 test-hostile: $(STAMP) redis  ## hostile clients against a launched stack (loopback): stalled and oversized calls without a token, job floods, cancelled Score callers, the smaller defects (about 2 min)

@@ -14,6 +14,8 @@ from fp8rl.config import parse_job_config
 from fp8rl.loop import GRPOLoop, LoopConfig
 from fp8rl.model.tokenizer import CharTokenizer
 
+pytestmark = pytest.mark.rewards  # whole loop steps with a second model (about 40 s): make test-rewards
+
 SAMPLES = 4 * 4  # prompts x generations of every job here
 
 # the means below are FP64 sums of FP32-derived scores: equal up to a few ulps of O(1) values
