@@ -140,11 +140,12 @@ class GrpcStep:
         if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
         self.rewards.reset()  # a new step: a replica that failed the last one may serve again
-        rules = self._grade(self.plan, pairs)
-        out = rules if self.plan.job.reward.model.kind is None else self._mix(pairs, rules)
+        self.reward_metrics = {}
+        texts = [self.plan.tok.decode(s.token_ids) for _, s in pairs]
+        rules = self._grade(self.plan, pairs, texts)
+        out = rules if self.plan.job.reward.model.kind is None else self._mix(pairs, texts, rules)
         # replicas passed over this step (gone, or past a deadline): their calls went to the others
-        self.reward_metrics = {**(self.reward_metrics if out is not rules else {}),
-                               "reward/replicas_failed": float(len(self.rewards.failed))}
+        self.reward_metrics["reward/replicas_failed"] = float(len(self.rewards.failed))
         return out
 
     @property
@@ -160,11 +161,11 @@ class GrpcStep:
             self._rewards = RewardRouter(endpoints, lambda ep: self.r.b.stub("reward", ep))
         return self._rewards
 
-    def _mix(self, pairs, rules: list[float]) -> list[float | None]:
+    def _mix(self, pairs, texts: list[str], rules: list[float]) -> list[float | None]:
         """The rule rewards mixed with the reward model's scores (``reward.combine``); a sample the model left
         unscored after its attempts is None (ungraded: out of the step, counted in ``reward/model_unscored``)."""
         c, rm = self.plan.job.reward.combine, self.plan.job.reward.model
-        items = [item_of(p, self.plan.tok.decode(s.token_ids)) for p, s in pairs]
+        items = [item_of(p, text) for (p, _), text in zip(pairs, texts, strict=True)]
 
         def score(batch: list) -> list:
             return self.rewards.score_model(batch, chunk=rm.max_batch, attempts=self.r.settings.score_attempts,
@@ -248,12 +249,13 @@ class GrpcStep:
         except RolloutError as exc:
             raise _rollout_failed(exc) from None
 
-    def _grade(self, plan: JobPlan, pairs) -> list[float]:
-        """One graded reward per pair: items the service could not grade are re-scored, up to
-        ``score_attempts`` calls; one still ungraded fails the job (its 0 would be trained on as a verdict)."""
+    def _grade(self, plan: JobPlan, pairs, texts: list[str]) -> list[float]:
+        """One graded reward per pair (``texts``: the decoded responses): items the service could not grade are
+        re-scored, up to ``score_attempts`` calls; one still ungraded fails the job (its 0 would be trained on as a
+        verdict)."""
         grader = plan.job.reward.grader
-        items = [reward_pb2.ScoreItem(response=plan.tok.decode(s.token_ids), answer=p.answer, grader=grader)
-                 for p, s in pairs]
+        items = [reward_pb2.ScoreItem(response=text, answer=p.answer, grader=grader)
+                 for (p, _), text in zip(pairs, texts, strict=True)]
         rewards: list[float | None] = [None] * len(items)
         todo, why = list(range(len(items))), {}
         for attempt in range(self.r.settings.score_attempts):

@@ -95,12 +95,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.model: RewardModel | None = None  # the job's reward.model, served by ScoreModel (set by the service)
         self.model_name = ""
 
-    def _check_size(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> None:
-        if len(request.items) > self.max_items:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: {len(request.items)} items; the limit is "
+    def _check_size(self, items, fields: tuple[str, ...], context: grpc.ServicerContext) -> None:
+        """At most ``max_items`` items, each text field in ``fields`` at most ``max_response_chars``."""
+        if len(items) > self.max_items:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: {len(items)} items; the limit is "
                                                             f"{self.max_items} (--max-items)")
-        for i, item in enumerate(request.items):
-            for field in ("response", "answer"):
+        for i, item in enumerate(items):
+            for field in fields:
                 n = len(getattr(item, field))
                 if n > self.max_response_chars:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -108,7 +109,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                   f"(--max-response-chars)")
 
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
-        self._check_size(request, context)
+        self._check_size(request.items, ("response", "answer"), context)
         items = [(item.grader or self.default_grader, item.response, item.answer) for item in request.items]
         for i, (name, _, _) in enumerate(items):
             if name not in GRADERS:
@@ -131,16 +132,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def ScoreModel(self, request: reward_pb2.ScoreModelRequest,
                    context: grpc.ServicerContext) -> reward_pb2.ScoreModelResponse:
-        if len(request.items) > self.max_items:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: {len(request.items)} items; the limit is "
-                                                            f"{self.max_items} (--max-items)")
-        for i, item in enumerate(request.items):
-            for field in ("question", "response", "answer", "other"):
-                n = len(getattr(item, field))
-                if n > self.max_response_chars:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"items[{i}].{field}: {n} characters; the limit is {self.max_response_chars} "
-                                  f"(--max-response-chars)")
+        self._check_size(request.items, ("question", "response", "answer", "other"), context)
         timeout_s = request.timeout_s
         if not (math.isfinite(timeout_s) and timeout_s >= 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: {timeout_s} is not a finite number >= 0")

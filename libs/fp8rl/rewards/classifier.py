@@ -20,7 +20,7 @@ from torch import nn
 from fp8rl.model import CausalLM, ModelConfig
 from fp8rl.model.hf_io import CONFIG_FILE, checked_model, load_hf_tensors
 
-__all__ = ["SequenceClassifier", "classify", "label_scores", "load_classifier"]
+__all__ = ["SequenceClassifier", "classify", "label_scores", "left_padded", "load_classifier"]
 
 SUFFIX = "ForSequenceClassification"
 SCORE_WEIGHT = "score.weight"
@@ -82,17 +82,24 @@ def load_classifier(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
     return SequenceClassifier(lm, head).eval()
 
 
-def classify(model: nn.Module, sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
-    """``(B, num_labels)`` logits of ``model`` (a :class:`SequenceClassifier`, FP8-converted or not) on token-id
-    ``sequences``, left-padded into one batch."""
+def left_padded(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)``, ``(B, T)`` each: ``sequences`` left-padded with ``pad_id`` into one batch (mask 1 on tokens),
+    so every row's last position is its last token."""
     if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("classify needs non-empty sequences")
+        raise ValueError("a left-padded batch needs non-empty sequences")
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for i, s in enumerate(sequences):
         ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
         mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def classify(model: nn.Module, sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+    """``(B, num_labels)`` logits of ``model`` (a :class:`SequenceClassifier`, FP8-converted or not) on token-id
+    ``sequences``, left-padded into one batch."""
+    ids, mask = left_padded(sequences, pad_id)
     with torch.inference_mode():
         return model(ids, mask)
 

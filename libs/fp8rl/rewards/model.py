@@ -38,7 +38,7 @@ from fp8rl.fp8.formats import DEFAULT_SCALING
 from fp8rl.model.tokenizer import chat_template_of, load_tokenizer, stop_token_ids
 from fp8rl.presets import PRESETS, load_policy, prepare_preset
 
-from .classifier import classify, label_scores, load_classifier
+from .classifier import classify, label_scores, left_padded, load_classifier
 from .items import ModelItem, ModelScore
 from .judge import render_judge_prompt, scores_of_outputs, verdict_first_tokens, verdict_prob_scores
 
@@ -251,12 +251,7 @@ class RewardModel:
         cfg = self.cfg
         self._calibrated(prompts)
         if cfg.parse == "verdict_prob":
-            width = max(len(p) for p in prompts)
-            ids = torch.full((len(prompts), width), self.tok.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(prompts):
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+            ids, mask = left_padded(prompts, self.tok.pad_id)
             with torch.inference_mode():
                 logits = self.net(ids, attention_mask=mask, logits_to_keep=1)[:, -1]
             return [ModelScore(s) if s is not None else ModelScore(None, "the judge put no probability on any "

@@ -50,6 +50,7 @@ class PolicyJudge:
         out = [ModelScore(None, f"input of {len(p)} tokens is past the limit of {self.limit} "
                                 f"(reward.model.max_input_tokens, and the policy's context)") for p in prompts]
         todo = [i for i, p in enumerate(prompts) if len(p) <= self.limit]
+        tokens, unparsable = [0] * len(items), [0] * len(items)  # over every attempt
         for attempt in range(self.attempts):
             if not todo:
                 break
@@ -58,7 +59,8 @@ class PolicyJudge:
                 outputs[k].append((self.tok.decode(ids), len(ids)))
             got = scores_of_outputs(outputs, cfg.parse, verdicts=cfg.verdict_scores, max_score=cfg.max_score)
             for i, s in zip(todo, got, strict=True):
-                spent = out[i] if out[i].error.startswith("the judge's output") else ModelScore(None)
-                out[i] = ModelScore(s.score, s.error, s.tokens + spent.tokens, s.unparsable + spent.unparsable)
+                tokens[i] += s.tokens
+                unparsable[i] += s.unparsable
+                out[i] = ModelScore(s.score, s.error, tokens[i], unparsable[i])
             todo = [i for i in todo if out[i].score is None]
         return out
