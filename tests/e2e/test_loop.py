@@ -95,7 +95,7 @@ def learned(gain: float, se: float) -> bool:
     return gain >= REQUIRED_GAIN
 
 
-@pytest.mark.learning  # about 2 minutes on 2 cores: make test-controls (with its controls) and make test-isa
+@pytest.mark.learning  # about 2 minutes on 2 cores: make test-controls (with its controls)
 def test_fp8_e2e_kv_fp8_loop_learns_and_reports(preset, tmp_path):
     cfg = _config(STEPS, out_dir=str(tmp_path))
     gain, se, res = learning_run(cfg)

@@ -314,7 +314,8 @@ def assert_moe_steps_within_promise(info, reports) -> None:
         assert {"train/loss", "train/grad_norm", "moe/router_agreement"} <= set(r.metrics)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+# bf16: make test-megatron-full
+@pytest.mark.parametrize("recipe", [pytest.param("bf16", marks=pytest.mark.slow), "fp8_e2e"])
 def test_two_data_parallel_megatron_ranks_train_a_moe_like_one(megatron_core, tmp_path, recipe):
     """Megatron-Core DDP over 2 ranks at expert parallelism 1 (every rank holds every expert; their gradients are
     reduced with the rest): the bounds of the dense data-parallel test (``tests/distributed``'s error model)."""
@@ -337,8 +338,12 @@ MOE = dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_i
            norm_topk_prob=True, mlp_only_layers=[0])
 
 
-@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+# each dispatcher and each recipe once in .ci/run; the other two pairings in make test-megatron-full
+@pytest.mark.parametrize("recipe,dispatcher", [
+    ("bf16", "allgather"), ("fp8_e2e", "alltoall"),
+    pytest.param("bf16", "alltoall", marks=pytest.mark.slow),
+    pytest.param("fp8_e2e", "allgather", marks=pytest.mark.slow),
+])
 def test_expert_parallel_ranks_train_a_moe_like_one(megatron_core, tmp_path, recipe, dispatcher):
     """Expert parallelism 2 over 2 ranks (each holds 2 of the 4 experts; tokens cross ranks through the dispatcher)
     against 1 rank. The schedule is data parallelism's (micro-batch ``j`` on rank ``j % 2``, the last short, a

@@ -28,7 +28,10 @@ STEPS = 3
 WATCH_S = 180.0
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["dp1", "dp2", "pp2"])
+@pytest.fixture(scope="module", params=[pytest.param((1, 1), marks=pytest.mark.slow), (2, 1),
+                                            pytest.param((1, 2), marks=pytest.mark.slow)],
+                ids=["dp1", "dp2", "pp2"])  # dp1, pp2: make test-megatron-full (dp2 runs a multi-rank trainer service;
+                # pipeline stages are test_data_parallel's)
 def megatron_stack(megatron_core, tmp_path_factory, request, controller_stack):
     """The stack with a Megatron trainer on one rank, then on two (torchrun): two data-parallel ranks (Megatron-Core
     DDP), then two pipeline stages (Megatron's 1F1B schedule, one layer each)."""

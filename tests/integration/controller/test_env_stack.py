@@ -212,11 +212,12 @@ def test_asynchronous_grpo_holds_each_refit_until_the_trajectories_in_flight_end
 def test_interrupt_lets_a_refit_land_mid_trajectory_on_the_stack(env_stack):
     """k = 1 with env.partial interrupt (issue 50): no replica holds a refit back, so step s's training lands while
     step s+1's trajectories are between turns and their next turns run on the new weights — each token keeping its
-    version, a row within the lag bound by its oldest token. Each environment step takes 2 s, so a trajectory of 3
-    turns spans > 4 s against a tiny model's train step and refit of ~1-2 s here: a refit lands inside some
+    version, a row within the lag bound by its oldest token. Each environment step takes 1 s, so a trajectory of 3
+    turns spans > 2 s — and a step's 4 trajectories > 6 s where the environment worker steps them one after another,
+    as here (about 12 s measured) — against a tiny model's train step and refit of ~1-2 s: a refit lands inside some
     trajectory of steps 1-2 unless training slows 2-4x. The bitwise per-version logprobs are the loop's test
     (tests/e2e/test_interrupt.py): the same engines, the same recompute of a dropped session."""
-    reports, held = _slow_async_job(env_stack, "intr", delay_s=2.0, partial="interrupt")
+    reports, held = _slow_async_job(env_stack, "intr", delay_s=1.0, partial="interrupt")
     for r in reports:
         assert 1.0 <= r.metrics["env/versions_per_trajectory"] <= 2.0, (r.step, r.metrics)
     assert sum(r.metrics["env/interrupted"] for r in reports) >= 1, [r.metrics for r in reports]

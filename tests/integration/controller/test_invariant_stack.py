@@ -73,7 +73,8 @@ def test_each_fp8_recipe_variant_runs_the_stack_with_zero_mismatch(tmp_path, sca
                       .update(fp8_recipe=scaling))
 
 
-@pytest.mark.parametrize("dp_size", [1, 2])
+# 1 rank: make test-slow (2 ranks run every LoRA path of 1 and the scales' forwarding besides)
+@pytest.mark.parametrize("dp_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_lora_runs_the_stack_with_zero_mismatch_and_refits_adapters_only(tmp_path, dp_size):
     """Issue 33: a LoRA job through the stack (fp8_e2e, FP8 KV). The trainer publishes version 0 with the frozen base
     and every later version with the adapters alone; the rollout replica and the calibrator apply them on the base
