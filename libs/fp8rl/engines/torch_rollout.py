@@ -64,6 +64,7 @@ from fp8rl.fp8 import (
 )
 from fp8rl.model import CausalLM, KVCache, Routing, routing
 from fp8rl.model.lora import LoraSettings, apply_lora, share_adapters
+from fp8rl.model.moe import SparseMoeBlock
 
 from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
 from .kv_sessions import KVSession, SessionStore, seed_cache
@@ -281,6 +282,9 @@ class TorchRolloutEngine(RolloutEngine):
                 if name in self._own_forms:
                     mine.release_weight()
                 mine._w_dequant = None
+            for m in self.model.modules():  # grouped experts' stacked weights (fp8rl.model.grouped)
+                if isinstance(m, SparseMoeBlock):
+                    m.drop_stacks()
 
     def load_scales(self, qkv_scales: QKVScales) -> None:
         """Install QKV scales for the version already held (the first calibration, before any refit)."""

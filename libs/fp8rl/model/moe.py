@@ -15,23 +15,34 @@ Compute (shapes: C hidden, F expert width, E experts, K top-k, N tokens, R = N·
 
 1. **dispatch** — the router's ``(N, K)`` ids flattened token-major and stably sorted by expert: each
    expert's rows are contiguous and in token order;
-2. **experts** — one call of each expert's MLP on its contiguous rows (one GEMM per linear per expert,
-   never a loop over tokens). An FP8 expert quantizes its own rows 1×128 — its wgrad's column-wise groups
-   run over its own tokens only, so no scale group straddles two experts;
+2. **experts** — grouped (:mod:`fp8rl.model.grouped`): each of the three linears is one grouped GEMM over every
+   expert's contiguous rows with the experts' weights stacked, the expert counts a tensor (no host sync, no Python
+   loop over experts in the compute); FP8 experts quantize the layer's routed rows once
+   (:mod:`fp8rl.fp8.grouped`), their wgrad scale groups never straddling two experts. Where the experts cannot
+   group — LoRA-wrapped, tensorwise FP8 (one scale per expert), hooked, or mixed linears — the reference path
+   runs: one call of each expert's MLP on its rows (``.tolist()`` of the counts), with the same numbers;
 3. **combine** — each token sums its ``K`` expert outputs times their FP32 routing weights in **slot
    order** (not by atomics or an expert-order ``index_add_``), in FP32, then casts back.
 
-Batch invariance: with :mod:`fp8rl.model.invariant` on, every expert GEMM runs over whole row tiles and the
-router's logits too, and the combine is per token in a fixed order, so a token's output does not depend on
-which (or how many) other tokens share its experts — rollout and trainer route and compute it bitwise alike.
+Batch invariance: with :mod:`fp8rl.model.invariant` on, every expert GEMM runs over whole row tiles (each grouped
+expert's rows padded to whole tiles) and the router's logits too, and the combine is per token in a fixed order, so a
+token's output does not depend on which (or how many) other tokens share its experts — rollout and trainer route and
+compute it bitwise alike, grouped or not.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
+from fp8rl.fp8 import grouped as fp8_grouped
+from fp8rl.fp8.quant import BLOCK
+
 from .config import ModelConfig
+from .grouped import StackedWeights, group_layout, grouped_linear
+from .invariant import TiledLinear
 from .router import RoutingRule, TopKRouter
 from .swiglu import swiglu
 
@@ -63,6 +74,8 @@ class SparseMoeBlock(nn.Module):
         # DeepSeek: shared experts (one SwiGLU of n_shared_experts x the expert width) added to every token
         shared = config.shared_expert_intermediate_size
         self.shared_experts = ExpertMLP(config.hidden_size, shared) if shared else None
+        self._stacks: dict[str, StackedWeights] = {}  # the no-gradient passes' stacked expert weights, per linear
+        self.grouped = True  # False: always the per-expert reference loop (tests and benchmarks compare the two)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -71,30 +84,88 @@ class SparseMoeBlock(nn.Module):
         K = ids.shape[1]
         flat = ids.reshape(-1)  # (R,) token-major: token n's slot k at n*K + k
         order = torch.argsort(flat, stable=True)  # (R,) rows grouped by expert, token order inside a group
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x2d[order // K]  # (R, C) each routed row's token
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(self.experts[e](rows[start:start + n]))  # this expert's tokens, one GEMM per linear
-            start += n
-        routed = torch.cat(outs) if outs else rows.new_zeros(0, C)  # (R, C) expert order
+        kind = self.grouping()
+        routed = self._grouped(rows, flat[order], kind) if kind else self._per_expert(rows, flat)  # (R, C)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         y = routed[back].view(-1, K, C).float()  # (N, K, C) slot order again
         out = y[:, 0] * weights[:, :1]
         for k in range(1, K):  # slot order, FP32: the same sum for a token whatever else is in the batch
             out = out + y[:, k] * weights[:, k:k + 1]
+        out = out.to(x.dtype).view(B, T, C)
+        if self.shared_experts is not None:  # transformers' order: the routed sum, then + the shared experts
+            out = out + self.shared_experts(x)
+        return out
+
+    def grouping(self) -> str | None:
+        """How the experts compute: ``"dense"`` (plain or tiled ``nn.Linear``\\ s: bf16 / FP32), ``"fp8"`` (FP8
+        linears of a grouped format, :func:`fp8rl.fp8.grouped.groups`), or None — the per-expert reference loop (LoRA
+        wrappers, tensorwise FP8, mixed or hooked linears)."""
+        linears = [lin for e in self.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)]
+        if not self.grouped or any(m._forward_hooks or m._forward_pre_hooks for m in linears):
+            return None
+        if all(type(m) in (nn.Linear, TiledLinear) and m.bias is None for m in linears):
+            tiles = {getattr(m, "row_tile", None) for m in linears}
+            return "dense" if len(tiles) == 1 else None
+        if fp8_grouped.groups(linears):
+            return "fp8" if len({m.row_tile for m in linears}) == 1 else None
+        return None
+
+    def _per_expert(self, rows: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The reference: each expert's MLP on its rows (the counts read on the host), in expert order."""
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.experts[e](rows[start:start + n]))  # this expert's tokens, one GEMM per linear
+            start += n
+        routed = torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[1])  # (R, C) expert order
         unused = [e for e, n in enumerate(counts) if not n]
         if unused and torch.is_grad_enabled():
             # Data-parallel trainers reduce every parameter's gradient: an expert no token of this rank chose must
             # still get one (exactly 0), or the ranks' gradient collectives would differ in size (FSDP2, DDP).
             touch = sum(p.reshape(-1)[:1].sum() for e in unused for p in self.experts[e].parameters())
-            out = out + 0.0 * touch
-        out = out.to(x.dtype).view(B, T, C)
-        if self.shared_experts is not None:  # transformers' order: the routed sum, then + the shared experts
-            out = out + self.shared_experts(x)
-        return out
+            routed = routed + 0.0 * touch
+        return routed
+
+    def _grouped(self, rows: torch.Tensor, experts_sorted: torch.Tensor, kind: str) -> torch.Tensor:
+        """Every expert's rows through the three linears as grouped GEMMs (:mod:`fp8rl.model.grouped`)."""
+        first = self.experts[0].gate_proj
+        tile = getattr(first, "row_tile", None)
+        trains_fp8 = kind == "fp8" and isinstance(first, fp8_grouped.Fp8Linear)
+        layout = group_layout(experts_sorted, self.num_experts, BLOCK if trains_fp8 else tile or 1)
+        buf = layout.scatter(rows)  # (P, C)
+        gate = self._linear(buf, layout.offs, "gate_proj", kind, tile)
+        up = self._linear(buf, layout.offs, "up_proj", kind, tile)
+        return layout.gather(self._linear(swiglu(gate, up), layout.offs, "down_proj", kind, tile))
+
+    def _linear(self, buf: torch.Tensor, offs: torch.Tensor, name: str, kind: str, tile: int | None) -> torch.Tensor:
+        linears = [getattr(e, name) for e in self.experts]
+        if kind == "fp8":
+            stack = None
+            if not torch.is_grad_enabled() and isinstance(linears[0], fp8_grouped.Fp8InferenceLinear):
+                stack = self._stack(name, [fp8_grouped.inference_weight(m) for m in linears])
+            return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack)
+        weights = [m.weight for m in linears]
+        w = self._stack(name, weights) if not torch.is_grad_enabled() else torch.stack(weights)
+        return grouped_linear(buf, w, offs)
+
+    def _stack(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The stacked weights of passes without gradients, kept per version (:class:`StackedWeights`)."""
+        cache = self._stacks.setdefault(name, StackedWeights())
+        return cache.get(tensors)
+
+    def drop_stacks(self) -> None:
+        """Release the stacked weights (a shared rollout engine's memory between its generations)."""
+        self._stacks.clear()
+
+    def __deepcopy__(self, memo):  # a copy starts without stacks: its weights are other tensors
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = {} if k == "_stacks" else copy.deepcopy(v, memo)
+        return new
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}"

@@ -1,0 +1,105 @@
+"""FP8 grouped expert GEMMs: one linear of every expert over the grouped rows (:mod:`fp8rl.model.grouped`'s buffer).
+
+The numbers are those of each expert's own FP8 linear (:class:`~fp8rl.fp8.linear.Fp8Linear` in the trainer,
+:class:`~fp8rl.fp8.linear.Fp8InferenceLinear` in the rollout) on its rows, with the work done once per layer:
+
+* forward: the buffer's activations quantized once (their scale groups are per row, so the grouping changes no
+  code or scale), times each expert's weight in its FP8 form (the weight caches of the per-expert linears: one
+  quantization per version, as before);
+* dgrad: the output gradient quantized along N per row, times each expert's dgrad weight;
+* wgrad: the gradient and the saved activation quantized along T over the buffer — each expert's group starts on a
+  multiple of 128 rows (:func:`fp8rl.model.grouped.group_layout` with ``multiple=128``), so its scale groups are the
+  per-expert linear's — and one K-grouped GEMM gives every expert's ``(N, K)`` gradient.
+
+Formats: blockwise and MXFP8 (per-row forward groups, T-grouped wgrad groups that divide 128). Tensorwise scales
+one tensor per expert — a per-group amax — and stays on the per-expert loop (:func:`groups`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .formats import linear_format
+from .linear import Fp8InferenceLinear, Fp8Linear, _reads_dequantized
+
+__all__ = ["GROUPED_FORMATS", "groups", "fp8_grouped_linear", "inference_weight"]
+
+GROUPED_FORMATS = ("blockwise", "mxfp8")
+
+
+def groups(linears) -> bool:
+    """Whether these per-expert FP8 linears (one projection of every expert) run as one grouped GEMM: all of one
+    class and format in :data:`GROUPED_FORMATS`, none frozen to FP8, on a device whose GEMM multiplies the
+    dequantization (the reference backend; a fast-path grouped kernel is a GPU issue)."""
+    first = linears[0]
+    if type(first) not in (Fp8Linear, Fp8InferenceLinear) or first.scaling not in GROUPED_FORMATS:
+        return False
+    if isinstance(first, Fp8Linear) and first.weight_cache is None:
+        return False
+    same = all(type(m) is type(first) and m.scaling == first.scaling and m.bias is None
+               and m.pow2_activation_scale == first.pow2_activation_scale
+               and getattr(m, "pow2_weight_scale", None) == getattr(first, "pow2_weight_scale", None)
+               for m in linears)
+    frozen = isinstance(first, Fp8Linear) and any(m.frozen_fp8 for m in linears)
+    return same and not frozen and _reads_dequantized(linear_format(first.scaling), first.weight.device)
+
+
+def inference_weight(m: Fp8InferenceLinear) -> torch.Tensor:
+    """The rollout linear's FP32 dequantized weight: its per-version cache, else made now."""
+    return m._w_dequant if m._w_dequant is not None else m.fmt.dequantize_weight(m.weight, m.weight_scale)
+
+
+class _Fp8GroupedFn(torch.autograd.Function):
+    """The recipe's three GEMMs for one projection of every expert (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, buf, offs, fmt, pow2_w, pow2_a, invariant, linears, *weights):
+        qs = [m.weight_cache.get(w, pow2_w, fmt) for m, w in zip(linears, weights, strict=True)]
+        held = [m.weight_cache.dequantize_held() if m.weight_cache.keep_dequantized else None for m in linears]
+        w = torch.stack([h if h is not None else fmt.dequantize_weight(q, s)
+                         for h, (q, s) in zip(held, qs, strict=True)])
+        x = fmt.fake_act(buf, pow2_a, invariant)  # (P, K) FP32, per row: the grouping changes nothing
+        out = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+        saved_x = fmt.save_act(buf, pow2_a)  # along T: 128-row groups never straddle two experts (module docstring)
+        flat = [t for q, s in qs for t in (q, s)]
+        ctx.save_for_backward(*saved_x, offs, *flat, *(weights if fmt.dgrad_from_master else ()))
+        ctx.n_saved_x, ctx.n = len(saved_x), len(linears)
+        ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
+        ctx.dtypes = (buf.dtype, weights[0].dtype)
+        return out.to(buf.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        saved_x, offs = saved[:ctx.n_saved_x], saved[ctx.n_saved_x]
+        rest = saved[ctx.n_saved_x + 1:]
+        qs = [(rest[2 * i], rest[2 * i + 1]) for i in range(ctx.n)]
+        masters = rest[2 * ctx.n:] or (None,) * ctx.n
+        fmt = ctx.fmt
+        x_dtype, w_dtype = ctx.dtypes
+        g = grad_out.contiguous()  # (P, N)
+        grad_buf = grads_w = None
+        if ctx.needs_input_grad[0]:
+            w = torch.stack([fmt.weight_for_dgrad(m, q, s, ctx.pow2_w) for m, (q, s) in zip(masters, qs, strict=True)])
+            grad_buf = F.grouped_mm(fmt.fake_grad_dgrad(g, ctx.pow2_a), w, offs=offs).to(x_dtype)  # (P, K)
+        if any(ctx.needs_input_grad[7:]):
+            g_cw = fmt.fake_grad_wgrad(g, ctx.pow2_a)  # (P, N) along T
+            gw = F.grouped_mm(g_cw.t(), fmt.load_act(saved_x), offs=offs)  # (E, N, K): each group's rows summed
+            grads_w = tuple(gw.to(w_dtype).unbind(0))
+        return (grad_buf, None, None, None, None, None, None, *(grads_w or (None,) * ctx.n))
+
+
+def fp8_grouped_linear(buf: torch.Tensor, offs: torch.Tensor, linears, *, invariant: bool,
+                       stack: torch.Tensor | None = None) -> torch.Tensor:
+    """``(P, K)`` grouped rows through each group's expert linear (``linears``: one projection of every expert, of
+    which :func:`groups` holds) -> ``(P, N)``. ``stack``: the rollout's stacked FP32 weights, when the caller keeps
+    them per version (:class:`fp8rl.model.grouped.StackedWeights`)."""
+    first = linears[0]
+    fmt = linear_format(first.scaling)
+    if isinstance(first, Fp8Linear):
+        return _Fp8GroupedFn.apply(buf, offs, fmt, first.pow2_weight_scale, first.pow2_activation_scale, invariant,
+                                   list(linears), *(m.weight for m in linears))
+    w = stack if stack is not None else torch.stack([inference_weight(m) for m in linears])
+    x = fmt.fake_act(buf, first.pow2_activation_scale, invariant)  # Fp8InferenceLinear.forward's reference GEMM
+    return F.grouped_mm(x, w.transpose(1, 2), offs=offs).to(buf.dtype)

@@ -1,0 +1,106 @@
+"""Grouped expert GEMMs: a mixture-of-experts layer's routed rows through every expert in one call, no host sync.
+
+The per-expert loop (:class:`~fp8rl.model.moe.SparseMoeBlock` with ``grouped=False``) reads the expert counts on the
+host (``.tolist()``) to slice each expert's rows, and runs one GEMM per expert and linear. Here the counts stay a
+tensor and each of the three SwiGLU linears is one ``torch.nn.functional.grouped_mm`` over the expert-sorted rows
+with the experts' weights stacked ``(E, N, K)`` (the CPU kernel multiplies each group by its expert; CUDA's is a real
+grouped GEMM). Shapes: R routed rows, E experts, P rows of the grouped buffer.
+
+**Layout** (:func:`group_layout`): each expert's rows are contiguous and in token order, its group padded with zero
+rows to a multiple of ``multiple`` rows, and the last group takes the buffer's tail, so every buffer row belongs to a
+group and the buffer's size ``P = ⌈(R + E·(multiple − 1)) / multiple⌉·multiple`` is known without reading the counts.
+
+* ``multiple = 1`` (plain numerics): no padding, ``P = R``.
+* batch-invariant numerics: ``multiple = row_tile``. A group of whole row tiles is the GEMM
+  :func:`~fp8rl.fp8.linear.tiled_mm` runs for one expert's rows, so a row's expert output is bitwise the per-expert
+  loop's and independent of the other rows in its group (``tests/unit/model/test_grouped_experts.py`` checks it on
+  every recipe; it fails if a kernel ever breaks it).
+* a trainable FP8 expert (:mod:`fp8rl.fp8.grouped`): ``multiple = 128``, a multiple of the row tile and of the
+  column-wise scale groups of wgrad (128 rows blockwise, 32 MXFP8), so no scale group of the buffer straddles two
+  experts and wgrad's operands are quantized exactly as the per-expert loop quantizes them. Cost: up to
+  ``E·127`` zero rows per GEMM (``bench/fp8_step.py`` measures the step).
+
+The backward is autograd's: ``grouped_mm``'s own (bf16 / FP32) or the FP8 recipe's three GEMMs. Every expert's weight
+takes part in every call, so an expert no row chose gets an exact zero gradient (data-parallel gradient collectives
+see every parameter) with no special case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["GroupLayout", "group_layout", "grouped_linear", "StackedWeights"]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each expert-sorted routed row sits in the grouped buffer (module docstring).
+
+    Attributes:
+        dst: ``(R,)`` int64, the buffer row of each expert-sorted row.
+        offs: ``(E,)`` int32, the end of each expert's group (``grouped_mm``'s ``offs``); the last is ``rows``.
+        rows: ``P``, the buffer's rows.
+        counts: ``(E,)`` int64, each expert's routed rows.
+    """
+
+    dst: torch.Tensor
+    offs: torch.Tensor
+    rows: int
+    counts: torch.Tensor
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``(R, C)`` expert-sorted rows -> the ``(P, C)`` buffer (zero rows in the padding); differentiable."""
+        if self.rows == x.shape[0]:
+            return x
+        return x.new_zeros(self.rows, x.shape[1]).index_copy(0, self.dst, x)
+
+    def gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """The ``(P, N)`` buffer's rows that hold routed rows, in expert-sorted order ``(R, N)``."""
+        if self.rows == self.dst.shape[0]:
+            return buf
+        return buf.index_select(0, self.dst)
+
+
+def group_layout(experts_sorted: torch.Tensor, num_experts: int, multiple: int) -> GroupLayout:
+    """The layout of routed rows sorted by expert (``experts_sorted``: ``(R,)`` expert ids, non-decreasing), each
+    group padded to ``multiple`` rows. Only tensor ops of fixed shapes: nothing is read back to the host."""
+    r = experts_sorted.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts_sorted.device)
+    counts.scatter_add_(0, experts_sorted, torch.ones_like(experts_sorted))  # a histogram of fixed length E
+    if multiple == 1:
+        ends = counts.cumsum(0)
+        return GroupLayout(torch.arange(r, device=counts.device), ends.to(torch.int32), r, counts)
+    padded = (counts + (multiple - 1)) // multiple * multiple
+    ends = padded.cumsum(0)
+    rows = -(-(r + num_experts * (multiple - 1)) // multiple) * multiple
+    starts = counts.cumsum(0) - counts
+    dst = (ends - padded)[experts_sorted] + torch.arange(r, device=counts.device) - starts[experts_sorted]
+    offs = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)  # the last group takes the tail
+    return GroupLayout(dst, offs, rows, counts)
+
+
+def grouped_linear(buf: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``(P, K)`` rows times each group's expert ``(E, N, K)`` (``nn.Linear`` layout) -> ``(P, N)``."""
+    return F.grouped_mm(buf, weights.transpose(1, 2), offs=offs)
+
+
+class StackedWeights:
+    """One ``(E, N, K)`` stack of per-expert tensors, built again only when one of them changed (its identity or its
+    version counter: a refit's ``copy_``, an optimizer step). For passes without gradients (the rollout's decode
+    steps, the trainer's logprob passes): the stack is a copy, so it costs the experts' weights once more."""
+
+    __slots__ = ("_key", "stack")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self.stack: torch.Tensor | None = None
+
+    def get(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple((id(t), t._version, t.data_ptr()) for t in tensors)
+        if key != self._key or self.stack is None:
+            self.stack = torch.stack([t.detach() for t in tensors])
+            self._key = key
+        return self.stack
