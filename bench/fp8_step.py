@@ -15,10 +15,13 @@ times after a warm-up; the median step time is reported. Three trainers:
   quantizes and dequantizes every weight again, what the trainer did before.
 
 With ``--experts E`` the model is a Qwen3-MoE of the same shape whose every layer routes each token to ``--top-k``
-of ``E`` experts of width ``--moe-width`` (the router FP32, each expert's linears FP8 per the recipe).
+of ``E`` experts of width ``--moe-width`` (the router FP32, each expert's linears FP8 per the recipe), computed as
+grouped GEMMs (:mod:`fp8rl.model.grouped`); two more trainers run the per-expert reference loop
+(``bf16_loop``, ``fp8_e2e_loop``: ``SparseMoeBlock.grouped = False``, what every MoE step ran before issue 54).
 
 Prints ``ratio fp8_step/bf16_step`` (target ≤ 1.3), ``ratio fp8_per_call_step/bf16_step`` and
-``ratio fp8_step/fp8_per_call_step``.
+``ratio fp8_step/fp8_per_call_step``; with experts also ``ratio bf16_step/bf16_loop_step`` (grouped vs loop),
+``ratio fp8_step/fp8_loop_step`` and ``ratio fp8_loop_step/bf16_loop_step`` (the loop's FP8 cost).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from fp8rl.engines import TorchTrainer, TrainBatch, TrainerConfig, train_on_batch
 from fp8rl.fp8 import Fp8Linear, recipe_for_role
 from fp8rl.model import CausalLM, ModelConfig
+from fp8rl.model.moe import SparseMoeBlock
 
 
 def model(args) -> CausalLM:
@@ -89,18 +93,26 @@ def main(argv: list[str] | None = None) -> dict:
           f"layers{experts}), batch {args.rows} x {args.seq}, micro-batch {args.mb}, {args.minibatches} updates "
           f"per step, median of {args.steps}")
     res = {}
-    for name, recipe, cache in (("bf16", "bf16", True), ("fp8_e2e", "fp8_e2e", True),
-                                ("fp8_e2e_per_call", "fp8_e2e", False)):
+    runs = [("bf16", "bf16", True, True), ("fp8_e2e", "fp8_e2e", True, True),
+            ("fp8_e2e_per_call", "fp8_e2e", False, True)]
+    if args.experts:
+        runs += [("bf16_loop", "bf16", True, False), ("fp8_e2e_loop", "fp8_e2e", True, False)]
+    for name, recipe, cache, grouped in runs:
         tr = TorchTrainer(policy, recipe_for_role(recipe, "trainer"), cfg)
-        if not cache:
-            for m in tr.model.modules():
-                if isinstance(m, Fp8Linear):
-                    m.weight_cache = None
+        for m in tr.model.modules():
+            if isinstance(m, Fp8Linear) and not cache:
+                m.weight_cache = None
+            if isinstance(m, SparseMoeBlock):
+                m.grouped = grouped
         res[name] = time_steps(tr, args)
         print(f"  {name:17s} {res[name]:7.3f} s/step")
     print(f"ratio fp8_step/bf16_step {res['fp8_e2e'] / res['bf16']:.4f}")
     print(f"ratio fp8_per_call_step/bf16_step {res['fp8_e2e_per_call'] / res['bf16']:.4f}")
     print(f"ratio fp8_step/fp8_per_call_step {res['fp8_e2e'] / res['fp8_e2e_per_call']:.4f}")
+    if args.experts:
+        print(f"ratio bf16_step/bf16_loop_step {res['bf16'] / res['bf16_loop']:.4f}")
+        print(f"ratio fp8_step/fp8_loop_step {res['fp8_e2e'] / res['fp8_e2e_loop']:.4f}")
+        print(f"ratio fp8_loop_step/bf16_loop_step {res['fp8_e2e_loop'] / res['bf16_loop']:.4f}")
     return res
 
 

@@ -175,9 +175,9 @@ class RouterReplayConfig(Section):
                             "the router still learns). Batch-invariant numerics need no replay (routing already "
                             "agrees bitwise); replay is for engines that are not (vLLM, or invariance off). The "
                             "torch rollout engine only.")
-    measure_unreplayed: bool = setting(True, "With replay: the trainer's logprob pass also runs once without it and "
-                                       "reports that mismatch (moe/unreplayed/*); one extra no-grad forward per "
-                                       "step.")
+    measure_unreplayed: bool = setting(False, "With replay: the trainer's logprob pass also runs once without it "
+                                       "and reports that mismatch (moe/unreplayed/*: what replay removed); one extra "
+                                       "no-grad forward per step, so off unless asked.")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ class TrainerConfig:
             (``TrainBatch.routes``) instead of routing again; gates come from this trainer's router scores.
         router_aux_loss_coef: weight of the load-balancing loss added to the policy loss (0: reported only).
         measure_unreplayed: with ``router_replay``, the logprob pass also runs once without replay and reports
-            that mismatch (``moe/unreplayed/*``: what replay removed). One extra no-grad forward per step.
+            that mismatch (``moe/unreplayed/*``: what replay removed). One extra no-grad forward per step: off
+            unless asked.
         activation_checkpointing: the training passes keep each layer's input only and recompute the layer in the
             backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models). None ("auto"):
             per micro-batch, as :func:`fp8rl.engines.footprint.recompute_by_default` decides from its shape.
@@ -100,7 +101,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     router_replay: bool = False
     router_aux_loss_coef: float = 0.0
-    measure_unreplayed: bool = True
+    measure_unreplayed: bool = False
     activation_checkpointing: bool | None = None
     lora: LoraSettings | None = None
     share_prefix: bool = False

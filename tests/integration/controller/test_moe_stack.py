@@ -61,7 +61,8 @@ def _run_job(tmp_path, model: str | None = None, **changes) -> tuple[list, objec
 
 
 def test_replay_through_the_stack_and_trainstep_refuses_bad_routes(tmp_path):
-    reports, info, stack = _run_job(tmp_path, "tiny-arith-moe", router_replay={"enabled": True})
+    reports, info, stack = _run_job(tmp_path, "tiny-arith-moe",
+                                    router_replay={"enabled": True, "measure_unreplayed": True})
     try:
         assert (info.state, info.error) == ("succeeded", ""), info.error
         assert [r.step for r in reports] == [0, 1, 2]
