@@ -7,9 +7,11 @@ The numbers are those of each expert's own FP8 linear (:class:`~fp8rl.fp8.linear
   code or scale), times each expert's weight in its FP8 form (the weight caches of the per-expert linears: one
   quantization per version, as before);
 * dgrad: the output gradient quantized along N per row, times each expert's dgrad weight;
-* wgrad: the gradient and the saved activation quantized along T over the buffer — each expert's group starts on a
-  multiple of 128 rows (:func:`fp8rl.model.grouped.group_layout` with ``multiple=128``), so its scale groups are the
-  per-expert linear's — and one K-grouped GEMM gives every expert's ``(N, K)`` gradient.
+* wgrad: the gradient and the saved activation moved into a second layout whose every group starts on a multiple of
+  128 rows (:func:`fp8rl.model.grouped.group_layout` with ``multiple=128``: the caller's ``regroup``) and quantized
+  along T there, so no scale group straddles two experts and each expert's codes and scales are its own linear's;
+  one K-grouped GEMM gives every expert's ``(N, K)`` gradient. The forward and dgrad GEMMs keep the compact layout
+  (a 128-row padding per expert would double a small micro-batch's expert GEMMs).
 
 Formats: blockwise and MXFP8 (per-row forward groups, T-grouped wgrad groups that divide 128). Tensorwise scales
 one tensor per expert — a per-group amax — and stays on the per-expert loop (:func:`groups`).
@@ -54,16 +56,18 @@ class _Fp8GroupedFn(torch.autograd.Function):
     """The recipe's three GEMMs for one projection of every expert (module docstring)."""
 
     @staticmethod
-    def forward(ctx, buf, offs, fmt, pow2_w, pow2_a, invariant, linears, *weights):
+    def forward(ctx, buf, offs, fmt, pow2_w, pow2_a, invariant, linears, wgrad, *weights):
         qs = [m.weight_cache.get(w, pow2_w, fmt) for m, w in zip(linears, weights, strict=True)]
         held = [m.weight_cache.dequantize_held() if m.weight_cache.keep_dequantized else None for m in linears]
         w = torch.stack([h if h is not None else fmt.dequantize_weight(q, s)
                          for h, (q, s) in zip(held, qs, strict=True)])
         x = fmt.fake_act(buf, pow2_a, invariant)  # (P, K) FP32, per row: the grouping changes nothing
         out = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
-        saved_x = fmt.save_act(buf, pow2_a)  # along T: 128-row groups never straddle two experts (module docstring)
+        regroup, offs_w = wgrad
+        saved_x = fmt.save_act(regroup(buf), pow2_a)  # along T in the 128-row layout (module docstring)
         flat = [t for q, s in qs for t in (q, s)]
-        ctx.save_for_backward(*saved_x, offs, *flat, *(weights if fmt.dgrad_from_master else ()))
+        ctx.save_for_backward(*saved_x, offs, offs_w, *flat, *(weights if fmt.dgrad_from_master else ()))
+        ctx.regroup = regroup
         ctx.n_saved_x, ctx.n = len(saved_x), len(linears)
         ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
         ctx.dtypes = (buf.dtype, weights[0].dtype)
@@ -72,8 +76,8 @@ class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
-        saved_x, offs = saved[:ctx.n_saved_x], saved[ctx.n_saved_x]
-        rest = saved[ctx.n_saved_x + 1:]
+        saved_x, offs, offs_w = saved[:ctx.n_saved_x], saved[ctx.n_saved_x], saved[ctx.n_saved_x + 1]
+        rest = saved[ctx.n_saved_x + 2:]
         qs = [(rest[2 * i], rest[2 * i + 1]) for i in range(ctx.n)]
         masters = rest[2 * ctx.n:] or (None,) * ctx.n
         fmt = ctx.fmt
@@ -83,23 +87,27 @@ class _Fp8GroupedFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w = torch.stack([fmt.weight_for_dgrad(m, q, s, ctx.pow2_w) for m, (q, s) in zip(masters, qs, strict=True)])
             grad_buf = F.grouped_mm(fmt.fake_grad_dgrad(g, ctx.pow2_a), w, offs=offs).to(x_dtype)  # (P, K)
-        if any(ctx.needs_input_grad[7:]):
-            g_cw = fmt.fake_grad_wgrad(g, ctx.pow2_a)  # (P, N) along T
-            gw = F.grouped_mm(g_cw.t(), fmt.load_act(saved_x), offs=offs)  # (E, N, K): each group's rows summed
+        if any(ctx.needs_input_grad[8:]):
+            g_cw = fmt.fake_grad_wgrad(ctx.regroup(g), ctx.pow2_a)  # (P', N) along T, the 128-row layout
+            gw = F.grouped_mm(g_cw.t(), fmt.load_act(saved_x), offs=offs_w)  # (E, N, K): each group's rows summed
             grads_w = tuple(gw.to(w_dtype).unbind(0))
-        return (grad_buf, None, None, None, None, None, None, *(grads_w or (None,) * ctx.n))
+        return (grad_buf, None, None, None, None, None, None, None, *(grads_w or (None,) * ctx.n))
 
 
 def fp8_grouped_linear(buf: torch.Tensor, offs: torch.Tensor, linears, *, invariant: bool,
-                       stack: torch.Tensor | None = None) -> torch.Tensor:
+                       stack: torch.Tensor | None = None, wgrad=None) -> torch.Tensor:
     """``(P, K)`` grouped rows through each group's expert linear (``linears``: one projection of every expert, of
     which :func:`groups` holds) -> ``(P, N)``. ``stack``: the rollout's stacked FP32 weights, when the caller keeps
-    them per version (:class:`fp8rl.model.grouped.StackedWeights`)."""
+    them per version (:class:`fp8rl.model.grouped.StackedWeights`). ``wgrad``: the trainer's ``(regroup, offs)`` —
+    a function moving ``(P, ·)`` buffer rows into the 128-row layout and that layout's group ends (module
+    docstring)."""
     first = linears[0]
     fmt = linear_format(first.scaling)
     if isinstance(first, Fp8Linear):
+        if wgrad is None:
+            raise ValueError("a trainable grouped FP8 linear needs its wgrad layout (regroup, offs)")
         return _Fp8GroupedFn.apply(buf, offs, fmt, first.pow2_weight_scale, first.pow2_activation_scale, invariant,
-                                   list(linears), *(m.weight for m in linears))
+                                   list(linears), wgrad, *(m.weight for m in linears))
     w = stack if stack is not None else torch.stack([inference_weight(m) for m in linears])
     x = fmt.fake_act(buf, first.pow2_activation_scale, invariant)  # Fp8InferenceLinear.forward's reference GEMM
     return F.grouped_mm(x, w.transpose(1, 2), offs=offs).to(buf.dtype)

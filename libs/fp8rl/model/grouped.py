@@ -15,10 +15,10 @@ group and the buffer's size ``P = ⌈(R + E·(multiple − 1)) / multiple⌉·mu
   :func:`~fp8rl.fp8.linear.tiled_mm` runs for one expert's rows, so a row's expert output is bitwise the per-expert
   loop's and independent of the other rows in its group (``tests/unit/model/test_grouped_experts.py`` checks it on
   every recipe; it fails if a kernel ever breaks it).
-* a trainable FP8 expert (:mod:`fp8rl.fp8.grouped`): ``multiple = 128``, a multiple of the row tile and of the
-  column-wise scale groups of wgrad (128 rows blockwise, 32 MXFP8), so no scale group of the buffer straddles two
-  experts and wgrad's operands are quantized exactly as the per-expert loop quantizes them. Cost: up to
-  ``E·127`` zero rows per GEMM (``bench/fp8_step.py`` measures the step).
+* a trainable FP8 expert's wgrad (:mod:`fp8rl.fp8.grouped`): a second layout of ``multiple = 128``, the column-wise
+  scale groups of wgrad (128 rows blockwise; 32 MXFP8 divides it), so no scale group straddles two experts and
+  wgrad's operands are quantized exactly as the per-expert loop quantizes them; its cost, up to ``E·127`` zero rows,
+  falls on the wgrad GEMM only.
 
 The backward is autograd's: ``grouped_mm``'s own (bf16 / FP32) or the FP8 recipe's three GEMMs. Every expert's weight
 takes part in every call, so an expert no row chose gets an exact zero gradient (data-parallel gradient collectives

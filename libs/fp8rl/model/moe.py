@@ -133,20 +133,25 @@ class SparseMoeBlock(nn.Module):
         """Every expert's rows through the three linears as grouped GEMMs (:mod:`fp8rl.model.grouped`)."""
         first = self.experts[0].gate_proj
         tile = getattr(first, "row_tile", None)
-        trains_fp8 = kind == "fp8" and isinstance(first, fp8_grouped.Fp8Linear)
-        layout = group_layout(experts_sorted, self.num_experts, BLOCK if trains_fp8 else tile or 1)
+        layout = group_layout(experts_sorted, self.num_experts, tile or 1)
+        wgrad = None
+        if kind == "fp8" and isinstance(first, fp8_grouped.Fp8Linear):  # trainable: wgrad's 128-row layout
+            w_layout = group_layout(experts_sorted, self.num_experts, BLOCK)
+            wgrad = (lambda t: w_layout.scatter(layout.gather(t)), w_layout.offs)
         buf = layout.scatter(rows)  # (P, C)
-        gate = self._linear(buf, layout.offs, "gate_proj", kind, tile)
-        up = self._linear(buf, layout.offs, "up_proj", kind, tile)
-        return layout.gather(self._linear(swiglu(gate, up), layout.offs, "down_proj", kind, tile))
+        gate = self._linear(buf, layout.offs, "gate_proj", kind, tile, wgrad)
+        up = self._linear(buf, layout.offs, "up_proj", kind, tile, wgrad)
+        return layout.gather(self._linear(swiglu(gate, up), layout.offs, "down_proj", kind, tile, wgrad))
 
-    def _linear(self, buf: torch.Tensor, offs: torch.Tensor, name: str, kind: str, tile: int | None) -> torch.Tensor:
+    def _linear(self, buf: torch.Tensor, offs: torch.Tensor, name: str, kind: str, tile: int | None,
+                wgrad) -> torch.Tensor:
         linears = [getattr(e, name) for e in self.experts]
         if kind == "fp8":
             stack = None
             if not torch.is_grad_enabled() and isinstance(linears[0], fp8_grouped.Fp8InferenceLinear):
                 stack = self._stack(name, [fp8_grouped.inference_weight(m) for m in linears])
-            return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack)
+            return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack,
+                                                  wgrad=wgrad)
         weights = [m.weight for m in linears]
         w = self._stack(name, weights) if not torch.is_grad_enabled() else torch.stack(weights)
         return grouped_linear(buf, w, offs)

@@ -87,7 +87,8 @@ def test_one_grouped_projection_and_its_gradients_against_each_experts_own_linea
     linears = [e.gate_proj for e in block.experts][:4]
     counts = [0, 1, 130, 61]
     experts = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
-    lay = group_layout(experts, 4, 128 if recipe != "bf16" else 8)
+    lay = group_layout(experts, 4, 8)
+    w_lay = group_layout(experts, 4, 128)  # the trainer's wgrad layout
     x = torch.randn(sum(counts), CONFIG["hidden_size"])
     g = torch.randn(sum(counts), CONFIG["moe_intermediate_size"])
     xg = x.clone().requires_grad_()
@@ -95,7 +96,8 @@ def test_one_grouped_projection_and_its_gradients_against_each_experts_own_linea
     if recipe == "bf16":
         out = lay.gather(grouped_linear(buf, torch.stack([m.weight for m in linears]), lay.offs))
     else:
-        out = lay.gather(fp8_grouped_linear(buf, lay.offs, linears, invariant=True))
+        out = lay.gather(fp8_grouped_linear(buf, lay.offs, linears, invariant=True,
+                                            wgrad=(lambda t: w_lay.scatter(lay.gather(t)), w_lay.offs)))
     out.backward(g)
     grouped_w = [m.weight.grad.clone() for m in linears]
     for m in linears:
