@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .formats import linear_format
 from .linear import Fp8InferenceLinear, Fp8Linear, _reads_dequantized
 
-__all__ = ["GROUPED_FORMATS", "groups", "fp8_grouped_linear", "inference_weight"]
+__all__ = ["GROUPED_FORMATS", "groups", "fp8_grouped_linear", "inference_weight", "StackedWeights"]
 
 GROUPED_FORMATS = ("blockwise", "mxfp8")
 
@@ -52,21 +52,58 @@ def inference_weight(m: Fp8InferenceLinear) -> torch.Tensor:
     return m._w_dequant if m._w_dequant is not None else m.fmt.dequantize_weight(m.weight, m.weight_scale)
 
 
+class StackedWeights:
+    """One ``(E, N, K)`` stack of per-expert tensors, built again only when one of them changed (its identity or its
+    version counter: a refit's ``copy_``, an optimizer step's new FP8 form). The stack is a copy: it costs the
+    experts' weights once more, for as long as its owner keeps it — unless the owner replaces the tensors by the
+    stack's rows (:meth:`rows`), which :meth:`get` then recognises."""
+
+    __slots__ = ("_key", "stack")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self.stack: torch.Tensor | None = None
+
+    def get(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.stack is not None and len(tensors) == self.stack.shape[0] and self._key == self.stack._version \
+                and all(t._base is self.stack for t in tensors):
+            return self.stack  # the tensors are the stack's own rows
+        key = tuple((id(t), t._version, t.data_ptr()) for t in tensors)
+        if key != self._key or self.stack is None:
+            self.stack = torch.stack([t.detach() for t in tensors])
+            self._key = key
+        return self.stack
+
+    def rows(self) -> list[torch.Tensor]:
+        """The stack's rows as views (for the owner to hold instead of the tensors it stacked); :meth:`get` of them
+        returns the stack while it is unchanged."""
+        self._key = self.stack._version
+        return list(self.stack.unbind(0))
+
+
 class _Fp8GroupedFn(torch.autograd.Function):
     """The recipe's three GEMMs for one projection of every expert (module docstring)."""
 
     @staticmethod
-    def forward(ctx, buf, offs, fmt, pow2_w, pow2_a, invariant, linears, wgrad, *weights):
+    def forward(ctx, buf, offs, fmt, pow2_w, pow2_a, invariant, linears, wgrad, stacks, *weights):
         qs = [m.weight_cache.get(w, pow2_w, fmt) for m, w in zip(linears, weights, strict=True)]
         held = [m.weight_cache.dequantize_held() if m.weight_cache.keep_dequantized else None for m in linears]
-        w = torch.stack([h if h is not None else fmt.dequantize_weight(q, s)
-                         for h, (q, s) in zip(held, qs, strict=True)])
+        if stacks is not None and all(h is not None for h in held):  # the version's, stacked once
+            w = stacks.get(held)
+            for m, row in zip(linears, stacks.rows(), strict=True):  # the caches hold its rows: one FP32 copy
+                m.weight_cache.dequantized = row
+        else:
+            w = torch.stack([h if h is not None else fmt.dequantize_weight(q, s)
+                             for h, (q, s) in zip(held, qs, strict=True)])
         x = fmt.fake_act(buf, pow2_a, invariant)  # (P, K) FP32, per row: the grouping changes nothing
         out = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
         regroup, offs_w = wgrad
-        saved_x = fmt.save_act(regroup(buf), pow2_a)  # along T in the 128-row layout (module docstring)
+        # wgrad's operand along T in the 128-row layout (module docstring); a pass without gradients keeps nothing
+        saved_x = fmt.save_act(regroup(buf), pow2_a) if any(ctx.needs_input_grad[9:]) else ()
         flat = [t for q, s in qs for t in (q, s)]
-        ctx.save_for_backward(*saved_x, offs, offs_w, *flat, *(weights if fmt.dgrad_from_master else ()))
+        # dgrad multiplies the forward's stack where the format allows (the held dequantizations: no second one)
+        reuse = w if not fmt.dgrad_from_master and all(h is not None for h in held) else None
+        ctx.save_for_backward(*saved_x, offs, offs_w, reuse, *flat, *(weights if fmt.dgrad_from_master else ()))
         ctx.regroup = regroup
         ctx.n_saved_x, ctx.n = len(saved_x), len(linears)
         ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
@@ -76,8 +113,8 @@ class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
-        saved_x, offs, offs_w = saved[:ctx.n_saved_x], saved[ctx.n_saved_x], saved[ctx.n_saved_x + 1]
-        rest = saved[ctx.n_saved_x + 2:]
+        saved_x, (offs, offs_w, reuse) = saved[:ctx.n_saved_x], saved[ctx.n_saved_x:ctx.n_saved_x + 3]
+        rest = saved[ctx.n_saved_x + 3:]
         qs = [(rest[2 * i], rest[2 * i + 1]) for i in range(ctx.n)]
         masters = rest[2 * ctx.n:] or (None,) * ctx.n
         fmt = ctx.fmt
@@ -85,29 +122,32 @@ class _Fp8GroupedFn(torch.autograd.Function):
         g = grad_out.contiguous()  # (P, N)
         grad_buf = grads_w = None
         if ctx.needs_input_grad[0]:
-            w = torch.stack([fmt.weight_for_dgrad(m, q, s, ctx.pow2_w) for m, (q, s) in zip(masters, qs, strict=True)])
+            w = reuse if reuse is not None else torch.stack(
+                [fmt.weight_for_dgrad(m, q, s, ctx.pow2_w) for m, (q, s) in zip(masters, qs, strict=True)])
             grad_buf = F.grouped_mm(fmt.fake_grad_dgrad(g, ctx.pow2_a), w, offs=offs).to(x_dtype)  # (P, K)
-        if any(ctx.needs_input_grad[8:]):
+        if any(ctx.needs_input_grad[9:]):
             g_cw = fmt.fake_grad_wgrad(ctx.regroup(g), ctx.pow2_a)  # (P', N) along T, the 128-row layout
             gw = F.grouped_mm(g_cw.t(), fmt.load_act(saved_x), offs=offs_w)  # (E, N, K): each group's rows summed
             grads_w = tuple(gw.to(w_dtype).unbind(0))
-        return (grad_buf, None, None, None, None, None, None, None, *(grads_w or (None,) * ctx.n))
+        return (grad_buf, *(None,) * 8, *(grads_w or (None,) * ctx.n))
 
 
 def fp8_grouped_linear(buf: torch.Tensor, offs: torch.Tensor, linears, *, invariant: bool,
-                       stack: torch.Tensor | None = None, wgrad=None) -> torch.Tensor:
+                       stack: torch.Tensor | None = None, wgrad=None,
+                       stacks: StackedWeights | None = None) -> torch.Tensor:
     """``(P, K)`` grouped rows through each group's expert linear (``linears``: one projection of every expert, of
     which :func:`groups` holds) -> ``(P, N)``. ``stack``: the rollout's stacked FP32 weights, when the caller keeps
     them per version (:class:`fp8rl.model.grouped.StackedWeights`). ``wgrad``: the trainer's ``(regroup, offs)`` —
     a function moving ``(P, ·)`` buffer rows into the 128-row layout and that layout's group ends (module
-    docstring)."""
+    docstring). ``stacks``: where the trainer keeps the stack of its version's held dequantizations
+    (:attr:`fp8rl.fp8.linear.WeightCache.keep_dequantized`), so a version's passes stack them once."""
     first = linears[0]
     fmt = linear_format(first.scaling)
     if isinstance(first, Fp8Linear):
         if wgrad is None:
             raise ValueError("a trainable grouped FP8 linear needs its wgrad layout (regroup, offs)")
         return _Fp8GroupedFn.apply(buf, offs, fmt, first.pow2_weight_scale, first.pow2_activation_scale, invariant,
-                                   list(linears), wgrad, *(m.weight for m in linears))
+                                   list(linears), wgrad, stacks, *(m.weight for m in linears))
     w = stack if stack is not None else torch.stack([inference_weight(m) for m in linears])
     x = fmt.fake_act(buf, first.pow2_activation_scale, invariant)  # Fp8InferenceLinear.forward's reference GEMM
     return F.grouped_mm(x, w.transpose(1, 2), offs=offs).to(buf.dtype)

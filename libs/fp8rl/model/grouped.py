@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fp8rl.fp8.grouped import StackedWeights
+
 __all__ = ["GroupLayout", "group_layout", "grouped_linear", "StackedWeights"]
 
 
@@ -85,22 +87,3 @@ def group_layout(experts_sorted: torch.Tensor, num_experts: int, multiple: int) 
 def grouped_linear(buf: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``(P, K)`` rows times each group's expert ``(E, N, K)`` (``nn.Linear`` layout) -> ``(P, N)``."""
     return F.grouped_mm(buf, weights.transpose(1, 2), offs=offs)
-
-
-class StackedWeights:
-    """One ``(E, N, K)`` stack of per-expert tensors, built again only when one of them changed (its identity or its
-    version counter: a refit's ``copy_``, an optimizer step). For passes without gradients (the rollout's decode
-    steps, the trainer's logprob passes): the stack is a copy, so it costs the experts' weights once more."""
-
-    __slots__ = ("_key", "stack")
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self.stack: torch.Tensor | None = None
-
-    def get(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        key = tuple((id(t), t._version, t.data_ptr()) for t in tensors)
-        if key != self._key or self.stack is None:
-            self.stack = torch.stack([t.detach() for t in tensors])
-            self._key = key
-        return self.stack

@@ -150,8 +150,11 @@ class SparseMoeBlock(nn.Module):
             stack = None
             if not torch.is_grad_enabled() and isinstance(linears[0], fp8_grouped.Fp8InferenceLinear):
                 stack = self._stack(name, [fp8_grouped.inference_weight(m) for m in linears])
+            trains = isinstance(linears[0], fp8_grouped.Fp8Linear)
             return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack,
-                                                  wgrad=wgrad)
+                                                  wgrad=wgrad,
+                                                  stacks=self._stacks.setdefault(name, StackedWeights()) if trains
+                                                  else None)
         weights = [m.weight for m in linears]
         w = self._stack(name, weights) if not torch.is_grad_enabled() else torch.stack(weights)
         return grouped_linear(buf, w, offs)

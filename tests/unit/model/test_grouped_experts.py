@@ -231,3 +231,25 @@ def test_inference_stacks_are_rebuilt_when_a_refit_changes_a_weight():
     assert not torch.equal(before, after) and torch.equal(after, want)
     block.drop_stacks()
     assert block._stacks == {}
+
+
+def test_a_trainers_held_dequantizations_are_stacked_once_per_version():
+    """With the weight caches keeping their FP32 dequantization (the trainer's choice for small models), the grouped
+    layer stacks them once per version and the caches then hold the stack's rows (one FP32 copy, not two); an update
+    of a weight (the optimizer's in-place step) stacks again, and the numbers stay the per-expert loop's."""
+    block = _block("blockwise", "train", invariant=True)
+    for e in block.experts:
+        for m in (e.gate_proj, e.up_proj, e.down_proj):
+            m.weight_cache.keep_dequantized = True
+    x = torch.randn(1, 6, CONFIG["hidden_size"])
+    with torch.no_grad():
+        block(x)
+        stack = block._stacks["up_proj"].stack
+        assert all(e.up_proj.weight_cache.dequantized._base is stack for e in block.experts)
+        block(x)
+        assert block._stacks["up_proj"].stack is stack  # the same version: not stacked again
+        block.experts[2].up_proj.weight.add_(0.01)  # an update: its version counter moves
+        got = block(x)
+        assert block._stacks["up_proj"].stack is not stack
+        want = _loop(block)(x)
+    assert torch.equal(got, want)
