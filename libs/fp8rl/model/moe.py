@@ -101,9 +101,12 @@ class SparseMoeBlock(nn.Module):
     def grouping(self) -> str | None:
         """How the experts compute: ``"dense"`` (plain or tiled ``nn.Linear``\\ s: bf16 / FP32), ``"fp8"`` (FP8
         linears of a grouped format, :func:`fp8rl.fp8.grouped.groups`), or None — the per-expert reference loop (LoRA
-        wrappers, tensorwise FP8, mixed or hooked linears)."""
+        wrappers, tensorwise FP8, mixed or hooked linears) and off the CPU: CUDA's ``grouped_mm`` takes BF16 on sm90
+        only and no device has checked it here yet (the GPU tier's to add)."""
         linears = [lin for e in self.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)]
         if not self.grouped or any(m._forward_hooks or m._forward_pre_hooks for m in linears):
+            return None
+        if linears[0].weight.device.type != "cpu":
             return None
         if all(type(m) in (nn.Linear, TiledLinear) and m.bias is None for m in linears):
             tiles = {getattr(m, "row_tile", None) for m in linears}
@@ -148,7 +151,8 @@ class SparseMoeBlock(nn.Module):
         linears = [getattr(e, name) for e in self.experts]
         if kind == "fp8":
             stack = None
-            if not torch.is_grad_enabled() and isinstance(linears[0], fp8_grouped.Fp8InferenceLinear):
+            if not torch.is_grad_enabled() and not self.training and \
+                    isinstance(linears[0], fp8_grouped.Fp8InferenceLinear):
                 stack = self._stack(name, [fp8_grouped.inference_weight(m) for m in linears])
             trains = isinstance(linears[0], fp8_grouped.Fp8Linear)
             return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack,
@@ -156,7 +160,10 @@ class SparseMoeBlock(nn.Module):
                                                   stacks=self._stacks.setdefault(name, StackedWeights()) if trains
                                                   else None)
         weights = [m.weight for m in linears]
-        w = self._stack(name, weights) if not torch.is_grad_enabled() else torch.stack(weights)
+        # an engine that only generates (eval mode: the rollout, a reference model) keeps the stack per version; the
+        # trainer's passes stack per call (no second copy of its experts between steps)
+        keep = not torch.is_grad_enabled() and not self.training
+        w = self._stack(name, weights) if keep else torch.stack(weights)
         return grouped_linear(buf, w, offs)
 
     def _stack(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:

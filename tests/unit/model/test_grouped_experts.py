@@ -45,6 +45,8 @@ def _block(recipe: str, mode: str, invariant: bool, dtype=torch.float32, seed: i
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     if recipe != "bf16":
         convert_model(model, Fp8Recipe(linear="fp8", scaling=recipe), mode=mode)
+    if mode == "inference":
+        model.eval()  # as the rollout holds it
     if invariant:
         model.set_batch_invariance(BatchInvariance())
     return model.model.layers[0].mlp
@@ -229,6 +231,7 @@ def test_inference_stacks_are_rebuilt_when_a_refit_changes_a_weight():
         after = block(x)
         want = _loop(block)(x)
     assert not torch.equal(before, after) and torch.equal(after, want)
+    assert set(block._stacks) == {"gate_proj", "up_proj", "down_proj"}  # kept per version while generating
     block.drop_stacks()
     assert block._stacks == {}
 
