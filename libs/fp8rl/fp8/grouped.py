@@ -7,14 +7,17 @@ The numbers are those of each expert's own FP8 linear (:class:`~fp8rl.fp8.linear
   code or scale), times each expert's weight in its FP8 form (the weight caches of the per-expert linears: one
   quantization per version, as before);
 * dgrad: the output gradient quantized along N per row, times each expert's dgrad weight;
-* wgrad: the gradient and the saved activation moved into a second layout whose every group starts on a multiple of
+* wgrad: the gradient and the activation moved into a second layout whose every group starts on a multiple of
   128 rows (:func:`fp8rl.model.grouped.group_layout` with ``multiple=128``: the caller's ``regroup``) and quantized
   along T there, so no scale group straddles two experts and each expert's codes and scales are its own linear's;
   one K-grouped GEMM gives every expert's ``(N, K)`` gradient. The forward and dgrad GEMMs keep the compact layout
-  (a 128-row padding per expert would double a small micro-batch's expert GEMMs).
+  (a 128-row padding per expert would double a small micro-batch's expert GEMMs). The forward keeps the compact
+  activation in its own dtype for wgrad (one copy for gate and up, which read the same rows) and the backward
+  quantizes it: an E4M3 copy in the 128-row layout would carry ``E·127`` padding rows per linear, more than the
+  per-expert loop's activations on small micro-batches.
 
-Formats: blockwise and MXFP8 (per-row forward groups, T-grouped wgrad groups that divide 128). Tensorwise scales
-one tensor per expert — a per-group amax — and stays on the per-expert loop (:func:`groups`).
+Formats: those whose ``groups_experts`` holds — blockwise and MXFP8 (per-row forward groups, T-grouped wgrad groups
+that divide 128). Tensorwise scales one tensor per expert — a per-group amax — and stays on the per-expert loop.
 """
 
 from __future__ import annotations
@@ -25,17 +28,16 @@ import torch.nn.functional as F
 from .formats import linear_format
 from .linear import Fp8InferenceLinear, Fp8Linear, _reads_dequantized
 
-__all__ = ["GROUPED_FORMATS", "groups", "fp8_grouped_linear", "inference_weight", "StackedWeights"]
-
-GROUPED_FORMATS = ("blockwise", "mxfp8")
+__all__ = ["groups", "fp8_grouped_linear", "inference_weight", "StackedWeights"]
 
 
 def groups(linears) -> bool:
     """Whether these per-expert FP8 linears (one projection of every expert) run as one grouped GEMM: all of one
-    class and format in :data:`GROUPED_FORMATS`, none frozen to FP8, on a device whose GEMM multiplies the
-    dequantization (the reference backend; a fast-path grouped kernel is a GPU issue)."""
+    class and of one format that groups (:attr:`~fp8rl.fp8.formats.LinearFormat.groups_experts`), none frozen to FP8,
+    on a device whose GEMM multiplies the dequantization (the reference backend; a fast-path grouped kernel is a GPU
+    issue)."""
     first = linears[0]
-    if type(first) not in (Fp8Linear, Fp8InferenceLinear) or first.scaling not in GROUPED_FORMATS:
+    if type(first) not in (Fp8Linear, Fp8InferenceLinear) or not linear_format(first.scaling).groups_experts:
         return False
     if isinstance(first, Fp8Linear) and first.weight_cache is None:
         return False
@@ -98,14 +100,14 @@ class _Fp8GroupedFn(torch.autograd.Function):
         x = fmt.fake_act(buf, pow2_a, invariant)  # (P, K) FP32, per row: the grouping changes nothing
         out = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
         regroup, offs_w = wgrad
-        # wgrad's operand along T in the 128-row layout (module docstring); a pass without gradients keeps nothing
-        saved_x = fmt.save_act(regroup(buf), pow2_a) if any(ctx.needs_input_grad[9:]) else ()
         flat = [t for q, s in qs for t in (q, s)]
         # dgrad multiplies the forward's stack where the format allows (the held dequantizations: no second one)
         reuse = w if not fmt.dgrad_from_master and all(h is not None for h in held) else None
-        ctx.save_for_backward(*saved_x, offs, offs_w, reuse, *flat, *(weights if fmt.dgrad_from_master else ()))
+        # wgrad's operand: the compact buffer itself (gate and up share it), quantized along T in the 128-row layout
+        # by the backward — its E4M3 form there would hold E·127 padding rows per linear
+        ctx.save_for_backward(buf, offs, offs_w, reuse, *flat, *(weights if fmt.dgrad_from_master else ()))
         ctx.regroup = regroup
-        ctx.n_saved_x, ctx.n = len(saved_x), len(linears)
+        ctx.n = len(linears)
         ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
         ctx.dtypes = (buf.dtype, weights[0].dtype)
         return out.to(buf.dtype)
@@ -113,8 +115,8 @@ class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
-        saved_x, (offs, offs_w, reuse) = saved[:ctx.n_saved_x], saved[ctx.n_saved_x:ctx.n_saved_x + 3]
-        rest = saved[ctx.n_saved_x + 3:]
+        buf, offs, offs_w, reuse = saved[:4]
+        rest = saved[4:]
         qs = [(rest[2 * i], rest[2 * i + 1]) for i in range(ctx.n)]
         masters = rest[2 * ctx.n:] or (None,) * ctx.n
         fmt = ctx.fmt
@@ -127,7 +129,8 @@ class _Fp8GroupedFn(torch.autograd.Function):
             grad_buf = F.grouped_mm(fmt.fake_grad_dgrad(g, ctx.pow2_a), w, offs=offs).to(x_dtype)  # (P, K)
         if any(ctx.needs_input_grad[9:]):
             g_cw = fmt.fake_grad_wgrad(ctx.regroup(g), ctx.pow2_a)  # (P', N) along T, the 128-row layout
-            gw = F.grouped_mm(g_cw.t(), fmt.load_act(saved_x), offs=offs_w)  # (E, N, K): each group's rows summed
+            x_cw = fmt.load_act(fmt.save_act(ctx.regroup(buf), ctx.pow2_a))  # (P', K) along T, the same layout
+            gw = F.grouped_mm(g_cw.t(), x_cw, offs=offs_w)  # (E, N, K): each group's rows summed
             grads_w = tuple(gw.to(w_dtype).unbind(0))
         return (grad_buf, *(None,) * 8, *(grads_w or (None,) * ctx.n))
 

@@ -84,6 +84,31 @@ def group_layout(experts_sorted: torch.Tensor, num_experts: int, multiple: int) 
     return GroupLayout(dst, offs, rows, counts)
 
 
-def grouped_linear(buf: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``(P, K)`` rows times each group's expert ``(E, N, K)`` (``nn.Linear`` layout) -> ``(P, N)``."""
-    return F.grouped_mm(buf, weights.transpose(1, 2), offs=offs)
+class _GroupedLinearFn(torch.autograd.Function):
+    """``grouped_mm`` of the buffer with the stacked expert weights whose backward keeps the weights themselves (the
+    trainer holds them anyway), not the stack: autograd's own would save a copy of every expert's weight per layer
+    as an activation. The backward stacks them again."""
+
+    @staticmethod
+    def forward(ctx, buf, offs, *weights):
+        ctx.save_for_backward(buf, offs, *weights)
+        return F.grouped_mm(buf, torch.stack(weights).transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        buf, offs, *weights = ctx.saved_tensors
+        g = grad_out.contiguous()
+        grad_buf = F.grouped_mm(g, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
+        grads = (None,) * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grads = tuple(F.grouped_mm(g.t(), buf, offs=offs).unbind(0))  # (E, N, K): each group's rows summed
+        return (grad_buf, None, *grads)
+
+
+def grouped_linear(buf: torch.Tensor, weights, offs: torch.Tensor) -> torch.Tensor:
+    """``(P, K)`` rows times each group's expert weight (``nn.Linear`` layout) -> ``(P, N)``. ``weights``: the
+    per-expert ``(N, K)`` tensors (differentiable; the backward keeps them, not a stack), or one ``(E, N, K)`` stack a
+    pass without gradients keeps (:class:`StackedWeights`)."""
+    if isinstance(weights, torch.Tensor):
+        return F.grouped_mm(buf, weights.transpose(1, 2), offs=offs)
+    return _GroupedLinearFn.apply(buf, offs, *weights)

@@ -163,8 +163,7 @@ class SparseMoeBlock(nn.Module):
         # an engine that only generates (eval mode: the rollout, a reference model) keeps the stack per version; the
         # trainer's passes stack per call (no second copy of its experts between steps)
         keep = not torch.is_grad_enabled() and not self.training
-        w = self._stack(name, weights) if keep else torch.stack(weights)
-        return grouped_linear(buf, w, offs)
+        return grouped_linear(buf, self._stack(name, weights) if keep else weights, offs)
 
     def _stack(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The stacked weights of passes without gradients, kept per version (:class:`StackedWeights`)."""

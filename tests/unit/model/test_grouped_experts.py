@@ -96,7 +96,7 @@ def test_one_grouped_projection_and_its_gradients_against_each_experts_own_linea
     xg = x.clone().requires_grad_()
     buf = lay.scatter(xg)
     if recipe == "bf16":
-        out = lay.gather(grouped_linear(buf, torch.stack([m.weight for m in linears]), lay.offs))
+        out = lay.gather(grouped_linear(buf, [m.weight for m in linears], lay.offs))
     else:
         out = lay.gather(fp8_grouped_linear(buf, lay.offs, linears, invariant=True,
                                             wgrad=(lambda t: w_lay.scatter(lay.gather(t)), w_lay.offs)))

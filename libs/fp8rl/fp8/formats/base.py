@@ -38,6 +38,9 @@ class LinearFormat:
     dgrad_from_master: bool = False
     # a Hopper fast path (fp8rl.fp8.linear.fp8_gemm) exists; without one every device runs the reference GEMMs
     has_fast_gemm: bool = False
+    # a layer's experts can share one grouped GEMM (fp8rl.fp8.grouped): the forward and dgrad scale groups are per
+    # row and wgrad's along T divide 128 rows. False (one scale per tensor): each expert's own call, per-expert scales
+    groups_experts: bool = True
     # engine -> why it cannot run this format (one not listed runs it)
     refusals: dict[str, str] = {}
 

@@ -40,6 +40,8 @@ class Tensorwise(LinearFormat):
     def dequantize_weight(self, q, s):
         return dequantize_tensorwise(q, s)
 
+    groups_experts = False  # a tensor-wide amax per expert: the MoE block's per-expert loop
+
     def fake_act(self, x, pow2, invariant):
         return fake_quantize_tensorwise(x, pow2_scale=pow2, rows=invariant)
 
