@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP block: router → dispatch → one GEMM group per expert → combine.
+"""The mixture-of-experts MLP block: router → dispatch → grouped expert GEMMs → combine.
 
 Layout and names (Qwen3-MoE; the next families are switches here, not copies):
 
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fp8rl.fp8 import grouped as fp8_grouped
+from fp8rl.fp8.linear import Fp8InferenceLinear, Fp8Linear
 from fp8rl.fp8.quant import BLOCK
 
 from .config import ModelConfig
@@ -138,7 +139,7 @@ class SparseMoeBlock(nn.Module):
         tile = getattr(first, "row_tile", None)
         layout = group_layout(experts_sorted, self.num_experts, tile or 1)
         wgrad = None
-        if kind == "fp8" and isinstance(first, fp8_grouped.Fp8Linear):  # trainable: wgrad's 128-row layout
+        if kind == "fp8" and isinstance(first, Fp8Linear):  # trainable: wgrad's 128-row layout
             w_layout = group_layout(experts_sorted, self.num_experts, BLOCK)
             wgrad = (lambda t: w_layout.scatter(layout.gather(t)), w_layout.offs)
         buf = layout.scatter(rows)  # (P, C)
@@ -152,9 +153,9 @@ class SparseMoeBlock(nn.Module):
         if kind == "fp8":
             stack = None
             if not torch.is_grad_enabled() and not self.training and \
-                    isinstance(linears[0], fp8_grouped.Fp8InferenceLinear):
+                    isinstance(linears[0], Fp8InferenceLinear):
                 stack = self._stack(name, [fp8_grouped.inference_weight(m) for m in linears])
-            trains = isinstance(linears[0], fp8_grouped.Fp8Linear)
+            trains = isinstance(linears[0], Fp8Linear)
             return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack,
                                                   wgrad=wgrad,
                                                   stacks=self._stacks.setdefault(name, StackedWeights()) if trains
