@@ -140,7 +140,7 @@ def fp8_grouped_linear(buf: torch.Tensor, offs: torch.Tensor, linears, *, invari
                        stacks: StackedWeights | None = None) -> torch.Tensor:
     """``(P, K)`` grouped rows through each group's expert linear (``linears``: one projection of every expert, of
     which :func:`groups` holds) -> ``(P, N)``. ``stack``: the rollout's stacked FP32 weights, when the caller keeps
-    them per version (:class:`fp8rl.model.grouped.StackedWeights`). ``wgrad``: the trainer's ``(regroup, offs)`` —
+    them per version (:class:`StackedWeights`). ``wgrad``: the trainer's ``(regroup, offs)`` —
     a function moving ``(P, ·)`` buffer rows into the 128-row layout and that layout's group ends (module
     docstring). ``stacks``: where the trainer keeps the stack of its version's held dequantizations
     (:attr:`fp8rl.fp8.linear.WeightCache.keep_dequantized`), so a version's passes stack them once."""

@@ -20,9 +20,9 @@ group and the buffer's size ``P = ⌈(R + E·(multiple − 1)) / multiple⌉·mu
   wgrad's operands are quantized exactly as the per-expert loop quantizes them; its cost, up to ``E·127`` zero rows,
   falls on the wgrad GEMM only.
 
-The backward is autograd's: ``grouped_mm``'s own (bf16 / FP32) or the FP8 recipe's three GEMMs. Every expert's weight
-takes part in every call, so an expert no row chose gets an exact zero gradient (data-parallel gradient collectives
-see every parameter) with no special case.
+The backward (:class:`_GroupedLinearFn`, or the FP8 recipe's three GEMMs) keeps the experts' weights themselves, not
+their stack. Every expert's weight takes part in every call, so an expert no row chose gets an exact zero gradient
+(data-parallel gradient collectives see every parameter) with no special case.
 """
 
 from __future__ import annotations
@@ -66,12 +66,15 @@ class GroupLayout:
         return buf.index_select(0, self.dst)
 
 
-def group_layout(experts_sorted: torch.Tensor, num_experts: int, multiple: int) -> GroupLayout:
+def group_layout(experts_sorted: torch.Tensor, num_experts: int, multiple: int,
+                 counts: torch.Tensor | None = None) -> GroupLayout:
     """The layout of routed rows sorted by expert (``experts_sorted``: ``(R,)`` expert ids, non-decreasing), each
-    group padded to ``multiple`` rows. Only tensor ops of fixed shapes: nothing is read back to the host."""
+    group padded to ``multiple`` rows; ``counts``: their histogram when another layout of the same rows has it. Only
+    tensor ops of fixed shapes: nothing is read back to the host."""
     r = experts_sorted.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts_sorted.device)
-    counts.scatter_add_(0, experts_sorted, torch.ones_like(experts_sorted))  # a histogram of fixed length E
+    if counts is None:
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=experts_sorted.device)
+        counts.scatter_add_(0, experts_sorted, torch.ones_like(experts_sorted))  # a histogram of fixed length E
     if multiple == 1:
         ends = counts.cumsum(0)
         return GroupLayout(torch.arange(r, device=counts.device), ends.to(torch.int32), r, counts)

@@ -140,7 +140,7 @@ class SparseMoeBlock(nn.Module):
         layout = group_layout(experts_sorted, self.num_experts, tile or 1)
         wgrad = None
         if kind == "fp8" and isinstance(first, Fp8Linear):  # trainable: wgrad's 128-row layout
-            w_layout = group_layout(experts_sorted, self.num_experts, BLOCK)
+            w_layout = group_layout(experts_sorted, self.num_experts, BLOCK, layout.counts)
             wgrad = (lambda t: w_layout.scatter(layout.gather(t)), w_layout.offs)
         buf = layout.scatter(rows)  # (P, C)
         gate = self._linear(buf, layout.offs, "gate_proj", kind, tile, wgrad)
@@ -154,22 +154,19 @@ class SparseMoeBlock(nn.Module):
             stack = None
             if not torch.is_grad_enabled() and not self.training and \
                     isinstance(linears[0], Fp8InferenceLinear):
-                stack = self._stack(name, [fp8_grouped.inference_weight(m) for m in linears])
+                stack = self._stack(name).get([fp8_grouped.inference_weight(m) for m in linears])
             trains = isinstance(linears[0], Fp8Linear)
             return fp8_grouped.fp8_grouped_linear(buf, offs, linears, invariant=tile is not None, stack=stack,
-                                                  wgrad=wgrad,
-                                                  stacks=self._stacks.setdefault(name, StackedWeights()) if trains
-                                                  else None)
+                                                  wgrad=wgrad, stacks=self._stack(name) if trains else None)
         weights = [m.weight for m in linears]
         # an engine that only generates (eval mode: the rollout, a reference model) keeps the stack per version; the
         # trainer's passes stack per call (no second copy of its experts between steps)
         keep = not torch.is_grad_enabled() and not self.training
-        return grouped_linear(buf, self._stack(name, weights) if keep else weights, offs)
+        return grouped_linear(buf, self._stack(name).get(weights) if keep else weights, offs)
 
-    def _stack(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The stacked weights of passes without gradients, kept per version (:class:`StackedWeights`)."""
-        cache = self._stacks.setdefault(name, StackedWeights())
-        return cache.get(tensors)
+    def _stack(self, name: str) -> StackedWeights:
+        """Where linear ``name``'s stacked expert weights are kept per version."""
+        return self._stacks.setdefault(name, StackedWeights())
 
     def drop_stacks(self) -> None:
         """Release the stacked weights (a shared rollout engine's memory between its generations)."""
