@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .quant import E4M3, E4M3_MAX, dequantize_per_tensor, quantize_per_tensor
+from .quant import E4M3_MAX, dequantize_per_tensor, quantize_per_tensor, round_to_e4m3
 
 __all__ = ["QKVQuantizer", "QKVScales", "calibrated_scale", "scales_from_amax_history", "straight_through"]
 
@@ -200,7 +200,7 @@ class QKVQuantizer(nn.Module):
     def round_probs(self, p: torch.Tensor) -> torch.Tensor:
         if not self.fp8_attention:
             return p
-        return straight_through(p, lambda t: t.to(E4M3).to(t.dtype))
+        return straight_through(p, round_to_e4m3)
 
     def extra_repr(self) -> str:
         return (

@@ -137,7 +137,8 @@ def _reads_dequantized(fmt: LinearFormat, device: torch.device) -> bool:
 class WeightCache:
     """The FP8 form of one master weight at one version (see the module docstring)."""
 
-    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses", "frozen", "keep_dequantized")
+    __slots__ = ("_ref", "_key", "q", "scale", "fmt", "dequantized", "hits", "misses", "frozen", "keep_dequantized",
+                 "_spare")
 
     def __init__(self) -> None:
         self._ref, self._key = None, None
@@ -148,6 +149,9 @@ class WeightCache:
         # keep the FP32 dequantization for the version's passes (the trainer's choice where memory allows:
         # fp8rl.engines.footprint.keeps_dequantized_weights) instead of releasing it on every get
         self.keep_dequantized = False
+        # the previous version's FP32 dequantization, which the next one is written into (its pages are resident:
+        # a fresh 4 bytes per weight element costs a page fault per 4 KiB, 5x the dequantization itself here)
+        self._spare: torch.Tensor | None = None
 
     @classmethod
     def holding(cls, q: torch.Tensor, scale: torch.Tensor, fmt: LinearFormat) -> WeightCache:
@@ -177,17 +181,23 @@ class WeightCache:
             self.misses += 1
             self.q, self.scale = fmt.quantize_weight(weight.detach(), pow2=pow2)  # blockwise: (N, K), (N/128, K/128)
             self.fmt = fmt
+            if self.keep_dequantized and self.dequantized is not None:
+                self._spare = self.dequantized
             self.dequantized = None
             self._ref, self._key = weakref.ref(weight), key
         if not self.keep_dequantized:
-            self.dequantized = None
+            self.dequantized = self._spare = None
         return self.q, self.scale
 
     def dequantize_held(self) -> torch.Tensor | None:
         """The FP32 dequantization of the held E4M3 form (kept; built now if released), without looking at the
         weight again — None on backends whose GEMM reads E4M3 directly, or with nothing held."""
         if self.dequantized is None and self.q is not None and _reads_dequantized(self.fmt, self.q.device):
-            self.dequantized = self.fmt.dequantize_weight(self.q, self.scale)
+            spare, self._spare = self._spare, None
+            usable = (spare is not None and spare.shape == self.q.shape and spare.dtype == torch.float32
+                      and spare.is_contiguous())
+            # a spare's old numbers: anything still holding them for autograd sees its version move (and refuses)
+            self.dequantized = self.fmt.dequantize_weight(self.q, self.scale, out=spare if usable else None)
         return self.dequantized
 
     def __deepcopy__(self, memo) -> WeightCache:  # a copied module starts empty: its weight is another tensor
@@ -458,11 +468,9 @@ class Fp8InferenceLinear(nn.Module):
 
     def _refresh_cache(self) -> None:
         if _reads_dequantized(self.fmt, self.weight.device):
-            w = self.fmt.dequantize_weight(self.weight, self.weight_scale)
-            if self._w_dequant is None or self._w_dequant.shape != w.shape:
-                self._w_dequant = w
-            else:
-                self._w_dequant.copy_(w)
+            held = self._w_dequant
+            into = held if held is not None and held.shape == self.weight.shape and held.is_contiguous() else None
+            self._w_dequant = self.fmt.dequantize_weight(self.weight, self.weight_scale, out=into)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

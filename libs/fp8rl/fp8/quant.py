@@ -25,6 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -44,6 +46,7 @@ __all__ = [
     "fake_quantize_columnwise",
     "quantize_per_tensor",
     "dequantize_per_tensor",
+    "round_to_e4m3",
     "check_finite",
 ]
 
@@ -156,6 +159,11 @@ def quantize_blockwise(
             E4M3, (m, n), torch.float32, grid) or out is not None and not all(t.is_contiguous() for t in out):
         raise ValueError(f"quantize_blockwise out= needs contiguous E4M3 {(m, n)} and FP32 {grid} tensors "
                          f"({name or 'tensor'})")
+    if not pow2_scale and (fused := native.quant_blocks(w, bm, bn, out)) is not None:  # one pass per tile row
+        q, scale, finite = fused
+        if not finite:  # NaN/Inf reach the block amax; name the tensor with the full check
+            check_finite(w, name)
+        return q, scale
     if m % bm == 0 and n % bn == 0 and w.is_contiguous() and w.numel() > 0:
         q, scale, finite = _blockwise_chunked(w, bm, bn, pow2_scale, out)
         if not finite:  # NaN/Inf reach the block amax; name the tensor with the full check
@@ -213,8 +221,11 @@ def dequantize_blockwise(
     scale: torch.Tensor,
     block_size: tuple[int, int] = (BLOCK, BLOCK),
     dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`: ``q.float() * scale`` broadcast over each tile."""
+    """Inverse of :func:`quantize_blockwise`: ``q.float() * scale`` broadcast over each tile; into ``out`` (contiguous,
+    ``q``'s shape, ``dtype``) when given."""
     bm, bn = block_size
     m, n = q.shape
     if scale.shape != (math.ceil(m / bm), math.ceil(n / bn)):
@@ -222,6 +233,14 @@ def dequantize_blockwise(
             f"blockwise scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)} "
             f"with blocks {block_size}: expected {(math.ceil(m / bm), math.ceil(n / bn))}"
         )
+    if out is not None and (out.dtype != dtype or out.shape != q.shape or not out.is_contiguous()):
+        raise ValueError(f"dequantize_blockwise out= needs a contiguous {dtype} {tuple(q.shape)} tensor, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    direct = out if dtype == torch.float32 else None
+    if (fused := native.dequant_blocks(q, scale, bm, bn, out=direct)) is not None:  # the same numbers, one pass
+        return fused if out is None or fused is out else out.copy_(fused)
+    if out is not None:
+        return out.copy_(dequantize_blockwise(q, scale, block_size, dtype))
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(q)  # always a fresh contiguous FP32 copy
     if m % bm == 0 and n % bn == 0:  # every tile whole: one broadcast multiply in place, no expanded scale tensor
         out.view(m // bm, bm, n // bn, bn).mul_(scale.float()[:, None, :, None])
@@ -247,6 +266,8 @@ def quantize_per_token_group(
     ``scale.shape == (*x.shape[:-1], ceil(K / group_size))``. Activations are not checked for
     NaN (a hot path); a non-finite group gets scale 1.0 and propagates its NaN.
     """
+    if not pow2_scale and (fused := native.quant_rows(x, group_size)) is not None:
+        return fused  # the same numbers in one pass (fp8rl.fp8.native)
     k = x.shape[-1]
     # Chunking pays off only past one chunk; small inputs (decode steps) take the few-op path.
     if k % group_size == 0 and x.is_contiguous() and x.numel() > _CHUNK_ELEMS:
@@ -305,6 +326,8 @@ def fake_quantize_per_token_group(x: torch.Tensor, group_size: int = BLOCK, *,
     multiplied back by its scale while it is in cache. The same operations in the same order as the two-step
     path (``tests/unit/fp8/test_quant.py`` checks bitwise equality), so a caller may use either.
     """
+    if not pow2_scale and (fused := native.fake_rows(x, group_size)) is not None:
+        return fused  # the same numbers in one pass (fp8rl.fp8.native)
     k = x.shape[-1]
     if not x.is_contiguous():
         return dequantize_per_token_group(*quantize_per_token_group(x, group_size, pow2_scale=pow2_scale), group_size)
@@ -347,6 +370,8 @@ def quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
     E4M3 codes (``tests/unit/fp8/test_quant.py``), without materialising the transpose — the wgrad GEMM
     ``dW = dyᵀ x`` wants both operands token-major anyway. Returns ``(q (T, K), scale (ceil(T/group), K))``.
     """
+    if not pow2_scale and (fused := native.quant_cols(x, group_size)) is not None:
+        return fused  # the same numbers in one pass (fp8rl.fp8.native)
     t, k = x.shape
     xf = x.float()
     q = torch.empty(t, k, dtype=E4M3, device=x.device)
@@ -363,6 +388,8 @@ def quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
 
 def dequantize_columnwise(q: torch.Tensor, scale: torch.Tensor, group_size: int = BLOCK) -> torch.Tensor:
     """FP32 ``(T, K)`` from :func:`quantize_columnwise`'s output."""
+    if (fused := native.dequant_cols(q, scale, group_size)) is not None:
+        return fused  # the same numbers in one pass (fp8rl.fp8.native)
     t, k = q.shape
     g = scale.shape[0]
     if g * group_size == t:
@@ -382,6 +409,8 @@ def dequantize_columnwise(q: torch.Tensor, scale: torch.Tensor, group_size: int 
 def fake_quantize_columnwise(x: torch.Tensor, group_size: int = BLOCK, *,
                              pow2_scale: bool = False) -> torch.Tensor:
     """``dequantize_columnwise(*quantize_columnwise(x))``: FP32, bitwise."""
+    if not pow2_scale and (fused := native.fake_cols(x, group_size)) is not None:
+        return fused  # the same numbers in one pass (fp8rl.fp8.native)
     return dequantize_columnwise(*quantize_columnwise(x, group_size, pow2_scale=pow2_scale), group_size)
 
 
@@ -427,9 +456,20 @@ def quantize_per_tensor(
         scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
         if not bool(torch.isfinite(scale)) or float(scale) <= 0:
             raise ValueError(f"per-tensor FP8 scale must be finite and > 0, got {float(scale)}")
+    if (fused := native.quant_tensor(x, scale)) is not None:  # the same codes in one pass
+        return fused, scale
     return _cast(x.float(), scale), scale
 
 
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32):
     """Inverse of :func:`quantize_per_tensor`."""
+    if isinstance(scale, torch.Tensor) and (fused := native.dequant_tensor(q, scale)) is not None:
+        return fused.to(dtype)  # the same numbers in one pass
     return (q.float() * torch.as_tensor(scale, dtype=torch.float32, device=q.device)).to(dtype)
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(float8_e4m3fn).to(x.dtype)``: the E4M3 value of each element, no scale (attention probabilities)."""
+    if (fused := native.round_e4m3(x)) is not None:
+        return fused  # the same numbers in one pass
+    return x.to(E4M3).to(x.dtype)

@@ -21,6 +21,9 @@ from fp8rl.fp8 import (
     select_backend,
 )
 
+# every test on the fused CPU kernels and on the torch path (conftest.quantizer_path)
+pytestmark = pytest.mark.usefixtures("quantizer_path")
+
 
 class _Attn(nn.Module):
     def __init__(self, d):

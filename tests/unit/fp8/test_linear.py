@@ -200,7 +200,8 @@ def test_no_pass_of_the_trainer_holds_an_fp32_copy_of_the_fp8_weight():
 def test_a_kept_dequantization_serves_every_pass_of_the_version_with_the_same_numbers(scaling):
     """``WeightCache.keep_dequantized`` (the trainer's choice for a small model): one FP32 dequantization per weight
     version, multiplied by every forward and (formats whose dgrad reads the forward form) by dgrad — outputs and
-    gradients bitwise those of dequantizing per call, over updates, and a new version dequantizes again."""
+    gradients bitwise those of dequantizing per call, over updates, and a new version dequantizes again — into the
+    previous version's tensor (no new allocation), which is then the new weight's numbers."""
     import copy
 
     torch.manual_seed(0)
@@ -208,7 +209,7 @@ def test_a_kept_dequantization_serves_every_pass_of_the_version_with_the_same_nu
     plain = copy.deepcopy(kept)
     kept.weight_cache.keep_dequantized = True
     opt_k, opt_p = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (kept, plain))
-    held = []
+    held, numbers = [], []
     for step in range(2):
         for mb in range(2):
             x = torch.randn(24, 256, generator=torch.Generator().manual_seed(10 * step + mb))
@@ -220,11 +221,15 @@ def test_a_kept_dequantization_serves_every_pass_of_the_version_with_the_same_nu
             assert torch.equal(xk.grad, xp.grad)
             held.append(kept.weight_cache.dequantized)
             assert held[-1] is not None and plain.weight_cache.dequantized is None
+            c = kept.weight_cache
+            numbers.append(held[-1].clone())
+            assert torch.equal(numbers[-1], c.fmt.dequantize_weight(c.q, c.scale))
         assert torch.equal(kept.weight.grad, plain.weight.grad) and torch.equal(kept.bias.grad, plain.bias.grad)
         for opt in (opt_k, opt_p):
             opt.step()
             opt.zero_grad()
-    assert held[0] is held[1] and held[2] is held[3] and held[1] is not held[2]  # one per version
+    assert held[0] is held[1] and held[2] is held[3]  # one per version
+    assert held[1] is held[2] and not torch.equal(numbers[1], numbers[2])  # the next written into the previous
 
 
 def test_every_format_whose_dgrad_reads_the_forward_form_dequantizes_it_as_the_forward_does():

@@ -63,9 +63,15 @@ class LinearFormat:
         ``out`` (blockwise only) writes into given tensors."""
         raise NotImplementedError
 
-    def dequantize_weight(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """FP32 ``(n, k)`` of a weight's forward form."""
+    def dequantize_weight(self, q: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 ``(n, k)`` of a weight's forward form; written into ``out`` (a contiguous FP32 ``(n, k)`` tensor, e.g.
+        the previous version's, whose pages are already the process's) when given."""
         raise NotImplementedError
+
+    @staticmethod
+    def _into(r: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``r``, copied into ``out`` when one is given (a format with no direct-write path)."""
+        return r if out is None else out.copy_(r)
 
     def check_scale(self, name: str, s: torch.Tensor, weight_shape: tuple[int, int]) -> None:
         """ValueError naming ``name`` unless ``s`` is a valid scale of an ``weight_shape`` weight (shape, dtype,

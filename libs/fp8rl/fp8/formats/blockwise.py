@@ -35,8 +35,8 @@ class Blockwise(LinearFormat):
     def quantize_weight(self, w, *, pow2=False, name=None, out=None):
         return quantize_blockwise(w, pow2_scale=pow2, name=name, out=out)
 
-    def dequantize_weight(self, q, s):
-        return dequantize_blockwise(q, s)
+    def dequantize_weight(self, q, s, out=None):
+        return dequantize_blockwise(q, s, out=out)
 
     def fake_act(self, x, pow2, invariant):
         return fake_quantize_per_token_group(x, pow2_scale=pow2)  # per token already: batch-invariant as it is

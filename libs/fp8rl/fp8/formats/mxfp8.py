@@ -38,8 +38,8 @@ class Mxfp8(LinearFormat):
             return out
         return quantize_mxfp8(w, dim=1, name=name)  # E8M0 scales are powers of two: pow2 has nothing to round
 
-    def dequantize_weight(self, q, s):
-        return dequantize_mxfp8(q, s, dim=1)
+    def dequantize_weight(self, q, s, out=None):
+        return self._into(dequantize_mxfp8(q, s, dim=1), out)
 
     def check_scale(self, name, s, weight_shape):
         want = self.scale_shape(*weight_shape)

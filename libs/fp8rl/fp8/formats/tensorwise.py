@@ -37,8 +37,8 @@ class Tensorwise(LinearFormat):
             return out
         return q, s
 
-    def dequantize_weight(self, q, s):
-        return dequantize_tensorwise(q, s)
+    def dequantize_weight(self, q, s, out=None):
+        return self._into(dequantize_tensorwise(q, s), out)
 
     groups_experts = False  # a tensor-wide amax per expert: the MoE block's per-expert loop
 
