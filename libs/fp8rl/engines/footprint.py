@@ -8,7 +8,8 @@ width, Hkv·D the key/value width, H query heads, S the keys each query sees —
                                                            K and V, one attention-probability row per head, the
                                                            norms' statistics)
     QK-norm (qwen3)     + 2 (H·D + Hkv·D) + 8
-    batch-invariant     + 2 H·S + 32                      (split-KV attention keeps its chunk scores too)
+    batch-invariant     + H·S + 2 Hkv·D + 32              (split-KV attention keeps its rounded probabilities and
+                                                           the keys and values in canonical order)
     mixture of experts  3 F' k + (3 + 2k) C + 2 E + 8 in place of 3 F (top-k of E experts of width F': each
                                                            routed copy of the token in and out, the router;
                                                            + 160 batch-invariant: expert rows padded to tiles)
@@ -85,7 +86,7 @@ def activation_elements_per_token(config: ModelConfig, seq_len: int, *, batch_in
     if config.qk_norm:
         attn += 2 * (H * D + kv // 2) + 8
     if batch_invariant:
-        attn += 2 * H * seq_len + 32
+        attn += H * seq_len + kv + 32
     per_layer = []
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):

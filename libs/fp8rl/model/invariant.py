@@ -169,51 +169,130 @@ def split_kv_attention(
         k, v: ``(B, Hkv, S, D)`` keys and ``(B, Hkv, S, Dv)`` values by time slot (dequantized if the cache is
             FP8).
         layout: :meth:`KeyLayout.build` of this call.
-        round_probs: applied to the normalised probabilities before ``P @ V`` (FP8 attention), or None.
+        round_probs: applied to the normalised probabilities before ``P @ V`` (FP8 attention), or None; its
+            gradient is the identity (straight through).
         scale: of the scores ``q·k``; None: ``D ** -0.5``.
 
     Returns:
         ``(B, H, T, Dv)`` FP32. Queries with no visible key get finite garbage (uniform weights).
+
+    With autograd recording, the forward is these same operations (bitwise) and the backward is softmax
+    attention's own (:class:`_SplitKVAttentionFn`): a handful of GEMMs and elementwise passes instead of the
+    autograd graph of every chunking op (3x the forward's time on SmolLM2's shapes). Backward passes are not
+    batch-invariant anyway (module docstring).
     """
-    B, H, T, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]  # values may be narrower or wider than keys (MLA)
-    rep, R, C = H // Hkv, layout.inv.row_tile, layout.inv.kv_chunk
-    G, M = B * Hkv, rep * T
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _SplitKVAttentionFn.apply(q, k, v, layout, round_probs, scale)
+    return _split_kv_forward(q, k, v, layout, round_probs, scale)[0]
+
+
+def _canonical_kv(k: torch.Tensor, v: torch.Tensor, layout: KeyLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V ``(B, Hkv, Sc, D)`` in the canonical order: row b's key j is slot offset[b] + j. Keys a query cannot see
+    keep whatever they hold (padding tokens' K/V, empty cache slots, repeats of the last slot): finite, so their
+    probability of exactly 0 adds exact zeros whatever the value."""
+    B, Hkv, _, D = k.shape
+    Dv = v.shape[-1]
     sc = layout.index.shape[1]
-    n_c = sc // C
-    # Canonical K/V (G, Sc, D): row b's key j is slot offset[b] + j. Keys a query cannot see keep whatever they
-    # hold (padding tokens' K/V, empty cache slots, repeats of the last slot): finite, so their probability of
-    # exactly 0 adds exact zeros whatever the value.
     if layout.shift is not None:  # one offset for every row (the trainer's right padding: 0): a slice
         o = layout.shift
         kc, vc = (t[:, :, o:o + sc].float() for t in (k, v))
         short = sc - kc.shape[2]  # past the last key: zeros (a cache view that reaches far enough is not copied)
         if short:
             kc, vc = (F.pad(t, (0, 0, 0, short)) for t in (kc, vc))
-    else:
-        index = layout.index[:, None, :, None]
-        kc, vc = k.float().gather(2, index.expand(B, Hkv, sc, D)), v.float().gather(2, index.expand(B, Hkv, sc, Dv))
-    kc, vc = kc.reshape(G, sc, D), vc.reshape(G, n_c, C, Dv)
+        return kc, vc
+    index = layout.index[:, None, :, None]
+    return k.float().gather(2, index.expand(B, Hkv, sc, D)), v.float().gather(2, index.expand(B, Hkv, sc, Dv))
+
+
+def _split_kv_forward(q, k, v, layout, round_probs, scale):
+    """``(out, p, p_used, kc, vc)``: the output, the normalised probabilities ``(B, Hkv, rep, T, Sc)``, what
+    ``P @ V`` multiplied (``round_probs(p)``, or ``p``), and the canonical K/V."""
+    B, H, T, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]  # values may be narrower or wider than keys (MLA)
+    rep, R, C = H // Hkv, layout.inv.row_tile, layout.inv.kv_chunk
+    G, M = B * Hkv, rep * T
+    sc = layout.index.shape[1]
+    n_c = sc // C
+    kc, vc = _canonical_kv(k, v, layout)
+    kg, vg = kc.reshape(G, sc, D), vc.reshape(G, n_c, C, Dv)
     # scores: the query rows of one kv head ((rep, T) order) in whole tiles of R rows against the keys in whole
     # chunks of C: one GEMM per kv head, reduction over D, a row's and a key's numbers the same whatever else
     # is in the product (tiled_mm's property, in both dimensions)
     qp = pad_rows(q.float().reshape(G, M, D), R)  # (G, Mp, D)
-    s = torch.bmm(qp, kc.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5 if scale is None else scale)
-    s = s.masked_fill(~layout.visible[:, :, None], torch.finfo(torch.float32).min)  # (B, Hkv, rep, T, Sc)
-    e = torch.exp(s - s.amax(-1, keepdim=True))  # invisible keys: exactly 0
-    # per-chunk sums of C terms, added in chunk order whatever the number of chunks. unbind, not parts[..., c]:
-    # one backward for all chunks (each select's backward would write a zero tensor of the whole: quadratic in them)
+    s = torch.bmm(qp, kg.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5 if scale is None else scale)
+    visible = layout.visible[:, :, None]  # (B, 1, 1, T, Sc)
+    s = s.masked_fill(~visible, torch.finfo(torch.float32).min)  # (B, Hkv, rep, T, Sc)
+    d = s - s.amax(-1, keepdim=True)
+    # invisible keys: exactly 0 — exp(min - amax) is, but the CPU's exp takes 10x as long on such arguments (its
+    # underflow path), so they are set to 0 after an exp of 0 instead; a query that sees no key keeps the
+    # uniform weights exp(0) = 1 it had (finite garbage, as documented)
+    hidden = ~visible & visible.any(-1, keepdim=True)
+    e = torch.exp(d.masked_fill_(hidden, 0.0)).masked_fill(hidden, 0.0)
+    # per-chunk sums of C terms, added in chunk order whatever the number of chunks
     parts = e.view(B, Hkv, rep, T, n_c, C).sum(-1).unbind(-1)
     denom = parts[0]
     for part in parts[1:]:
         denom = denom + part
     p = e / denom[..., None]
-    if round_probs is not None:
-        p = round_probs(p)
+    used = round_probs(p) if round_probs is not None else p
     # P @ V chunk by chunk (reduction over exactly C keys each, one batched GEMM), partial sums in chunk order
-    pc = pad_rows(p.reshape(G, M, sc), R).view(G, -1, n_c, C).transpose(1, 2)  # (G, nC, Mp, C)
-    o = torch.matmul(pc, vc).unbind(1)  # nC of (G, Mp, Dv)
+    pc = pad_rows(used.reshape(G, M, sc), R).view(G, -1, n_c, C).transpose(1, 2)  # (G, nC, Mp, C)
+    o = torch.matmul(pc, vg).unbind(1)  # nC of (G, Mp, Dv)
     out = o[0]
     for part in o[1:]:
         out = out + part
-    return out[:, :M].reshape(B, H, T, Dv)
+    return out[:, :M].reshape(B, H, T, Dv), p, used, kc, vc
+
+
+class _SplitKVAttentionFn(torch.autograd.Function):
+    """:func:`split_kv_attention` with softmax attention's backward (``P`` the probabilities, ``P'`` what multiplied
+    ``V``: ``round_probs(P)``, the identity's gradient)::
+
+        dV = P'ᵀ dO     dP = dO Vᵀ     dS = P ∘ (dP − rowsum(dP ∘ P))     dQ = scale · dS K     dK = scale · dSᵀ Q
+
+    over the canonical keys, then back to the time slots (the slice's or the gather's inverse). Keys a query cannot
+    see have P = 0, so they get no gradient from it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, round_probs, scale):
+        with torch.no_grad():
+            out, p, used, kc, vc = _split_kv_forward(q, k, v, layout, round_probs, scale)
+        ctx.save_for_backward(q, kc, vc, p, used if used is not p else None)
+        ctx.layout, ctx.scale = layout, scale
+        ctx.shapes = (k.shape, v.shape, q.dtype, k.dtype, v.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kc, vc, p, used = ctx.saved_tensors
+        used = p if used is None else used
+        layout = ctx.layout
+        k_shape, v_shape, q_dtype, k_dtype, v_dtype = ctx.shapes
+        B, H, T, D = q.shape
+        Hkv, sc, Dv = kc.shape[1], kc.shape[2], vc.shape[-1]
+        rep = H // Hkv
+        G, M = B * Hkv, rep * T
+        scale = D**-0.5 if ctx.scale is None else ctx.scale
+        go = grad_out.float().reshape(G, M, Dv)  # (B, H, T, Dv) -> kv head's (rep, T) rows
+        pm, um = p.reshape(G, M, sc), used.reshape(G, M, sc)
+        kg, vg = kc.reshape(G, sc, D), vc.reshape(G, sc, Dv)
+        dvc = torch.bmm(um.transpose(1, 2), go)  # (G, Sc, Dv)
+        dp = torch.bmm(go, vg.transpose(1, 2))  # (G, M, Sc)
+        ds = pm * (dp - (dp * pm).sum(-1, keepdim=True))
+        dq = torch.bmm(ds, kg).mul_(scale).view(B, H, T, D)
+        dkc = torch.bmm(ds.transpose(1, 2), q.float().reshape(G, M, D)).mul_(scale)  # (G, Sc, D)
+        dk, dv = (_from_canonical(t.view(B, Hkv, sc, -1), shape, layout)
+                  for t, shape in ((dkc, k_shape), (dvc, v_shape)))
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None
+
+
+def _from_canonical(g: torch.Tensor, shape: torch.Size, layout: KeyLayout) -> torch.Tensor:
+    """The gradient of :func:`_canonical_kv`: canonical ``(B, Hkv, Sc, D)`` back to the time slots of ``shape``."""
+    out = g.new_zeros(shape)
+    if layout.shift is not None:
+        o = layout.shift
+        n = min(g.shape[2], shape[2] - o)
+        out[:, :, o:o + n] = g[:, :, :n]
+        return out
+    index = layout.index[:, None, :, None].expand(*g.shape)
+    return out.scatter_add_(2, index, g)

@@ -216,6 +216,79 @@ def test_split_kv_attention_is_softmax_attention_and_decode_equals_full():
         assert torch.equal(one, full[:, :, t:t + 1]), t
 
 
+# The backward's error against a float64 reference: FP32 products summed over at most 2**7 terms (keys of a chunked
+# row, query rows of a kv head) in another order than the reference's, each term's rounding 2**-24 of a magnitude
+# within 2**3 of the largest gradient: 2**7 * 2**-24 * 2**3 = 2**-14 of the largest.
+GRAD_ATOL = 2.0**-14
+
+
+def _attention_grads(fn, q, k, v, g):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    fn(q, k, v).backward(g)
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_split_kv_attention_backward_is_softmax_attentions(left_pad):
+    """The hand-written backward (``_SplitKVAttentionFn``) against autograd through float64 causal softmax attention
+    over each row's own keys: right padding (a slice of the keys) and left padding (a gather), GQA, values wider
+    than keys (MLA), a given score scale."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, T, D, Dv = 3, 6, 2, 40, 16, 24
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    v = torch.randn(B, Hkv, T, Dv, generator=g)
+    lengths = torch.tensor([40, 27, 33])
+    slots = torch.arange(T)[None, :]
+    mask = (slots >= T - lengths[:, None]) if left_pad else (slots < lengths[:, None])
+    layout = KeyLayout.build(mask.long(), 0, T, INV)
+    go = torch.randn(B, H, T, Dv, generator=g)
+    scale = 0.3
+
+    def reference(q, k, v):
+        rep = H // Hkv
+        kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+        s = (q.double() @ kk.transpose(-1, -2)) * scale
+        first = (T - lengths) if left_pad else torch.zeros(B, dtype=torch.long)
+        seen = (slots[None, :, :] <= slots.T[None]) & mask[:, None, :]  # (B, T, T): causal, real keys
+        s = s.masked_fill(~seen[:, None], float("-inf"))
+        out = torch.nan_to_num(s.softmax(-1)) @ vv
+        real = (slots[0][None, :] >= first[:, None]) & mask  # queries at real tokens
+        return out * real[:, None, :, None]
+
+    def ours(q, k, v):
+        real = mask[:, None, :, None]
+        return split_kv_attention(q, k, v, layout, scale=scale) * real
+
+    got = _attention_grads(ours, q, k, v, go)
+    ref = _attention_grads(reference, q, k, v, go.double())
+    for name, a, b in zip("qkv", got, ref, strict=True):
+        assert a.dtype == torch.float32
+        err = float((a.double() - b).abs().max())
+        assert err <= GRAD_ATOL * float(b.abs().max()), (name, err)
+
+
+def test_split_kv_attention_backward_with_rounded_probs_is_autograds():
+    """With FP8 probabilities (straight-through rounding) the backward equals autograd through the forward's own
+    FP32 operations — the identity's gradient through the rounding, ``P'`` (the rounded) in ``dV``."""
+    from fp8rl.fp8.kv import QKVQuantizer
+    from fp8rl.model.invariant import _split_kv_forward
+
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, T, D = 2, 4, 2, 37, 16
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hkv, Hkv))
+    layout = KeyLayout.build(torch.ones(B, T, dtype=torch.long), 0, T, INV)
+    go = torch.randn(B, H, T, D, generator=g)
+    rounding = QKVQuantizer(fp8_attention=True).round_probs
+    got = _attention_grads(lambda q, k, v: split_kv_attention(q, k, v, layout, rounding), q, k, v, go)
+    ref = _attention_grads(lambda q, k, v: _split_kv_forward(q, k, v, layout, rounding, None)[0], q, k, v, go)
+    for name, a, b in zip("qkv", got, ref, strict=True):
+        err = float((a - b).abs().max())
+        assert err <= GRAD_ATOL * float(b.abs().max()), (name, err)
+    with torch.no_grad():  # and the forward is the same numbers whether autograd records or not
+        plain = split_kv_attention(q, k, v, layout, rounding)
+    assert torch.equal(plain, split_kv_attention(q.requires_grad_(), k, v, layout, rounding).detach())
+
+
 def test_straight_through_keeps_forward_bits_and_passes_gradients():
     x = torch.randn(5, 7, requires_grad=True)
     y = straight_through(x, lambda t: t.to(torch.float8_e4m3fn).float())
