@@ -16,7 +16,9 @@ temperature 1, one optimizer update per step in micro-batches of 8, no KL term:
 * ``fp8rl_fp8_e2e`` — the ``fp8_e2e`` recipe with its FP8 KV cache (the default job's numerics).
 
 Every arm runs in a process of its own, one after the other, and the arms' order rotates between repeats
-(interleaved); a run's step time is the median of its steps after the first (the first allocates what later ones
+(interleaved); with ``--interleave`` the fp8rl arms share one process per repeat and alternate step by step (on a VM
+whose speed drifts by tens of percent over minutes, the ratio of steps taken seconds apart is the steadier one: printed
+as ``paired steps``); a run's step time is the median of its steps after the first (the first allocates what later ones
 reuse), and an arm's is the median over repeats. fp8rl's steps are also split into rollout / logprobs / train (the
 loop's own phase times); TRL gives no such split. ``--prompts chat`` (default): short chat questions (``What is
 a + b?``; the template's default system prompt makes them ~40 tokens); ``word``: the bundled math word problems with a
@@ -83,29 +85,38 @@ def _job_file(work: Path, kind: str, max_tokens: int, steps: int) -> Path:
     return path
 
 
-def fp8rl_arm(job: str, recipe: str, invariant: bool, kv: str, steps: int) -> dict:
-    """One fp8rl run in this process: ``steps`` GRPO steps of the loop's engines, each timed."""
+def _loop(job: str, recipe: str, invariant: bool, kv: str):
     from dataclasses import replace
 
-    from fp8rl import memory
     from fp8rl.config import load_job_config
     from fp8rl.loop import GRPOLoop, LoopConfig, recipe_settings
 
-    memory.tune_allocator()  # as python -m fp8rl.loop does
     base = LoopConfig.from_flags(job=load_job_config(job), recipe=recipe, out_dir=None,
                                  data_root=str(Path(job).parent), batch_invariant=invariant, kv_cache_dtype=kv)
-    loop = GRPOLoop(replace(base, job=base.job.with_settings(recipe_settings(recipe))))
-    seconds, phases = [], []
-    for s in range(steps):
-        t = time.perf_counter()
-        row = loop.step(s)
-        seconds.append(time.perf_counter() - t)
-        phases.append({p: row[f"time/{p}"] for p in ("rollout", "logprobs", "train")})
+    return GRPOLoop(replace(base, job=base.job.with_settings(recipe_settings(recipe))))
+
+
+def fp8rl_arms(job: str, arms: list[str], steps: int) -> dict[str, dict]:
+    """fp8rl runs in this process: ``steps`` GRPO steps of each arm's loop, each timed. With several arms their steps
+    alternate (step s of every arm, in an order rotating with s), so a drift of the machine's speed over minutes
+    reaches every arm alike and each step's ratio compares steps taken seconds apart."""
     import torch
 
-    lens = [len(p) for p in loop.plan.prompts(loop.plan.batch(0))]
-    return {"step_seconds": seconds, "phases": phases, "prompt_tokens_mean": sum(lens) / len(lens),
-            "threads": torch.get_num_threads()}
+    from fp8rl import memory
+
+    memory.tune_allocator()  # as python -m fp8rl.loop does
+    loops = {arm: _loop(job, *FP8RL_ARMS[arm]) for arm in arms}
+    out = {arm: {"step_seconds": [], "phases": []} for arm in arms}
+    for s in range(steps):
+        for arm in arms[s % len(arms):] + arms[:s % len(arms)]:
+            t = time.perf_counter()
+            row = loops[arm].step(s)
+            out[arm]["step_seconds"].append(time.perf_counter() - t)
+            out[arm]["phases"].append({p: row[f"time/{p}"] for p in ("rollout", "logprobs", "train")})
+    for arm, loop in loops.items():
+        lens = [len(p) for p in loop.plan.prompts(loop.plan.batch(0))]
+        out[arm].update(prompt_tokens_mean=sum(lens) / len(lens), threads=torch.get_num_threads())
+    return out
 
 
 def _run(cmd: list[str], what: str) -> dict:
@@ -130,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="trl,fp8rl_bf16,fp8rl_bf16_noinv,fp8rl_fp8_e2e")
     ap.add_argument("--trl-gradient-checkpointing", choices=("on", "off"), default="on",
                     help="TRL's GRPOConfig default is on")
-    ap.add_argument("--arm", help=argparse.SUPPRESS)  # internal: one fp8rl run, in the process the bench starts
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the fp8rl arms in one process, alternating their steps (drift reaches all alike)")
+    ap.add_argument("--arm", help=argparse.SUPPRESS)  # internal: fp8rl runs, in the process the bench starts
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.arm:
-        print(json.dumps({"arm": args.arm, **fp8rl_arm(args.job, *FP8RL_ARMS[args.arm], args.steps)}), flush=True)
+        print(json.dumps(fp8rl_arms(args.job, args.arm.split(","), args.steps)), flush=True)
         return 0
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -173,16 +186,20 @@ def main(argv: list[str] | None = None) -> int:
           f"'{args.prompts}' prompts, micro-batch {MICRO_BATCH}, {args.steps} steps per run, {args.repeats} repeats "
           f"of {', '.join(arms)} (order rotating)", flush=True)
     runs: dict[str, list[dict]] = {a: [] for a in arms}
+    # a unit: TRL, or one fp8rl arm, or (--interleave) every fp8rl arm in one process
+    mine = [a for a in arms if a != "trl"]
+    units = ([["trl"]] if "trl" in arms else []) + [mine] if args.interleave and mine else [[a] for a in arms]
     for r in range(args.repeats):
-        order = arms[r % len(arms):] + arms[:r % len(arms)]
-        for arm in order:
+        for unit in units[r % len(units):] + units[:r % len(units)]:
             t = time.perf_counter()
-            out = _run(cmd(arm), arm)
-            out["median"] = _median_after_first(out["step_seconds"])
-            runs[arm].append(out)
-            print(f"  repeat {r + 1}/{args.repeats} {arm}: {out['median']:.2f} s/step "
-                  f"(steps {', '.join(f'{s:.2f}' for s in out['step_seconds'])}; run {time.perf_counter() - t:.0f} s)",
-                  flush=True)
+            got = _run(cmd(",".join(unit)), "+".join(unit))
+            for arm in unit:
+                out = got if arm == "trl" else got[arm]
+                out["median"] = _median_after_first(out["step_seconds"])
+                runs[arm].append(out)
+                print(f"  repeat {r + 1}/{args.repeats} {arm}: {out['median']:.2f} s/step (steps "
+                      f"{', '.join(f'{s:.2f}' for s in out['step_seconds'])}; run {time.perf_counter() - t:.0f} s)",
+                      flush=True)
 
     def step(arm: str) -> float:
         return statistics.median(o["median"] for o in runs[arm])
@@ -207,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     for arm in ("fp8rl_bf16_noinv", "fp8rl_fp8_e2e"):
         if arm in arms and "fp8rl_bf16" in arms:
             a, b = (arm, "fp8rl_bf16") if arm == "fp8rl_fp8_e2e" else ("fp8rl_bf16", arm)
-            print(f"ratio step_seconds {a}/{b} {step(a) / step(b):.3f}")
+            line = f"ratio step_seconds {a}/{b} {step(a) / step(b):.3f}"
+            if args.interleave:  # each step against the other arm's same step, taken seconds apart
+                paired = [x / y for ra, rb in zip(runs[a], runs[b], strict=True)
+                          for x, y in zip(ra["step_seconds"][1:], rb["step_seconds"][1:], strict=True)]
+                line += (f"  (paired steps: median {statistics.median(paired):.3f}, {min(paired):.3f} .. "
+                         f"{max(paired):.3f} over {len(paired)})")
+            print(line)
     return 0
 
 

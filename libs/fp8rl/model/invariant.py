@@ -18,8 +18,10 @@ With :class:`BatchInvariance` on, both engines run the same arithmetic for a tok
 * **Attention** (:func:`split_kv_attention`): keys are laid out per row from that row's first visible
   key (left padding of the rollout and right padding of the trainer both vanish) over a whole number of
   chunks of ``kv_chunk`` keys; scores are one GEMM per kv head (query rows in whole tiles, keys in whole
-  chunks, reduction over the head dim), ``P @ V`` one batched GEMM of chunks (reduction over exactly
-  ``kv_chunk`` keys each), and the per-chunk partial sums are added in chunk order. Keys a query cannot see get
+  chunks, reduction over the head dim), the softmax's denominator sums each chunk pairwise and the chunks in order
+  (every add's order fixed here, not by a reduction kernel's vector width; fused on the CPU by
+  ``fp8rl.fp8.native``, bitwise), ``P @ V`` one batched GEMM of chunks (reduction over exactly ``kv_chunk`` keys
+  each), and the per-chunk partial sums are added in chunk order. Keys a query cannot see get
   probability exactly 0, so trailing chunks add exact zeros and decode (``t + 1`` keys) and the full
   forward (``T`` keys) produce bitwise the same output.
 * Everything else (norms, RoPE, softmax over the vocabulary, FP8 quantization) is per row already.
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8rl.fp8 import native
 from fp8rl.fp8.linear import pad_rows, tiled_mm
 
 __all__ = ["BatchInvariance", "KeyLayout", "TiledLinear", "tiled_linear", "split_kv_attention"]
@@ -204,6 +207,37 @@ def _canonical_kv(k: torch.Tensor, v: torch.Tensor, layout: KeyLayout) -> tuple[
     return k.float().gather(2, index.expand(B, Hkv, sc, D)), v.float().gather(2, index.expand(B, Hkv, sc, Dv))
 
 
+def _softmax_shift(s: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """The scaled scores ``s * scale`` less each row's largest visible one (and at least ``finfo.min``), 0 where a row
+    cannot see the key — the argument of the exp. A row that sees no key gets 0 everywhere (its exp: uniform weights,
+    finite garbage, as documented). An exp of 0 for invisible keys and not of ``min - amax`` (whose exp is exactly 0
+    too) because the CPU's exp takes 10x as long on such arguments (its underflow path)."""
+    s = (s * scale).masked_fill(~visible, torch.finfo(torch.float32).min)
+    d = s - s.amax(-1, keepdim=True)
+    return d.masked_fill_(visible.logical_not() & visible.any(-1, keepdim=True), 0.0)
+
+
+def _softmax_normalise(e: torch.Tensor, visible: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``exp(_softmax_shift(...))`` into the probabilities: hidden keys' terms set to exactly 0, each chunk of
+    ``chunk`` keys summed pairwise (halve the count, add the upper half onto the lower; an odd count's last term moves
+    down), the chunks' sums added in chunk order (whatever the number of chunks: trailing chunks of zeros add exact
+    zeros), and every term divided by the sum. The order of every add is fixed here, not by a reduction kernel's
+    vector width."""
+    e = e.masked_fill(visible.logical_not() & visible.any(-1, keepdim=True), 0.0)
+    a = e.unflatten(-1, (e.shape[-1] // chunk, chunk))
+    n = chunk
+    while n > 1:
+        h = n // 2
+        head = a[..., :h] + a[..., h:2 * h]
+        a = torch.cat([head, a[..., 2 * h:]], -1) if n % 2 else head
+        n = h + n % 2
+    parts = a[..., 0].unbind(-1)
+    denom = parts[0]
+    for part in parts[1:]:
+        denom = denom + part
+    return e / denom[..., None]
+
+
 def _split_kv_forward(q, k, v, layout, round_probs, scale):
     """``(out, p, p_used, kc, vc)``: the output, the normalised probabilities ``(B, Hkv, rep, T, Sc)``, what
     ``P @ V`` multiplied (``round_probs(p)``, or ``p``), and the canonical K/V."""
@@ -219,21 +253,18 @@ def _split_kv_forward(q, k, v, layout, round_probs, scale):
     # chunks of C: one GEMM per kv head, reduction over D, a row's and a key's numbers the same whatever else
     # is in the product (tiled_mm's property, in both dimensions)
     qp = pad_rows(q.float().reshape(G, M, D), R)  # (G, Mp, D)
-    s = torch.bmm(qp, kg.transpose(1, 2))[:, :M].view(B, Hkv, rep, T, sc) * (D**-0.5 if scale is None else scale)
-    visible = layout.visible[:, :, None]  # (B, 1, 1, T, Sc)
-    s = s.masked_fill(~visible, torch.finfo(torch.float32).min)  # (B, Hkv, rep, T, Sc)
-    d = s - s.amax(-1, keepdim=True)
-    # invisible keys: exactly 0 — exp(min - amax) is, but the CPU's exp takes 10x as long on such arguments (its
-    # underflow path), so they are set to 0 after an exp of 0 instead; a query that sees no key keeps the
-    # uniform weights exp(0) = 1 it had (finite garbage, as documented)
-    hidden = ~visible & visible.any(-1, keepdim=True)
-    e = torch.exp(d.masked_fill_(hidden, 0.0)).masked_fill(hidden, 0.0)
-    # per-chunk sums of C terms, added in chunk order whatever the number of chunks
-    parts = e.view(B, Hkv, rep, T, n_c, C).sum(-1).unbind(-1)
-    denom = parts[0]
-    for part in parts[1:]:
-        denom = denom + part
-    p = e / denom[..., None]
+    s = torch.bmm(qp, kg.transpose(1, 2))  # (G, Mp, Sc)
+    scale = D**-0.5 if scale is None else scale
+    visible = layout.visible[:, 0].contiguous()  # (B, T, Sc)
+    # the softmax (:func:`_softmax_shift` and :func:`_softmax_normalise`, or softmax_cpu.c's fused form of the same
+    # numbers where it is built), around torch's exp
+    d = native.softmax_prep(s, visible, Hkv, rep, scale)
+    if d is None:
+        d = _softmax_shift(s[:, :M].view(B, Hkv, rep, T, sc), visible[:, None, None], scale).view(G, M, sc)
+    e = torch.exp(d) if d.requires_grad else d.exp_()  # (autograd through the forward: the tests' reference)
+    if not native.softmax_finish(e, visible, Hkv, rep, C):
+        e = _softmax_normalise(e.view(B, Hkv, rep, T, sc), visible[:, None, None], C)
+    p = e.view(B, Hkv, rep, T, sc)
     used = round_probs(p) if round_probs is not None else p
     # P @ V chunk by chunk (reduction over exactly C keys each, one batched GEMM), partial sums in chunk order
     pc = pad_rows(used.reshape(G, M, sc), R).view(G, -1, n_c, C).transpose(1, 2)  # (G, nC, Mp, C)
@@ -278,7 +309,7 @@ class _SplitKVAttentionFn(torch.autograd.Function):
         kg, vg = kc.reshape(G, sc, D), vc.reshape(G, sc, Dv)
         dvc = torch.bmm(um.transpose(1, 2), go)  # (G, Sc, Dv)
         dp = torch.bmm(go, vg.transpose(1, 2))  # (G, M, Sc)
-        ds = pm * (dp - (dp * pm).sum(-1, keepdim=True))
+        ds = dp if native.softmax_backward(dp, pm) else pm * (dp - (dp * pm).sum(-1, keepdim=True))
         dq = torch.bmm(ds, kg).mul_(scale).view(B, H, T, D)
         dkc = torch.bmm(ds.transpose(1, 2), q.float().reshape(G, M, D)).mul_(scale)  # (G, Sc, D)
         dk, dv = (_from_canonical(t.view(B, Hkv, sc, -1), shape, layout)

@@ -7,6 +7,8 @@ cross KV-chunk boundaries, recipe (bf16, fp8_e2e) and KV cache (model dtype, FP8
 The negative control runs the same comparison with the flag off and must see differences.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -193,7 +195,19 @@ def test_plain_gemm_rows_are_not_invariant_here_negative_control():
     assert torch.equal(tiled_mm(x[:2], w.t(), INV.row_tile), tiled_mm(x, w.t(), INV.row_tile)[:2])
 
 
-def test_split_kv_attention_is_softmax_attention_and_decode_equals_full():
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+def test_split_kv_attention_is_softmax_attention_and_decode_equals_full(kernels):
+    """On both of the softmax's paths: the fused CPU kernels (``fp8rl.fp8.native``) and the torch ops that define
+    their numbers."""
+    from fp8rl.fp8 import native
+
+    if kernels == "fused" and not native.available():
+        pytest.skip("no C compiler: the fused kernels are not built")
+    with native.disabled() if kernels == "torch" else contextlib.nullcontext():
+        _softmax_attention_and_decode_equals_full()
+
+
+def _softmax_attention_and_decode_equals_full():
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, D = 3, 6, 2, 45, 32
     q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hkv, Hkv))

@@ -1,13 +1,15 @@
-"""Fused E4M3 quantizers for the CPU (``e4m3_cpu.c``), built on first use with the machine's C compiler.
+"""Fused CPU kernels, built on first use with the machine's C compiler: the E4M3 quantizers (``e4m3_cpu.c``) and
+the softmax of the batch-invariant attention (``softmax_cpu.c``).
 
-The torch path in :mod:`fp8rl.fp8.quant` is the definition of every number; these kernels compute the same numbers
-(bitwise: ``tests/unit/fp8/test_native.py``) in one pass over a group's values instead of five to eight torch ops,
+The torch paths in :mod:`fp8rl.fp8.quant` and :mod:`fp8rl.model.invariant` are the definition of every number; these
+kernels compute the same numbers (bitwise: ``tests/unit/fp8/test_native.py``,
+``tests/unit/model/test_invariant_softmax.py``) in one pass over a group's values instead of five to ten torch ops,
 each a pass over memory and a dispatch. They are a speed-up with an exact fallback: where there is no compiler (a
 slim container image), the source cannot be built, ``FP8RL_NATIVE=0`` is set, or a tensor is not a contiguous FP32
-CPU tensor, each function returns None and the caller takes the torch path — the same numbers either way, so a
-rollout with the kernels and a trainer without them still agree bitwise.
+CPU tensor, each function returns None (or False) and the caller takes the torch path — the same numbers either
+way, so a rollout with the kernels and a trainer without them still agree bitwise.
 
-The library is built once per source, compiler and CPU into ``$FP8RL_CACHE/native`` (``~/.cache/fp8rl/native``)
+The library is built once per source set, compiler and CPU into ``$FP8RL_CACHE/native`` (``~/.cache/fp8rl/native``)
 with ``-O3 -march=native -ffp-contract=off`` (never ``-ffast-math``: IEEE single-precision division and no fused
 multiply-add, so the division ``x / scale`` and the product ``value * scale`` are the torch path's); building takes
 about a second and happens in a temporary file renamed into place, so processes that start together do not see a
@@ -39,11 +41,12 @@ from pathlib import Path
 import torch
 
 __all__ = ["available", "disabled", "fake_rows", "quant_rows", "fake_cols", "quant_cols", "dequant_cols",
-           "quant_blocks", "dequant_blocks", "quant_tensor", "dequant_tensor", "round_e4m3"]
+           "quant_blocks", "dequant_blocks", "quant_tensor", "dequant_tensor", "round_e4m3", "softmax_prep",
+           "softmax_finish", "softmax_backward"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("e4m3_cpu.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("e4m3_cpu.c", "softmax_cpu.c")]
 # IEEE arithmetic (no -ffast-math, no FMA contraction); -fno-trapping-math only lets GCC turn the clamps' compares
 # into vector selects (it assumes no one reads the FP exception flags), which changes no value
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fPIC", "-shared",
@@ -64,7 +67,11 @@ _SIGNATURES = {
     "fp8rl_quant_tensor": [_P, _P, _I64, ctypes.c_float],
     "fp8rl_dequant_tensor": [_P, _P, _I64, ctypes.c_float],
     "fp8rl_round_e4m3": [_P, _P, _I64],
+    "fp8rl_softmax_prep": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float],
+    "fp8rl_softmax_finish": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
+    "fp8rl_softmax_backward": [_P, _P, _I64, _I64],
 }
+_MAX_CHUNK = 4096  # softmax_cpu.c's MAX_CHUNK
 _RESTYPES = {"fp8rl_quant_blocks": ctypes.c_int}
 
 
@@ -85,12 +92,12 @@ def _compiler() -> str | None:
 def _build() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
-        log.info("fp8rl.fp8.native: no C compiler; the FP8 quantizers take the torch path")
+        log.info("fp8rl.fp8.native: no C compiler; the torch paths are used")
         return None
     try:
-        source = _SOURCE.read_bytes()
+        source = b"\0".join(path.read_bytes() for path in _SOURCES)
     except OSError as exc:  # an install without the package's C source
-        log.info("fp8rl.fp8.native: no kernel source (%s); the FP8 quantizers take the torch path", exc)
+        log.info("fp8rl.fp8.native: no kernel source (%s); the torch paths are used", exc)
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -99,17 +106,17 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), cc.encode(), version.encode(),
                                      _cpu_tag().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("FP8RL_CACHE", Path.home() / ".cache" / "fp8rl")) / "native"
-    lib = root / f"e4m3_cpu-{key}.so"
+    lib = root / f"fp8rl_cpu-{key}.so"
     if not lib.exists():
         try:
             root.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
             os.close(fd)
-            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lpthread"], capture_output=True,
+            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lpthread"], capture_output=True,
                                   text=True, timeout=120)
             if proc.returncode:
                 os.unlink(tmp)
-                log.warning("fp8rl.fp8.native: building %s failed (the torch path is used): %s", _SOURCE.name,
+                log.warning("fp8rl.fp8.native: building the kernels failed (the torch paths are used): %s",
                             proc.stderr.strip()[-500:])
                 return None
             os.replace(tmp, lib)
@@ -303,3 +310,49 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(x)
     lib.fp8rl_round_e4m3(x.data_ptr(), out.data_ptr(), x.numel())
     return out
+
+
+def _softmax_shapes(rows: torch.Tensor, visible: torch.Tensor, hkv: int, rep: int) -> bool:
+    """``rows`` ``(B·Hkv, ≥ rep·T, Sc)`` contiguous FP32 and ``visible`` ``(B, T, Sc)`` contiguous bool."""
+    return (_usable(rows) and rows.dim() == 3 and visible.device.type == "cpu" and visible.dtype == torch.bool
+            and visible.is_contiguous() and visible.dim() == 3 and rows.shape[0] == visible.shape[0] * hkv
+            and rows.shape[1] >= rep * visible.shape[1] and rows.shape[2] == visible.shape[2] and rows.numel() > 0)
+
+
+def softmax_prep(s: torch.Tensor, visible: torch.Tensor, hkv: int, rep: int, scale: float) -> torch.Tensor | None:
+    """The split-KV softmax's shifted scores ``d`` ``(B·Hkv, rep·T, Sc)`` (``softmax_cpu.c``) from the scores GEMM's
+    output ``s`` ``(B·Hkv, Mp, Sc)`` (its first ``rep·T`` rows of each group used) and ``visible`` ``(B, T, Sc)``;
+    or None."""
+    lib = _lib()
+    if lib is None or not _softmax_shapes(s, visible, hkv, rep):
+        return None
+    g, mp, sc = s.shape
+    t = visible.shape[1]
+    d = torch.empty(g, rep * t, sc, dtype=torch.float32)
+    lib.fp8rl_softmax_prep(s.data_ptr(), d.data_ptr(), visible.data_ptr(), g, hkv, rep, t, mp, sc, scale)
+    return d
+
+
+def softmax_finish(e: torch.Tensor, visible: torch.Tensor, hkv: int, rep: int, chunk: int) -> bool:
+    """``exp(d)`` ``(B·Hkv, rep·T, Sc)`` into the probabilities, in place (``softmax_cpu.c``); False (nothing
+    written) where the kernels do not apply."""
+    lib = _lib()
+    if (lib is None or not _softmax_shapes(e, visible, hkv, rep) or e.shape[1] != rep * visible.shape[1]
+            or not 1 <= chunk <= _MAX_CHUNK or e.shape[2] % chunk):
+        return False
+    lib.fp8rl_softmax_finish(e.data_ptr(), visible.data_ptr(), e.shape[0], hkv, rep, visible.shape[1], e.shape[2],
+                             chunk)
+    torch.autograd.graph.increment_version(e)
+    return True
+
+
+def softmax_backward(dp: torch.Tensor, p: torch.Tensor) -> bool:
+    """``dp ← p ∘ (dp − rowsum(dp ∘ p))`` in place over the last dimension (softmax's backward); False (nothing
+    written) where the kernels do not apply."""
+    lib = _lib()
+    if lib is None or not _usable(dp) or not _usable(p) or dp.shape != p.shape or dp.numel() == 0:
+        return False
+    n = dp.shape[-1]
+    lib.fp8rl_softmax_backward(dp.data_ptr(), p.data_ptr(), dp.numel() // n, n)
+    torch.autograd.graph.increment_version(dp)
+    return True
