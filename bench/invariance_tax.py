@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -47,11 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp8rl.engines.batch import train_on_batch
     from fp8rl.model import CausalLM
 
-    work = Path(tempfile.mkdtemp(prefix="fp8rl-invariance-tax-"))
-    with open(work / "problems.jsonl", "w") as f:
-        for p in vs_trl._problems("chat", vs_trl.PROMPTS_PER_STEP * 2):
-            f.write(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n")
-    job = vs_trl._job_file(work, "chat", args.max_tokens, 2)
+    job = vs_trl.write_job(Path(tempfile.mkdtemp(prefix="fp8rl-invariance-tax-")), "chat", args.max_tokens, 2)
     memory.tune_allocator()
     kv = "auto" if args.recipe == "bf16" else "fp8"
     loop = vs_trl._loop(str(job), args.recipe, True, kv)
@@ -92,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
           f"samples x {args.max_tokens} tokens, {args.rounds} rounds of invariance on/off ({inv})", flush=True)
     ratios: dict[str, list[float]] = {"rollout": [], "train": [], "step": []}
     for r in range(args.rounds):
-        order = (inv, None) if r % 2 == 0 else (None, inv)
-        got = {("on" if s is not None else "off"): one(s) for s in order}
+        got = {("on" if s is not None else "off"): one(s) for s in vs_trl.rotated([inv, None], r)}
         (ron, ton), (roff, toff) = got["on"], got["off"]
         ratios["rollout"].append(ron / roff)
         ratios["train"].append(ton / toff)

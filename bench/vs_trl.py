@@ -70,6 +70,25 @@ def _problems(kind: str, n: int) -> list[dict]:
     return out
 
 
+def write_job(work: Path, kind: str, max_tokens: int, steps: int) -> Path:
+    """The loop's job file in ``work`` with its problems (``problems.jsonl``, what the loop reads) and the same
+    problems as chat messages (``messages.jsonl``, what TRL's side reads)."""
+    problems = _problems(kind, PROMPTS_PER_STEP * steps)
+    with open(work / "problems.jsonl", "w") as f:
+        for p in problems:
+            f.write(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n")
+    with open(work / "messages.jsonl", "w") as f:
+        for p in problems:
+            f.write(json.dumps({"messages": p["messages"], "answer": p["answer"]}) + "\n")
+    return _job_file(work, kind, max_tokens, steps)
+
+
+def rotated(items: list, k: int) -> list:
+    """``items`` starting at index ``k % len(items)`` (the order interleaved runs take in turn ``k``)."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def _job_file(work: Path, kind: str, max_tokens: int, steps: int) -> Path:
     """The loop's job: the preset, the problems as a jsonl file in ``work``, the batch of the module docstring."""
     data = {"task": "jsonl", "path": "problems.jsonl", "chat_template": True}
@@ -108,7 +127,7 @@ def fp8rl_arms(job: str, arms: list[str], steps: int) -> dict[str, dict]:
     loops = {arm: _loop(job, *FP8RL_ARMS[arm]) for arm in arms}
     out = {arm: {"step_seconds": [], "phases": []} for arm in arms}
     for s in range(steps):
-        for arm in arms[s % len(arms):] + arms[:s % len(arms)]:
+        for arm in rotated(arms, s):
             t = time.perf_counter()
             row = loops[arm].step(s)
             out[arm]["step_seconds"].append(time.perf_counter() - t)
@@ -162,14 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         needs.missing(f"TRL's venv {TRL_VENV} is missing: run `make trl-venv` (or set FP8RL_TRL_VENV)")
 
     work = Path(tempfile.mkdtemp(prefix="fp8rl-vs-trl-"))
-    problems = _problems(args.prompts, PROMPTS_PER_STEP * args.steps)
-    with open(work / "problems.jsonl", "w") as f:
-        for p in problems:
-            f.write(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n")
-    with open(work / "messages.jsonl", "w") as f:
-        for p in problems:
-            f.write(json.dumps({"messages": p["messages"], "answer": p["answer"]}) + "\n")
-    job = _job_file(work, args.prompts, args.max_tokens, args.steps)
+    job = write_job(work, args.prompts, args.max_tokens, args.steps)
 
     def cmd(arm: str) -> list[str]:
         if arm == "trl":
@@ -190,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     mine = [a for a in arms if a != "trl"]
     units = ([["trl"]] if "trl" in arms else []) + [mine] if args.interleave and mine else [[a] for a in arms]
     for r in range(args.repeats):
-        for unit in units[r % len(units):] + units[:r % len(units)]:
+        for unit in rotated(units, r):
             t = time.perf_counter()
             got = _run(cmd(",".join(unit)), "+".join(unit))
             for arm in unit:

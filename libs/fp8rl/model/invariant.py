@@ -207,6 +207,11 @@ def _canonical_kv(k: torch.Tensor, v: torch.Tensor, layout: KeyLayout) -> tuple[
     return k.float().gather(2, index.expand(B, Hkv, sc, D)), v.float().gather(2, index.expand(B, Hkv, sc, Dv))
 
 
+def _hidden(visible: torch.Tensor) -> torch.Tensor:
+    """The keys a row cannot see, in rows that see some key (a row that sees none keeps its uniform weights)."""
+    return visible.logical_not() & visible.any(-1, keepdim=True)
+
+
 def _softmax_shift(s: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """The scaled scores ``s * scale`` less each row's largest visible one (and at least ``finfo.min``), 0 where a row
     cannot see the key — the argument of the exp. A row that sees no key gets 0 everywhere (its exp: uniform weights,
@@ -214,7 +219,7 @@ def _softmax_shift(s: torch.Tensor, visible: torch.Tensor, scale: float) -> torc
     too) because the CPU's exp takes 10x as long on such arguments (its underflow path)."""
     s = (s * scale).masked_fill(~visible, torch.finfo(torch.float32).min)
     d = s - s.amax(-1, keepdim=True)
-    return d.masked_fill_(visible.logical_not() & visible.any(-1, keepdim=True), 0.0)
+    return d.masked_fill_(_hidden(visible), 0.0)
 
 
 def _softmax_normalise(e: torch.Tensor, visible: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -223,7 +228,7 @@ def _softmax_normalise(e: torch.Tensor, visible: torch.Tensor, chunk: int) -> to
     down), the chunks' sums added in chunk order (whatever the number of chunks: trailing chunks of zeros add exact
     zeros), and every term divided by the sum. The order of every add is fixed here, not by a reduction kernel's
     vector width."""
-    e = e.masked_fill(visible.logical_not() & visible.any(-1, keepdim=True), 0.0)
+    e = e.masked_fill(_hidden(visible), 0.0)
     a = e.unflatten(-1, (e.shape[-1] // chunk, chunk))
     n = chunk
     while n > 1:

@@ -7,8 +7,7 @@ cross KV-chunk boundaries, recipe (bf16, fp8_e2e) and KV cache (model dtype, FP8
 The negative control runs the same comparison with the flag off and must see differences.
 """
 
-import contextlib
-
+import numpy as np
 import pytest
 import torch
 
@@ -195,19 +194,8 @@ def test_plain_gemm_rows_are_not_invariant_here_negative_control():
     assert torch.equal(tiled_mm(x[:2], w.t(), INV.row_tile), tiled_mm(x, w.t(), INV.row_tile)[:2])
 
 
-@pytest.mark.parametrize("kernels", ["fused", "torch"])
-def test_split_kv_attention_is_softmax_attention_and_decode_equals_full(kernels):
-    """On both of the softmax's paths: the fused CPU kernels (``fp8rl.fp8.native``) and the torch ops that define
-    their numbers."""
-    from fp8rl.fp8 import native
-
-    if kernels == "fused" and not native.available():
-        pytest.skip("no C compiler: the fused kernels are not built")
-    with native.disabled() if kernels == "torch" else contextlib.nullcontext():
-        _softmax_attention_and_decode_equals_full()
-
-
-def _softmax_attention_and_decode_equals_full():
+@pytest.mark.usefixtures("native_path")  # the softmax's fused CPU kernels and the torch ops that define them
+def test_split_kv_attention_is_softmax_attention_and_decode_equals_full():
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, D = 3, 6, 2, 45, 32
     q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hkv, Hkv))
@@ -228,6 +216,36 @@ def _softmax_attention_and_decode_equals_full():
         mask = torch.cat([torch.zeros(B, pad, dtype=torch.long), torch.ones(B, t + 1, dtype=torch.long)], 1)
         one = split_kv_attention(q[:, :, t:t + 1], kp, vp, KeyLayout.build(mask, pad + t, 1, INV))
         assert torch.equal(one, full[:, :, t:t + 1]), t
+
+
+def _pairwise_f32(values: np.ndarray) -> np.float32:
+    """The documented pairwise order, one float32 add at a time: halve the count, add the upper half onto the lower,
+    an odd count's last term moves down."""
+    a = [np.float32(x) for x in values]
+    while len(a) > 1:
+        h = len(a) // 2
+        a = [np.float32(a[i] + a[i + h]) for i in range(h)] + a[2 * h:]
+    return a[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 32])
+def test_the_denominator_is_pairwise_per_chunk_then_chunk_order(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    n_c = 3
+    e = torch.rand(2, 1, 1, 4, n_c * chunk, generator=g) * torch.logspace(-8, 2, n_c * chunk)
+    visible = torch.ones(2, 1, 1, 4, n_c * chunk, dtype=torch.bool)
+    visible[1, ..., 2, chunk:] = False  # hidden keys of a row that sees some: exactly 0 in the sums
+    from fp8rl.model.invariant import _softmax_normalise
+
+    p = _softmax_normalise(e.clone(), visible, chunk)
+    for idx in np.ndindex(2, 4):
+        row = e[idx[0], 0, 0, idx[1]].numpy() * visible[idx[0], 0, 0, idx[1]].numpy()
+        denom = np.float32(0)
+        for c in range(n_c):
+            part = _pairwise_f32(row[c * chunk:(c + 1) * chunk])
+            denom = part if c == 0 else np.float32(denom + part)
+        want = (row / denom).astype(np.float32)
+        assert np.array_equal(p[idx[0], 0, 0, idx[1]].numpy(), want), idx
 
 
 # The backward's error against a float64 reference: FP32 products summed over at most 2**7 terms (keys of a chunked

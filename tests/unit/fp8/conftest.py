@@ -27,18 +27,3 @@ def _round_e4m3(y: torch.Tensor) -> torch.Tensor:
 def round_e4m3():
     """Round a float64 tensor to the nearest E4M3 value (ties to even, saturating at ±448)."""
     return _round_e4m3
-
-
-@pytest.fixture(params=["fused", "torch"])
-def quantizer_path(request):
-    """Each test on both of the quantizers' paths: the fused CPU kernels (``fp8rl.fp8.native``; skipped where they
-    are not built) and the torch ops that define their numbers."""
-    from fp8rl.fp8 import native
-
-    if request.param == "fused":
-        if not native.available():
-            pytest.skip("no C compiler: the fused quantizers are not built")
-        yield request.param
-    else:
-        with native.disabled():
-            yield request.param

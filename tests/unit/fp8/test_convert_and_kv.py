@@ -21,8 +21,8 @@ from fp8rl.fp8 import (
     select_backend,
 )
 
-# every test on the fused CPU kernels and on the torch path (conftest.quantizer_path)
-pytestmark = pytest.mark.usefixtures("quantizer_path")
+# every test on the fused CPU kernels and on the torch path (tests/unit/conftest.py's native_path)
+pytestmark = pytest.mark.usefixtures("native_path")
 
 
 class _Attn(nn.Module):

@@ -17,8 +17,8 @@ from fp8rl.fp8 import (
     quantize_per_token_group,
 )
 
-# every test on the fused CPU kernels and on the torch path (conftest.quantizer_path)
-pytestmark = pytest.mark.usefixtures("quantizer_path")
+# every test on the fused CPU kernels and on the torch path (tests/unit/conftest.py's native_path)
+pytestmark = pytest.mark.usefixtures("native_path")
 
 # E4M3 keeps 3 mantissa bits: half an ulp is 2**-4 relative for normal values.
 REL_BOUND_NORMAL = 2.0**-4

@@ -2,12 +2,11 @@
 the softmax of the batch-invariant attention (``softmax_cpu.c``).
 
 The torch paths in :mod:`fp8rl.fp8.quant` and :mod:`fp8rl.model.invariant` are the definition of every number; these
-kernels compute the same numbers (bitwise: ``tests/unit/fp8/test_native.py``,
-``tests/unit/model/test_invariant_softmax.py``) in one pass over a group's values instead of five to ten torch ops,
-each a pass over memory and a dispatch. They are a speed-up with an exact fallback: where there is no compiler (a
-slim container image), the source cannot be built, ``FP8RL_NATIVE=0`` is set, or a tensor is not a contiguous FP32
-CPU tensor, each function returns None (or False) and the caller takes the torch path — the same numbers either
-way, so a rollout with the kernels and a trainer without them still agree bitwise.
+kernels compute the same numbers (bitwise: ``tests/unit/fp8/test_native.py``) in one pass over a group's values
+instead of five to ten torch ops, each a pass over memory and a dispatch. They are a speed-up with an exact fallback:
+where there is no compiler (a slim container image), the source cannot be built, ``FP8RL_NATIVE=0`` is set, or a
+tensor is not a contiguous FP32 CPU tensor, each function returns None (or False) and the caller takes the torch
+path — the same numbers either way, so a rollout with the kernels and a trainer without them still agree bitwise.
 
 The library is built once per source set, compiler and CPU into ``$FP8RL_CACHE/native`` (``~/.cache/fp8rl/native``)
 with ``-O3 -march=native -ffp-contract=off`` (never ``-ffast-math``: IEEE single-precision division and no fused

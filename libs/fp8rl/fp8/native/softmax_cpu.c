@@ -1,6 +1,6 @@
 /* The softmax of fp8rl's batch-invariant split-KV attention (fp8rl/model/invariant.py), fused for the CPU.
  *
- * Bitwise the numbers of invariant.py's torch path (the definition; tests/unit/model/test_invariant_softmax.py checks
+ * Bitwise the numbers of invariant.py's torch path (the definition; tests/unit/fp8/test_native.py checks
  * every kernel against it). A row is one query of one head over Sc canonical keys, ``vis[j]`` whether it may see key j:
  *
  *   x[j] = s[j] * scale                                     (the scores GEMM's output, scaled: one rounding)
