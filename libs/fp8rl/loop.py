@@ -104,7 +104,8 @@ class GRPOLoop:
         self.cfg, self.job = cfg, cfg.job
         job = cfg.job
         torch.manual_seed(job.job.seed)
-        policy, self.tok, self.model_path = load_policy(job.policy.model)
+        policy, self.tok, self.model_path = load_policy(job.policy.model,
+                                                        language_model_only=job.policy.language_model_only)
         self.model_config, self.model_name = policy.config, policy.name_or_path
         self.observatory: ObservatoryResult | None = None
         if job.policy.numerics.auto_bf16_layers:

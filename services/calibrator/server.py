@@ -59,7 +59,7 @@ class CalibratorService(Service):
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        policy, tok, _ = load_policy(ctx.job.policy.model)
+        policy, tok, _ = load_policy(ctx.job.policy.model, language_model_only=ctx.job.policy.language_model_only)
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         # the loaded model is the calibrator's own (converted in place): never two copies in this process
         self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"), take_model=True,

@@ -85,7 +85,7 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
         except (Fp8UnsupportedError, VllmUnavailableError) as exc:
             raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
         return engine, tok, engine.config.vocab_size, engine.config.max_position_embeddings
-    policy, tok, path = load_policy(name)
+    policy, tok, path = load_policy(name, language_model_only=job.policy.language_model_only)
     config = policy.config
     try:  # the loaded model is the engine's own (converted in place): never two copies in this process
         engine = make_rollout_engine(job, policy, path, eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_id,

@@ -20,6 +20,6 @@ def build_trainer(job, policy=None):
 
     parallel = group_for(job.policy.training.dp_size, job.trainer_model_parallel)
     if policy is None:
-        policy, _, _ = load_policy(job.policy.model)
+        policy, _, _ = load_policy(job.policy.model, language_model_only=job.policy.language_model_only)
     trainer = make_trainer_backend(job, policy, ref_model=policy if job.loss.kl_coef > 0 else None, parallel=parallel)
     return trainer, parallel

@@ -83,7 +83,7 @@ class TrainerService(Service):
         job, args = ctx.job, ctx.args
         self.ctx = ctx
         self.backend = job.policy.training.backend
-        policy, tok, _ = load_policy(job.policy.model)
+        policy, tok, _ = load_policy(job.policy.model, language_model_only=job.policy.language_model_only)
         self.pad_id = tok.pad_id
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         self.route_shape = replay_route_shape(job, policy.config)

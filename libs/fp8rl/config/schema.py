@@ -211,6 +211,11 @@ class PolicyConfig(Section):
     KEY = "policy"
     model: str = setting("tiny-arith", "A preset name (tiny-arith, smollm2-135m-instruct) or a local HF checkpoint "
                         "directory.")
+    language_model_only: bool = setting(False, "Of a vision-language checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL "
+                                        "*ForConditionalGeneration), train the language model alone on text "
+                                        "prompts: its text tower loads as the plain model of its family, the "
+                                        "vision encoder is left out of every engine and written back unchanged "
+                                        "by an export. The embedded rollout only.")
     generation: GenerationConfig = section(GenerationConfig, "The rollout engine.")
     training: TrainingConfig = section(TrainingConfig, "The trainer.")
     numerics: NumericsConfig = section(NumericsConfig, "How the engines compute (batch invariance, automatic bf16 "

@@ -227,15 +227,13 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer |
 
 
 def model_config_of(job: JobConfig):
-    """The policy's :class:`~fp8rl.model.config.ModelConfig` (its checkpoint's config.json), read without the
-    weights."""
-    import json
-
-    from fp8rl.model.config import ModelConfig
+    """The policy's :class:`~fp8rl.model.config.ModelConfig` (its checkpoint's config.json; a vision-language
+    checkpoint's text tower with ``policy.language_model_only``), read without the weights."""
+    from fp8rl.model.hf_io import read_model_config
 
     model = job.policy.model
     path = prepare_preset(model, progress=False) if model in PRESETS else Path(model)
-    return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    return read_model_config(path, language_model_only=job.policy.language_model_only)
 
 
 def model_max_positions(job: JobConfig) -> int:

@@ -98,6 +98,9 @@ def make_rollout_engine(job, policy: CausalLM | None, path, *, eos_token_ids: li
         raise ValueError(f"policy.generation.backend: {backend!r} holds its own weights; only the torch engine "
                          "computes with the trainer's")
     if backend == "vllm":  # imported here: vLLM is an optional install
+        if job.policy.language_model_only:
+            raise ValueError("policy.language_model_only runs on the embedded rollout (policy.generation.backend: "
+                             "torch): vLLM would load the whole vision-language model from the checkpoint")
         from .vllm.rollout import VllmRolloutEngine
 
         return VllmRolloutEngine.from_job(job, path, max_batch_size=max_batch_size)

@@ -19,14 +19,15 @@ import torch
 
 from fp8rl.fp8 import E4M3, Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig, model_from_tensors
-from fp8rl.model.hf_io import CONFIG_FILE
+from fp8rl.model.hf_io import CONFIG_FILE, load_hf_tensors, read_model_config
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
+from fp8rl.model.vision_language import vision_language_of, whole_checkpoint_tensors
 from fp8rl.presets import PRESETS, prepare_preset
 
 from .hf_fp8 import fp8_recipe_for_export, hub_fp8_tensors
 from .peft import lora_settings_of, merged_with_base, write_peft_dir
 from .readers import ExportError, TrainerCheckpoint, check_tensors, read_checkpoint
-from .writer import check_out_dir, write_hf_dir
+from .writer import check_out_dir, high_precision_dtype, write_hf_dir
 
 __all__ = ["FORMATS", "ExportResult", "export_checkpoint", "load_checkpoint_policy", "resolve_model",
            "save_policy_hf"]
@@ -85,6 +86,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
     if source_dir is None:
         raise ExportError(f"{ck.path} records no model directory to take the tokenizer from; pass --model "
                           f"PRESET_OR_HF_DIR ({', '.join(PRESETS)} or a directory with config.json)")
+    _vision_language_source(source_dir, fmt)  # refused before anything is written
     record = {"checkpoint": str(src), "kind": ck.kind, "version": ck.version,
               "model_source": source, "format": fmt}
     if ck.lora is None:
@@ -218,8 +220,8 @@ def _model_of(ck: TrainerCheckpoint, model: str | None) -> tuple[ModelConfig, st
                               f"PRESET_OR_HF_DIR") from None
     src_cfg = None
     if source_dir is not None:
-        try:
-            src_cfg = ModelConfig.from_hf_dict(json.loads((source_dir / CONFIG_FILE).read_text()))
+        try:  # of a vision-language source, the text tower: what fp8rl trained (policy.language_model_only)
+            src_cfg = read_model_config(source_dir, language_model_only=True)
         except (OSError, ValueError, TypeError) as e:
             raise ExportError(f"{source_dir / CONFIG_FILE}: not a supported model config: {e}") from None
     config = ck.model_config or src_cfg
@@ -236,12 +238,32 @@ def _model_of(ck: TrainerCheckpoint, model: str | None) -> tuple[ModelConfig, st
     return config, source, source_dir
 
 
+def _vision_language_source(source_dir: Path, fmt: str) -> dict | None:
+    """The ``config.json`` of a vision-language ``source_dir`` (whose text tower alone was trained), None for a
+    text model; ``ExportError`` for a format not written for one."""
+    source_cfg = json.loads((source_dir / CONFIG_FILE).read_text())
+    if vision_language_of(source_cfg) is None:
+        return None
+    if fmt != "hf":
+        raise ExportError(f"{source_dir} is a vision-language model: its language model trained alone exports as "
+                          f"--format hf (the whole model, vision encoder included); {fmt} is not written for it yet")
+    return source_cfg
+
+
 def _write(out: Path, tensors: dict, config: ModelConfig, source_dir: Path, fmt: str, recipe: Fp8Recipe | None,
            record: dict, force: bool, progress: bool) -> int:
+    hf_config = _vision_language_source(source_dir, fmt)
+    if hf_config is not None:  # the whole model back: the trained text tower beside the source's vision encoder
+        dtype = str(high_precision_dtype(tensors)).removeprefix("torch.")
+        try:
+            tensors = whole_checkpoint_tensors(tensors, load_hf_tensors(source_dir))
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{source_dir}: {e}") from None
+        hf_config = {**hf_config, "dtype": dtype, "torch_dtype": dtype}
     quantization = None
     if fmt == "hf-fp8":
         used = fp8_recipe_for_export(recipe)
         tensors, quantization = hub_fp8_tensors(tensors, config, used, progress=progress)
         record = {**record, "recipe": dataclasses.asdict(used)}
     return write_hf_dir(out, tensors, config, tokenizer_source=source_dir, quantization=quantization,
-                        record=record, force=force, progress=progress)
+                        record=record, force=force, progress=progress, hf_config=hf_config)

@@ -224,7 +224,8 @@ def _read_hf(path: Path) -> TrainerCheckpoint:
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text())
         dtype = _DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
-        model, config = load_hf_checkpoint(path, dtype=dtype)
+        # a vision-language directory is read as its language model: what fp8rl trains and evaluates of it
+        model, config = load_hf_checkpoint(path, dtype=dtype, language_model_only=True)
     except (OSError, ValueError) as e:  # hf_io names the missing file or tensor
         raise ExportError(f"{path}: not a loadable Hugging Face model: {_short(e)}") from None
     tensors = model.state_dict()

@@ -6,6 +6,9 @@
 * fp8rl's character tokenizer (``fp8rl_tokenizer.json``, the tiny presets) is copied too — fp8rl keeps reading
   it — and written once more as a Hugging Face fast tokenizer (one token per character, ``<bos>`` prepended as
   :meth:`CharTokenizer.encode` does), so ``AutoTokenizer`` and vLLM read the directory as well.
+* a vision-language model's processor files (``preprocessor_config.json``, ``video_preprocessor_config.json``,
+  ``processor_config.json``, ``chat_template.json``) are copied when the source has them, so ``AutoProcessor``
+  loads the export as it loaded the source.
 * ``generation_config.json`` is copied when the source has one (chat models list their end-of-turn EOS ids
   there), else written from the config's BOS / EOS / PAD ids.
 """
@@ -19,10 +22,12 @@ from pathlib import Path
 from fp8rl.model import ModelConfig
 from fp8rl.model.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
 
-__all__ = ["HF_TOKENIZER_FILES", "GENERATION_CONFIG", "write_tokenizer_files"]
+__all__ = ["HF_TOKENIZER_FILES", "GENERATION_CONFIG", "PROCESSOR_FILES", "write_tokenizer_files"]
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                       "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -45,6 +50,10 @@ def write_tokenizer_files(source: Path, out: Path, config: ModelConfig) -> list[
     if not written:
         raise FileNotFoundError(f"model directory {source} holds no tokenizer (looked for "
                                 f"{', '.join((*HF_TOKENIZER_FILES, CHAR_TOKENIZER_FILE))})")
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+            written.append(name)
     if (source / GENERATION_CONFIG).is_file():
         shutil.copyfile(source / GENERATION_CONFIG, out / GENERATION_CONFIG)
     else:

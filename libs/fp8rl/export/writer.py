@@ -4,7 +4,8 @@ Layout (what ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM read
 
 * ``model.safetensors`` — or, past :data:`MAX_SHARD_BYTES`, ``model-0000i-of-0000n.safetensors`` shards plus
   ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), tensors in name order;
-* ``config.json`` — :meth:`ModelConfig.to_hf_dict` in the weights' dtype, plus ``quantization_config`` for FP8;
+* ``config.json`` — :meth:`ModelConfig.to_hf_dict` in the weights' dtype, plus ``quantization_config`` for FP8 (of
+  a vision-language source, the source's own: :mod:`fp8rl.model.vision_language`);
 * tokenizer files and ``generation_config.json`` (:mod:`.tokenizer_files`);
 * ``fp8rl_export.json`` — where it came from: the checkpoint, its kind and version, the model source, the
   format and the recipe.
@@ -33,7 +34,7 @@ from fp8rl.model.hf_io import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 from .readers import ExportError
 from .tokenizer_files import write_tokenizer_files
 
-__all__ = ["EXPORT_RECORD", "MAX_SHARD_BYTES", "check_out_dir", "write_hf_dir"]
+__all__ = ["EXPORT_RECORD", "MAX_SHARD_BYTES", "check_out_dir", "high_precision_dtype", "write_hf_dir"]
 
 EXPORT_RECORD = "fp8rl_export.json"
 MAX_SHARD_BYTES = 5 * 1024**3  # transformers' save_pretrained default ("5GB")
@@ -53,7 +54,7 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 def write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], config: ModelConfig, *, tokenizer_source: Path,
                  quantization: dict | None = None, record: dict | None = None, force: bool = False,
-                 progress: bool = False) -> int:
+                 progress: bool = False, hf_config: dict | None = None) -> int:
     """Write the directory of the module docstring; the bytes written.
 
     Args:
@@ -65,6 +66,7 @@ def write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], config: ModelCo
         record: provenance written to ``fp8rl_export.json``.
         force: replace an ``out`` that holds files.
         progress: a progress bar over the weight files (stderr).
+        hf_config: the ``config.json`` to write instead of ``config``'s (a vision-language source's own).
 
     Raises:
         ExportError: ``out`` is a file or not empty without ``force``; the tokenizer source holds no tokenizer.
@@ -77,8 +79,8 @@ def write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], config: ModelCo
     tmp.mkdir()  # (the umask's permissions, unlike mkdtemp's 0700)
     try:
         _write_weights(tmp, tensors, progress)
-        dtype = _high_precision_dtype(tensors)
-        cfg = config.to_hf_dict(torch_dtype=str(dtype).removeprefix("torch."))
+        dtype = high_precision_dtype(tensors)
+        cfg = config.to_hf_dict(torch_dtype=str(dtype).removeprefix("torch.")) if hf_config is None else hf_config
         if quantization is not None:
             cfg["quantization_config"] = quantization
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
@@ -95,7 +97,7 @@ def write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], config: ModelCo
     return size
 
 
-def _high_precision_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
+def high_precision_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
     """The dtype of the high-precision tensors (the embedding's: FP8 layouts keep it in high precision)."""
     emb = tensors.get("model.embed_tokens.weight")
     return emb.dtype if emb is not None else next(t.dtype for t in tensors.values() if t.dtype.itemsize > 1)

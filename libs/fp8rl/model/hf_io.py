@@ -26,9 +26,10 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
 from .transformer import CausalLM
+from .vision_language import LM_ONLY_KEY, language_model_config, split_tensors, vision_language_of
 
 __all__ = ["checked_model", "hf_shapes", "load_hf_checkpoint", "load_hf_tensors", "model_from_tensors",
-           "save_hf_checkpoint"]
+           "read_model_config", "save_hf_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -92,7 +93,8 @@ def hf_shapes(config: ModelConfig) -> dict[str, torch.Size]:
 
 
 def load_hf_checkpoint(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    language_model_only: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a local HF checkpoint directory into a :class:`CausalLM`.
 
@@ -100,6 +102,8 @@ def load_hf_checkpoint(
         path: directory with ``config.json`` and ``model.safetensors`` (or an index + shards).
         dtype: floating dtype of the loaded parameters.
         device: where the parameters live.
+        language_model_only: of a vision-language checkpoint, load its text tower alone
+            (:mod:`fp8rl.model.vision_language`); without it such a checkpoint is refused.
 
     Returns:
         ``(model, config)``; the model is in eval mode with no ``kv_quant`` installed.
@@ -112,11 +116,45 @@ def load_hf_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    config = read_model_config(path, language_model_only=language_model_only)
+    tensors = load_hf_tensors(path, device)
+    if language_model_only and vision_language_of(_config_dict(path)) is not None:
+        tensors, _ = split_tensors(tensors)  # the vision tensors are dropped here, read again by an export
+    return checked_model(path, config, tensors, dtype), config
+
+
+def _config_dict(path: Path) -> dict:
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
-    config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
-    return checked_model(path, config, load_hf_tensors(path, device), dtype), config
+    try:
+        d = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path} is not readable JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_path} holds a {type(d).__name__}, not a JSON object")
+    return d
+
+
+def read_model_config(path: str | Path, *, language_model_only: bool = False) -> ModelConfig:
+    """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``; no weights read): of a
+    vision-language checkpoint with ``language_model_only``, its text tower's.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: an unsupported config, or a vision-language one without ``language_model_only`` (the message
+            names the job key).
+    """
+    path = Path(path)
+    d = _config_dict(path)
+    arch = vision_language_of(d)
+    if arch is not None:
+        if not language_model_only:
+            raise ValueError(f"{path} is a vision-language checkpoint ({arch.hf_class}): fp8rl trains its language "
+                             f"model alone with {LM_ONLY_KEY}: true (the vision encoder is kept and written back "
+                             f"on export)")
+        d = language_model_config(d)
+    return ModelConfig.from_hf_dict(d)
 
 
 def load_hf_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

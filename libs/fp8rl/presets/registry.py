@@ -27,8 +27,10 @@ def prepare_preset(name: str, *, progress: bool = True) -> Path:
     return prepare_registered(name, progress)
 
 
-def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, Tokenizer, Path]:
-    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory.
+def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32,
+                language_model_only: bool = False) -> tuple[CausalLM, Tokenizer, Path]:
+    """Load a preset (:data:`PRESETS`, prepared on first use) or a local HF checkpoint directory (of a
+    vision-language one, with ``language_model_only`` (``policy.language_model_only``), its text tower).
 
     The model's ``name_or_path`` is the preset name or the directory's absolute path (as HF's): trainer
     checkpoints record it, so :mod:`fp8rl.export` finds the tokenizer without being told.
@@ -41,6 +43,6 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tup
             raise FileNotFoundError(
                 f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory"
             )
-    model, _ = load_hf_checkpoint(path, dtype=dtype)
+    model, _ = load_hf_checkpoint(path, dtype=dtype, language_model_only=language_model_only)
     model.name_or_path = name_or_path if name_or_path in PRESETS else str(path.resolve())
     return model, load_tokenizer(path), path

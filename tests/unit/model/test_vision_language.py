@@ -1,0 +1,183 @@
+"""Vision-language checkpoints read as their language model alone (``policy.language_model_only``): a Qwen2.5-VL
+(``model.*`` beside ``visual.*`` on disk) and a Qwen3-VL checkpoint (``model.language_model.*`` beside
+``model.visual.*``) made by transformers load as the Qwen2 / Qwen3 text model and give transformers' logits of the
+whole VLM on text prompts; the loop trains one exactly; an export writes the whole model back, the vision encoder
+bitwise the source's, and transformers loads it; without the key, or of a multimodal type fp8rl does not read, the
+load is refused by name.
+
+transformers' ``*ForConditionalGeneration`` is the reference (random-init, weights redrawn at O(1) activations);
+nothing downloads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8rl.model import load_hf_checkpoint
+from fp8rl.model.hf_io import read_model_config
+from fp8rl.model.tokenizer import CharTokenizer
+
+from .test_transformer import ATOL_HF, _scramble
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = CharTokenizer().vocab_size
+SPECIAL = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2,
+               vision_end_token_id=VOCAB - 1)  # ids the text prompts below never use
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def _qwen2_5_vl(tok: CharTokenizer):
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config={**TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                 "rope_theta": 50000.0},
+                     "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[0]), **SPECIAL)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def _qwen3_vl(tok: CharTokenizer):
+    cfg = transformers.Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 16, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                 "mrope_interleaved": True, "rope_theta": 50000.0},
+                     "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], num_position_embeddings=64), **SPECIAL)
+    return transformers.Qwen3VLForConditionalGeneration(cfg)
+
+
+BUILDERS = {"qwen2_5_vl": (_qwen2_5_vl, "qwen2", "visual."), "qwen3_vl": (_qwen3_vl, "qwen3", "model.visual.")}
+
+
+def _checkpoint(kind: str, path, seed: int = 0):
+    """transformers' VLM of ``kind`` saved (with fp8rl's character tokenizer) at ``path``; the reference model."""
+    torch.manual_seed(seed)
+    tok = CharTokenizer()
+    ref = BUILDERS[kind][0](tok)
+    _scramble(ref)
+    ref.eval().save_pretrained(path)
+    tok.save(path)
+    return ref
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_the_language_model_gives_the_whole_vlms_logits_on_text(kind, tmp_path):
+    ref = _checkpoint(kind, tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path, language_model_only=True)
+    assert cfg.architecture == BUILDERS[kind][1]
+    assert not any("visual" in n for n in model.state_dict())
+    ids = torch.randint(3, VOCAB - 4, (2, 11))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        got = model(ids)
+    assert torch.allclose(got, want, atol=ATOL_HF, rtol=0), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_vlm_is_refused_without_the_key(kind, tmp_path):
+    _checkpoint(kind, tmp_path)
+    with pytest.raises(ValueError, match="policy.language_model_only"):
+        load_hf_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="policy.language_model_only"):
+        read_model_config(tmp_path)
+
+
+def test_a_multimodal_type_fp8rl_does_not_read_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}, "text_config": {}}))
+    with pytest.raises(ValueError, match="'llava' is a multimodal checkpoint"):
+        read_model_config(tmp_path, language_model_only=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {
+        **TEXT, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}}))
+    with pytest.raises(ValueError, match="text RoPE type 'yarn'"):
+        read_model_config(tmp_path, language_model_only=True)
+
+
+def test_a_flat_legacy_config_reads_too(tmp_path):
+    """Qwen2.5-VL files written before transformers 4.52 keep the text keys at the top level and M-RoPE as
+    ``rope_scaling: {type: mrope}``."""
+    flat = {"model_type": "qwen2_5_vl", **TEXT, "rope_theta": 50000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "vision_config": {"depth": 1}, **SPECIAL}
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    cfg = read_model_config(tmp_path, language_model_only=True)
+    assert (cfg.architecture, cfg.rope_theta, cfg.rope_scaling, cfg.hidden_size) == ("qwen2", 50000.0, None, 64)
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_the_export_writes_the_whole_vlm_back(kind, tmp_path):
+    """The text tower trained (here: moved by hand), saved through the export path: transformers loads the whole
+    VLM, its text tensors are the trained ones and every vision tensor is bitwise the source's."""
+    from fp8rl.export import save_policy_hf
+
+    src = tmp_path / "src"
+    _checkpoint(kind, src)
+    policy, _ = load_hf_checkpoint(src, language_model_only=True)
+    with torch.no_grad():
+        policy.model.layers[0].mlp.down_proj.weight.add_(0.5)
+    policy.name_or_path = str(src)
+    save_policy_hf(policy, src, tmp_path / "out")
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert set(before) == set(after)
+    vision = BUILDERS[kind][2]
+    assert all(torch.equal(before[n], after[n]) for n in before if n.startswith(vision))
+    assert sum(not torch.equal(before[n], after[n]) for n in before) == 1
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == \
+        json.loads((src / "config.json").read_text())["architectures"]
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(3, VOCAB - 4, (1, 9))
+    with torch.no_grad():
+        assert torch.allclose(policy(ids), loaded(input_ids=ids).logits, atol=ATOL_HF, rtol=0)
+
+
+def test_other_export_formats_of_a_vlm_are_refused(tmp_path):
+    from fp8rl.export import save_policy_hf
+    from fp8rl.export.readers import ExportError
+
+    _checkpoint("qwen2_5_vl", tmp_path / "src")
+    policy, _ = load_hf_checkpoint(tmp_path / "src", language_model_only=True)
+    with pytest.raises(ExportError, match="vision-language model.*--format hf"):
+        save_policy_hf(policy, tmp_path / "src", tmp_path / "out", fmt="hf-fp8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_loop_trains_a_vlms_language_model_exactly(tmp_path):
+    """The in-process GRPO loop with ``policy.language_model_only`` on a Qwen2.5-VL checkpoint (fp8_e2e, FP8 KV,
+    batch invariance): every step's rollout and trainer logprobs are equal (max |Δlogprob| 0), and its final
+    checkpoint exports as the whole VLM."""
+    from fp8rl.config import JobConfig
+    from fp8rl.export import export_checkpoint
+    from fp8rl.loop import LoopConfig, run
+    from fp8rl.rl.metrics import MAX_ABS_LOGPROB_DIFF
+
+    _checkpoint("qwen2_5_vl", tmp_path / "vl")
+    job = JobConfig().with_settings({"policy.language_model_only": True})
+    out = run(LoopConfig.from_flags(job=job, model=str(tmp_path / "vl"), recipe="fp8_e2e", kv_cache_dtype="fp8",
+                                    batch_invariant=True, steps=2, prompts_per_step=3, group_size=2, max_tokens=6,
+                                    micro_batch_size=6, calibration_max_sequences=4, eval_size=2, seed=0,
+                                    out_dir=str(tmp_path / "run")), progress=False)
+    assert [h[MAX_ABS_LOGPROB_DIFF] for h in out["steps"]] == [0.0, 0.0]
+    checkpoint = sorted((tmp_path / "run").rglob("*.pt"))
+    assert checkpoint, sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    export_checkpoint(checkpoint[-1], tmp_path / "export", progress=False)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+    transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "export")
+
+
+def test_the_controller_reads_the_text_tower_and_vllm_is_refused(tmp_path):
+    from fp8rl.config import JobConfig
+    from fp8rl.controller.plan import model_config_of
+    from fp8rl.engines.factory import make_rollout_engine
+
+    _checkpoint("qwen3_vl", tmp_path)
+    job = JobConfig().with_settings({"policy.model": str(tmp_path), "policy.language_model_only": True})
+    assert model_config_of(job).architecture == "qwen3"
+    with pytest.raises(ValueError, match="policy.language_model_only"):
+        model_config_of(job.with_settings({"policy.language_model_only": False}))
+    with pytest.raises(ValueError, match="embedded rollout"):
+        make_rollout_engine(job.with_settings({"policy.generation.backend": "vllm"}), None, tmp_path,
+                            eos_token_ids=[2], pad_token_id=0)
