@@ -241,26 +241,27 @@ class ModelConfig:
             "num_hidden_layers",
             "num_attention_heads",
         )
-        missing = [k for k in required if d.get(k) is None]
+        t = fam.text_dict(d)  # a multimodal model's text part holds the common keys
+        missing = [k for k in required if t.get(k) is None]
         if missing:
             raise ValueError(f"config.json ({arch}) lacks required key(s) {missing}")
         common = dict(
             architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"),
-            head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", fam.max_position_default),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
-            initializer_range=d.get("initializer_range", 0.02),
+            vocab_size=t["vocab_size"],
+            hidden_size=t["hidden_size"],
+            intermediate_size=t["intermediate_size"],
+            num_hidden_layers=t["num_hidden_layers"],
+            num_attention_heads=t["num_attention_heads"],
+            num_key_value_heads=t.get("num_key_value_heads"),
+            head_dim=t.get("head_dim"),
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=t.get("max_position_embeddings", fam.max_position_default),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            attention_bias=bool(t.get("attention_bias", False)),
+            bos_token_id=t.get("bos_token_id"),
+            eos_token_id=t.get("eos_token_id"),
+            pad_token_id=t.get("pad_token_id"),
+            initializer_range=t.get("initializer_range", 0.02),
         )
         return (fam.config_class or cls)(**{**common, **fam.from_hf(d)})
 

@@ -47,6 +47,9 @@ class Family:
         config_class: the :class:`~fp8rl.model.ModelConfig` subclass holding the family's own settings (None: the
             plain class is enough).
         latent_attention: multi-head latent attention (the KV cache holds a latent; no shared prefix).
+        vision: a vision-language model (a ``visual`` encoder, multimodal RoPE: :meth:`build_vision`).
+        language_model_of: the vision-language ``model_type`` s whose text tower is this family
+            (``policy.language_model_only``: :mod:`fp8rl.model.vision_language`).
         shared_experts: an MoE layer adds shared experts (``n_shared_experts``) to every token.
         router_scoring: ``"softmax"`` or ``"sigmoid"``: how its experts' router scores (:class:`~.router.RoutingRule`).
         refusals: engine -> why it cannot run this family (an engine not listed runs it).
@@ -57,11 +60,17 @@ class Family:
     max_position_default: int = 2048
     config_class: type | None = None
     latent_attention: bool = False
+    vision: bool = False
+    language_model_of: tuple[str, ...] = ()
     shared_experts: bool = False
     router_scoring: str = "softmax"
     refusals: dict[str, str] = {}
 
     # -- config.json --------------------------------------------------------------------------------------------
+
+    def text_dict(self, d: dict[str, Any]) -> dict[str, Any]:
+        """Where the common keys of ``config.json`` ``d`` live: ``d`` itself, or a multimodal model's text part."""
+        return d
 
     def from_hf(self, d: dict[str, Any]) -> dict[str, Any]:
         """The :class:`ModelConfig` keyword arguments this family reads from ``config.json`` ``d`` beyond the common
@@ -107,6 +116,16 @@ class Family:
     def rope_inv_freqs(self, config: ModelConfig) -> dict[str, torch.Tensor]:
         """FP32 inverse-frequency tables ``(D/2,)`` by the ``rope_key`` of the layers that use them."""
         raise NotImplementedError
+
+    def mrope_axes(self, config: ModelConfig) -> torch.Tensor | None:
+        """Multimodal RoPE: the position axis of each frequency (:func:`fp8rl.model.mrope.mrope_axes`); None for the
+        plain RoPE."""
+        return None
+
+    def build_vision(self, config: ModelConfig) -> nn.Module | None:
+        """The vision encoder (``visual``: ``forward(ImageBatch) -> (cells, hidden_size)``), None for a text
+        model."""
+        return None
 
     # -- engines -------------------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
+from .family import family_names
 from .transformer import CausalLM
 from .vision_language import LM_ONLY_KEY, language_model_config, split_tensors, vision_language_of
 
@@ -138,7 +139,8 @@ def _config_dict(path: Path) -> dict:
 
 def read_model_config(path: str | Path, *, language_model_only: bool = False) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``; no weights read): of a
-    vision-language checkpoint with ``language_model_only``, its text tower's.
+    vision-language checkpoint with ``language_model_only``, its text tower's; without, the whole model's where its
+    family is registered (``qwen2_5_vl``).
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -149,11 +151,12 @@ def read_model_config(path: str | Path, *, language_model_only: bool = False) ->
     d = _config_dict(path)
     arch = vision_language_of(d)
     if arch is not None:
-        if not language_model_only:
+        if language_model_only:
+            d = language_model_config(d)
+        elif arch.model_type not in family_names():
             raise ValueError(f"{path} is a vision-language checkpoint ({arch.hf_class}): fp8rl trains its language "
                              f"model alone with {LM_ONLY_KEY}: true (the vision encoder is kept and written back "
                              f"on export)")
-        d = language_model_config(d)
     return ModelConfig.from_hf_dict(d)
 
 

@@ -47,8 +47,10 @@ from .kv_cache import KVCache
 from .layers import QKVPoint, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .logprobs import chunked_token_logprobs
 from .moe import ExpertMLP
+from .mrope import mrope_cos_sin, mrope_positions
 from .router import TopKRouter, routers
 from .shared_prefix import SharedPrefix
+from .vision import ImageBatch
 
 __all__ = ["CausalLM", "Decoder", "DecoderLayer", "Attention", "MLP", "RMSNorm", "QKVPoint", "rope_inv_freq"]
 
@@ -229,6 +231,10 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vision = config.family.build_vision(config)
+        if vision is not None:  # a vision-language model: its encoder is "visual" (the checkpoint's name)
+            self.visual = vision
+        self._mrope_axes = config.family.mrope_axes(config)
         self.tie_weights()
         # Kept out of the state dict (HF names) and out of module.to(dtype): BF16 angles would be wrong. One table
         # per RoPE kind the family uses (a layer's rope_key).
@@ -349,6 +355,16 @@ class CausalLM(nn.Module):
             inv = self._inv_freq_by_device[key, device] = self._inv_freqs[key].to(device)
         return inv
 
+    def _with_images(self, x: torch.Tensor, input_ids: torch.Tensor, images: ImageBatch) -> torch.Tensor:
+        """``x`` with the image tokens' embeddings replaced by the encoder's outputs, in order."""
+        feats = self.visual(images).to(x.dtype)  # (cells, C)
+        slots = input_ids == self.config.image_token_id  # (B, T)
+        n = int(slots.sum())
+        if n != feats.shape[0]:
+            raise ValueError(f"the images make {feats.shape[0]} embeddings for {n} image tokens "
+                             f"(id {self.config.image_token_id}) in input_ids")
+        return x.masked_scatter(slots.unsqueeze(-1), feats)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -361,6 +377,7 @@ class CausalLM(nn.Module):
         token_logprobs: bool = False,
         temperature: float = 1.0,
         entropy: bool = False,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of every position (or of the last ``logits_to_keep``), or the logprob of every next token.
 
@@ -386,6 +403,11 @@ class CausalLM(nn.Module):
                 (always with batch invariance).
             temperature: with ``token_logprobs``, the sampling temperature (0 and 1: the logits as they are).
             entropy: with ``token_logprobs``, also the entropy of the distribution each token was drawn from.
+            images: a vision-language model's images (:class:`~fp8rl.model.vision.ImageBatch`): their encoder
+                outputs replace the embeddings of the ``image_token_id`` tokens, in order. Its multimodal RoPE
+                takes ``position_ids`` ``(3, B, T)``, or ``(B, T)`` for all three axes; left None, they are
+                computed from the image-token runs (:func:`~fp8rl.model.mrope.mrope_positions`; a decode through a
+                cache must pass them: the image's positions shift the text after it).
 
         Returns:
             ``(B, T, vocab_size)`` FP32 logits (``(B, logits_to_keep, vocab_size)`` with ``logits_to_keep``).
@@ -420,13 +442,22 @@ class CausalLM(nn.Module):
                 f"attention_mask must be (B, S) = ({B}, {S}) (cache length {L} + {T} new tokens), "
                 f"got {tuple(attention_mask.shape)}"
             )
+        mrope = self._mrope_axes is not None
+        if images is not None and not hasattr(self, "visual"):
+            raise ValueError(f"{self.config.architecture} takes no images")
+        if mrope and position_ids is None and images is not None and L == 0:
+            position_ids, _ = mrope_positions(input_ids, attention_mask, images.grid_thw, self.config.image_token_id,
+                                              self.visual.merge)  # (3, B, T)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, L:]  # (B, T)
             else:
                 position_ids = torch.arange(L, S, device=device).expand(B, T)  # (B, T)
-        elif tuple(position_ids.shape) != (B, T):
-            raise ValueError(f"position_ids must be (B, T) = ({B}, {T}), got {tuple(position_ids.shape)}")
+        if mrope and position_ids.dim() == 2:  # text: the same position on every axis
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        want = (3, B, T) if mrope else (B, T)
+        if tuple(position_ids.shape) != want:
+            raise ValueError(f"position_ids must be {want}, got {tuple(position_ids.shape)}")
 
         mask, layout = None, None
         if self.batch_invariance is not None:  # split-KV attention reads the key layout, not an additive mask
@@ -447,8 +478,14 @@ class CausalLM(nn.Module):
             mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        rope = {key: rope_cos_sin(self._rope_inv_freq(key, device), position_ids, x.dtype)  # (B, T, D) each
-                for key in self._inv_freqs}
+        if images is not None:
+            x = self._with_images(x, input_ids, images)
+        if mrope:
+            rope = {key: mrope_cos_sin(self._rope_inv_freq(key, device), self._mrope_axes, position_ids, x.dtype)
+                    for key in self._inv_freqs}
+        else:
+            rope = {key: rope_cos_sin(self._rope_inv_freq(key, device), position_ids, x.dtype)  # (B, T, D) each
+                    for key in self._inv_freqs}
         # a prefix being recorded runs once (a recomputation would record it again); the suffixes' forward may
         recompute = (self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
                      and not (prefix is not None and prefix.recording))

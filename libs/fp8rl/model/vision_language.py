@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["LM_ONLY_KEY", "VL_ARCHITECTURES", "VlArchitecture", "language_model_config", "split_tensors",
+from .family import family_names, get_family
+
+__all__ = ["LM_ONLY_KEY", "VlArchitecture", "language_model_config", "split_tensors",
            "vision_language_of", "whole_checkpoint_tensors"]
 
 LM_ONLY_KEY = "policy.language_model_only"
@@ -33,18 +35,18 @@ LM_ONLY_KEY = "policy.language_model_only"
 
 @dataclass(frozen=True)
 class VlArchitecture:
-    """A vision-language ``model_type`` and the registered family of its text tower."""
+    """A vision-language ``model_type``, its transformers class and the registered family of its text tower (the
+    family whose ``language_model_of`` names it)."""
 
     model_type: str
     hf_class: str
     text_family: str
 
 
-VL_ARCHITECTURES = {a.model_type: a for a in (
-    VlArchitecture("qwen2_vl", "Qwen2VLForConditionalGeneration", "qwen2"),
-    VlArchitecture("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2"),
-    VlArchitecture("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3"),
-)}
+def _wrappers() -> dict[str, str]:
+    """Vision-language ``model_type`` -> the family of its text tower, as the families declare them."""
+    return {mt: name for name in family_names() for mt in get_family(name).language_model_of}
+
 
 # the keys of a flat (older) file that are the wrapper's, not the text tower's
 _WRAPPER_KEYS = ("vision_config", "text_config", "architectures", "model_type", "image_token_id", "video_token_id",
@@ -61,11 +63,16 @@ def vision_language_of(d: dict[str, Any]) -> VlArchitecture | None:
     Raises:
         ValueError: a multimodal file (``vision_config`` / ``text_config``) of a ``model_type`` fp8rl does not read.
     """
-    arch = VL_ARCHITECTURES.get(d.get("model_type"))  # type: ignore[arg-type]
-    if arch is None and (isinstance(d.get("vision_config"), dict) or isinstance(d.get("text_config"), dict)):
-        raise ValueError(f"model_type {d.get('model_type')!r} is a multimodal checkpoint fp8rl cannot read; "
-                         f"{LM_ONLY_KEY} reads {', '.join(sorted(VL_ARCHITECTURES))}")
-    return arch
+    mt = d.get("model_type")
+    wrappers = _wrappers()
+    if isinstance(mt, str) and mt in wrappers:
+        names = d.get("architectures")
+        hf_class = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else mt
+        return VlArchitecture(mt, hf_class, wrappers[mt])
+    if isinstance(d.get("vision_config"), dict) or isinstance(d.get("text_config"), dict):
+        raise ValueError(f"model_type {mt!r} is a multimodal checkpoint fp8rl cannot read; {LM_ONLY_KEY} reads "
+                         f"{', '.join(sorted(wrappers))}")
+    return None
 
 
 def language_model_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +85,7 @@ def language_model_config(d: dict[str, Any]) -> dict[str, Any]:
     arch = vision_language_of(d)
     if arch is None:
         raise ValueError(f"model_type {d.get('model_type')!r} is not a vision-language checkpoint "
-                         f"({', '.join(sorted(VL_ARCHITECTURES))})")
+                         f"({', '.join(sorted(_wrappers()))})")
     nested = d.get("text_config")
     text = dict(nested) if isinstance(nested, dict) else {k: v for k, v in d.items() if k not in _WRAPPER_KEYS}
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}

@@ -1,4 +1,8 @@
-"""Vision-language checkpoints read as their language model alone (``policy.language_model_only``): a Qwen2.5-VL
+"""Vision-language models. Qwen2.5-VL whole: the vision encoder, the image embeddings placed at the image tokens and
+multimodal RoPE give transformers' logits on prompts with several images of several sizes (patches from
+transformers' PIL image processor), and the positions equal transformers' ``get_rope_index``.
+
+Vision-language checkpoints read as their language model alone (``policy.language_model_only``): a Qwen2.5-VL
 (``model.*`` beside ``visual.*`` on disk) and a Qwen3-VL checkpoint (``model.language_model.*`` beside
 ``model.visual.*``) made by transformers load as the Qwen2 / Qwen3 text model and give transformers' logits of the
 whole VLM on text prompts; the loop trains one exactly; an export writes the whole model back, the vision encoder
@@ -80,12 +84,17 @@ def test_the_language_model_gives_the_whole_vlms_logits_on_text(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
-def test_a_vlm_is_refused_without_the_key(kind, tmp_path):
+def test_a_vlm_is_refused_by_the_engines_without_the_key(kind, tmp_path):
+    """The engines feed no images yet: a policy that is a VLM is refused naming the key (Qwen3-VL, which fp8rl
+    does not build whole, already at its config)."""
+    from fp8rl.presets import load_policy
+
     _checkpoint(kind, tmp_path)
     with pytest.raises(ValueError, match="policy.language_model_only"):
-        load_hf_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="policy.language_model_only"):
-        read_model_config(tmp_path)
+        load_policy(str(tmp_path))
+    if kind == "qwen3_vl":
+        with pytest.raises(ValueError, match="policy.language_model_only"):
+            read_model_config(tmp_path)
 
 
 def test_a_multimodal_type_fp8rl_does_not_read_is_refused_by_name(tmp_path):
@@ -181,3 +190,121 @@ def test_the_controller_reads_the_text_tower_and_vllm_is_refused(tmp_path):
     with pytest.raises(ValueError, match="embedded rollout"):
         make_rollout_engine(job.with_settings({"policy.generation.backend": "vllm"}), None, tmp_path,
                             eos_token_ids=[2], pad_token_id=0)
+
+
+def _pil_images(sizes, seed=0):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def _vl_batch(cfg, sizes_per_row, texts, pad_to):
+    """Left-padded rows of text and images: ``(input_ids, attention_mask, ImageBatch)`` built as the processor lays
+    prompts out (vision start, one image token per merged cell, vision end)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from fp8rl.model.vision import ImageBatch
+
+    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12)
+    rows, pixels, grids = [], [], []
+    g = torch.Generator().manual_seed(1)
+    for sizes, n_text in zip(sizes_per_row, texts, strict=True):
+        row = torch.randint(3, VOCAB - 4, (n_text,), generator=g).tolist()
+        for img in _pil_images(sizes, seed=len(rows)):
+            out = proc(images=[img], return_tensors="pt")
+            t, h, w = out["image_grid_thw"][0].tolist()
+            pixels.append(out["pixel_values"])
+            grids.append(out["image_grid_thw"])
+            row += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // 4) + [cfg.vision_end_token_id]
+            row += torch.randint(3, VOCAB - 4, (3,), generator=g).tolist()
+        rows.append(row)
+    ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
+    mask = torch.zeros(len(rows), pad_to, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, pad_to - len(row):] = torch.tensor(row)
+        mask[b, pad_to - len(row):] = 1
+    return ids, mask, ImageBatch(torch.cat(pixels), torch.cat(grids))
+
+
+def test_qwen2_5_vl_gives_transformers_logits_on_images(tmp_path):
+    from fp8rl.model.mrope import mrope_positions
+
+    ref = _checkpoint("qwen2_5_vl", tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path)
+    assert cfg.architecture == "qwen2_5_vl" and hasattr(model, "visual")
+    ids, mask, images = _vl_batch(cfg, [[(60, 90), (40, 40)], [(100, 30)], []], [4, 6, 9], pad_to=40)
+    assert images.grid_thw.shape[0] == 3 and len({tuple(g) for g in images.grid_thw.tolist()}) == 3
+    mm = (ids == cfg.image_token_id).int()
+    want_pos, want_delta = ref.model.get_rope_index(ids, mm, image_grid_thw=images.grid_thw, attention_mask=mask)
+    pos, delta = mrope_positions(ids, mask, images.grid_thw, cfg.image_token_id, model.visual.merge)
+    keep = mask.bool()
+    assert torch.equal(pos[:, keep], want_pos[:, keep]) and torch.equal(delta, want_delta.view(-1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, pixel_values=images.pixel_values,
+                   image_grid_thw=images.grid_thw, mm_token_type_ids=mm).logits
+        got = model(ids, attention_mask=mask, images=images)
+    assert torch.allclose(got[keep], want[keep], atol=ATOL_HF, rtol=0), (got[keep] - want[keep]).abs().max()
+    with torch.no_grad():  # the images matter: another picture moves the logits of the tokens after it
+        other = model(ids, attention_mask=mask, images=type(images)(images.pixel_values.flip(0), images.grid_thw))
+    assert (other[keep] - got[keep]).abs().max() > 100 * ATOL_HF
+
+
+def test_image_tokens_that_do_not_fit_the_images_are_refused(tmp_path):
+    _checkpoint("qwen2_5_vl", tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path)
+    ids, mask, images = _vl_batch(cfg, [[(60, 90)]], [4], pad_to=30)
+    short = ids.clone()
+    short[0, (ids[0] == cfg.image_token_id).nonzero()[0]] = 5  # one image token fewer than its grid's cells
+    with pytest.raises(ValueError, match="image tokens"):
+        model(short, attention_mask=mask, images=images)
+    with pytest.raises(ValueError, match="grids"):
+        model(ids, attention_mask=mask, images=type(images)(images.pixel_values[:-4], images.grid_thw))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_tables_equal_transformers(interleaved):
+    """Blocked sections (Qwen2.5-VL) and interleaved ones (Qwen3-VL) on positions that differ per axis: transformers'
+    cos/sin tables, bitwise (the same FP32 products and the same cos/sin kernels)."""
+    from fp8rl.model.mrope import mrope_axes, mrope_cos_sin
+
+    section, theta, dim = [2, 3, 3], 50000.0, 16
+    pos = torch.randint(0, 300, (3, 2, 7))
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    cos, sin = mrope_cos_sin(inv, mrope_axes(section, interleaved), pos, torch.float32)
+    x = torch.zeros(1, dtype=torch.float32)
+    params = {"rope_type": "default", "rope_theta": theta, "mrope_section": section}
+    if interleaved:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+        rot = Qwen3VLTextRotaryEmbedding(transformers.Qwen3VLTextConfig(
+            head_dim=dim, rope_parameters={**params, "mrope_interleaved": True}))
+    else:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+        rot = Qwen2_5_VLRotaryEmbedding(transformers.Qwen2_5_VLTextConfig(
+            hidden_size=dim * 4, num_attention_heads=4, rope_parameters=params))
+    want_cos, want_sin = rot(x, pos)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_fp8_and_batch_invariance_leave_the_vision_encoder_in_high_precision(tmp_path):
+    """fp8_e2e converts the language model's projections only; with batch invariance and FP8 linears the model still
+    takes its images, and a row's logits do not depend on the other rows of its batch."""
+    from fp8rl.fp8 import Fp8Linear, convert_model, recipe_for_role
+
+    _checkpoint("qwen2_5_vl", tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path)
+    convert_model(model, recipe_for_role("fp8_e2e", "trainer"), mode="train")
+    model.enable_batch_invariance()
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert fp8 and all(n.startswith("model.layers.") for n in fp8)
+    assert not any(isinstance(m, Fp8Linear) for m in model.visual.modules())
+    ids, mask, images = _vl_batch(cfg, [[(60, 90)], [(40, 40)]], [4, 6], pad_to=32)
+    with torch.no_grad():
+        both = model(ids, attention_mask=mask, images=images)
+        first = model(ids[:1], attention_mask=mask[:1], images=type(images)(
+            images.pixel_values[:int(images.grid_thw[0].prod())], images.grid_thw[:1]))
+    keep = mask[0].bool()  # a pad query's row is finite garbage
+    assert torch.isfinite(both).all() and torch.equal(first[0][keep], both[0][keep])

@@ -11,4 +11,5 @@ MODULES = (
     "qwen3_moe",
     "deepseek_v3",
     "gemma3_text",
+    "qwen2_5_vl",
 )

@@ -12,6 +12,7 @@ from .standard import StandardFamily
 
 class Qwen2(StandardFamily):
     name, hf_class, max_position_default = "qwen2", "Qwen2ForCausalLM", 32768
+    language_model_of = ("qwen2_vl", "qwen2_5_vl")  # their text towers (policy.language_model_only)
 
     def from_hf(self, d: dict[str, Any]) -> dict[str, Any]:
         return {**super().from_hf(d), "attention_bias": True}

@@ -9,6 +9,7 @@ from .standard import StandardFamily
 
 class Qwen3(StandardFamily):
     name, hf_class, max_position_default = "qwen3", "Qwen3ForCausalLM", 32768
+    language_model_of = ("qwen3_vl",)  # their text towers (policy.language_model_only)
     qk_norm = True
 
 

@@ -1,0 +1,216 @@
+"""The Qwen2.5-VL vision encoder: image patches in, one embedding per merged patch cell out (what replaces the image
+tokens' embeddings in the language model).
+
+An image is cut by the processor into ``t × h × w`` patches (``t`` frames of ``temporal_patch_size``, each
+``patch_size²`` pixels, 3 channels; a still image is two equal frames, ``t = 1``), listed cell by cell of the
+``spatial_merge_size²``-patch merge grid (cells row-major, the patches of a cell row-major), each flattened to
+``3 · temporal_patch_size · patch_size²`` values. Here:
+
+1. **patch embedding**: one linear map of each patch (a Conv3d whose kernel is its stride, hence a GEMM; kept as
+   ``patch_embed.proj`` for its name and shape);
+2. **2-D rotary positions**: a patch's row and column each rotate half of a head's frequencies (``theta`` 10000);
+3. **windows**: the patches are reordered window by window — squares of ``window_size / patch_size /
+   spatial_merge_size`` merge cells, row-major, cut at the image's edge — and each block attends within a window,
+   except the blocks of ``fullatt_block_indexes``, which attend within the whole frame (of a still image: the
+   image);
+4. **blocks**: pre-norm ``x + attn(norm1(x))``, ``+ mlp(norm2(.))``, RMSNorm ε 1e-6, biased ``qkv`` / ``proj``, a
+   biased SwiGLU MLP; attention scores, softmax and ``P @ V`` in FP32;
+5. **merger**: each cell's ``spatial_merge_size²`` patches normalised, concatenated and mapped by
+   ``Linear → GELU → Linear`` to the language model's width; then the cells go back to image order.
+
+Everything runs in the parameters' dtype (never FP8: the recipes quantize the language model's ``self_attn`` and
+``mlp`` projections only). Attention runs image by image and window by window (their bounds are host integers from
+the grids), so no sequence-squared mask is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import RMSNorm, _rotate_half
+
+__all__ = ["ImageBatch", "VisionEncoder"]
+
+_EPS = 1e-6  # every norm of the encoder (transformers hard-codes it)
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """The images of a batch, in the order their token runs appear (row by row, left to right).
+
+    Attributes:
+        pixel_values: ``(N, 3 · temporal_patch_size · patch_size²)`` patches of every image, image after image.
+        grid_thw: ``(n_images, 3)`` int64: each image's patch grid ``(t, h, w)``; ``sum(t · h · w) = N``.
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: list[int]) -> torch.Tensor:
+        N, C = x.shape
+        q, k, v = self.qkv(x).view(N, 3, self.heads, C // self.heads).unbind(1)  # (N, H, D) each
+        q = (q.float() * cos[:, None] + _rotate_half(q.float()) * sin[:, None]).to(x.dtype)
+        k = (k.float() * cos[:, None] + _rotate_half(k.float()) * sin[:, None]).to(x.dtype)
+        scale = (C // self.heads) ** -0.5
+        outs = []
+        for qs, ks, vs in zip(q.split(spans), k.split(spans), v.split(spans), strict=True):
+            qh, kh, vh = qs.transpose(0, 1).float(), ks.transpose(0, 1).float(), vs.transpose(0, 1).float()
+            p = torch.softmax(qh @ kh.transpose(1, 2) * scale, dim=-1)  # (H, n, n)
+            outs.append((p @ vh).transpose(0, 1).to(x.dtype))  # (n, H, D)
+        return self.proj(torch.cat(outs).reshape(N, C))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=True)
+        self.up_proj = nn.Linear(dim, hidden, bias=True)
+        self.down_proj = nn.Linear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(dim, _EPS)
+        self.norm2 = RMSNorm(dim, _EPS)
+        self.attn = _Attention(dim, heads)
+        self.mlp = _Mlp(dim, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, spans)
+        return x + self.mlp(self.norm2(x))
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, channels: int, frames: int, patch: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv3d(channels, dim, kernel_size=(frames, patch, patch), stride=(frames, patch, patch),
+                              bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1))  # the conv of one patch is a dot product
+
+
+class _Merger(nn.Module):
+    def __init__(self, dim: int, cell: int, out: int) -> None:
+        super().__init__()
+        self.cell_width = dim * cell
+        self.ln_q = RMSNorm(dim, _EPS)
+        self.mlp = nn.Sequential(nn.Linear(self.cell_width, self.cell_width), nn.GELU(),
+                                 nn.Linear(self.cell_width, out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.cell_width))
+
+
+class VisionEncoder(nn.Module):
+    """Qwen2.5-VL's vision tower (module docstring) under transformers' names (``visual.*`` of the checkpoint).
+
+    Args:
+        vision_config: the checkpoint's ``vision_config`` (``depth``, ``hidden_size``, ``num_heads``,
+            ``intermediate_size``, ``out_hidden_size``, ``patch_size``, ``temporal_patch_size``, ``in_channels``,
+            ``spatial_merge_size``, ``window_size``, ``fullatt_block_indexes``, ``hidden_act`` silu).
+    """
+
+    def __init__(self, vision_config: dict[str, Any]) -> None:
+        super().__init__()
+        c = vision_config
+        dim, heads = int(c["hidden_size"]), int(c["num_heads"])
+        self.patch = int(c.get("patch_size", 14))
+        self.merge = int(c.get("spatial_merge_size", 2))
+        self.window = int(c.get("window_size", 112)) // self.merge // self.patch  # in merge cells
+        self.full_attention = {int(i) for i in c.get("fullatt_block_indexes", ())}
+        self.patch_embed = _PatchEmbed(int(c.get("in_channels", 3)), int(c.get("temporal_patch_size", 2)),
+                                       self.patch, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads, int(c["intermediate_size"])) for _ in range(int(c["depth"])))
+        self.merger = _Merger(dim, self.merge**2, int(c["out_hidden_size"]))
+        half = dim // heads // 2  # each of row and column rotates half a head's frequencies
+        theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        self._inv_freq = 1.0 / (float(theta)
+                                ** (torch.arange(0, half, 2, dtype=torch.int64, device="cpu").float() / half))
+
+    # -- layout (host integers from the grids) -----------------------------------------------------------------
+
+    def _patch_rows_cols(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each patch's row and column in its image, in the processor's patch order."""
+        m = self.merge
+        rows, cols = [], []
+        for t, h, w in grids:
+            hb = torch.arange(h // m).view(-1, 1, 1, 1)
+            wb = torch.arange(w // m).view(1, -1, 1, 1)
+            hi = torch.arange(m).view(1, 1, -1, 1)
+            wi = torch.arange(m).view(1, 1, 1, -1)
+            shape = (h // m, w // m, m, m)
+            rows.append((hb * m + hi).expand(shape).reshape(-1).repeat(t))
+            cols.append((wb * m + wi).expand(shape).reshape(-1).repeat(t))
+        return torch.cat(rows), torch.cat(cols)
+
+    def _windows(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """``(order, spans)``: the merge cells in window order (a permutation of image order) and each window's
+        length in patches."""
+        ws, unit = self.window, self.merge**2
+        order: list[int] = []
+        spans: list[int] = []
+        base = 0
+        for t, h, w in grids:
+            hh, ww = h // self.merge, w // self.merge
+            for f in range(t):
+                for r0 in range(0, hh, ws):
+                    for c0 in range(0, ww, ws):
+                        cells = [base + f * hh * ww + r * ww + c
+                                 for r in range(r0, min(r0 + ws, hh)) for c in range(c0, min(c0 + ws, ww))]
+                        order += cells
+                        spans.append(len(cells) * unit)
+            base += t * hh * ww
+        return torch.tensor(order, dtype=torch.long), spans
+
+    def forward(self, images: ImageBatch) -> torch.Tensor:
+        """``(cells, out_hidden_size)``: one embedding per merged cell, image after image, cells row-major.
+
+        Raises:
+            ValueError: grids whose sides are not multiples of ``spatial_merge_size``, or that do not account for
+                every patch row of ``pixel_values``.
+        """
+        grids = [tuple(int(v) for v in g) for g in images.grid_thw.tolist()]
+        if any(h % self.merge or w % self.merge or min(t, h, w) <= 0 for t, h, w in grids):
+            raise ValueError(f"image grids {grids}: every side must be a positive multiple of {self.merge}")
+        n = sum(t * h * w for t, h, w in grids)
+        if images.pixel_values.dim() != 2 or images.pixel_values.shape[0] != n:
+            raise ValueError(f"pixel_values {tuple(images.pixel_values.shape)} do not hold the {n} patches of "
+                             f"grids {grids}")
+        x = self.patch_embed(images.pixel_values)  # (N, C)
+        device, unit = x.device, self.merge**2
+        rows, cols = self._patch_rows_cols(grids)
+        inv = self._inv_freq.to(device)
+        freqs = torch.cat((rows.to(device).float()[:, None] * inv, cols.to(device).float()[:, None] * inv), dim=-1)
+        order, windows = self._windows(grids)
+        order = order.to(device)
+        x = x.view(-1, unit, x.shape[-1])[order].reshape(n, -1)  # window order
+        freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(n, -1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        frames = [h * w for t, h, w in grids for _ in range(t)]  # "full" attention is within a frame
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in self.full_attention else windows)
+        return self.merger(x)[torch.argsort(order)]  # back to image order
+
+    def extra_repr(self) -> str:
+        return f"patch={self.patch}, merge={self.merge}, window={self.window} cells, full={sorted(self.full_attention)}"
+
