@@ -15,11 +15,15 @@ import abc
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl.fp8 import QKVScales, WeightLoadError  # the payload lifecycle's error (fp8rl.fp8.payload)
 from fp8rl.limits import GREEDY_TEMPERATURE, MAX_TEMPERATURE
+
+if TYPE_CHECKING:  # annotations only
+    from fp8rl.model.vision import ImageBatch
 
 __all__ = [
     "Cancelled",
@@ -122,6 +126,8 @@ class Sample:
             where the model sampled it (trained; its ``logprobs`` entry is the engine's) and 0 where the environment,
             a tool or the user wrote it (context only: loss mask 0, logprob 0). None: every token is the model's
             (the single-turn sample, a one-segment trajectory).
+        images: a vision-language prompt's images (:class:`~fp8rl.model.vision.ImageBatch`, one object shared by
+            the prompt's samples: the trainer encodes it once per step), None for a text prompt.
     """
 
     prompt_index: int
@@ -132,6 +138,7 @@ class Sample:
     weight_version: int
     routes: torch.Tensor | None = None
     token_mask: tuple[int, ...] | None = None
+    images: ImageBatch | None = None
 
 
 @dataclass
@@ -152,6 +159,8 @@ class TrainBatch:
             (every row from the version the trainer holds).
         routes: ``(B, T, L, K)`` int16 experts the rollout used at each position and mixture-of-experts layer
             (-1 where it has none: padding, a row's last token), replayed by the trainer; or None.
+        images: per row, its prompt's images (:class:`~fp8rl.model.vision.ImageBatch`; rows of one prompt share the
+            object) or None; None for a batch without any.
     """
 
     input_ids: torch.Tensor
@@ -163,9 +172,12 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None
     versions: torch.Tensor | None = None
     routes: torch.Tensor | None = None
+    images: list[ImageBatch | None] | None = None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
+        if self.images is not None and len(self.images) != b:
+            raise ValueError(f"TrainBatch.images has {len(self.images)} entries for {b} rows")
         if self.routes is not None and (self.routes.dim() != 4 or tuple(self.routes.shape[:2]) != (b, t)):
             raise ValueError(f"TrainBatch.routes has shape {tuple(self.routes.shape)}, expected ({b}, {t}, L, K)")
         for name in ("attention_mask", "loss_mask", "gen_logprobs", "prev_logprobs", "ref_logprobs"):
@@ -190,7 +202,7 @@ class TrainBatch:
         return TrainBatch(
             self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
             self.advantages[start:stop], self.gen_logprobs[start:stop], cut(self.prev_logprobs),
-            cut(self.ref_logprobs), cut(self.versions), cut(self.routes),
+            cut(self.ref_logprobs), cut(self.versions), cut(self.routes), cut(self.images),
         )
 
 

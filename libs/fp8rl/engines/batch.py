@@ -39,7 +39,7 @@ def build_train_batch(
     Advantages are the GRPO advantages of ``rewards`` (groups of ``group_size`` consecutive
     samples), or given directly with ``advantages`` (e.g. already computed by a controller).
     ``route_shape`` ``(L, K, E)`` (routing replay on a mixture-of-experts model) takes every sample's
-    ``routes`` into the batch (:func:`batch_routes`).
+    ``routes`` into the batch (:func:`batch_routes`). A vision-language sample's ``images`` go with its row.
     """
     if (rewards is None) == (advantages is None):
         raise ValueError("build_train_batch needs exactly one of rewards or advantages")
@@ -65,8 +65,10 @@ def build_train_batch(
     adv = grpo_advantages(rewards, group_size).float() if advantages is None else advantages.float()
     known = [getattr(s, "weight_version", None) for s in samples]
     versions = torch.tensor(known, dtype=torch.long) if all(v is not None for v in known) else None
+    images = [getattr(s, "images", None) for s in samples]
     return TrainBatch(ids, attn, loss_mask, adv, gen, versions=versions,
-                      routes=batch_routes(samples, T, route_shape))
+                      routes=batch_routes(samples, T, route_shape),
+                      images=images if any(i is not None for i in images) else None)
 
 
 def batch_routes(samples: Sequence, T: int, route_shape: tuple[int, int, int] | None) -> torch.Tensor | None:

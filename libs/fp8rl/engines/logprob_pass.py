@@ -11,21 +11,23 @@ import torch.nn.functional as F
 from fp8rl.model import CausalLM
 from fp8rl.model.logprobs import entropy_of, sampling_log_softmax
 from fp8rl.model.shared_prefix import SharedPrefix
+from fp8rl.model.vision import ImageBatch
 
 __all__ = ["ENTROPY_CHUNK_ELEMENTS", "sequence_logprobs", "sequence_logprobs_and_entropy", "token_logprobs",
            "token_logprobs_and_entropy"]
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """``(B, T)`` logprob of each token given its prefix (0 at t = 0), under ``logits / temperature``."""
-    return sequence_logprobs_and_entropy(model, input_ids, attention_mask, temperature)[0]
+    return sequence_logprobs_and_entropy(model, input_ids, attention_mask, temperature, images=images)[0]
 
 
 def sequence_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                  temperature: float = 1.0, entropy: bool = False, prefix_len: int = 0
-                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  temperature: float = 1.0, entropy: bool = False, prefix_len: int = 0,
+                                  images: ImageBatch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sequence_logprobs`, and with ``entropy`` the ``(B, T)`` entropy as :func:`token_logprobs_and_entropy`.
 
     A :class:`CausalLM` computes them inside its forward over bounded chunks of logits (never the ``(B, T, V)``
@@ -38,7 +40,14 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tenso
     :func:`~fp8rl.model.shared_prefix.shared_prefix_length`) runs those tokens once and the rows' suffixes on top
     (:mod:`fp8rl.model.shared_prefix`); the logprobs and entropy of tokens ``0 .. prefix_len`` are then 0 (not
     computed: the first one needed comes after).
+
+    ``images`` (a vision-language :class:`CausalLM`; no shared prefix): the rows' images, row order.
     """
+    if images is not None:
+        if not isinstance(model, CausalLM) or prefix_len > 0:
+            raise ValueError("images go to an embedded vision-language model's whole-row forward (no shared prefix)")
+        return model(input_ids, attention_mask=attention_mask, token_logprobs=True, temperature=temperature,
+                     entropy=entropy, images=images)
     if isinstance(model, CausalLM):
         if prefix_len > 0:
             shared = SharedPrefix()

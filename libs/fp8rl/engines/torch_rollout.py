@@ -65,6 +65,8 @@ from fp8rl.fp8 import (
 from fp8rl.model import CausalLM, KVCache, Routing, routing
 from fp8rl.model.lora import LoraSettings, apply_lora, share_adapters
 from fp8rl.model.moe import SparseMoeBlock
+from fp8rl.model.mrope import mrope_positions
+from fp8rl.model.vision import ImageBatch
 
 from .base import RolloutEngine, Sample, SamplingParams, ShouldStop, WeightLoadError, check_stop, served_version
 from .kv_sessions import KVSession, SessionStore, seed_cache
@@ -311,12 +313,27 @@ class TorchRolloutEngine(RolloutEngine):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, weight_version: int | None = None,
         should_stop: ShouldStop | None = None, sessions: Sequence[str | None] | None = None,
+        images: Sequence[ImageBatch | None] | None = None,
     ) -> list[Sample]:
         """:meth:`RolloutEngine.generate`; with ``sessions`` (one key or None per prompt, ``params.n`` 1), row ``i``
         reuses the K/V kept for ``sessions[i]`` where they cover a prefix of ``prompts[i]`` at the served weight
         and QKV scales versions, and keeps its K/V for every token it fed — the prompt and the generated tokens
         but the last — under that key afterwards (:mod:`.kv_sessions`). Under batch invariance the samples are
-        bitwise those of the same call without ``sessions``."""
+        bitwise those of the same call without ``sessions``.
+
+        ``images`` (a vision-language model): per prompt, its images (:class:`~fp8rl.model.vision.ImageBatch`, in
+        the order of its image-token runs) or None. Each prompt's images are encoded once and shared by its ``n``
+        samples, which carry them (``Sample.images``) to the trainer; a call with images prefills its prompts whole
+        (no KV reuse: the reuse keys are token prefixes, which do not tell images apart) and takes no sessions."""
+        if images is not None:
+            if len(images) != len(prompts):
+                raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts")
+            if not any(i is not None for i in images):
+                images = None
+            elif getattr(self.model, "visual", None) is None:
+                raise ValueError(f"{self.model.config.architecture} takes no images")
+            elif sessions is not None:
+                raise ValueError("KV sessions do not take images yet (a multi-turn trajectory is text)")
         keys: list[str | None] = [None] * (len(prompts) * params.n)
         if sessions is not None:
             if params.n != 1:
@@ -344,14 +361,19 @@ class TorchRolloutEngine(RolloutEngine):
             rows = [(pi, tuple(p)) for pi, p in enumerate(prompts) for _ in range(params.n)]
             out: list[Sample] = []
             with self._dequantized_while_generating():
+                encoded = None
+                if images is not None:  # once per prompt, shared by its samples
+                    with torch.no_grad():
+                        encoded = [self.model.encode_images(i) if i is not None else None for i in images]
                 for start in range(0, len(rows), self.max_batch_size):
                     chunk = slice(start, start + self.max_batch_size)
-                    out += self._generate_rows(rows[chunk], params, gen, held, should_stop, keys[chunk])
+                    out += self._generate_rows(rows[chunk], params, gen, held, should_stop, keys[chunk],
+                                               images, encoded)
             return out
 
     @torch.no_grad()
     def _generate_rows(self, rows, params: SamplingParams, gen, version: int, should_stop: ShouldStop | None,
-                       keys: Sequence[str | None]) -> list[Sample]:
+                       keys: Sequence[str | None], images=None, encoded=None) -> list[Sample]:
         B = len(rows)
         P = max(len(p) for _, p in rows)
         firsts = [P - len(p) for _, p in rows]  # left padding: every row's last prompt token at slot P-1
@@ -363,7 +385,7 @@ class TorchRolloutEngine(RolloutEngine):
         scales = self.scales_version
         found = [self._sessions.lookup(k, p, version, scales) if k is not None else None
                  for k, (_, p) in zip(keys, rows, strict=True)]
-        if not self.record_routes:  # (a donor's routes would have to be recorded too: not yet)
+        if not self.record_routes and encoded is None:  # (a donor's routes would have to be recorded too: not yet)
             found = self._shared_prompts(rows, found, version, scales)
         # Ragged reuse: one prefill feeds slots [L, P) of every row, L = P - the longest uncovered suffix (a row's
         # last prompt token is always fed: its logits start the sampling). A row whose session covers more than
@@ -378,7 +400,13 @@ class TorchRolloutEngine(RolloutEngine):
         if L:
             seed_cache(cache, firsts, found, reuse, L, row_aligned=self.model.batch_invariance is not None)
         routes: list[torch.Tensor] = []  # per forward: (B, T, L, K) experts used (record_routes)
-        logits = self._forward(ids[:, L:], mask[:, :P], cache, routes)  # (B, V)
+        batch_images, positions, delta = None, None, None
+        if encoded is not None:  # prefilled whole (L = 0): the image-token runs place the multimodal positions
+            batch_images = ImageBatch.concat([encoded[pi] for pi, _ in rows])
+            if batch_images is not None:
+                positions, delta = mrope_positions(ids, mask[:, :P], batch_images.grid_thw,
+                                                   self.model.config.image_token_id, self.model.visual.merge)
+        logits = self._forward(ids[:, L:], mask[:, :P], cache, routes, positions, batch_images)  # (B, V)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
         tokens = torch.zeros(B, params.max_tokens, dtype=torch.long)
         logps = torch.zeros(B, params.max_tokens)
@@ -394,7 +422,9 @@ class TorchRolloutEngine(RolloutEngine):
             if bool(done.all()) or t == params.max_tokens - 1:
                 break
             mask[:, P + t] = 1
-            logits = self._forward(tok[:, None], mask[:, :P + t + 1], cache, routes)
+            # text after the images: its position is its index shifted by the row's delta
+            step_pos = None if delta is None else (mask[:, :P + t + 1].sum(-1) - 1 + delta)[:, None]
+            logits = self._forward(tok[:, None], mask[:, :P + t + 1], cache, routes, step_pos)
         fed = torch.cat(routes, dim=1) if routes else None  # (B, P - L + steps, L, K): slot order from slot L
         samples = []
         for b, (pi, p) in enumerate(rows):
@@ -410,7 +440,7 @@ class TorchRolloutEngine(RolloutEngine):
                 prompt_index=pi, prompt_ids=p, token_ids=tuple(tokens[b, :n].tolist()),
                 logprobs=tuple(logps[b, :n].tolist()),
                 finish_reason="stop" if bool(done[b]) else "length",
-                weight_version=version, routes=row_routes,
+                weight_version=version, routes=row_routes, images=images[pi] if images is not None else None,
             )
             samples.append(sample)
             if keys[b] is not None:  # every fed token: the prompt and the generated ones but the last
@@ -450,14 +480,16 @@ class TorchRolloutEngine(RolloutEngine):
                   for g, p in enumerate(shared)}
         return [donors[p] if p in donors and uncovered(p, s) else s for (_, p), s in zip(rows, found, strict=True)]
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor]
-                 ) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: KVCache, routes: list[torch.Tensor],
+                 positions: torch.Tensor | None = None, images: ImageBatch | None = None) -> torch.Tensor:
         """One prefill or decode forward: the ``(B, V)`` logits of the last position (the head runs there only);
-        with ``record_routes`` the ``(B, T, L, K)`` experts of every fed token appended to ``routes``."""
+        with ``record_routes`` the ``(B, T, L, K)`` experts of every fed token appended to ``routes``. ``positions``
+        and ``images``: a vision-language batch's (multimodal RoPE positions, the encoded images)."""
+        kw = dict(attention_mask=mask, kv_cache=cache, logits_to_keep=1, position_ids=positions, images=images)
         if not self.record_routes:
-            return self.model(ids, attention_mask=mask, kv_cache=cache, logits_to_keep=1)[:, -1]
+            return self.model(ids, **kw)[:, -1]
         with routing(self.model, Routing(self.model.num_moe_layers, record=True)) as plan:
-            logits = self.model(ids, attention_mask=mask, kv_cache=cache, logits_to_keep=1)[:, -1]
+            logits = self.model(ids, **kw)[:, -1]
         used = plan.routes()  # (N, L, K)
         routes.append(used.view(*ids.shape, *used.shape[1:]).to(self._route_dtype))
         return logits

@@ -39,6 +39,7 @@ from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_computed_state_dict, lora_state_dict
 from fp8rl.model.shared_prefix import shared_prefix_length
+from fp8rl.model.vision import ImageBatch
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
@@ -157,6 +158,12 @@ class TorchTrainer(TrainerBackend):
         # LoRA: the base's identity (checkpoints record it; resuming on another base is refused)
         self._lora_base = base_checksum(model.state_dict()) if self.lora is not None else None
         self.model = self._build_policy(model, recipe).train()
+        if getattr(self.model, "visual", None) is not None:  # a vision-language model: its encoder stays frozen
+            if parallel is not None:
+                raise ValueError("a vision-language policy trains on one trainer rank (its frozen encoder runs "
+                                 "outside the sharded forward)")
+            self.model.visual.requires_grad_(False)
+        self._encoded: dict[int, tuple[ImageBatch, ImageBatch]] = {}  # a step's prompts' images, encoded once
         if self.lora is not None:  # after FP8 conversion, which swaps the linears the adapters hang on
             apply_lora(self.model, self.lora, seed=seed)
             # the frozen base's FP8 linears keep their FP8 form only (E4M3 + scales; mxfp8 keeps its master for dgrad)
@@ -206,10 +213,9 @@ class TorchTrainer(TrainerBackend):
         torch.manual_seed(seed)
 
     def _trained(self) -> list[torch.nn.Parameter]:
-        """The parameters the optimizer updates (a LoRA trainer's adapters; else every weight), in model order."""
-        if self.lora is None:
-            return list(self.model.parameters())
-        return [p for p in self.model.parameters() if p.requires_grad]
+        """The parameters the optimizer updates (a LoRA trainer's adapters; else every weight but a vision-language
+        model's frozen encoder), in model order."""
+        return [p for p in self.model.parameters() if p.requires_grad]  # a frozen vision encoder's are not
 
     def _build_policy(self, model: CausalLM, recipe: Fp8Recipe) -> torch.nn.Module:
         """The trained module: a deep copy of ``model`` with its linears converted per ``recipe``."""
@@ -339,9 +345,9 @@ class TorchTrainer(TrainerBackend):
             plan = plan_for(self._moe_layers, mb, replay=replay, record=stats is not None, aux=stats is not None)
             if plan is None:
                 return sequence_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, t,
-                                                     prefix_len=self._prefix_len(mb))[0]
+                                                     prefix_len=self._prefix_len(mb), images=self._images(mb))[0]
             with routing(model, plan):
-                out = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t)
+                out = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t, images=self._images(mb))
             if stats is not None:
                 stats.add(plan)
             return out
@@ -350,10 +356,26 @@ class TorchTrainer(TrainerBackend):
             return torch.cat([logprobs(mb) for _, mb in self._micro_batches(batch, should_stop)], dim=0)
         return self._rows_of(batch, ((i, logprobs(mb)) for i, mb in self._micro_batches(batch, should_stop)))
 
+    @torch.no_grad()
+    def _images(self, mb: TrainBatch) -> ImageBatch | None:
+        """Micro-batch ``mb``'s images with their encoder outputs, each prompt's images encoded once per step (the
+        frozen encoder: the same features for every pass and row of the prompt)."""
+        if mb.images is None:
+            return None
+        encoded = []
+        for img in mb.images:
+            if img is None:
+                continue
+            held = self._encoded.get(id(img))
+            if held is None or held[0] is not img:
+                held = self._encoded[id(img)] = (img, self.model.encode_images(img))
+            encoded.append(held[1])
+        return ImageBatch.concat(encoded)
+
     def _prefix_len(self, mb: TrainBatch) -> int:
         """The leading tokens micro-batch ``mb``'s rows share and run once (``TrainerConfig.share_prefix``), up to
-        the token before its first trained one; 0 where none is shared or sharing does not apply."""
-        if (not self.config.share_prefix or self.parallel is not None or self._moe_layers
+        the token before its first trained one; 0 where none is shared or sharing does not apply (images)."""
+        if (not self.config.share_prefix or self.parallel is not None or self._moe_layers or mb.images is not None
                 or not getattr(self.model, "takes_shared_prefix", False)):
             return 0
         trained = mb.loss_mask.bool().any(0).nonzero()
@@ -470,6 +492,8 @@ class TorchTrainer(TrainerBackend):
                 self.model.load_state_dict(snapshot[0])
                 self.optimizer.load_state_dict(snapshot[1])
             raise
+        finally:
+            self._encoded.clear()  # the step's images: the next step brings its own
         self._version += 1
         totals["lr"] = self.config.lr
         return totals
@@ -527,7 +551,8 @@ class TorchTrainer(TrainerBackend):
             recomputed, runs = recomputed + self.model.activation_checkpointing, runs + 1
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
-                                                          self.config.temperature, entropy=True, prefix_len=shared)
+                                                          self.config.temperature, entropy=True, prefix_len=shared,
+                                                          images=self._images(mb))
             if prev is not None:  # the weights a logprob pass would have run: ratio exactly 1, as that pass gives
                 prev[slice(*spans[j])] = mb.prev_logprobs = curr.detach()
             loss, m = self._loss(curr, mb, norm, ent)

@@ -34,6 +34,8 @@ backward (FSDP2) sees it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -355,9 +357,14 @@ class CausalLM(nn.Module):
             inv = self._inv_freq_by_device[key, device] = self._inv_freqs[key].to(device)
         return inv
 
+    def encode_images(self, images: ImageBatch) -> ImageBatch:
+        """``images`` with the vision encoder's outputs attached (``features``): what the engines compute once per
+        prompt and pass to every forward of its rows."""
+        return dataclasses.replace(images, features=self.visual(images))
+
     def _with_images(self, x: torch.Tensor, input_ids: torch.Tensor, images: ImageBatch) -> torch.Tensor:
         """``x`` with the image tokens' embeddings replaced by the encoder's outputs, in order."""
-        feats = self.visual(images).to(x.dtype)  # (cells, C)
+        feats = (images.features if images.features is not None else self.visual(images)).to(x.dtype)  # (cells, C)
         slots = input_ids == self.config.image_token_id  # (B, T)
         n = int(slots.sum())
         if n != feats.shape[0]:

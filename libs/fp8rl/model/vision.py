@@ -25,6 +25,7 @@ the grids), so no sequence-squared mask is built.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,15 +42,29 @@ _EPS = 1e-6  # every norm of the encoder (transformers hard-codes it)
 
 @dataclass(frozen=True)
 class ImageBatch:
-    """The images of a batch, in the order their token runs appear (row by row, left to right).
+    """The images of a prompt or a batch, in the order their token runs appear (row by row, left to right).
 
     Attributes:
         pixel_values: ``(N, 3 · temporal_patch_size · patch_size²)`` patches of every image, image after image.
         grid_thw: ``(n_images, 3)`` int64: each image's patch grid ``(t, h, w)``; ``sum(t · h · w) = N``.
+        features: the encoder's outputs ``(cells, C)`` when already computed (the engines encode a prompt's images
+            once and share them across its samples and passes), else None.
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    features: torch.Tensor | None = None
+
+    @staticmethod
+    def concat(parts: Sequence[ImageBatch | None]) -> ImageBatch | None:
+        """The images of several rows as one batch, row order (None when no row has any). Features are kept only
+        when every part has them."""
+        held = [p for p in parts if p is not None]
+        if not held:
+            return None
+        feats = [p.features for p in held]
+        return ImageBatch(torch.cat([p.pixel_values for p in held]), torch.cat([p.grid_thw for p in held]),
+                          torch.cat(feats) if all(f is not None for f in feats) else None)
 
 
 class _Attention(nn.Module):

@@ -15,6 +15,7 @@ nothing downloads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -200,32 +201,43 @@ def _pil_images(sizes, seed=0):
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
-def _vl_batch(cfg, sizes_per_row, texts, pad_to):
-    """Left-padded rows of text and images: ``(input_ids, attention_mask, ImageBatch)`` built as the processor lays
-    prompts out (vision start, one image token per merged cell, vision end)."""
+def _vl_prompts(cfg, sizes_per_row, texts):
+    """Prompts of text and images, laid out as the processor lays them (vision start, one image token per merged
+    cell, vision end): ``(token lists, per prompt its ImageBatch or None)``; patches from transformers' PIL image
+    processor."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from fp8rl.model.vision import ImageBatch
 
     proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12)
-    rows, pixels, grids = [], [], []
+    prompts, images = [], []
     g = torch.Generator().manual_seed(1)
     for sizes, n_text in zip(sizes_per_row, texts, strict=True):
         row = torch.randint(3, VOCAB - 4, (n_text,), generator=g).tolist()
-        for img in _pil_images(sizes, seed=len(rows)):
+        pixels, grids = [], []
+        for img in _pil_images(sizes, seed=len(prompts)):
             out = proc(images=[img], return_tensors="pt")
             t, h, w = out["image_grid_thw"][0].tolist()
             pixels.append(out["pixel_values"])
             grids.append(out["image_grid_thw"])
             row += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // 4) + [cfg.vision_end_token_id]
             row += torch.randint(3, VOCAB - 4, (3,), generator=g).tolist()
-        rows.append(row)
-    ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
-    mask = torch.zeros(len(rows), pad_to, dtype=torch.long)
-    for b, row in enumerate(rows):
+        prompts.append(row)
+        images.append(ImageBatch(torch.cat(pixels), torch.cat(grids)) if pixels else None)
+    return prompts, images
+
+
+def _vl_batch(cfg, sizes_per_row, texts, pad_to):
+    """:func:`_vl_prompts` left-padded into one batch: ``(input_ids, attention_mask, ImageBatch)``."""
+    from fp8rl.model.vision import ImageBatch
+
+    prompts, images = _vl_prompts(cfg, sizes_per_row, texts)
+    ids = torch.zeros(len(prompts), pad_to, dtype=torch.long)
+    mask = torch.zeros(len(prompts), pad_to, dtype=torch.long)
+    for b, row in enumerate(prompts):
         ids[b, pad_to - len(row):] = torch.tensor(row)
         mask[b, pad_to - len(row):] = 1
-    return ids, mask, ImageBatch(torch.cat(pixels), torch.cat(grids))
+    return ids, mask, ImageBatch.concat(images)
 
 
 def test_qwen2_5_vl_gives_transformers_logits_on_images(tmp_path):
@@ -308,3 +320,45 @@ def test_fp8_and_batch_invariance_leave_the_vision_encoder_in_high_precision(tmp
             images.pixel_values[:int(images.grid_thw[0].prod())], images.grid_thw[:1]))
     keep = mask[0].bool()  # a pad query's row is finite garbage
     assert torch.isfinite(both).all() and torch.equal(first[0][keep], both[0][keep])
+
+
+def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(tmp_path):
+    """fp8_e2e + FP8 KV + batch invariance on a Qwen2.5-VL policy: the rollout encodes each prompt's images once,
+    prefills them with their multimodal positions and decodes the text after them; the trainer encodes them once
+    per step and recomputes the whole rows — the logprobs are equal bit for bit (prompts with two images, one, none;
+    engine batches that cut a group). Negative control: the trainer given the other prompt's images (same grids)
+    differs. The step trains the language model and leaves the frozen encoder bitwise as it was."""
+    from fp8rl.engines.base import SamplingParams
+    from fp8rl.engines.batch import build_train_batch
+    from fp8rl.engines.calibrator import QKVCalibrator
+    from fp8rl.engines.torch_rollout import TorchRolloutEngine
+    from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
+    from fp8rl.fp8 import recipe_for_role
+
+    _checkpoint("qwen2_5_vl", tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path)
+    tok = CharTokenizer()
+    rr = recipe_for_role("fp8_e2e", "rollout", kv_cache_dtype="fp8", batch_invariant=True)
+    tr = recipe_for_role("fp8_e2e", "trainer", kv_cache_dtype="fp8", batch_invariant=True)
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id, max_batch_size=3)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=4, lr=1e-2, share_prefix=True))
+    prompts, images = _vl_prompts(cfg, [[(60, 90), (40, 40)], [], [(60, 90), (40, 40)]], [4, 7, 2])
+    scales = QKVCalibrator(model, pad_token_id=tok.pad_id).calibrate(0, prompts)
+    engine.load_scales(scales)
+    trainer.load_qkv_scales(scales)
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=5), images=images)
+    assert [s.images is images[s.prompt_index] for s in samples] == [True] * 6
+    batch = build_train_batch(samples, torch.tensor([(-1.0) ** i for i in range(len(samples))]), 2, tok.pad_id)
+    mask = batch.loss_mask.bool()
+    got, want = trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask]
+    assert got.numel() > 20 and torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+    swapped = [images[2 - s.prompt_index] if s.images is not None else None for s in samples]
+    other = trainer.compute_logprobs(dataclasses.replace(batch, prev_logprobs=None, images=swapped))[mask]
+    assert not torch.equal(other, want)
+
+    vision = {n: p.detach().clone() for n, p in trainer.model.visual.named_parameters()}
+    text = trainer.model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    assert trainer.train_step(batch)["grad_norm"] > 0
+    assert all(torch.equal(p, vision[n]) for n, p in trainer.model.visual.named_parameters())
+    assert not torch.equal(trainer.model.model.layers[0].mlp.down_proj.weight, text)
