@@ -140,14 +140,15 @@ class GRPOLoop:
         # multi-turn trajectories (env.name): the environment's messages rendered by the policy's chat template
         self.renderer = ChatRenderer(self.tok) if self.plan.env is not None else None
         self.backends = _InProcess(self)
-        prompts = self.plan.prompts(self.plan.batch(0))
+        first = self.plan.batch(0)
+        prompts = self.plan.prompts(first)
         if isinstance(self.trainer, TorchTrainer):  # a batch that cannot fit is refused now, not in step 0's backward
             g = job.grpo
             after = job.env.max_trajectory_tokens if self.plan.env is not None else job.policy.generation.max_new_tokens
             self.trainer.check_memory(g.num_prompts_per_step * g.num_generations_per_prompt,
                                       max(map(len, prompts)) + after, where="the in-process loop")
         if self.rollout_recipe.fp8_kv:  # first calibration: the prompts only, before any refit
-            scales = self.calibrator.calibrate(self.trainer.version, prompts)
+            scales = self.calibrator.calibrate(self.trainer.version, prompts, self.plan.image_batches(first))
             self.rollout.load_scales(scales)
             self.backends.hold_scales(scales)
 
@@ -303,10 +304,12 @@ class _InProcess:
         # interrupt: for the turn in flight
         self._trajectories = threading.Lock()
         # generate() is handed the problems (the tasks): multi-turn jobs (an environment, or the user's agent)
-        self.wants_problems = loop.plan.env is not None or loop.job.agent.entrypoint is not None
+        self.graded = loop.plan.env is not None or loop.job.agent.entrypoint is not None  # trajectories carry rewards
+        self.wants_problems = self.graded or loop.plan.images is not None  # (a vision-language job's: their images)
         self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
         self._agent: AgentDriver | None = None  # agent jobs: the endpoint and the user's function (first step on)
         self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
+        self._prompt_images: dict[tuple[int, ...], object] = {}  # image prompts generated since the last calibration
 
     def restart(self, scales) -> None:
         """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
@@ -337,8 +340,17 @@ class _InProcess:
         params = SamplingParams(temperature=temperature, top_p=job.policy.generation.top_p,
                                 max_tokens=job.policy.generation.max_new_tokens, n=n,
                                 seed=sampling_seed(job.job.seed, step, 0))
+        images = self.loop.plan.image_batches(problems) if problems is not None else None
+        if images is None:
+            with memory.phase("rollout"):
+                return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params,
+                                                                                 weight_version=version)]
+        for p, im in zip(prompts, images, strict=True):  # the calibration of this step's sequences needs them
+            if im is not None:
+                self._prompt_images[tuple(p)] = im
         with memory.phase("rollout"):
-            return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version)]
+            return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version,
+                                                                             images=images)]
 
     def _trajectories_of(self, problems, version, *, step, n, temperature):
         """``n`` multi-turn trajectories of every problem (:func:`fp8rl.envs.trajectory.run_trajectories`), each
@@ -385,7 +397,7 @@ class _InProcess:
         return [(t.prompt_index, t) for t in trajs]
 
     def score(self, pairs):
-        if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
+        if self.graded:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
         loop = self.loop
         with memory.phase("reward"):
@@ -424,10 +436,14 @@ class _InProcess:
                                                            "publish": time.perf_counter() - t})
 
     def calibrate(self, version, sequences):
+        held, self._prompt_images = self._prompt_images, {}
         if version in self._scales:  # recorded in the step's logprob pass (calibration.site logprobs)
             return
+        images = None
+        if held:  # a vision-language step: each sequence with its prompt's images
+            images = [next((im for p, im in held.items() if tuple(seq[:len(p)]) == p), None) for seq in sequences]
         with memory.phase("calibrate"):
-            self._scales[version] = self.loop.calibrator.calibrate(version, sequences)
+            self._scales[version] = self.loop.calibrator.calibrate(version, sequences, images)
         self.hold_scales(self._scales[version])
 
     def await_refit(self, version):

@@ -77,6 +77,7 @@ from fp8rl.controller.plan import (
     JobPlan,
     check_data,
     check_deployment,
+    model_config_of,
     new_job_id,
 )
 from fp8rl.controller.pool import RolloutPool
@@ -171,6 +172,7 @@ class JobRunner:
         check_deployment(job, self.deployed)
         self._check_grader(job)
         self._check_env(job)
+        self._check_vision(job)
         try:
             check_data(job, self.settings.data)
         except DataFileError as exc:
@@ -193,6 +195,18 @@ class JobRunner:
         if job.reward.grader not in known:
             raise ConfigError(f"reward.grader: unknown grader {short(job.reward.grader)}; the reward service grades "
                               f"with {', '.join(sorted(known))} (more with its --grader-module)")
+
+    def _check_vision(self, job: JobConfig) -> None:
+        """A vision-language policy trains in the in-process loop only: the stack's Generate and Train calls carry
+        no images yet (its language model alone, ``policy.language_model_only``, trains here)."""
+        try:
+            vision = model_config_of(job).family.vision
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"policy.model: {exc}") from None
+        if vision:
+            raise ConfigError(f"policy.model: {short(job.policy.model)} is a vision-language model, which trains in "
+                              f"the in-process loop (python -m fp8rl.loop) only: the stack's calls carry no images "
+                              f"yet; policy.language_model_only: true trains its language model here")
 
     def _check_env(self, job: JobConfig) -> None:
         """``env.name`` must be an environment the reward service's env workers run (what it recorded in Redis when

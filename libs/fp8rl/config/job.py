@@ -128,6 +128,9 @@ class JobConfig(Section):
     def _check_env(self) -> None:
         self._check_agent()
         env = self.env
+        if self.data.task == "shapes" and (env.name is not None or self.agent.entrypoint is not None):
+            raise ConfigError("data.task: shapes is a single-turn picture task; env.name and agent.entrypoint "
+                              "take text tasks")
         if self.data.task == "env" and env.name is None:
             raise ConfigError("data.task: env draws the environment's own tasks; set env.name")
         if env.name is None:

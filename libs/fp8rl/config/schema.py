@@ -336,6 +336,9 @@ class ArithSection(Section):
     word_problems: bool = setting(False, "Templated sentences instead of bare 12+7=.")
 
 
+GENERATED_TASKS = ("arith", "env", "shapes")  # data.task values that generate their problems (no data file)
+
+
 @dataclass(frozen=True)
 class DataConfig(Section):
     KEY = "data"
@@ -343,7 +346,9 @@ class DataConfig(Section):
                         "lines .jsonl/.json, .parquet, or an Arrow dataset directory written by datasets' "
                         "save_to_disk or an .arrow file; the format is told by the name) or jsonl (a JSON-lines file "
                         "whatever its name, in file order unless shuffle) or env (the tasks env.name's "
-                        "environment generates, seeded by job.seed).", choices=("arith", "jsonl", "dataset", "env"))
+                        "environment generates, seeded by job.seed) or shapes (count the squares in a generated "
+                        "picture: a vision-language policy's task, fp8rl.data.shapes).",
+                        choices=("arith", "jsonl", "dataset", "env", "shapes"))
     path: str | None = setting(None, "jsonl, dataset: the training data, under the data root (relative paths are "
                                "relative to it): --data-root of the controller or the in-process loop, by default "
                                "the directory of the job file it was started with.", kind=str, optional=True)
@@ -388,11 +393,11 @@ class DataConfig(Section):
     def check(self) -> None:
         from fp8rl.data.keys import KeyPathError, parse_key
 
-        if self.task not in ("arith", "env") and not self.path:
+        if self.task not in GENERATED_TASKS and not self.path:
             raise ConfigError(f"data.path: required when data.task is {self.task!r}")
-        if self.task in ("arith", "env"):
+        if self.task in GENERATED_TASKS:
             for name in ("validation_path", "prompt_key", "answer_key", "max_prompt_tokens", "shuffle") + \
-                    (("path",) if self.task == "env" else ()):
+                    (("path",) if self.task != "arith" else ()):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"data.{name}: only used with data.task jsonl or dataset ({self.task} generates "
                                       f"its problems)")

@@ -20,8 +20,10 @@ import torch
 
 from fp8rl.config import ConfigError, DataConfig, JobConfig
 from fp8rl.config.fields import short
+from fp8rl.config.schema import GENERATED_TASKS
 from fp8rl.data import ArithDataset, DataRoot, EpochBatches, Problem, check_data_path, read_problems
 from fp8rl.data.grading import CORRECT_REWARD  # re-exported: the validation and the reports read it here
+from fp8rl.data.shapes import ShapesDataset
 from fp8rl.model.tokenizer import Tokenizer, chat_template_of, load_tokenizer, render_chat_prompt
 from fp8rl.presets import PRESETS, prepare_preset
 from fp8rl.rl import grpo_advantages
@@ -102,7 +104,7 @@ def check_data(job: JobConfig, data: DataRoot) -> None:
     ``data.validation_path`` is outside ``data``'s root, of no known format, not a regular file (an Arrow dataset:
     a directory of them) or over its byte limit — without reading rows (they are read when the job runs)."""
     d = job.data
-    if d.task in ("arith", "env"):  # generated tasks: no file
+    if d.task in GENERATED_TASKS:  # generated tasks: no file
         return
     fmt = "jsonl" if d.task == "jsonl" else None  # jsonl: JSON lines whatever the name
     check_data_path(data, d.path, "data.path", fmt)
@@ -200,6 +202,9 @@ def problem_source(job: JobConfig, data: DataRoot | None = None,
         return lambda step: arith.batch(step, n)
     if job.data.task == "env":
         return lambda step: env_tasks(job, n, job.job.seed * _ENV_SEED_STRIDE + step)
+    if job.data.task == "shapes":
+        shapes = ShapesDataset(job.job.seed)
+        return lambda step: shapes.batch(step, n)
     return _epoch_batches(job, load_split(job, "train", data, tok).problems)
 
 
@@ -223,7 +228,21 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer |
         return ArithDataset(job.arith_config(), seed=job.job.seed).eval_set(size)
     if job.data.task == "env":
         return env_tasks(job, size, _ENV_EVAL_SEED + job.job.seed)
+    if job.data.task == "shapes":
+        return ShapesDataset(job.job.seed).eval_set(size)
     return load_split(job, "validation", data, tok).problems
+
+
+def _prompt_images(job: JobConfig):
+    """The :class:`~fp8rl.model.image_inputs.PromptImages` of a vision-language policy, None for a text model."""
+    cfg = model_config_of(job)
+    if not cfg.family.vision:
+        return None
+    from fp8rl.model.image_inputs import PromptImages, VisionProcessor
+
+    model = job.policy.model
+    path = prepare_preset(model, progress=False) if model in PRESETS else Path(model)
+    return PromptImages(VisionProcessor.from_model_dir(path, cfg.vision_config), cfg)
 
 
 def model_config_of(job: JobConfig):
@@ -358,7 +377,11 @@ class JobPlan:
         self.dropped_prompts = {"train": 0, "validation": 0}
         validating = bool(self.eval_every) if with_eval_set is None else with_eval_set
         self.env = job.env.spec()  # multi-turn trajectories (None: single-turn samples)
-        if job.data.task in ("arith", "env"):
+        self.images = _prompt_images(job)  # a vision-language policy's image prompts (None: a text model)
+        if job.data.task == "shapes" and self.images is None:
+            raise ConfigError(f"data.task: shapes is a picture task; policy.model {job.policy.model!r} is not a "
+                              f"vision-language model (tiny-vl is one)")
+        if job.data.task in GENERATED_TASKS:
             self.batch = problem_source(job, data)
             self.eval_set = eval_problems(job, data) if validating else []
         else:
@@ -412,4 +435,23 @@ class JobPlan:
                 env = make_env(self.env.name, **self.env.kwargs)
                 out.append(renderer.opening(env.reset({"question": p.prompt, "answer": p.answer}), env.tools()))
             return out
-        return [encode_prompt(self.tok, p, self.job.data) for p in problems]
+        return [self._encode(p) for p in problems]
+
+    def _encode(self, problem: Problem) -> list[int]:
+        if not problem.images:
+            return encode_prompt(self.tok, problem, self.job.data)
+        if self.images is None:
+            raise ConfigError(f"a problem has {len(problem.images)} image(s), but policy.model "
+                              f"{self.job.policy.model!r} is not a vision-language model")
+        if self.job.data.chat_template:
+            raise ConfigError("data.chat_template: prompts with images are text prompts with <image> placeholders "
+                              "(a chat template's image parts are not supported yet)")
+        return self.images.prompt(problem.prompt, problem.images,
+                                  lambda piece, first: self.tok.encode(piece, add_bos=first))
+
+    def image_batches(self, problems: Sequence[Problem]) -> list | None:
+        """Per problem its processed images (:class:`~fp8rl.model.vision.ImageBatch`, or None for none); None when
+        no problem has any (the rollout then takes none)."""
+        if self.images is None or not any(p.images for p in problems):
+            return None
+        return [self.images.batch(p.images) for p in problems]

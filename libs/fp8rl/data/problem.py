@@ -24,14 +24,25 @@ class Problem:
             ``{"role", "content"}`` mappings are turned into that tuple on construction.
         answer: the reference answer as a string; graders compare a response against it
             (:mod:`fp8rl.data.grading`). Never empty for problems built by this package.
+        images: a vision-language task's images, encoded files (PNG, JPEG ...: bytes), one per
+            ``<image>`` placeholder of a text prompt, in order (:mod:`fp8rl.data.images`); empty for a text task
+            (whose problem is then JSON-able as described).
     """
 
     prompt: str | Messages
     answer: str
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             object.__setattr__(self, "prompt", as_messages(self.prompt))
+        if not isinstance(self.images, tuple):
+            object.__setattr__(self, "images", tuple(self.images))
+        if any(not isinstance(b, bytes) for b in self.images):
+            raise ValueError("Problem.images: each image is the bytes of an image file")
+        if self.images and not isinstance(self.prompt, str):
+            raise ValueError("Problem.images: images go with a text prompt's <image> placeholders (chat prompts "
+                             "with images are not supported yet)")
 
     @property
     def is_chat(self) -> bool:

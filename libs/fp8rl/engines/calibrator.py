@@ -17,6 +17,7 @@ import torch
 
 from fp8rl.fp8 import QKVScales, scales_from_amax_history, transformer_layers
 from fp8rl.model import CausalLM
+from fp8rl.model.vision import ImageBatch
 
 __all__ = ["QKVCalibrator", "QKVRecording"]
 
@@ -115,8 +116,9 @@ class QKVCalibrator:
         self.pad_token_id = pad_token_id
         self.last_seconds = 0.0
 
-    def select(self, sequences: Sequence[Sequence[int]]) -> list[Sequence[int]]:
-        """The deterministic, evenly spaced subset of ``sequences`` that calibration uses."""
+    def select(self, sequences: Sequence) -> list:
+        """The deterministic, evenly spaced subset of ``sequences`` (or of anything one per sequence) that
+        calibration uses."""
         n = len(sequences)
         if self.max_sequences is None or n <= self.max_sequences:
             return list(sequences)
@@ -133,11 +135,18 @@ class QKVCalibrator:
             rec.close()
 
     @torch.no_grad()
-    def calibrate(self, version: int, sequences: Sequence[Sequence[int]]) -> QKVScales:
-        """Scales for weight ``version`` from forward passes over ``sequences`` (prompts + responses)."""
+    def calibrate(self, version: int, sequences: Sequence[Sequence[int]],
+                  images: Sequence[ImageBatch | None] | None = None) -> QKVScales:
+        """Scales for weight ``version`` from forward passes over ``sequences`` (prompts + responses); ``images``:
+        a vision-language model's, per sequence its prompt's images or None (the multimodal sequence as the engines
+        run it)."""
         if not sequences:
             raise ValueError("calibration needs at least one sequence")
+        if images is not None and len(images) != len(sequences):
+            raise ValueError(f"calibration has {len(images)} image entries for {len(sequences)} sequences")
         t0 = time.perf_counter()
+        if images is not None:
+            images = self.select(images)
         sequences = self.select(sequences)
         layers = transformer_layers(self.model)
         hist: dict[str, list[list[float]]] = {k: [[] for _ in layers] for k in ("q", "k", "v")}
@@ -158,8 +167,9 @@ class QKVCalibrator:
                     ids[b, :len(s)] = torch.tensor(list(s), dtype=torch.long)
                     mask[b, :len(s)] = True
                 valid[:] = [mask]
+                pictures = ImageBatch.concat(images[start:start + self.micro_batch_size]) if images else None
                 try:
-                    self.model(ids, attention_mask=mask.long())
+                    self.model(ids, attention_mask=mask.long(), **({"images": pictures} if pictures else {}))
                 except _PassDone:
                     pass
         finally:

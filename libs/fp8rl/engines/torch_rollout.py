@@ -405,7 +405,8 @@ class TorchRolloutEngine(RolloutEngine):
             batch_images = ImageBatch.concat([encoded[pi] for pi, _ in rows])
             if batch_images is not None:
                 positions, delta = mrope_positions(ids, mask[:, :P], batch_images.grid_thw,
-                                                   self.model.config.image_token_id, self.model.visual.merge)
+                                                   self.model.config.image_token_id, self.model.visual.merge,
+                                                   batch_images.rows)
         logits = self._forward(ids[:, L:], mask[:, :P], cache, routes, positions, batch_images)  # (B, V)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long)
         tokens = torch.zeros(B, params.max_tokens, dtype=torch.long)

@@ -362,15 +362,13 @@ class TorchTrainer(TrainerBackend):
         frozen encoder: the same features for every pass and row of the prompt)."""
         if mb.images is None:
             return None
-        encoded = []
+        encoded: list[ImageBatch | None] = []
         for img in mb.images:
-            if img is None:
-                continue
-            held = self._encoded.get(id(img))
-            if held is None or held[0] is not img:
+            held = None if img is None else self._encoded.get(id(img))
+            if img is not None and (held is None or held[0] is not img):
                 held = self._encoded[id(img)] = (img, self.model.encode_images(img))
-            encoded.append(held[1])
-        return ImageBatch.concat(encoded)
+            encoded.append(None if held is None else held[1])
+        return ImageBatch.concat(encoded)  # row by row: a row's count of images rides along
 
     def _prefix_len(self, mb: TrainBatch) -> int:
         """The leading tokens micro-batch ``mb``'s rows share and run once (``TrainerConfig.share_prefix``), up to

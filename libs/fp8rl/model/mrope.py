@@ -47,16 +47,21 @@ def mrope_cos_sin(inv_freq: torch.Tensor, axes: torch.Tensor, position_ids: torc
 
 
 def mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-                    image_token_id: int, spatial_merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    image_token_id: int, spatial_merge_size: int, rows: tuple[int, ...] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions (3, B, T), delta (B,))`` of a batch whose images are runs of ``image_token_id`` (module
     docstring), images in row order then left to right, each run as long as its grid's merged cells
-    ``t * (h / m) * (w / m)``. Padding (``attention_mask`` 0) gets position 0 and is skipped.
+    ``t * (h / m) * (w / m)``. ``rows``: how many images each row has — its image tokens after them are text (a
+    sampled image token); None: every run is an image. Padding (``attention_mask`` 0) gets position 0 and is
+    skipped.
 
     Raises:
         ValueError: a run of image tokens that is not one image's length, or more images than grids.
     """
     B, T = input_ids.shape
     grids = [] if image_grid_thw is None else [tuple(int(v) for v in g) for g in image_grid_thw.tolist()]
+    if rows is not None and (len(rows) != B or sum(rows) != len(grids)):
+        raise ValueError(f"rows {rows} must give each of the {B} rows its images ({len(grids)} in all)")
     m = spatial_merge_size
     pos = torch.zeros(3, B, T, dtype=torch.long)
     delta = torch.zeros(B, dtype=torch.long)
@@ -67,15 +72,16 @@ def mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         cols = [t for t in range(T) if keep[b][t]]
         row: list[tuple[int, int, int]] = []
         cur, i = 0, 0
+        left = rows[b] if rows is not None else len(grids)  # the images this row may still place
         while i < len(cols):
-            if ids[b][cols[i]] != image_token_id:
+            if ids[b][cols[i]] != image_token_id or left == 0:
                 row.append((cur, cur, cur))
                 cur, i = cur + 1, i + 1
                 continue
             if nxt >= len(grids):
                 raise ValueError(f"row {b}: more image-token runs than image grids ({len(grids)})")
             t, h, w = grids[nxt]
-            nxt += 1
+            nxt, left = nxt + 1, left - 1
             hh, ww = h // m, w // m
             n = t * hh * ww
             run = 0
@@ -86,6 +92,8 @@ def mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             row += [(cur + a, cur + r, cur + c) for a in range(t) for r in range(hh) for c in range(ww)]
             cur += max(hh, ww)
             i += n
+        if rows is not None and left:
+            raise ValueError(f"row {b}: {rows[b]} image(s), {rows[b] - left} image-token run(s)")
         if row:
             pos[:, b, cols] = torch.tensor(row, dtype=torch.long).T
             delta[b] = max(max(p) for p in row) + 1 - len(cols)

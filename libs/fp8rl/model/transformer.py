@@ -366,6 +366,14 @@ class CausalLM(nn.Module):
         """``x`` with the image tokens' embeddings replaced by the encoder's outputs, in order."""
         feats = (images.features if images.features is not None else self.visual(images)).to(x.dtype)  # (cells, C)
         slots = input_ids == self.config.image_token_id  # (B, T)
+        if images.rows is not None:  # a row's image tokens past its images' cells are text (a sampled one)
+            if len(images.rows) != input_ids.shape[0]:
+                raise ValueError(f"images for {len(images.rows)} rows, input_ids has {input_ids.shape[0]}")
+            cells, per_row, i = images.cells(self.visual.merge), [], 0
+            for n in images.rows:
+                per_row.append(sum(cells[i:i + n]))
+                i += n
+            slots &= slots.long().cumsum(-1) <= torch.tensor(per_row, device=slots.device)[:, None]
         n = int(slots.sum())
         if n != feats.shape[0]:
             raise ValueError(f"the images make {feats.shape[0]} embeddings for {n} image tokens "
@@ -454,7 +462,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"{self.config.architecture} takes no images")
         if mrope and position_ids is None and images is not None and L == 0:
             position_ids, _ = mrope_positions(input_ids, attention_mask, images.grid_thw, self.config.image_token_id,
-                                              self.visual.merge)  # (3, B, T)
+                                              self.visual.merge, images.rows)  # (3, B, T)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, L:]  # (B, T)

@@ -49,22 +49,30 @@ class ImageBatch:
         grid_thw: ``(n_images, 3)`` int64: each image's patch grid ``(t, h, w)``; ``sum(t · h · w) = N``.
         features: the encoder's outputs ``(cells, C)`` when already computed (the engines encode a prompt's images
             once and share them across its samples and passes), else None.
+        rows: of a batch, how many images each row has: a row's image tokens past its images' cells (a response
+            that samples the image token) are text. None: the images fill the image-token runs in order.
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
     features: torch.Tensor | None = None
+    rows: tuple[int, ...] | None = None
 
     @staticmethod
     def concat(parts: Sequence[ImageBatch | None]) -> ImageBatch | None:
-        """The images of several rows as one batch, row order (None when no row has any). Features are kept only
-        when every part has them."""
+        """The images of several rows (each part one row's, or None) as one batch, row order, with each row's count
+        (None when no row has any). Features are kept only when every part has them."""
         held = [p for p in parts if p is not None]
         if not held:
             return None
         feats = [p.features for p in held]
         return ImageBatch(torch.cat([p.pixel_values for p in held]), torch.cat([p.grid_thw for p in held]),
-                          torch.cat(feats) if all(f is not None for f in feats) else None)
+                          torch.cat(feats) if all(f is not None for f in feats) else None,
+                          tuple(0 if p is None else int(p.grid_thw.shape[0]) for p in parts))
+
+    def cells(self, merge: int) -> list[int]:
+        """Each image's merged cells (its image tokens): ``t · h · w / merge²``."""
+        return [int(t) * int(h) * int(w) // merge**2 for t, h, w in self.grid_thw.tolist()]
 
 
 class _Attention(nn.Module):

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import torch
 
-from fp8rl.model.hf_io import load_hf_checkpoint, read_model_config
+from fp8rl.model.hf_io import load_hf_checkpoint
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
 from fp8rl.model.transformer import CausalLM
-from fp8rl.model.vision_language import LM_ONLY_KEY
 
 from . import smollm2, tiny_arith, tiny_arith_moe, tiny_arith_python, tiny_arith_tool  # noqa: F401  (each registers)
 from .catalog import prepare_registered, preset_names
@@ -44,9 +43,6 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32,
             raise FileNotFoundError(
                 f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory"
             )
-    if read_model_config(path, language_model_only=language_model_only).family.vision:
-        raise ValueError(f"{name_or_path} is a vision-language model, and the engines feed it no images yet: set "
-                         f"{LM_ONLY_KEY}: true to train its language model on text")
     model, _ = load_hf_checkpoint(path, dtype=dtype, language_model_only=language_model_only)
     model.name_or_path = name_or_path if name_or_path in PRESETS else str(path.resolve())
     return model, load_tokenizer(path), path

@@ -84,18 +84,17 @@ def test_the_language_model_gives_the_whole_vlms_logits_on_text(kind, tmp_path):
     assert torch.allclose(got, want, atol=ATOL_HF, rtol=0), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("kind", sorted(BUILDERS))
-def test_a_vlm_is_refused_by_the_engines_without_the_key(kind, tmp_path):
-    """The engines feed no images yet: a policy that is a VLM is refused naming the key (Qwen3-VL, which fp8rl
-    does not build whole, already at its config)."""
+def test_without_the_key_a_vlm_loads_whole_or_is_refused_naming_it(tmp_path):
+    """Qwen2.5-VL, which fp8rl builds whole, loads as the VLM; Qwen3-VL, which it reads as a language model only, is
+    refused at its config naming the key."""
     from fp8rl.presets import load_policy
 
-    _checkpoint(kind, tmp_path)
-    with pytest.raises(ValueError, match="policy.language_model_only"):
-        load_policy(str(tmp_path))
-    if kind == "qwen3_vl":
+    _checkpoint("qwen2_5_vl", tmp_path / "a")
+    assert hasattr(load_policy(str(tmp_path / "a"))[0], "visual")
+    _checkpoint("qwen3_vl", tmp_path / "b")
+    for load in (lambda: load_policy(str(tmp_path / "b")), lambda: read_model_config(tmp_path / "b")):
         with pytest.raises(ValueError, match="policy.language_model_only"):
-            read_model_config(tmp_path)
+            load()
 
 
 def test_a_multimodal_type_fp8rl_does_not_read_is_refused_by_name(tmp_path):
@@ -362,3 +361,70 @@ def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(tmp_path):
     assert trainer.train_step(batch)["grad_norm"] > 0
     assert all(torch.equal(p, vision[n]) for n, p in trainer.model.visual.named_parameters())
     assert not torch.equal(trainer.model.model.layers[0].mlp.down_proj.weight, text)
+
+
+def test_decode_after_images_is_bitwise_the_full_forward_even_through_a_sampled_image_token(tmp_path):
+    """Under batch invariance, the rollout's way — prefill the image prompts at their multimodal positions, then
+    decode each token at its index shifted by the row's delta — gives the full forward's logits bit for bit; a
+    response token that is the image token is text on both paths (the row's images are spent)."""
+    from fp8rl.model import KVCache
+    from fp8rl.model.mrope import mrope_positions
+    from fp8rl.model.vision import ImageBatch
+
+    _checkpoint("qwen2_5_vl", tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path)
+    model.enable_batch_invariance()
+    prompts, images = _vl_prompts(cfg, [[(60, 90)], [], [(40, 40), (30, 60)]], [4, 9, 2])
+    response = [5, cfg.image_token_id, 7]
+    P, B = max(map(len, prompts)), len(prompts)
+    ids = torch.zeros(B, P + len(response), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p + response)
+        mask[b, P - len(p):] = 1
+    batch = ImageBatch.concat(images)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, images=batch)
+        pos, delta = mrope_positions(ids[:, :P], mask[:, :P], batch.grid_thw, cfg.image_token_id, model.visual.merge,
+                                     batch.rows)
+        cache = KVCache.for_model(model, B, ids.shape[1])
+        steps = [model(ids[:, :P], attention_mask=mask[:, :P], kv_cache=cache, position_ids=pos, images=batch,
+                       logits_to_keep=1)[:, -1]]
+        for t in range(len(response)):
+            step_pos = (mask[:, :P + t + 1].sum(-1) - 1 + delta)[:, None]
+            steps.append(model(ids[:, P + t:P + t + 1], attention_mask=mask[:, :P + t + 1], kv_cache=cache,
+                               position_ids=step_pos, logits_to_keep=1)[:, -1])
+    for t, got in enumerate(steps):
+        assert torch.equal(got, full[:, P - 1 + t]), t
+
+
+def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch):
+    """The in-process GRPO loop on a Qwen2.5-VL checkpoint with ``data.task: shapes`` (a generated picture per
+    prompt): fp8_e2e, FP8 KV calibrated on the multimodal sequences, batch invariance — every step's rollout and
+    trainer logprobs are equal (max |Δlogprob| 0) and the validation runs on pictures too."""
+    from fp8rl.config import JobConfig
+    from fp8rl.loop import LoopConfig, run
+    from fp8rl.rl.metrics import MAX_ABS_LOGPROB_DIFF
+
+    from fp8rl.model.vision import VisionEncoder
+
+    encoded = []  # the pictures the encoder saw: each step's prompts, in the rollout, the trainer and the calibrator
+    forward = VisionEncoder.forward
+    monkeypatch.setattr(VisionEncoder, "forward", lambda self, images: encoded.append(images) or forward(self, images))
+    _checkpoint("qwen2_5_vl", tmp_path / "vl")
+    job = JobConfig().with_settings({"data.task": "shapes"})
+    out = run(LoopConfig.from_flags(job=job, model=str(tmp_path / "vl"), recipe="fp8_e2e", kv_cache_dtype="fp8",
+                                    batch_invariant=True, steps=2, prompts_per_step=3, group_size=2, max_tokens=4,
+                                    micro_batch_size=6, calibration_max_sequences=4, eval_size=2, seed=0),
+              progress=False)
+    assert [h[MAX_ABS_LOGPROB_DIFF] for h in out["steps"]] == [0.0, 0.0]
+    # per step: 3 prompts encoded once by the rollout, once by the trainer, plus the calibrator's batches
+    assert len(encoded) >= 2 * (3 + 3) and all(int(i.grid_thw.shape[0]) >= 1 for i in encoded)
+
+
+def test_a_picture_task_needs_a_vision_language_policy():
+    from fp8rl.config import ConfigError, JobConfig
+    from fp8rl.controller.plan import JobPlan
+
+    with pytest.raises(ConfigError, match="data.task: shapes is a picture task"):
+        JobPlan("j", JobConfig().with_settings({"data.task": "shapes"}))
