@@ -404,9 +404,8 @@ def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch):
     trainer logprobs are equal (max |Δlogprob| 0) and the validation runs on pictures too."""
     from fp8rl.config import JobConfig
     from fp8rl.loop import LoopConfig, run
-    from fp8rl.rl.metrics import MAX_ABS_LOGPROB_DIFF
-
     from fp8rl.model.vision import VisionEncoder
+    from fp8rl.rl.metrics import MAX_ABS_LOGPROB_DIFF
 
     encoded = []  # the pictures the encoder saw: each step's prompts, in the rollout, the trainer and the calibrator
     forward = VisionEncoder.forward
