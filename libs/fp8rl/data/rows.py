@@ -12,6 +12,10 @@ Without explicit keys a row must match one of :data:`KNOWN_SHAPES`, tried in ord
   which the graders read: :func:`fp8rl.data.grading.reference_answer`).
 
 One key given, the other side is the first known shape's key for it that the row has.
+
+A row may also hold pictures, verl's way: an ``images`` field, a list of image files (their bytes, or
+``{"bytes": ...}`` as Parquet and Arrow datasets store an image), one per ``<image>`` placeholder of its text
+prompt. They are decoded (under limits) where the policy's processor turns them into patches.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 from .keys import KeyPathError, lookup
 from .problem import Problem, as_messages
 
-__all__ = ["KNOWN_SHAPES", "problem_from_row", "shape_columns"]
+__all__ = ["IMAGES_FIELD", "KNOWN_SHAPES", "problem_from_row", "shape_columns"]
 
 # (prompt_key, answer_key) pairs tried in order when the caller names no keys.
 KNOWN_SHAPES: tuple[tuple[str, str], ...] = (
@@ -61,13 +65,33 @@ def _keys_of(row: Mapping, prompt_key: str | None, answer_key: str | None, where
     raise ValueError(f"{where}: row has keys {fields}; none of {wanted} (set {name})")
 
 
+IMAGES_FIELD = "images"  # a row's pictures (verl's column): a list of image files' bytes, or of {"bytes": ...}
+
+
 def shape_columns(prompt_key: str | None, answer_key: str | None) -> set[str]:
     """Top-level fields a reader must load to build problems with these keys (all the known shapes' when
-    a key is not given)."""
-    keys = {k for k in (prompt_key, answer_key) if k is not None}
+    a key is not given), and the images field."""
+    keys = {k for k in (prompt_key, answer_key) if k is not None} | {IMAGES_FIELD}
     if prompt_key is None or answer_key is None:
         keys |= {k for shape in KNOWN_SHAPES for k in shape}
     return {k.split(".", 1)[0] for k in keys}
+
+
+def _images_of(row: Mapping, where: str) -> tuple[bytes, ...]:
+    """The row's ``images`` as encoded files (module docstring), in order; () when it has none."""
+    raw = row.get(IMAGES_FIELD)
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple):
+        raise ValueError(f"{where}: {IMAGES_FIELD!r} must be a list of images, got {type(raw).__name__}")
+    out = []
+    for i, item in enumerate(raw):
+        data = item.get("bytes") if isinstance(item, Mapping) else item
+        if not isinstance(data, bytes | bytearray) or not data:
+            raise ValueError(f"{where}: {IMAGES_FIELD}[{i}] must be an image file's bytes (or {{'bytes': ...}}, as "
+                             f"Parquet datasets store images), got {type(data).__name__}")
+        out.append(bytes(data))
+    return tuple(out)
 
 
 def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer_key: str | None = None,
@@ -112,4 +136,12 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
     answer = answer.strip() if isinstance(answer, str) else str(answer)
     if not answer:
         raise ValueError(f"{where}: {answer_key!r} is empty")
-    return Problem(prompt=prompt, answer=answer)
+    images = _images_of(row, where)
+    if images:
+        if not isinstance(prompt, str):
+            raise ValueError(f"{where}: a row with images needs a text prompt with <image> placeholders (chat "
+                             f"prompts with images are not supported yet)")
+        if prompt.count("<image>") != len(images):
+            raise ValueError(f"{where}: {prompt.count('<image>')} <image> placeholder(s) in the prompt for "
+                             f"{len(images)} image(s)")
+    return Problem(prompt=prompt, answer=answer, images=images)

@@ -86,7 +86,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
     if source_dir is None:
         raise ExportError(f"{ck.path} records no model directory to take the tokenizer from; pass --model "
                           f"PRESET_OR_HF_DIR ({', '.join(PRESETS)} or a directory with config.json)")
-    _vision_language_source(source_dir, fmt)  # refused before anything is written
+    _vision_language_source(source_dir, fmt, config)  # refused before anything is written
     record = {"checkpoint": str(src), "kind": ck.kind, "version": ck.version,
               "model_source": source, "format": fmt}
     if ck.lora is None:
@@ -238,21 +238,21 @@ def _model_of(ck: TrainerCheckpoint, model: str | None) -> tuple[ModelConfig, st
     return config, source, source_dir
 
 
-def _vision_language_source(source_dir: Path, fmt: str) -> dict | None:
-    """The ``config.json`` of a vision-language ``source_dir`` (whose text tower alone was trained), None for a
-    text model; ``ExportError`` for a format not written for one."""
+def _vision_language_source(source_dir: Path, fmt: str, config: ModelConfig) -> dict | None:
+    """The ``config.json`` of a vision-language ``source_dir`` whose text tower alone was trained (``config`` is the
+    text family's), None otherwise; ``ExportError`` for a format not written for a vision-language model."""
     source_cfg = json.loads((source_dir / CONFIG_FILE).read_text())
     if vision_language_of(source_cfg) is None:
         return None
     if fmt != "hf":
-        raise ExportError(f"{source_dir} is a vision-language model: its language model trained alone exports as "
-                          f"--format hf (the whole model, vision encoder included); {fmt} is not written for it yet")
-    return source_cfg
+        raise ExportError(f"{source_dir} is a vision-language model: it exports as --format hf (the whole model, "
+                          f"vision encoder included); {fmt} is not written for it yet")
+    return None if config.family.vision else source_cfg  # a whole VLM writes its own config and tensors
 
 
 def _write(out: Path, tensors: dict, config: ModelConfig, source_dir: Path, fmt: str, recipe: Fp8Recipe | None,
            record: dict, force: bool, progress: bool) -> int:
-    hf_config = _vision_language_source(source_dir, fmt)
+    hf_config = _vision_language_source(source_dir, fmt, config)
     if hf_config is not None:  # the whole model back: the trained text tower beside the source's vision encoder
         dtype = str(high_precision_dtype(tensors)).removeprefix("torch.")
         try:

@@ -10,7 +10,7 @@ from fp8rl.model.hf_io import load_hf_checkpoint
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
 from fp8rl.model.transformer import CausalLM
 
-from . import smollm2, tiny_arith, tiny_arith_moe, tiny_arith_python, tiny_arith_tool  # noqa: F401  (each registers)
+from . import smollm2, tiny_arith, tiny_arith_moe, tiny_arith_python, tiny_arith_tool, tiny_vl  # noqa: F401  (each registers)
 from .catalog import prepare_registered, preset_names
 
 __all__ = ["PRESETS", "load_policy", "prepare_preset"]

@@ -47,7 +47,7 @@ def test_one_key_given_takes_the_other_from_the_known_shapes():
     assert problem_from_row({"q": "x", "answer": 1}, "f:1", prompt_key="q") == Problem("x", "1")
     with pytest.raises(ValueError, match=r"^f:1: row has keys \['q'\]; none of \['answer', "):
         problem_from_row({"q": "x"}, "f:1", prompt_key="q")
-    assert shape_columns("prompt.0.content", "reward_model.ground_truth") == {"prompt", "reward_model"}
+    assert shape_columns("prompt.0.content", "reward_model.ground_truth") == {"prompt", "reward_model", "images"}
     assert "question" in shape_columns("prompt", None)
 
 
@@ -70,3 +70,20 @@ def test_a_problem_with_a_chat_prompt_is_frozen_hashable_and_json_able():
     assert Problem(**json.loads(json.dumps(dataclasses.asdict(p)))) == p  # what a recorded problem reads back as
     with pytest.raises(ValueError, match="prompt is text"):
         Problem("x", "1").messages()
+
+
+def test_a_rows_images_are_read_and_checked_against_its_placeholders():
+    from fp8rl.data.rows import problem_from_row
+
+    png = b"\x89PNG\r\n\x1a\n..."
+    p = problem_from_row({"prompt": "Q: <image> and <image>?", "answer": 2, "images": [png, {"bytes": png}]}, "f:1")
+    assert p.images == (png, png) and p.answer == "2"
+    assert problem_from_row({"prompt": "Q: 1+1=", "answer": 2, "images": None}, "f:2").images == ()
+    with pytest.raises(ValueError, match=r"f:3: 1 <image> placeholder\(s\) in the prompt for 2 image\(s\)"):
+        problem_from_row({"prompt": "<image>", "answer": 1, "images": [png, png]}, "f:3")
+    with pytest.raises(ValueError, match=r"f:4: images\[0\] must be an image file's bytes"):
+        problem_from_row({"prompt": "<image>", "answer": 1, "images": ["pic.png"]}, "f:4")
+    with pytest.raises(ValueError, match="f:5: 'images' must be a list"):
+        problem_from_row({"prompt": "<image>", "answer": 1, "images": png}, "f:5")
+    with pytest.raises(ValueError, match="f:6: a row with images needs a text prompt"):
+        problem_from_row({"prompt": [{"role": "user", "content": "<image>"}], "answer": 1, "images": [png]}, "f:6")

@@ -427,3 +427,40 @@ def test_a_picture_task_needs_a_vision_language_policy():
 
     with pytest.raises(ConfigError, match="data.task: shapes is a picture task"):
         JobPlan("j", JobConfig().with_settings({"data.task": "shapes"}))
+
+
+def _shapes_parquet(path, problems, bad_row: int | None = None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": p.prompt, "answer": p.answer, "images": [{"bytes": b, "path": None} for b in p.images]}
+            for p in problems]
+    if bad_row is not None:
+        rows[bad_row]["images"] = [{"bytes": b"\x89PNG not really", "path": None}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_a_parquet_file_of_pictures_trains_and_a_bad_picture_is_refused_by_its_problem(tmp_path):
+    """verl's layout — an ``images`` column of ``{bytes, path}`` structs beside a prompt with ``<image>`` — read from
+    Parquet: the loop trains on it exactly; a row whose image does not decode stops the job before it runs, naming
+    the problem."""
+    from fp8rl.config import ConfigError, JobConfig
+    from fp8rl.controller.plan import JobPlan
+    from fp8rl.data.shapes import ShapesDataset
+    from fp8rl.loop import LoopConfig, run
+    from fp8rl.rl.metrics import MAX_ABS_LOGPROB_DIFF
+
+    _checkpoint("qwen2_5_vl", tmp_path / "vl")
+    _shapes_parquet(tmp_path / "train.parquet", ShapesDataset(5).batch(0, 8))
+    job = JobConfig().with_settings({"data.task": "dataset", "data.path": "train.parquet"})
+    out = run(LoopConfig.from_flags(job=job, model=str(tmp_path / "vl"), recipe="fp8_e2e", batch_invariant=True,
+                                    steps=1, prompts_per_step=4, group_size=2, max_tokens=3, micro_batch_size=8,
+                                    eval_size=2, seed=0, data_root=str(tmp_path)), progress=False)
+    assert out["steps"][0][MAX_ABS_LOGPROB_DIFF] == 0.0
+
+    from fp8rl.data import DataRoot
+
+    _shapes_parquet(tmp_path / "bad.parquet", ShapesDataset(5).batch(0, 8), bad_row=5)
+    bad = job.with_settings({"data.path": "bad.parquet", "policy.model": str(tmp_path / "vl")})
+    with pytest.raises(ConfigError, match="bad.parquet: problem 5, image 0: not a decodable image"):
+        JobPlan("j", bad, DataRoot(tmp_path))
