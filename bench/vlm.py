@@ -10,8 +10,9 @@
    forward is timed inside each run (each prompt's picture encoded once per step by the rollout and once by the
    trainer); "without per-group sharing" is that time × the group size (every sample encoding its own copy:
    computed from the measured time, not run).
-3. **Learning**: ``--learning-steps`` steps of the vlm job (fp8_e2e, FP8 KV, invariance) per seed; the greedy
-   validation accuracy before → after and the reward of the first → last 5 steps, with the spread over seeds.
+3. **Learning**: ``--learning-steps`` steps of the vlm job (fp8_e2e, FP8 KV, invariance; ``--train-encoder``: the
+   vision encoder trained too) per seed; the greedy validation accuracy before → after and the reward of the first
+   → last 5 steps, with the spread over seeds.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def _timed_encoder() -> None:
     VisionEncoder.forward = timed
 
 
-def _run(recipe: str, invariant: bool, steps: int, seed: int, eval_every: int = 0, lr: float = 2e-4) -> dict:
-    job = JobConfig().with_settings({"data.task": "shapes", "job.eval_size": 64, "job.eval_every": eval_every})
+def _run(recipe: str, invariant: bool, steps: int, seed: int, eval_every: int = 0, lr: float = 2e-4,
+         train_encoder: bool = False) -> dict:
+    job = JobConfig().with_settings({"data.task": "shapes", "job.eval_size": 64, "job.eval_every": eval_every,
+                                     "policy.training.train_vision_encoder": train_encoder})
     cfg = LoopConfig.from_flags(job=job, model="tiny-vl", recipe=recipe,
                                 kv_cache_dtype="fp8" if recipe != "bf16" else "auto", batch_invariant=invariant,
                                 steps=steps, prompts_per_step=16, group_size=8, max_tokens=4, lr=lr,
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lr", type=float, default=2e-4, help="the learning runs' learning rate")
     ap.add_argument("--learning-only", action="store_true", help="skip parts 1 and 2")
+    ap.add_argument("--train-encoder", action="store_true", help="the learning runs train the vision encoder too")
     args = ap.parse_args()
     _timed_encoder()
     if not args.learning_only:
@@ -88,7 +92,8 @@ def _mismatch_and_time(args) -> None:
 def _learning(args) -> None:
     gains, rewards = [], []
     for seed in args.seeds:
-        r = _run("fp8_e2e", True, args.learning_steps, seed=seed, eval_every=args.learning_steps, lr=args.lr)
+        r = _run("fp8_e2e", True, args.learning_steps, seed=seed, eval_every=args.learning_steps, lr=args.lr,
+                 train_encoder=args.train_encoder)
         val = r["validation"]
         first, last = min(val), max(val)
         acc0, acc1 = val[first]["val_accuracy"], val[last]["val_accuracy"]

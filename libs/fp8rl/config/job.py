@@ -375,7 +375,8 @@ class JobConfig(Section):
                              activation_checkpointing=t.activation_checkpointing, share_prefix=t.share_prefix,
                              temperature=self.policy.generation.temperature, loss=self.loss_config(),
                              router_replay=rr.enabled, router_aux_loss_coef=self.loss.router_aux_loss_coef,
-                             measure_unreplayed=rr.measure_unreplayed, lora=self.lora_settings())
+                             measure_unreplayed=rr.measure_unreplayed, lora=self.lora_settings(),
+                             train_vision_encoder=t.train_vision_encoder)
 
     def arith_config(self):
         """The :class:`fp8rl.data.ArithConfig` of the arithmetic task."""

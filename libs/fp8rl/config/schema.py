@@ -131,6 +131,9 @@ class TrainingConfig(Section):
                                                     "(fp8rl.engines.footprint); off for mixture-of-experts models, "
                                                     "trainer groups (dp_size > 1) and the megatron backend.",
                                                     kind=bool, optional=True)
+    train_vision_encoder: bool = setting(False, "A vision-language policy: train its vision encoder too (torch "
+                                         "backend; in high precision, never FP8). Off: the encoder is frozen and "
+                                         "each prompt's pictures are encoded once per step.", kind=bool)
     share_prefix: bool = setting(True, "Run the leading tokens a micro-batch's rows share (a GRPO group's prompt, "
                                  "the system prompt and tools block every trajectory opens with) once instead of "
                                  "once per row (torch backend, dense non-MLA models, one rank): logprobs bitwise "

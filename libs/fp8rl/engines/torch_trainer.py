@@ -83,6 +83,8 @@ class TrainerConfig:
             backward (:meth:`fp8rl.model.CausalLM.set_activation_checkpointing`; dense models). None ("auto"):
             per micro-batch, as :func:`fp8rl.engines.footprint.recompute_by_default` decides from its shape.
         lora: train LoRA adapters on the frozen base (``policy.lora``), or None: every weight trains.
+        train_vision_encoder: a vision-language policy's encoder trains too (its features then come from each
+            training forward, with gradient); False: frozen, each prompt's images encoded once per step.
         share_prefix: a micro-batch's rows that open with the same tokens (a GRPO group's prompt, the system
             prompt and tools block of every trajectory) run them once, batch 1, and only their suffixes as a
             batch (:mod:`fp8rl.model.shared_prefix`): bitwise the same logprobs under batch invariance, the same
@@ -106,6 +108,7 @@ class TrainerConfig:
     activation_checkpointing: bool | None = None
     lora: LoraSettings | None = None
     share_prefix: bool = False
+    train_vision_encoder: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -158,11 +161,13 @@ class TorchTrainer(TrainerBackend):
         # LoRA: the base's identity (checkpoints record it; resuming on another base is refused)
         self._lora_base = base_checksum(model.state_dict()) if self.lora is not None else None
         self.model = self._build_policy(model, recipe).train()
-        if getattr(self.model, "visual", None) is not None:  # a vision-language model: its encoder stays frozen
+        if getattr(self.model, "visual", None) is not None:  # a vision-language model: its encoder frozen, unless
             if parallel is not None:
-                raise ValueError("a vision-language policy trains on one trainer rank (its frozen encoder runs "
-                                 "outside the sharded forward)")
-            self.model.visual.requires_grad_(False)
+                raise ValueError("a vision-language policy trains on one trainer rank (its encoder runs outside the "
+                                 "sharded forward)")
+            self.model.visual.requires_grad_(config.train_vision_encoder)
+        elif config.train_vision_encoder:
+            raise ValueError("policy.training.train_vision_encoder: the policy has no vision encoder")
         self._encoded: dict[int, tuple[ImageBatch, ImageBatch]] = {}  # a step's prompts' images, encoded once
         if self.lora is not None:  # after FP8 conversion, which swaps the linears the adapters hang on
             apply_lora(self.model, self.lora, seed=seed)
@@ -356,18 +361,20 @@ class TorchTrainer(TrainerBackend):
             return torch.cat([logprobs(mb) for _, mb in self._micro_batches(batch, should_stop)], dim=0)
         return self._rows_of(batch, ((i, logprobs(mb)) for i, mb in self._micro_batches(batch, should_stop)))
 
-    @torch.no_grad()
-    def _images(self, mb: TrainBatch) -> ImageBatch | None:
-        """Micro-batch ``mb``'s images with their encoder outputs, each prompt's images encoded once per step (the
-        frozen encoder: the same features for every pass and row of the prompt)."""
+    def _images(self, mb: TrainBatch, *, grad: bool = False) -> ImageBatch | None:
+        """Micro-batch ``mb``'s images with their encoder outputs, each prompt's images encoded once (as the rollout
+        encodes them): once per step for every pass and row of the prompt (the frozen encoder), or with ``grad``
+        (a trained encoder's training pass) once per micro-batch, its features carrying the gradient."""
         if mb.images is None:
             return None
+        held_by = self._encoded if not grad else {}
         encoded: list[ImageBatch | None] = []
-        for img in mb.images:
-            held = None if img is None else self._encoded.get(id(img))
-            if img is not None and (held is None or held[0] is not img):
-                held = self._encoded[id(img)] = (img, self.model.encode_images(img))
-            encoded.append(None if held is None else held[1])
+        with torch.set_grad_enabled(grad):
+            for img in mb.images:
+                held = None if img is None else held_by.get(id(img))
+                if img is not None and (held is None or held[0] is not img):
+                    held = held_by[id(img)] = (img, self.model.encode_images(img))
+                encoded.append(None if held is None else held[1])
         return ImageBatch.concat(encoded)  # row by row: a row's count of images rides along
 
     def _prefix_len(self, mb: TrainBatch) -> int:
@@ -547,10 +554,12 @@ class TorchTrainer(TrainerBackend):
             # forward-only passes ignore it
             self.model.activation_checkpointing = self.recomputes(*mb.input_ids.shape, shared=shared)
             recomputed, runs = recomputed + self.model.activation_checkpointing, runs + 1
+            # a frozen encoder's features are the step's; a trained one's come with gradient, per micro-batch
+            images = self._images(mb, grad=self.config.train_vision_encoder)
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
                                                           self.config.temperature, entropy=True, prefix_len=shared,
-                                                          images=self._images(mb))
+                                                          images=images)
             if prev is not None:  # the weights a logprob pass would have run: ratio exactly 1, as that pass gives
                 prev[slice(*spans[j])] = mb.prev_logprobs = curr.detach()
             loss, m = self._loss(curr, mb, norm, ent)

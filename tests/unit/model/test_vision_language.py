@@ -398,10 +398,13 @@ def test_decode_after_images_is_bitwise_the_full_forward_even_through_a_sampled_
         assert torch.equal(got, full[:, P - 1 + t]), t
 
 
-def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("train_encoder", [False, True])
+def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch, train_encoder):
     """The in-process GRPO loop on a Qwen2.5-VL checkpoint with ``data.task: shapes`` (a generated picture per
     prompt): fp8_e2e, FP8 KV calibrated on the multimodal sequences, batch invariance — every step's rollout and
-    trainer logprobs are equal (max |Δlogprob| 0) and the validation runs on pictures too."""
+    trainer logprobs are equal (max |Δlogprob| 0), the validation runs on pictures too, and the exported policy's
+    encoder is the start's (frozen) or moved (``train_vision_encoder``: the rollout then samples with the trained
+    encoder, or step 2 would not be exact)."""
     from fp8rl.config import JobConfig
     from fp8rl.loop import LoopConfig, run
     from fp8rl.model.vision import VisionEncoder
@@ -411,12 +414,16 @@ def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch):
     forward = VisionEncoder.forward
     monkeypatch.setattr(VisionEncoder, "forward", lambda self, images: encoded.append(images) or forward(self, images))
     _checkpoint("qwen2_5_vl", tmp_path / "vl")
-    job = JobConfig().with_settings({"data.task": "shapes"})
+    job = JobConfig().with_settings({"data.task": "shapes", "policy.training.train_vision_encoder": train_encoder})
     out = run(LoopConfig.from_flags(job=job, model=str(tmp_path / "vl"), recipe="fp8_e2e", kv_cache_dtype="fp8",
-                                    batch_invariant=True, steps=2, prompts_per_step=3, group_size=2, max_tokens=4,
-                                    micro_batch_size=6, calibration_max_sequences=4, eval_size=2, seed=0),
-              progress=False)
-    assert [h[MAX_ABS_LOGPROB_DIFF] for h in out["steps"]] == [0.0, 0.0]
+                                    batch_invariant=True, steps=3, prompts_per_step=3, group_size=2, max_tokens=4,
+                                    micro_batch_size=3, calibration_max_sequences=4, eval_size=2, seed=0, lr=1e-2,
+                                    out_dir=str(tmp_path / "run")), progress=False)
+    assert [h[MAX_ABS_LOGPROB_DIFF] for h in out["steps"]] == [0.0, 0.0, 0.0]
+    before, after = load_file(tmp_path / "vl" / "model.safetensors"), \
+        load_file(next((tmp_path / "run").rglob("policy/model.safetensors")))
+    moved = [n for n in before if n.startswith("visual.") and not torch.equal(before[n], after[n].to(before[n].dtype))]
+    assert bool(moved) == train_encoder, moved[:3]
     # per step: 3 prompts encoded once by the rollout, once by the trainer, plus the calibrator's batches
     assert len(encoded) >= 2 * (3 + 3) and all(int(i.grid_thw.shape[0]) >= 1 for i in encoded)
 
