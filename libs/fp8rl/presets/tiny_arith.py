@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,8 +36,8 @@ from .catalog import register_preset
 
 log = logging.getLogger(__name__)
 
-__all__ = ["META_FILE", "TINY_ARITH", "TINY_ARITH_TASK", "greedy_accuracy", "prepare_tiny_arith", "tiny_arith_config",
-           "warm_start"]
+__all__ = ["META_FILE", "TINY_ARITH", "TINY_ARITH_TASK", "greedy_accuracy", "prepare_tiny_arith", "supervised_run",
+           "tiny_arith_config", "warm_start"]
 
 TINY_ARITH = "tiny-arith"
 META_FILE = "fp8rl_preset.json"  # written last: a preset directory without it is unfinished
@@ -114,25 +115,19 @@ def prepare_tiny_arith(
                       progress=progress)
 
 
-def warm_start(model: CausalLM, cfg: ModelConfig, out: Path, name: str, *, seed: int, max_steps: int,
-               batch_size: int, lr: float, target_accuracy: float, eval_every: int, eval_size: int, progress: bool,
-               meta: dict | None = None, min_steps: int = 0) -> Path:
-    """A short supervised run of ``model`` on :data:`TINY_ARITH_TASK` (AdamW, warm-up then cosine), stopped at
-    ``max_steps`` or once greedy accuracy on ``eval_size`` held-out problems reaches ``target_accuracy`` (after
-    ``min_steps`` at least); the result saved as an HF checkpoint in ``out`` with the tokenizer and
-    ``fp8rl_preset.json``."""
-    tok = CharTokenizer()
-    data = ArithDataset(ArithConfig(**TINY_ARITH_TASK), seed=seed)
-    eval_set = data.eval_set(eval_size)
+def supervised_run(model: CausalLM, name: str, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor, dict]],
+                   accuracy: Callable[[CausalLM], float], *, max_steps: int, lr: float, warmup: int,
+                   target_accuracy: float, eval_every: int, progress: bool, min_steps: int = 0) -> tuple[int, float]:
+    """The presets' warm start: AdamW (warm-up then cosine) on the completion tokens of ``batch(step)`` (``(ids,
+    loss mask, forward kwargs)``), every ``eval_every`` steps ``accuracy(model)``, stopped at ``max_steps`` or once it
+    reaches ``target_accuracy`` (after ``min_steps`` at least). Returns ``(steps run, last accuracy)``."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 50
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return lr * (step + 1) / warmup
         return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, max_steps - warmup))))
 
-    t0 = time.perf_counter()
     acc = 0.0
     bar = tqdm(range(max_steps), desc=f"{name} warm start", disable=not progress, unit="step")
     step = 0
@@ -140,8 +135,8 @@ def warm_start(model: CausalLM, cfg: ModelConfig, out: Path, name: str, *, seed:
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        ids, mask = _sft_batch(tok, data.batch(step, batch_size))
-        logits = model(ids)[:, :-1]  # (B, T-1, V)
+        ids, mask, kwargs = batch(step)
+        logits = model(ids, **kwargs)[:, :-1]  # (B, T-1, V)
         loss_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
         loss = (loss_tok * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
@@ -149,16 +144,34 @@ def warm_start(model: CausalLM, cfg: ModelConfig, out: Path, name: str, *, seed:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % eval_every == 0:
-            acc = greedy_accuracy(model.eval(), tok, eval_set)
+            acc = accuracy(model.eval())
             model.train()
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
             if acc >= target_accuracy and step + 1 >= min_steps:
                 break
+    return step + 1, acc
+
+
+def warm_start(model: CausalLM, cfg: ModelConfig, out: Path, name: str, *, seed: int, max_steps: int,
+               batch_size: int, lr: float, target_accuracy: float, eval_every: int, eval_size: int, progress: bool,
+               meta: dict | None = None, min_steps: int = 0) -> Path:
+    """A short supervised run of ``model`` on :data:`TINY_ARITH_TASK` (:func:`supervised_run`, 50 warm-up steps),
+    stopped at ``max_steps`` or once greedy accuracy on ``eval_size`` held-out problems reaches ``target_accuracy``
+    (after ``min_steps`` at least); the result saved as an HF checkpoint in ``out`` with the tokenizer and
+    ``fp8rl_preset.json``."""
+    tok = CharTokenizer()
+    data = ArithDataset(ArithConfig(**TINY_ARITH_TASK), seed=seed)
+    eval_set = data.eval_set(eval_size)
+    t0 = time.perf_counter()
+    steps, acc = supervised_run(model, name, lambda step: (*_sft_batch(tok, data.batch(step, batch_size)), {}),
+                                lambda m: greedy_accuracy(m, tok, eval_set), max_steps=max_steps, lr=lr, warmup=50,
+                                target_accuracy=target_accuracy, eval_every=eval_every, progress=progress,
+                                min_steps=min_steps)
     out.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model.eval(), cfg, out)
     tok.save(out)
     meta = {"preset": name, "version": PRESET_VERSION, "task": TINY_ARITH_TASK, "seed": seed, **(meta or {}),
-            "sft_steps": step + 1, "greedy_accuracy": acc, "eval_size": eval_size,
+            "sft_steps": steps, "greedy_accuracy": acc, "eval_size": eval_size,
             "seconds": round(time.perf_counter() - t0, 1)}
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     log.info("%s ready in %s: %s", name, out, meta)

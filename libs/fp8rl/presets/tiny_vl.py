@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from fp8rl.data import exact_match_grader
 from fp8rl.data.shapes import CELL, GRID, ShapesDataset
@@ -37,7 +34,7 @@ from fp8rl.model.vision import ImageBatch
 
 from .cache import PRESET_VERSION, preset_dir
 from .catalog import register_preset
-from .tiny_arith import META_FILE, prepare_tiny_arith
+from .tiny_arith import META_FILE, prepare_tiny_arith, supervised_run
 
 log = logging.getLogger(__name__)
 
@@ -129,41 +126,21 @@ def prepare_tiny_vl(directory: str | Path | None = None, *, seed: int = 0, max_s
     images = PromptImages(VisionProcessor(cfg.vision_config, PREPROCESSOR), cfg)
     data = ShapesDataset(seed)
     eval_set = data.eval_set(eval_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 25
+    t0 = time.perf_counter()
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, max_steps - warmup))))
-
-    t0, acc, step = time.perf_counter(), 0.0, 0
-    model.train()
-    bar = tqdm(range(max_steps), desc=f"{TINY_VL} warm start", disable=not progress, unit="step")
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        # steps draw from the training stream past step 10**6: apart from the steps a GRPO job on seed 0 draws
+    def batch(step: int):  # past step 10**6 of the training stream: apart from what a GRPO job on seed 0 draws
         ids, mask, pics = _batch(tok, images, data.batch(10**6 + step, batch_size))
-        logits = model(ids, images=pics)[:, :-1]
-        loss_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-        loss = (loss_tok * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if (step + 1) % eval_every == 0:
-            acc = greedy_picture_accuracy(model.eval(), tok, images, eval_set)
-            model.train()
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
-            if acc >= target_accuracy:
-                break
+        return ids, mask, {"images": pics}
+
+    steps, acc = supervised_run(model, TINY_VL, batch, lambda m: greedy_picture_accuracy(m, tok, images, eval_set),
+                                max_steps=max_steps, lr=lr, warmup=25, target_accuracy=target_accuracy,
+                                eval_every=eval_every, progress=progress)
     out.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model.eval(), cfg, out)
     tok.save(out)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     meta = {"preset": TINY_VL, "version": PRESET_VERSION, "task": "shapes", "seed": seed,
-            "language_tower_from": "tiny-arith", "sft_steps": step + 1, "greedy_accuracy": acc,
+            "language_tower_from": "tiny-arith", "sft_steps": steps, "greedy_accuracy": acc,
             "eval_size": eval_size, "seconds": round(time.perf_counter() - t0, 1)}
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     log.info("%s ready in %s: %s", TINY_VL, out, meta)
