@@ -220,8 +220,11 @@ def _model_of(ck: TrainerCheckpoint, model: str | None) -> tuple[ModelConfig, st
                               f"PRESET_OR_HF_DIR") from None
     src_cfg = None
     if source_dir is not None:
-        try:  # of a vision-language source, the text tower: what fp8rl trained (policy.language_model_only)
-            src_cfg = read_model_config(source_dir, language_model_only=True)
+        # of a vision-language source, the whole model where the checkpoint trained it whole, else its text tower
+        # (policy.language_model_only; a checkpoint that records no config was trained on text)
+        whole = ck.model_config is not None and ck.model_config.family.vision
+        try:
+            src_cfg = read_model_config(source_dir, language_model_only=not whole)
         except (OSError, ValueError, TypeError) as e:
             raise ExportError(f"{source_dir / CONFIG_FILE}: not a supported model config: {e}") from None
     config = ck.model_config or src_cfg

@@ -35,7 +35,7 @@ from fp8rl.engines.torch_trainer import TorchTrainer
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.fp8.payload import is_adapter
 from fp8rl.model import ModelConfig, load_hf_checkpoint
-from fp8rl.model.hf_io import CONFIG_FILE, hf_shapes
+from fp8rl.model.hf_io import CONFIG_FILE, hf_shapes, read_model_config
 
 __all__ = ["ExportError", "TrainerCheckpoint", "check_tensors", "read_checkpoint"]
 
@@ -224,8 +224,14 @@ def _read_hf(path: Path) -> TrainerCheckpoint:
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text())
         dtype = _DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
-        # a vision-language directory is read as its language model: what fp8rl trains and evaluates of it
-        model, config = load_hf_checkpoint(path, dtype=dtype, language_model_only=True)
+        # a vision-language directory fp8rl builds whole is read whole; another, as its language model (what
+        # policy.language_model_only trains of it)
+        try:
+            read_model_config(path)
+            whole = True
+        except ValueError:
+            whole = False
+        model, config = load_hf_checkpoint(path, dtype=dtype, language_model_only=not whole)
     except (OSError, ValueError) as e:  # hf_io names the missing file or tensor
         raise ExportError(f"{path}: not a loadable Hugging Face model: {_short(e)}") from None
     tensors = model.state_dict()

@@ -424,6 +424,12 @@ def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch, train_
         load_file(next((tmp_path / "run").rglob("policy/model.safetensors")))
     moved = [n for n in before if n.startswith("visual.") and not torch.equal(before[n], after[n].to(before[n].dtype))]
     assert bool(moved) == train_encoder, moved[:3]
+    if train_encoder:  # the run's trainer checkpoint exports as the whole VLM, as the loop's own export wrote it
+        from fp8rl.export import export_checkpoint
+
+        export_checkpoint(sorted((tmp_path / "run").rglob("*.pt"))[-1], tmp_path / "export", progress=False)
+        again = load_file(tmp_path / "export" / "model.safetensors")
+        assert set(again) == set(after) and all(torch.equal(again[n], after[n]) for n in again)
     # per step: 3 prompts encoded once by the rollout, once by the trainer, plus the calibrator's batches
     assert len(encoded) >= 2 * (3 + 3) and all(int(i.grid_thw.shape[0]) >= 1 for i in encoded)
 
