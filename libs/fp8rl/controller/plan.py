@@ -234,8 +234,12 @@ def eval_problems(job: JobConfig, data: DataRoot | None = None, tok: Tokenizer |
 
 
 def _prompt_images(job: JobConfig):
-    """The :class:`~fp8rl.model.image_inputs.PromptImages` of a vision-language policy, None for a text model."""
-    cfg = model_config_of(job)
+    """The :class:`~fp8rl.model.image_inputs.PromptImages` of a vision-language policy, None for a text model (and
+    for a directory that holds only a tokenizer, which the plan alone can run on)."""
+    try:
+        cfg = model_config_of(job)
+    except FileNotFoundError:
+        return None
     if not cfg.family.vision:
         return None
     from fp8rl.model.image_inputs import PromptImages, VisionProcessor
