@@ -307,6 +307,7 @@ class _InProcess:
         self.graded = loop.plan.env is not None or loop.job.agent.entrypoint is not None  # trajectories carry rewards
         self.wants_problems = self.graded or loop.plan.images is not None  # (a vision-language job's: their images)
         self.last_trajectories: list = []  # a few of the latest step's trajectories (multi-turn jobs)
+        self.last_pictures: list = []  # a few (problem, sample) of the latest generation with pictures
         self._agent: AgentDriver | None = None  # agent jobs: the endpoint and the user's function (first step on)
         self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
         self._prompt_images: dict[tuple[int, ...], object] = {}  # image prompts generated since the last calibration
@@ -349,8 +350,11 @@ class _InProcess:
             if im is not None:
                 self._prompt_images[tuple(p)] = im
         with memory.phase("rollout"):
-            return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version,
-                                                                             images=images)]
+            out = [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version,
+                                                                            images=images)]
+        # what the report shows: a few pictures of the latest generation, each with its first sample
+        self.last_pictures = [(problems[i], s) for i, s in out[::n] if problems[i].images][:4]
+        return out
 
     def _trajectories_of(self, problems, version, *, step, n, temperature):
         """``n`` multi-turn trajectories of every problem (:func:`fp8rl.envs.trajectory.run_trajectories`), each
@@ -602,8 +606,27 @@ def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dic
         RunDir._write(rd.path / "trajectories.md", trajectories_markdown(
             loop.backends.last_trajectories, lambda ids: loop.tok.decode(ids, skip_special=False),
             title=f"Trajectories of the last step ({cfg.job.env.name or cfg.job.agent.entrypoint})"))
+    if loop.backends.last_pictures:  # a vision-language job: a few pictures with the answers sampled for them
+        _write_pictures(rd.path, loop.backends.last_pictures, loop.tok, loop.grader)
     RunDir._write(rd.path / "summary.json", json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                         "validation": val}, indent=2))
+
+
+def _write_pictures(out: Path, pairs: list, tok, grader) -> None:
+    """``pictures.md`` (and the pictures beside it, ``pictures/``): each problem's images, its prompt, reference
+    answer and the answer sampled for it, graded."""
+    pictures = out / "pictures"
+    pictures.mkdir(exist_ok=True)
+    lines = ["# Pictures of the last generation", "", "Each picture as the policy saw it, with the answer it sampled.",
+             ""]
+    for i, (problem, sample) in enumerate(pairs):
+        answer = tok.decode(sample.token_ids)
+        for j, data in enumerate(problem.images):
+            (pictures / f"{i}-{j}.png").write_bytes(data)
+            lines.append(f"![picture {i}-{j}](pictures/{i}-{j}.png)")
+        lines += ["", f"prompt `{problem.prompt!r}` · reference `{problem.answer}` · sampled `{answer!r}` · "
+                      f"{'right' if grader(answer, problem.answer) else 'wrong'}", ""]
+    RunDir._write(out / "pictures.md", "\n".join(lines))
 
 
 def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wall: float, *, ran: int,

@@ -424,6 +424,8 @@ def test_the_loop_trains_a_vlm_on_pictures_exactly(tmp_path, monkeypatch, train_
         load_file(next((tmp_path / "run").rglob("policy/model.safetensors")))
     moved = [n for n in before if n.startswith("visual.") and not torch.equal(before[n], after[n].to(before[n].dtype))]
     assert bool(moved) == train_encoder, moved[:3]
+    report = next((tmp_path / "run").rglob("pictures.md")).read_text()  # the report shows pictures and answers
+    assert "![picture 0-0](pictures/0-0.png)" in report and "reference `" in report and "sampled `" in report
     if train_encoder:  # the run's trainer checkpoint exports as the whole VLM, as the loop's own export wrote it
         from fp8rl.export import export_checkpoint
 
