@@ -79,7 +79,7 @@ def test_every_family_builds_and_round_trips_its_config_json():
         assert all(fam.refusal(e) is None or isinstance(fam.refusal(e), str) for e in ("torch", "vllm", "megatron"))
         # a vision-language family's own keys (a flat, pre-4.52 file: the text keys at the top level)
         vision = {"vision_config": {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16,
-                                    "out_hidden_size": 64}, "image_token_id": 60,
+                                    "out_hidden_size": 64, "num_position_embeddings": 16}, "image_token_id": 60,
                   "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}} if fam.vision else {}
         cfg = ModelConfig.from_hf_dict({"model_type": name, "vocab_size": 64, "hidden_size": 64,
                                         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,

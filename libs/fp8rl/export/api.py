@@ -263,6 +263,8 @@ def _write(out: Path, tensors: dict, config: ModelConfig, source_dir: Path, fmt:
         except (OSError, ValueError) as e:
             raise ExportError(f"{source_dir}: {e}") from None
         hf_config = {**hf_config, "dtype": dtype, "torch_dtype": dtype}
+    else:  # a model under its own family's checkpoint names (a whole VLM's may differ from fp8rl's)
+        tensors = config.family.to_checkpoint(dict(tensors))
     quantization = None
     if fmt == "hf-fp8":
         used = fp8_recipe_for_export(recipe)

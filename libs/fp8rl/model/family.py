@@ -53,6 +53,8 @@ class Family:
         shared_experts: an MoE layer adds shared experts (``n_shared_experts``) to every token.
         router_scoring: ``"softmax"`` or ``"sigmoid"``: how its experts' router scores (:class:`~.router.RoutingRule`).
         refusals: engine -> why it cannot run this family (an engine not listed runs it).
+        checkpoint_prefixes: where fp8rl's parameter names differ from the checkpoint's (a vision-language model's
+            ``model.language_model.*`` is fp8rl's ``model.*``): ``(fp8rl's prefix, the checkpoint's)`` pairs.
     """
 
     name: str = ""
@@ -65,6 +67,27 @@ class Family:
     shared_experts: bool = False
     router_scoring: str = "softmax"
     refusals: dict[str, str] = {}
+    # (fp8rl's parameter-name prefix, the checkpoint's) where they differ, most specific first
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
+
+    # -- checkpoint names -----------------------------------------------------------------------------------------
+
+    def from_checkpoint(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """``tensors`` renamed, in place, from the checkpoint's names to fp8rl's (``checkpoint_prefixes``)."""
+        return self._renamed(tensors, [(theirs, ours) for ours, theirs in self.checkpoint_prefixes])
+
+    def to_checkpoint(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """``tensors`` renamed, in place, from fp8rl's names to the checkpoint's."""
+        return self._renamed(tensors, list(self.checkpoint_prefixes))
+
+    @staticmethod
+    def _renamed(tensors: dict[str, Any], pairs: list[tuple[str, str]]) -> dict[str, Any]:
+        for name in list(tensors):
+            for old, new in pairs:
+                if name.startswith(old):
+                    tensors[new + name[len(old):]] = tensors.pop(name)
+                    break
+        return tensors
 
     # -- config.json --------------------------------------------------------------------------------------------
 

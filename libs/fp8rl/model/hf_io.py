@@ -175,6 +175,7 @@ def checked_model(path: Path, config: ModelConfig, tensors: dict[str, torch.Tens
     Raises:
         ValueError: tensors missing or unexpected (each listed by name), or one of the wrong shape.
     """
+    config.family.from_checkpoint(tensors)  # the checkpoint's names to fp8rl's, where a family's differ
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     expected = hf_shapes(config)
@@ -254,4 +255,4 @@ def save_hf_checkpoint(model: CausalLM, config: ModelConfig, path: str | Path) -
         tensors[name] = t.detach().to("cpu").contiguous()
     dtype_name = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(torch_dtype=dtype_name), indent=2) + "\n")
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(config.family.to_checkpoint(tensors), str(path / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -362,9 +362,16 @@ class CausalLM(nn.Module):
         prompt and pass to every forward of its rows."""
         return dataclasses.replace(images, features=self.visual(images))
 
-    def _with_images(self, x: torch.Tensor, input_ids: torch.Tensor, images: ImageBatch) -> torch.Tensor:
-        """``x`` with the image tokens' embeddings replaced by the encoder's outputs, in order."""
-        feats = (images.features if images.features is not None else self.visual(images)).to(x.dtype)  # (cells, C)
+    def _with_images(self, x: torch.Tensor, input_ids: torch.Tensor, images: ImageBatch
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``x`` with the image tokens' embeddings replaced by the encoder's outputs, in order; and a DeepStack
+        encoder's further embeddings per cell (:mod:`fp8rl.model.vision_deepstack`) as one ``(B, T, C)`` addend per
+        layer they follow (zero off the image tokens)."""
+        out = (images.features if images.features is not None else self.visual(images)).to(x.dtype)
+        C = x.shape[-1]
+        if out.shape[-1] % C:
+            raise ValueError(f"the vision encoder's outputs are {out.shape[-1]} wide, not a multiple of {C}")
+        feats = out[:, :C]  # (cells, C); the rest: DeepStack's, C each
         slots = input_ids == self.config.image_token_id  # (B, T)
         if images.rows is not None:  # a row's image tokens past its images' cells are text (a sampled one)
             if len(images.rows) != input_ids.shape[0]:
@@ -378,7 +385,9 @@ class CausalLM(nn.Module):
         if n != feats.shape[0]:
             raise ValueError(f"the images make {feats.shape[0]} embeddings for {n} image tokens "
                              f"(id {self.config.image_token_id}) in input_ids")
-        return x.masked_scatter(slots.unsqueeze(-1), feats)
+        at = slots.unsqueeze(-1)
+        deep = [torch.zeros_like(x).masked_scatter(at, out[:, k * C:(k + 1) * C]) for k in range(1, out.shape[-1] // C)]
+        return x.masked_scatter(at, feats), deep
 
     def forward(
         self,
@@ -493,8 +502,9 @@ class CausalLM(nn.Module):
             mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        deep: list[torch.Tensor] = []  # DeepStack: what layer k's output gains at the image tokens
         if images is not None:
-            x = self._with_images(x, input_ids, images)
+            x, deep = self._with_images(x, input_ids, images)
         if mrope:
             rope = {key: mrope_cos_sin(self._rope_inv_freq(key, device), self._mrope_axes, position_ids, x.dtype)
                     for key in self._inv_freqs}
@@ -504,12 +514,14 @@ class CausalLM(nn.Module):
         # a prefix being recorded runs once (a recomputation would record it again); the suffixes' forward may
         recompute = (self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
                      and not (prefix is not None and prefix.recording))
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             cos, sin = rope[layer.rope_key]
             if recompute:  # only the layer's input is kept; its forward runs again in the backward
                 x = checkpoint(layer, x, cos, sin, mask, None, layout, prefix, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, kv_cache, layout, prefix)
+            if i < len(deep):
+                x = x + deep[i]
         x = self.model.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)  # once per forward, after every layer wrote its slots

@@ -35,7 +35,7 @@ from torch import nn
 
 from .layers import RMSNorm, _rotate_half
 
-__all__ = ["ImageBatch", "VisionEncoder"]
+__all__ = ["ImageBatch", "VisionAttention", "VisionEncoder", "check_images", "patch_rows_cols", "rotary_tables"]
 
 _EPS = 1e-6  # every norm of the encoder (transformers hard-codes it)
 
@@ -75,7 +75,10 @@ class ImageBatch:
         return [int(t) * int(h) * int(w) // merge**2 for t, h, w in self.grid_thw.tolist()]
 
 
-class _Attention(nn.Module):
+class VisionAttention(nn.Module):
+    """Biased ``qkv`` / ``proj`` self-attention within spans of the rows (windows or frames), rotary q/k in FP32,
+    scores, softmax and ``P @ V`` in FP32."""
+
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -112,7 +115,7 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1 = RMSNorm(dim, _EPS)
         self.norm2 = RMSNorm(dim, _EPS)
-        self.attn = _Attention(dim, heads)
+        self.attn = VisionAttention(dim, heads)
         self.mlp = _Mlp(dim, hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: list[int]) -> torch.Tensor:
@@ -143,6 +146,41 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.cell_width))
 
 
+def patch_rows_cols(grids: list[tuple[int, int, int]], merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each patch's row and column in its image, in the processor's patch order (merge cells row-major, the patches
+    of a cell row-major; frames one after another)."""
+    rows, cols = [], []
+    for t, h, w in grids:
+        hb = torch.arange(h // merge).view(-1, 1, 1, 1)
+        wb = torch.arange(w // merge).view(1, -1, 1, 1)
+        hi = torch.arange(merge).view(1, 1, -1, 1)
+        wi = torch.arange(merge).view(1, 1, 1, -1)
+        shape = (h // merge, w // merge, merge, merge)
+        rows.append((hb * merge + hi).expand(shape).reshape(-1).repeat(t))
+        cols.append((wb * merge + wi).expand(shape).reshape(-1).repeat(t))
+    return torch.cat(rows), torch.cat(cols)
+
+
+def rotary_tables(rows: torch.Tensor, cols: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin ``(N, head_dim)`` of the 2-D rotary positions: a patch's row rotates the first half of each half of
+    a head's frequencies, its column the second (``cat(row angles, column angles)``, twice)."""
+    freqs = torch.cat((rows.float()[:, None] * inv_freq, cols.float()[:, None] * inv_freq), dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def check_images(images: ImageBatch, merge: int) -> list[tuple[int, int, int]]:
+    """The grids of ``images`` as host integers, checked against their patches (``ValueError`` naming them)."""
+    grids = [tuple(int(v) for v in g) for g in images.grid_thw.tolist()]
+    if any(h % merge or w % merge or min(t, h, w) <= 0 for t, h, w in grids):
+        raise ValueError(f"image grids {grids}: every side must be a positive multiple of {merge}")
+    n = sum(t * h * w for t, h, w in grids)
+    if images.pixel_values.dim() != 2 or images.pixel_values.shape[0] != n:
+        raise ValueError(f"pixel_values {tuple(images.pixel_values.shape)} do not hold the {n} patches of "
+                         f"grids {grids}")
+    return grids
+
+
 class VisionEncoder(nn.Module):
     """Qwen2.5-VL's vision tower (module docstring) under transformers' names (``visual.*`` of the checkpoint).
 
@@ -171,20 +209,6 @@ class VisionEncoder(nn.Module):
 
     # -- layout (host integers from the grids) -----------------------------------------------------------------
 
-    def _patch_rows_cols(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's row and column in its image, in the processor's patch order."""
-        m = self.merge
-        rows, cols = [], []
-        for t, h, w in grids:
-            hb = torch.arange(h // m).view(-1, 1, 1, 1)
-            wb = torch.arange(w // m).view(1, -1, 1, 1)
-            hi = torch.arange(m).view(1, 1, -1, 1)
-            wi = torch.arange(m).view(1, 1, 1, -1)
-            shape = (h // m, w // m, m, m)
-            rows.append((hb * m + hi).expand(shape).reshape(-1).repeat(t))
-            cols.append((wb * m + wi).expand(shape).reshape(-1).repeat(t))
-        return torch.cat(rows), torch.cat(cols)
-
     def _windows(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
         """``(order, spans)``: the merge cells in window order (a permutation of image order) and each window's
         length in patches."""
@@ -211,24 +235,17 @@ class VisionEncoder(nn.Module):
             ValueError: grids whose sides are not multiples of ``spatial_merge_size``, or that do not account for
                 every patch row of ``pixel_values``.
         """
-        grids = [tuple(int(v) for v in g) for g in images.grid_thw.tolist()]
-        if any(h % self.merge or w % self.merge or min(t, h, w) <= 0 for t, h, w in grids):
-            raise ValueError(f"image grids {grids}: every side must be a positive multiple of {self.merge}")
+        grids = check_images(images, self.merge)
         n = sum(t * h * w for t, h, w in grids)
-        if images.pixel_values.dim() != 2 or images.pixel_values.shape[0] != n:
-            raise ValueError(f"pixel_values {tuple(images.pixel_values.shape)} do not hold the {n} patches of "
-                             f"grids {grids}")
         x = self.patch_embed(images.pixel_values)  # (N, C)
         device, unit = x.device, self.merge**2
-        rows, cols = self._patch_rows_cols(grids)
-        inv = self._inv_freq.to(device)
-        freqs = torch.cat((rows.to(device).float()[:, None] * inv, cols.to(device).float()[:, None] * inv), dim=-1)
+        rows, cols = patch_rows_cols(grids, self.merge)
         order, windows = self._windows(grids)
         order = order.to(device)
         x = x.view(-1, unit, x.shape[-1])[order].reshape(n, -1)  # window order
-        freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(n, -1)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rotary_tables(rows.to(device), cols.to(device), self._inv_freq.to(device))
+        cos = cos.view(-1, unit, cos.shape[-1])[order].reshape(n, -1)
+        sin = sin.view(-1, unit, sin.shape[-1])[order].reshape(n, -1)
         frames = [h * w for t, h, w in grids for _ in range(t)]  # "full" attention is within a frame
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in self.full_attention else windows)

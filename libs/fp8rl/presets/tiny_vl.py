@@ -25,7 +25,7 @@ from fp8rl.engines.base import SamplingParams
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.model.config import ModelConfig
-from fp8rl.model.families.qwen2_5_vl import VisionLanguageConfig
+from fp8rl.model.families.vision_language import VisionLanguageConfig
 from fp8rl.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from fp8rl.model.image_inputs import PromptImages, VisionProcessor
 from fp8rl.model.tokenizer import CharTokenizer

@@ -52,8 +52,8 @@ def _qwen3_vl(tok: CharTokenizer):
         text_config={**TEXT, "head_dim": 16, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
                                                                  "mrope_interleaved": True, "rope_theta": 50000.0},
                      "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                           deepstack_visual_indexes=[0], num_position_embeddings=64), **SPECIAL)
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0, 1], num_position_embeddings=64), **SPECIAL)
     return transformers.Qwen3VLForConditionalGeneration(cfg)
 
 
@@ -84,17 +84,23 @@ def test_the_language_model_gives_the_whole_vlms_logits_on_text(kind, tmp_path):
     assert torch.allclose(got, want, atol=ATOL_HF, rtol=0), (got - want).abs().max()
 
 
-def test_without_the_key_a_vlm_loads_whole_or_is_refused_naming_it(tmp_path):
-    """Qwen2.5-VL, which fp8rl builds whole, loads as the VLM; Qwen3-VL, which it reads as a language model only, is
-    refused at its config naming the key."""
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_without_the_key_a_vlm_fp8rl_builds_loads_whole(kind, tmp_path):
     from fp8rl.presets import load_policy
 
-    _checkpoint("qwen2_5_vl", tmp_path / "a")
-    assert hasattr(load_policy(str(tmp_path / "a"))[0], "visual")
-    _checkpoint("qwen3_vl", tmp_path / "b")
-    for load in (lambda: load_policy(str(tmp_path / "b")), lambda: read_model_config(tmp_path / "b")):
-        with pytest.raises(ValueError, match="policy.language_model_only"):
-            load()
+    _checkpoint(kind, tmp_path)
+    model = load_policy(str(tmp_path))[0]
+    assert hasattr(model, "visual") and model.config.architecture == kind
+
+
+def test_without_the_key_a_vlm_fp8rl_reads_as_text_only_is_refused_naming_it(tmp_path):
+    """Qwen2-VL: fp8rl reads its language model (policy.language_model_only) but does not build it whole."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": 1},
+                                                      "text_config": {**TEXT, "rope_parameters": {
+                                                          "rope_type": "default", "mrope_section": [2, 3, 3]}}}))
+    with pytest.raises(ValueError, match="policy.language_model_only"):
+        read_model_config(tmp_path)
+    assert read_model_config(tmp_path, language_model_only=True).architecture == "qwen2"
 
 
 def test_a_multimodal_type_fp8rl_does_not_read_is_refused_by_name(tmp_path):
@@ -185,8 +191,7 @@ def test_the_controller_reads_the_text_tower_and_vllm_is_refused(tmp_path):
     _checkpoint("qwen3_vl", tmp_path)
     job = JobConfig().with_settings({"policy.model": str(tmp_path), "policy.language_model_only": True})
     assert model_config_of(job).architecture == "qwen3"
-    with pytest.raises(ValueError, match="policy.language_model_only"):
-        model_config_of(job.with_settings({"policy.language_model_only": False}))
+    assert model_config_of(job.with_settings({"policy.language_model_only": False})).architecture == "qwen3_vl"
     with pytest.raises(ValueError, match="embedded rollout"):
         make_rollout_engine(job.with_settings({"policy.generation.backend": "vllm"}), None, tmp_path,
                             eos_token_ids=[2], pad_token_id=0)
@@ -208,7 +213,9 @@ def _vl_prompts(cfg, sizes_per_row, texts):
 
     from fp8rl.model.vision import ImageBatch
 
-    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 12)
+    patch = cfg.vision_config.get("patch_size", 14)
+    side = patch * cfg.vision_config.get("spatial_merge_size", 2)  # a merged cell's pixels
+    proc = Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side * 12, patch_size=patch)
     prompts, images = [], []
     g = torch.Generator().manual_seed(1)
     for sizes, n_text in zip(sizes_per_row, texts, strict=True):
@@ -239,12 +246,15 @@ def _vl_batch(cfg, sizes_per_row, texts, pad_to):
     return ids, mask, ImageBatch.concat(images)
 
 
-def test_qwen2_5_vl_gives_transformers_logits_on_images(tmp_path):
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_whole_vlm_gives_transformers_logits_on_images(kind, tmp_path):
+    """Qwen2.5-VL (window attention, blocked M-RoPE) and Qwen3-VL (learned positions, DeepStack into two layers,
+    interleaved M-RoPE, its own checkpoint names)."""
     from fp8rl.model.mrope import mrope_positions
 
-    ref = _checkpoint("qwen2_5_vl", tmp_path)
+    ref = _checkpoint(kind, tmp_path)
     model, cfg = load_hf_checkpoint(tmp_path)
-    assert cfg.architecture == "qwen2_5_vl" and hasattr(model, "visual")
+    assert cfg.architecture == kind and hasattr(model, "visual")
     ids, mask, images = _vl_batch(cfg, [[(60, 90), (40, 40)], [(100, 30)], []], [4, 6, 9], pad_to=40)
     assert images.grid_thw.shape[0] == 3 and len({tuple(g) for g in images.grid_thw.tolist()}) == 3
     mm = (ids == cfg.image_token_id).int()
@@ -321,7 +331,8 @@ def test_fp8_and_batch_invariance_leave_the_vision_encoder_in_high_precision(tmp
     assert torch.isfinite(both).all() and torch.equal(first[0][keep], both[0][keep])
 
 
-def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(tmp_path):
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(kind, tmp_path):
     """fp8_e2e + FP8 KV + batch invariance on a Qwen2.5-VL policy: the rollout encodes each prompt's images once,
     prefills them with their multimodal positions and decodes the text after them; the trainer encodes them once
     per step and recomputes the whole rows — the logprobs are equal bit for bit (prompts with two images, one, none;
@@ -334,7 +345,7 @@ def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(tmp_path):
     from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
     from fp8rl.fp8 import recipe_for_role
 
-    _checkpoint("qwen2_5_vl", tmp_path)
+    _checkpoint(kind, tmp_path)
     model, cfg = load_hf_checkpoint(tmp_path)
     tok = CharTokenizer()
     rr = recipe_for_role("fp8_e2e", "rollout", kv_cache_dtype="fp8", batch_invariant=True)
@@ -363,7 +374,8 @@ def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(tmp_path):
     assert not torch.equal(trainer.model.model.layers[0].mlp.down_proj.weight, text)
 
 
-def test_decode_after_images_is_bitwise_the_full_forward_even_through_a_sampled_image_token(tmp_path):
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_decode_after_images_is_bitwise_the_full_forward_even_through_a_sampled_image_token(kind, tmp_path):
     """Under batch invariance, the rollout's way — prefill the image prompts at their multimodal positions, then
     decode each token at its index shifted by the row's delta — gives the full forward's logits bit for bit; a
     response token that is the image token is text on both paths (the row's images are spent)."""
@@ -371,7 +383,7 @@ def test_decode_after_images_is_bitwise_the_full_forward_even_through_a_sampled_
     from fp8rl.model.mrope import mrope_positions
     from fp8rl.model.vision import ImageBatch
 
-    _checkpoint("qwen2_5_vl", tmp_path)
+    _checkpoint(kind, tmp_path)
     model, cfg = load_hf_checkpoint(tmp_path)
     model.enable_batch_invariance()
     prompts, images = _vl_prompts(cfg, [[(60, 90)], [], [(40, 40), (30, 60)]], [4, 9, 2])
@@ -479,3 +491,21 @@ def test_a_parquet_file_of_pictures_trains_and_a_bad_picture_is_refused_by_its_p
     bad = job.with_settings({"data.path": "bad.parquet", "policy.model": str(tmp_path / "vl")})
     with pytest.raises(ConfigError, match="bad.parquet: problem 5, image 0: not a decodable image"):
         JobPlan("j", bad, DataRoot(tmp_path))
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_whole_vlm_saves_under_its_checkpoint_names(kind, tmp_path):
+    """Loaded whole and saved again: the same tensor names and values as transformers wrote (Qwen3-VL's
+    ``model.language_model.*`` / ``model.visual.*`` included), and the export of it loads in transformers."""
+    from fp8rl.export import save_policy_hf
+    from fp8rl.model import save_hf_checkpoint
+
+    _checkpoint(kind, tmp_path / "src")
+    model, cfg = load_hf_checkpoint(tmp_path / "src")
+    save_hf_checkpoint(model, cfg, tmp_path / "again")
+    before, after = load_file(tmp_path / "src" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert set(before) == set(after) and all(torch.equal(before[n], after[n]) for n in before)
+    model.name_or_path = str(tmp_path / "src")
+    save_policy_hf(model, tmp_path / "src", tmp_path / "out")
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(before)
+    transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out")

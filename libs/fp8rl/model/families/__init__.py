@@ -12,4 +12,5 @@ MODULES = (
     "deepseek_v3",
     "gemma3_text",
     "qwen2_5_vl",
+    "qwen3_vl",
 )
