@@ -290,7 +290,7 @@ def test_config_validation():
         ModelConfig("llama", 97, 64, 96, 2, 4, num_key_value_heads=3)
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         ModelConfig("gpt2", 97, 64, 96, 2, 4)
-    with pytest.raises(ValueError, match="only qwen3/qwen3_moe have q_norm"):
+    with pytest.raises(ValueError, match="only qwen3/qwen3_moe/qwen3_vl have q_norm"):
         ModelConfig("llama", 97, 64, 96, 2, 4, qk_norm=True)
     with pytest.raises(ValueError, match="llama3 rope_scaling lacks"):
         ModelConfig("llama", 97, 64, 96, 2, 4, rope_scaling={"rope_type": "llama3", "factor": 8.0})
