@@ -35,7 +35,8 @@ from torch import nn
 
 from .layers import RMSNorm, _rotate_half
 
-__all__ = ["ImageBatch", "VisionAttention", "VisionEncoder", "check_images", "patch_rows_cols", "rotary_tables"]
+__all__ = ["ImageBatch", "PatchEmbed", "VisionAttention", "VisionBlock", "VisionEncoder", "check_images",
+           "patch_rows_cols", "rotary_tables"]
 
 _EPS = 1e-6  # every norm of the encoder (transformers hard-codes it)
 
@@ -110,28 +111,31 @@ class _Mlp(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+class VisionBlock(nn.Module):
+    """Pre-norm ``x + attn(norm1(x))``, then ``+ mlp(norm2(.))``, of the norms and MLP an encoder gives (transformers'
+    names: ``norm1``, ``norm2``, ``attn``, ``mlp``)."""
+
+    def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: VisionAttention, mlp: nn.Module) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(dim, _EPS)
-        self.norm2 = RMSNorm(dim, _EPS)
-        self.attn = VisionAttention(dim, heads)
-        self.mlp = _Mlp(dim, hidden)
+        self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, spans)
         return x + self.mlp(self.norm2(x))
 
 
-class _PatchEmbed(nn.Module):
-    def __init__(self, channels: int, frames: int, patch: int, dim: int) -> None:
+class PatchEmbed(nn.Module):
+    """One linear map of each flattened patch: a Conv3d whose kernel is its stride (kept as ``proj`` for its name
+    and shape), computed as the GEMM it is."""
+
+    def __init__(self, channels: int, frames: int, patch: int, dim: int, *, bias: bool = False) -> None:
         super().__init__()
         self.proj = nn.Conv3d(channels, dim, kernel_size=(frames, patch, patch), stride=(frames, patch, patch),
-                              bias=False)
+                              bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1))  # the conv of one patch is a dot product
+        return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class _Merger(nn.Module):
@@ -198,9 +202,10 @@ class VisionEncoder(nn.Module):
         self.merge = int(c.get("spatial_merge_size", 2))
         self.window = int(c.get("window_size", 112)) // self.merge // self.patch  # in merge cells
         self.full_attention = {int(i) for i in c.get("fullatt_block_indexes", ())}
-        self.patch_embed = _PatchEmbed(int(c.get("in_channels", 3)), int(c.get("temporal_patch_size", 2)),
+        self.patch_embed = PatchEmbed(int(c.get("in_channels", 3)), int(c.get("temporal_patch_size", 2)),
                                        self.patch, dim)
-        self.blocks = nn.ModuleList(_Block(dim, heads, int(c["intermediate_size"])) for _ in range(int(c["depth"])))
+        self.blocks = nn.ModuleList(VisionBlock(RMSNorm(dim, _EPS), RMSNorm(dim, _EPS), VisionAttention(dim, heads),
+                                                _Mlp(dim, int(c["intermediate_size"]))) for _ in range(int(c["depth"])))
         self.merger = _Merger(dim, self.merge**2, int(c["out_hidden_size"]))
         half = dim // heads // 2  # each of row and column rotates half a head's frequencies
         theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)

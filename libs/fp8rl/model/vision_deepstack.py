@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .vision import ImageBatch, VisionAttention, check_images, patch_rows_cols, rotary_tables
+from .vision import ImageBatch, PatchEmbed, VisionAttention, VisionBlock, check_images, patch_rows_cols, rotary_tables
 
 __all__ = ["DeepstackVisionEncoder"]
 
@@ -42,19 +42,6 @@ class _Mlp(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=_EPS)
-        self.norm2 = nn.LayerNorm(dim, eps=_EPS)
-        self.attn = VisionAttention(dim, heads)
-        self.mlp = _Mlp(dim, hidden)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, spans)
-        return x + self.mlp(self.norm2(x))
-
-
 class _Merger(nn.Module):
     """A cell's patches → one embedding; the norm before the merge (the main merger) or after it (DeepStack's)."""
 
@@ -68,17 +55,6 @@ class _Merger(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.cell_width)) if self.after else self.norm(x).view(-1, self.cell_width)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
-
-
-class _PatchEmbed(nn.Module):
-    def __init__(self, channels: int, frames: int, patch: int, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Conv3d(channels, dim, kernel_size=(frames, patch, patch), stride=(frames, patch, patch),
-                              bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 def _taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +85,13 @@ class DeepstackVisionEncoder(nn.Module):
         self.patch = int(c.get("patch_size", 16))
         self.merge = int(c.get("spatial_merge_size", 2))
         self.deepstack = [int(i) for i in c.get("deepstack_visual_indexes", ())]
-        self.patch_embed = _PatchEmbed(int(c.get("in_channels", 3)), int(c.get("temporal_patch_size", 2)),
-                                       self.patch, dim)
+        self.patch_embed = PatchEmbed(int(c.get("in_channels", 3)), int(c.get("temporal_patch_size", 2)),
+                                      self.patch, dim, bias=True)
         self.pos_embed = nn.Embedding(int(c["num_position_embeddings"]), dim)
         self.side = int(int(c["num_position_embeddings"]) ** 0.5)
-        self.blocks = nn.ModuleList(_Block(dim, heads, int(c["intermediate_size"])) for _ in range(int(c["depth"])))
+        self.blocks = nn.ModuleList(
+            VisionBlock(nn.LayerNorm(dim, eps=_EPS), nn.LayerNorm(dim, eps=_EPS), VisionAttention(dim, heads),
+                        _Mlp(dim, int(c["intermediate_size"]))) for _ in range(int(c["depth"])))
         cell, out = self.merge**2, int(c["out_hidden_size"])
         self.merger = _Merger(dim, cell, out, after=False)
         self.deepstack_merger_list = nn.ModuleList(_Merger(dim, cell, out, after=True) for _ in self.deepstack)
