@@ -35,7 +35,7 @@ from fp8rl.engines.torch_trainer import TorchTrainer
 from fp8rl.fp8 import Fp8Recipe
 from fp8rl.fp8.payload import is_adapter
 from fp8rl.model import ModelConfig, load_hf_checkpoint
-from fp8rl.model.hf_io import CONFIG_FILE, hf_shapes, read_model_config
+from fp8rl.model.hf_io import CONFIG_FILE, hf_shapes
 
 __all__ = ["ExportError", "TrainerCheckpoint", "check_tensors", "read_checkpoint"]
 
@@ -226,12 +226,7 @@ def _read_hf(path: Path) -> TrainerCheckpoint:
         dtype = _DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
         # a vision-language directory fp8rl builds whole is read whole; another, as its language model (what
         # policy.language_model_only trains of it)
-        try:
-            read_model_config(path)
-            whole = True
-        except ValueError:
-            whole = False
-        model, config = load_hf_checkpoint(path, dtype=dtype, language_model_only=not whole)
+        model, config = load_hf_checkpoint(path, dtype=dtype, language_model_only=None)
     except (OSError, ValueError) as e:  # hf_io names the missing file or tensor
         raise ExportError(f"{path}: not a loadable Hugging Face model: {_short(e)}") from None
     tensors = model.state_dict()

@@ -95,7 +95,7 @@ def hf_shapes(config: ModelConfig) -> dict[str, torch.Size]:
 
 def load_hf_checkpoint(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    language_model_only: bool = False,
+    language_model_only: bool | None = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a local HF checkpoint directory into a :class:`CausalLM`.
 
@@ -104,7 +104,8 @@ def load_hf_checkpoint(
         dtype: floating dtype of the loaded parameters.
         device: where the parameters live.
         language_model_only: of a vision-language checkpoint, load its text tower alone
-            (:mod:`fp8rl.model.vision_language`); without it such a checkpoint is refused.
+            (:mod:`fp8rl.model.vision_language`); False: the whole model (refused for one fp8rl does not build
+            whole); None: whichever fp8rl can (:func:`read_model_config`).
 
     Returns:
         ``(model, config)``; the model is in eval mode with no ``kv_quant`` installed.
@@ -117,10 +118,11 @@ def load_hf_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    config = read_model_config(path, language_model_only=language_model_only)
+    d = _config_dict(path)
+    config = _model_config(path, d, language_model_only)
     tensors = load_hf_tensors(path, device)
-    if language_model_only and vision_language_of(_config_dict(path)) is not None:
-        tensors, _ = split_tensors(tensors)  # the vision tensors are dropped here, read again by an export
+    if not config.family.vision and vision_language_of(d) is not None:
+        tensors, _ = split_tensors(tensors)  # a text tower alone: the vision tensors dropped (an export reads them)
     return checked_model(path, config, tensors, dtype), config
 
 
@@ -137,23 +139,27 @@ def _config_dict(path: Path) -> dict:
     return d
 
 
-def read_model_config(path: str | Path, *, language_model_only: bool = False) -> ModelConfig:
+def read_model_config(path: str | Path, *, language_model_only: bool | None = False) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``; no weights read): of a
     vision-language checkpoint with ``language_model_only``, its text tower's; without, the whole model's where its
-    family is registered (``qwen2_5_vl``).
+    family is registered (``qwen2_5_vl``, ``qwen3_vl``); None: the whole model where it is, else the text tower's.
 
     Raises:
         FileNotFoundError: no ``config.json``.
-        ValueError: an unsupported config, or a vision-language one without ``language_model_only`` (the message
-            names the job key).
+        ValueError: an unsupported config, or a vision-language one fp8rl does not build whole without
+            ``language_model_only`` (the message names the job key).
     """
     path = Path(path)
-    d = _config_dict(path)
+    return _model_config(path, _config_dict(path), language_model_only)
+
+
+def _model_config(path: Path, d: dict, language_model_only: bool | None) -> ModelConfig:
     arch = vision_language_of(d)
     if arch is not None:
-        if language_model_only:
+        whole = arch.model_type in family_names()
+        if language_model_only or (language_model_only is None and not whole):
             d = language_model_config(d)
-        elif arch.model_type not in family_names():
+        elif not whole:
             raise ValueError(f"{path} is a vision-language checkpoint ({arch.hf_class}): fp8rl trains its language "
                              f"model alone with {LM_ONLY_KEY}: true (the vision encoder is kept and written back "
                              f"on export)")
