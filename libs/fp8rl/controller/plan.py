@@ -395,8 +395,9 @@ class JobPlan:
             val = load_split(job, "validation", data, self.tok, rows=train.read if same_file else None) \
                 if validating else Split([], 0)
             self.eval_set = val.problems
-            self._check_images(train.problems, job.data.path)
-            self._check_images(val.problems, job.data.validation_path or job.data.path)
+            seen: set[tuple[bytes, ...]] = set()  # validation rows taken from the training file: checked once
+            self._check_images(train.problems, job.data.path, seen)
+            self._check_images(val.problems, job.data.validation_path or job.data.path, seen)
             self.dropped_prompts = {"train": train.dropped, "validation": val.dropped}
             log.info("job %s: %d training problems from %s (%s; one epoch = %.1f steps), %d validation problems; "
                      "dropped over data.max_prompt_tokens=%s: %d training, %d validation", job_id,
@@ -455,21 +456,22 @@ class JobPlan:
         return self.images.prompt(problem.prompt, problem.images,
                                   lambda piece, first: self.tok.encode(piece, add_bos=first))
 
-    def _check_images(self, problems: Sequence[Problem], path: str) -> None:
-        """Every problem's images decoded and processed now (and kept for the steps): a bad one is refused before
-        the job runs, naming its problem (:class:`ConfigError`)."""
+    def _check_images(self, problems: Sequence[Problem], path: str, seen: set) -> None:
+        """Every problem's images decoded now, under the limits (processed when a step uses them): a bad one is
+        refused before the job runs, naming its problem (:class:`ConfigError`)."""
         from fp8rl.model.image_inputs import ImageError
 
         for i, p in enumerate(problems):
-            if not p.images:
+            if not p.images or p.images in seen:
                 continue
             if self.images is None:
                 raise ConfigError(f"data.path: {path}: problem {i} has images, but policy.model "
                                   f"{self.job.policy.model!r} is not a vision-language model")
             try:
-                self.images.batch(p.images, where=f"{path}: problem {i}")
+                self.images.processor.decode(p.images, where=f"{path}: problem {i}")
             except ImageError as e:
                 raise ConfigError(f"data: {e}") from None
+            seen.add(p.images)
 
     def image_batches(self, problems: Sequence[Problem]) -> list | None:
         """Per problem its processed images (:class:`~fp8rl.model.vision.ImageBatch`, or None for none); None when

@@ -123,11 +123,18 @@ class VisionProcessor:
         """
         if not images:
             return None
+        out = self._proc(images=self.decode(images, where=where), return_tensors="pt")
+        return ImageBatch(out["pixel_values"].float(), out["image_grid_thw"].long())
+
+    def decode(self, images: Sequence[bytes], *, where: str = "a prompt") -> list:
+        """One prompt's encoded ``images`` decoded under the limits (RGB ``PIL.Image`` s), not yet processed.
+
+        Raises:
+            ImageError: too many images, or one that :func:`decode_image` refuses.
+        """
         if len(images) > self.limits.max_images:
             raise ImageError(f"{where}: {len(images)} images, over the limit of {self.limits.max_images}")
-        decoded = [decode_image(b, self.limits, where=f"{where}, image {i}") for i, b in enumerate(images)]
-        out = self._proc(images=decoded, return_tensors="pt")
-        return ImageBatch(out["pixel_values"].float(), out["image_grid_thw"].long())
+        return [decode_image(b, self.limits, where=f"{where}, image {i}") for i, b in enumerate(images)]
 
 
 def expand_prompt(text: str, grids: torch.Tensor | None, encode: Callable[[str, bool], list[int]], *,
@@ -164,7 +171,7 @@ class PromptImages:
         keep: prompts whose processed images are kept (the oldest are processed again when needed).
     """
 
-    def __init__(self, processor: VisionProcessor, config: Any, keep: int = 4096) -> None:
+    def __init__(self, processor: VisionProcessor, config: Any, keep: int = 256) -> None:
         self.processor, self.config, self.keep = processor, config, keep
         self._held: dict[tuple[bytes, ...], ImageBatch | None] = {}
 
