@@ -137,11 +137,10 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
     if not answer:
         raise ValueError(f"{where}: {answer_key!r} is empty")
     images = _images_of(row, where)
-    if images:
-        if not isinstance(prompt, str):
-            raise ValueError(f"{where}: a row with images needs a text prompt with <image> placeholders (chat "
-                             f"prompts with images are not supported yet)")
-        if prompt.count("<image>") != len(images):
-            raise ValueError(f"{where}: {prompt.count('<image>')} <image> placeholder(s) in the prompt for "
-                             f"{len(images)} image(s)")
-    return Problem(prompt=prompt, answer=answer, images=images)
+    if images and isinstance(prompt, str) and prompt.count("<image>") != len(images):
+        raise ValueError(f"{where}: {prompt.count('<image>')} <image> placeholder(s) in the prompt for "
+                         f"{len(images)} image(s)")
+    try:
+        return Problem(prompt=prompt, answer=answer, images=images)
+    except ValueError as e:  # what a problem refuses (a chat prompt with images), named by its row
+        raise ValueError(f"{where}: {e}") from None

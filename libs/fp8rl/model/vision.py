@@ -36,7 +36,7 @@ from torch import nn
 from .layers import RMSNorm, _rotate_half
 
 __all__ = ["ImageBatch", "PatchEmbed", "VisionAttention", "VisionBlock", "VisionEncoder", "check_images",
-           "patch_rows_cols", "rotary_tables"]
+           "patch_rows_cols", "rotary_inv_freq", "rotary_tables"]
 
 _EPS = 1e-6  # every norm of the encoder (transformers hard-codes it)
 
@@ -165,6 +165,15 @@ def patch_rows_cols(grids: list[tuple[int, int, int]], merge: int) -> tuple[torc
     return torch.cat(rows), torch.cat(cols)
 
 
+def rotary_inv_freq(vision_config: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """FP32 inverse frequencies ``(head_dim / 4,)`` of the 2-D rotary positions: each of row and column rotates half
+    a head's frequencies (base ``rope_theta``, 10000 by default; explicit CPU: the model may be built on meta)."""
+    c = vision_config
+    theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    half = head_dim // 2
+    return 1.0 / (float(theta) ** (torch.arange(0, half, 2, dtype=torch.int64, device="cpu").float() / half))
+
+
 def rotary_tables(rows: torch.Tensor, cols: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin ``(N, head_dim)`` of the 2-D rotary positions: a patch's row rotates the first half of each half of
     a head's frequencies, its column the second (``cat(row angles, column angles)``, twice)."""
@@ -207,10 +216,7 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(RMSNorm(dim, _EPS), RMSNorm(dim, _EPS), VisionAttention(dim, heads),
                                                 _Mlp(dim, int(c["intermediate_size"]))) for _ in range(int(c["depth"])))
         self.merger = _Merger(dim, self.merge**2, int(c["out_hidden_size"]))
-        half = dim // heads // 2  # each of row and column rotates half a head's frequencies
-        theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        self._inv_freq = 1.0 / (float(theta)
-                                ** (torch.arange(0, half, 2, dtype=torch.int64, device="cpu").float() / half))
+        self._inv_freq = rotary_inv_freq(c, dim // heads)
 
     # -- layout (host integers from the grids) -----------------------------------------------------------------
 

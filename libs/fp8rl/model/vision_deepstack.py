@@ -25,7 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .vision import ImageBatch, PatchEmbed, VisionAttention, VisionBlock, check_images, patch_rows_cols, rotary_tables
+from .vision import (
+    ImageBatch,
+    PatchEmbed,
+    VisionAttention,
+    VisionBlock,
+    check_images,
+    patch_rows_cols,
+    rotary_inv_freq,
+    rotary_tables,
+)
 
 __all__ = ["DeepstackVisionEncoder"]
 
@@ -95,10 +104,7 @@ class DeepstackVisionEncoder(nn.Module):
         cell, out = self.merge**2, int(c["out_hidden_size"])
         self.merger = _Merger(dim, cell, out, after=False)
         self.deepstack_merger_list = nn.ModuleList(_Merger(dim, cell, out, after=True) for _ in self.deepstack)
-        theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        half = dim // heads // 2
-        self._inv_freq = 1.0 / (float(theta)
-                                ** (torch.arange(0, half, 2, dtype=torch.int64, device="cpu").float() / half))
+        self._inv_freq = rotary_inv_freq(c, dim // heads)
 
     def _positions(self, rows: torch.Tensor, cols: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Each patch's learned position embedding, resampled to its image's grid (module docstring)."""

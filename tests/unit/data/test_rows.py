@@ -85,5 +85,5 @@ def test_a_rows_images_are_read_and_checked_against_its_placeholders():
         problem_from_row({"prompt": "<image>", "answer": 1, "images": ["pic.png"]}, "f:4")
     with pytest.raises(ValueError, match="f:5: 'images' must be a list"):
         problem_from_row({"prompt": "<image>", "answer": 1, "images": png}, "f:5")
-    with pytest.raises(ValueError, match="f:6: a row with images needs a text prompt"):
+    with pytest.raises(ValueError, match="f:6: Problem.images: images go with a text prompt"):
         problem_from_row({"prompt": [{"role": "user", "content": "<image>"}], "answer": 1, "images": [png]}, "f:6")
