@@ -342,18 +342,13 @@ class _InProcess:
                                 max_tokens=job.policy.generation.max_new_tokens, n=n,
                                 seed=sampling_seed(job.job.seed, step, 0))
         images = self.loop.plan.image_batches(problems) if problems is not None else None
-        if images is None:
-            with memory.phase("rollout"):
-                return [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params,
-                                                                                 weight_version=version)]
-        for p, im in zip(prompts, images, strict=True):  # the calibration of this step's sequences needs them
-            if im is not None:
-                self._prompt_images[tuple(p)] = im
-        with memory.phase("rollout"):
-            out = [(s.prompt_index, s) for s in self.loop.rollout.generate(prompts, params, weight_version=version,
-                                                                            images=images)]
-        # what the report shows: a few pictures of the latest generation, each with its first sample
-        self.last_pictures = [(problems[i], s) for i, s in out[::n] if problems[i].images][:4]
+        if images is not None:  # the calibration of this step's sequences needs them
+            self._prompt_images.update({tuple(p): im for p, im in zip(prompts, images, strict=True) if im is not None})
+        with memory.phase("rollout"):  # (a vLLM engine takes no images argument)
+            out = [(s.prompt_index, s) for s in self.loop.rollout.generate(
+                prompts, params, weight_version=version, **({"images": images} if images is not None else {}))]
+        if images is not None:  # what the report shows: a few pictures, each with its prompt's first sample
+            self.last_pictures = [(problems[i], s) for i, s in out[::n] if problems[i].images][:4]
         return out
 
     def _trajectories_of(self, problems, version, *, step, n, temperature):
@@ -598,7 +593,7 @@ def _checkpoint(loop: GRPOLoop, rd: RunDir, next_step: int, history: list[dict],
 
 
 def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dict], val: dict, summary: dict) -> None:
-    from fp8rl.report import job_facts, write_report  # matplotlib only when a report is asked for
+    from fp8rl.report import job_facts, write_pictures, write_report  # matplotlib only when a report is asked for
 
     write_report(history, rd.path, title=f"in-process GRPO, {cfg.recipe_label}, kv={cfg.kv_cache_dtype}",
                  observatory=loop.observatory, facts=job_facts(cfg.job, in_process=True), tensorboard=False)
@@ -607,26 +602,11 @@ def _write_report(cfg: LoopConfig, loop: GRPOLoop, rd: RunDir, history: list[dic
             loop.backends.last_trajectories, lambda ids: loop.tok.decode(ids, skip_special=False),
             title=f"Trajectories of the last step ({cfg.job.env.name or cfg.job.agent.entrypoint})"))
     if loop.backends.last_pictures:  # a vision-language job: a few pictures with the answers sampled for them
-        _write_pictures(rd.path, loop.backends.last_pictures, loop.tok, loop.grader)
+        answers = [(p, loop.tok.decode(s.token_ids)) for p, s in loop.backends.last_pictures]
+        write_pictures(rd.path, [(p.images, p.prompt, p.answer, a, bool(loop.grader(a, p.answer)))
+                                 for p, a in answers])
     RunDir._write(rd.path / "summary.json", json.dumps({"config": cfg.as_dict(), "summary": summary,
                                                         "validation": val}, indent=2))
-
-
-def _write_pictures(out: Path, pairs: list, tok, grader) -> None:
-    """``pictures.md`` (and the pictures beside it, ``pictures/``): each problem's images, its prompt, reference
-    answer and the answer sampled for it, graded."""
-    pictures = out / "pictures"
-    pictures.mkdir(exist_ok=True)
-    lines = ["# Pictures of the last generation", "", "Each picture as the policy saw it, with the answer it sampled.",
-             ""]
-    for i, (problem, sample) in enumerate(pairs):
-        answer = tok.decode(sample.token_ids)
-        for j, data in enumerate(problem.images):
-            (pictures / f"{i}-{j}.png").write_bytes(data)
-            lines.append(f"![picture {i}-{j}](pictures/{i}-{j}.png)")
-        lines += ["", f"prompt `{problem.prompt!r}` · reference `{problem.answer}` · sampled `{answer!r}` · "
-                      f"{'right' if grader(answer, problem.answer) else 'wrong'}", ""]
-    RunDir._write(out / "pictures.md", "\n".join(lines))
 
 
 def _summary(cfg: LoopConfig, loop: GRPOLoop, history: list[dict], val: dict, wall: float, *, ran: int,

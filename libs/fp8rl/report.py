@@ -10,6 +10,7 @@
     OUT/validation.png               runs that validated: greedy accuracy, pass@j, mean@k over steps trained
     OUT/expert_load.png             mixture-of-experts models: each layer's expert load (mean over steps)
     OUT/tensorboard/events.out.tfevents.*   every numeric column as a scalar, x = step
+    OUT/pictures.md, OUT/pictures/  :func:`write_pictures`: a vision-language run's pictures with its answers
     OUT/observatory.md .json .png    with ``observatory=``: the mismatch observatory's tables and bars
                                      (:mod:`fp8rl.observatory`), its tables also appended to summary.md
 
@@ -39,7 +40,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PHASES", "flatten_step", "summarize", "tensorboard_writer", "write_report", "main"]
+__all__ = ["PHASES", "flatten_step", "summarize", "tensorboard_writer", "write_pictures", "write_report", "main"]
 
 # fp8rl.rl.metrics.MAX_ABS_LOGPROB_DIFF, spelled here: the report reads rows and imports only fp8rl.limits
 MAX_ABS_LOGPROB_DIFF = "mismatch/max_abs_logprob_diff"
@@ -384,6 +385,22 @@ def job_facts(job, *, in_process: bool = False) -> list[tuple[str, str]]:
             where = "the trainer's weights, right after each optimizer step (in-process loop)"
         facts.append(("QKV scale calibration", where))
     return facts
+
+
+def write_pictures(out: Path, items: Sequence[tuple[Sequence[bytes], str, str, str, bool]]) -> None:
+    """``out/pictures.md`` and the pictures beside it (``out/pictures/``): per item — ``(image files, prompt,
+    reference answer, sampled answer, graded right)`` — its pictures, then its prompt and answers."""
+    pictures = out / "pictures"
+    pictures.mkdir(parents=True, exist_ok=True)
+    lines = ["# Pictures of the last generation", "", "Each picture as the policy saw it, with the answer it sampled.",
+             ""]
+    for i, (images, prompt, reference, sampled, right) in enumerate(items):
+        for j, data in enumerate(images):
+            (pictures / f"{i}-{j}.png").write_bytes(data)
+            lines.append(f"![picture {i}-{j}](pictures/{i}-{j}.png)")
+        lines += ["", f"prompt `{prompt!r}` · reference `{reference}` · sampled `{sampled!r}` · "
+                      f"{'right' if right else 'wrong'}", ""]
+    (out / "pictures.md").write_text("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
