@@ -39,14 +39,15 @@ from fp8rl.memory import release_free_memory
 from fp8rl.model import CausalLM, routing
 from fp8rl.model.lora import LoraSettings, apply_lora, base_checksum, lora_computed_state_dict, lora_state_dict
 from fp8rl.model.shared_prefix import shared_prefix_length
-from fp8rl.model.vision import ImageBatch
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, LossConfig, LossNorm, mismatch_metrics, policy_loss
 
 from .base import Cancelled, ShouldStop, TrainBatch, TrainerBackend, check_stop
 from .footprint import check_fits, keeps_dequantized_weights, recompute_by_default
 from .logprob_pass import sequence_logprobs, sequence_logprobs_and_entropy
 from .parallel import DataParallel, full_tensor
+from .resume_checks import check_resumable
 from .routing_stats import RouteStats, plan_for
+from .step_images import StepImages
 
 __all__ = ["MIN_SHARED_PREFIX", "TrainerConfig", "TorchTrainer"]
 
@@ -168,7 +169,7 @@ class TorchTrainer(TrainerBackend):
             self.model.visual.requires_grad_(config.train_vision_encoder)
         elif config.train_vision_encoder:
             raise ValueError("policy.training.train_vision_encoder: the policy has no vision encoder")
-        self._encoded: dict[int, tuple[ImageBatch, ImageBatch]] = {}  # a step's prompts' images, encoded once
+        self._step_images = StepImages()  # a step's prompts' images, encoded once
         if self.lora is not None:  # after FP8 conversion, which swaps the linears the adapters hang on
             apply_lora(self.model, self.lora, seed=seed)
             # the frozen base's FP8 linears keep their FP8 form only (E4M3 + scales; mxfp8 keeps its master for dgrad)
@@ -350,9 +351,11 @@ class TorchTrainer(TrainerBackend):
             plan = plan_for(self._moe_layers, mb, replay=replay, record=stats is not None, aux=stats is not None)
             if plan is None:
                 return sequence_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, t,
-                                                     prefix_len=self._prefix_len(mb), images=self._images(mb))[0]
+                                                     prefix_len=self._prefix_len(mb),
+                                                     images=self._step_images.of(model, mb.images))[0]
             with routing(model, plan):
-                out = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t, images=self._images(mb))
+                out = sequence_logprobs(model, mb.input_ids, mb.attention_mask, t,
+                                        images=self._step_images.of(model, mb.images))
             if stats is not None:
                 stats.add(plan)
             return out
@@ -360,22 +363,6 @@ class TorchTrainer(TrainerBackend):
         if p is None:
             return torch.cat([logprobs(mb) for _, mb in self._micro_batches(batch, should_stop)], dim=0)
         return self._rows_of(batch, ((i, logprobs(mb)) for i, mb in self._micro_batches(batch, should_stop)))
-
-    def _images(self, mb: TrainBatch, *, grad: bool = False) -> ImageBatch | None:
-        """Micro-batch ``mb``'s images with their encoder outputs, each prompt's images encoded once (as the rollout
-        encodes them): once per step for every pass and row of the prompt (the frozen encoder), or with ``grad``
-        (a trained encoder's training pass) once per micro-batch, its features carrying the gradient."""
-        if mb.images is None:
-            return None
-        held_by = self._encoded if not grad else {}
-        encoded: list[ImageBatch | None] = []
-        with torch.set_grad_enabled(grad):
-            for img in mb.images:
-                held = None if img is None else held_by.get(id(img))
-                if img is not None and (held is None or held[0] is not img):
-                    held = held_by[id(img)] = (img, self.model.encode_images(img))
-                encoded.append(None if held is None else held[1])
-        return ImageBatch.concat(encoded)  # row by row: a row's count of images rides along
 
     def _prefix_len(self, mb: TrainBatch) -> int:
         """The leading tokens micro-batch ``mb``'s rows share and run once (``TrainerConfig.share_prefix``), up to
@@ -498,7 +485,7 @@ class TorchTrainer(TrainerBackend):
                 self.optimizer.load_state_dict(snapshot[1])
             raise
         finally:
-            self._encoded.clear()  # the step's images: the next step brings its own
+            self._step_images.clear()
         self._version += 1
         totals["lr"] = self.config.lr
         return totals
@@ -555,7 +542,7 @@ class TorchTrainer(TrainerBackend):
             self.model.activation_checkpointing = self.recomputes(*mb.input_ids.shape, shared=shared)
             recomputed, runs = recomputed + self.model.activation_checkpointing, runs + 1
             # a frozen encoder's features are the step's; a trained one's come with gradient, per micro-batch
-            images = self._images(mb, grad=self.config.train_vision_encoder)
+            images = self._step_images.of(self.model, mb.images, grad=self.config.train_vision_encoder)
             with routing(self.model, plan) if plan is not None else contextlib.nullcontext():
                 curr, ent = sequence_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask,
                                                           self.config.temperature, entropy=True, prefix_len=shared,
@@ -693,8 +680,7 @@ class TorchTrainer(TrainerBackend):
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("format") != self.CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint (format={state.get('format')!r})")
-        self._check_recipe(path, state["recipe_linear"])
-        self._check_lora(path, state.get("lora"))
+        self._check_resumable(path, state["recipe_linear"], state.get("lora"))
         if not self._sharded_state:
             self._restore_checkpoint_state(state)
         else:  # a single rank's file, every rank reading it: keep this rank's shards of weights and AdamW state
@@ -712,34 +698,9 @@ class TorchTrainer(TrainerBackend):
         torch.set_rng_state(state["rng"])
         self._version = int(state["version"])
 
-    def _check_lora(self, path: str, record: dict | None) -> None:
-        """A checkpoint resumes on the training it was written by: LoRA adapters on the same base, or every weight.
-
-        Raises:
-            ValueError: naming what differs (LoRA on one side only, other adapter settings, another base).
-        """
-        mine = self._model_record.get("lora")
-        if (record is None) != (mine is None):
-            has = "LoRA adapters" if record is not None else "every weight (no LoRA)"
-            wants = "LoRA adapters (policy.lora.enabled=true)" if mine is not None else "every weight"
-            raise ValueError(f"{path} holds {has}, this trainer trains {wants}")
-        if record is None:
-            return
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}: its lora record is not a mapping: {record!r:.200}")
-        if record.get("base_checksum") != mine["base_checksum"]:
-            raise ValueError(f"{path} holds LoRA adapters of another base model (base checksum "
-                             f"{record.get('base_checksum')!r}, trained on {self._model_record['model_source']!r}); "
-                             f"this trainer's base is {mine['base_checksum']!r}: resume on the base the adapters "
-                             "were trained on (policy.model)")
-        for key in ("rank", "alpha", "target_modules"):
-            if record.get(key) != mine[key]:
-                raise ValueError(f"{path} holds adapters with policy.lora.{key}={record.get(key)!r}, this trainer "
-                                 f"uses {mine[key]!r}")
-
-    def _check_recipe(self, path: str, linear: str) -> None:
-        if linear != self.recipe.linear:
-            raise ValueError(f"{path} was trained with {linear} linears, this trainer uses {self.recipe.linear}")
+    def _check_resumable(self, path: str, linear: str | None, lora: dict | None) -> None:
+        """:func:`~.resume_checks.check_resumable` of a checkpoint's record against this trainer's."""
+        check_resumable(path, linear, lora, recipe_linear=self.recipe.linear, model_record=self._model_record)
 
     def _leads(self) -> bool:
         return self.parallel is None or self.parallel.leader
@@ -783,8 +744,7 @@ class TorchTrainer(TrainerBackend):
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint: {meta_file}: {exc}") from None
         if not isinstance(meta, dict) or meta.get("format") != self.CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a {self.CHECKPOINT_FORMAT} checkpoint ({self.DCP_META}: {meta!r:.200})")
-        self._check_recipe(path, meta.get("recipe_linear"))
-        self._check_lora(path, meta.get("lora"))
+        self._check_resumable(path, meta.get("recipe_linear"), meta.get("lora"))
         msd, osd = get_state_dict(self.model, self.optimizer)  # this world's layout; DCP reshards into it
         state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
         dcp.load(state, checkpoint_id=path)
