@@ -395,7 +395,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     from tqdm import tqdm
 
     from fp8rl.config import load_job_config
-    from fp8rl.report import job_facts, write_report
+    from fp8rl.report import job_facts, write_pictures, write_report
     from fp8rl.sdk import Fp8rlClient
 
     stack = up(job_path, run_dir, replicas=replicas, ready_timeout=ready_timeout, metrics=metrics,
@@ -403,7 +403,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
     # `run` owns its stack: SIGTERM (a supervisor, `timeout`, `kill`) stops it as Ctrl-C does, never orphaning it
     signal.signal(signal.SIGTERM, _interrupt)
     reports: list[dict] = []
-    trajectories_md = ""
+    trajectories_md, pictures = "", ()
     job_id, status = None, EXIT_FAILED
     client = Fp8rlClient(stack.info["controller"], token_file=stack.info["secrets"]["client_token_file"])
     try:
@@ -415,6 +415,7 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
             for r in client.watch(job_id):
                 reports.append(_report_dict(r))
                 trajectories_md = r.trajectories_md or trajectories_md
+                pictures = r.pictures or pictures
                 err = r.token_mult_prob_error
                 fields = {"reward": f"{r.reward_mean:.3f}", "acc": f"{r.accuracy:.3f}",
                           "mult_err": "n/a" if err is None else f"{err:.6f}"}
@@ -443,6 +444,8 @@ def run(job_path: str | Path = DEFAULT_JOB, run_dir: str | Path | None = None, *
                                    facts=job_facts(load_job_config(job_path)))
                 if trajectories_md:  # multi-turn: the last step's trajectories
                     (out / "trajectories.md").write_text(trajectories_md)
+                if pictures:  # vision-language: a few pictures of the last step with their sampled answers
+                    write_pictures(out, pictures)
                 print(f"report: {out / 'summary.md'}", file=sys.stderr)
         finally:
             down(stack=stack)

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from fp8rl import memory
 from fp8rl.agents import AgentDriver
 from fp8rl.config import ConfigError, JobConfig, load_job_config, recipe_settings, walk
+from fp8rl.controller.pictures import sequence_files
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import JobPlan, check_data, sampling_seed
 from fp8rl.controller.step import PHASES, Trained, run_step
@@ -310,7 +311,6 @@ class _InProcess:
         self.last_pictures: list = []  # a few (problem, sample) of the latest generation with pictures
         self._agent: AgentDriver | None = None  # agent jobs: the endpoint and the user's function (first step on)
         self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
-        self._prompt_images: dict[tuple[int, ...], object] = {}  # image prompts generated since the last calibration
 
     def restart(self, scales) -> None:
         """Forget every version's scales but ``scales``' (a resumed run's: its checkpoint's version)."""
@@ -342,8 +342,6 @@ class _InProcess:
                                 max_tokens=job.policy.generation.max_new_tokens, n=n,
                                 seed=sampling_seed(job.job.seed, step, 0))
         images = self.loop.plan.image_batches(problems) if problems is not None else None
-        if images is not None:  # the calibration of this step's sequences needs them
-            self._prompt_images.update({tuple(p): im for p, im in zip(prompts, images, strict=True) if im is not None})
         with memory.phase("rollout"):  # (a vLLM engine takes no images argument)
             out = [(s.prompt_index, s) for s in self.loop.rollout.generate(
                 prompts, params, weight_version=version, **({"images": images} if images is not None else {}))]
@@ -434,13 +432,12 @@ class _InProcess:
         return Trained(loop.trainer.version, out.metrics, {"logprobs": out.logprobs_s, "train": out.train_s,
                                                            "publish": time.perf_counter() - t})
 
-    def calibrate(self, version, sequences):
-        held, self._prompt_images = self._prompt_images, {}
+    def calibrate(self, version, sequences, *, pictures=None):
         if version in self._scales:  # recorded in the step's logprob pass (calibration.site logprobs)
             return
         images = None
-        if held:  # a vision-language step: each sequence with its prompt's images
-            images = [next((im for p, im in held.items() if tuple(seq[:len(p)]) == p), None) for seq in sequences]
+        if pictures is not None:  # a vision-language step: each sequence with its prompt's images
+            images = [self.loop.plan.images.batch(files) for files in sequence_files(pictures, len(sequences))]
         with memory.phase("calibrate"):
             self._scales[version] = self.loop.calibrator.calibrate(version, sequences, images)
         self.hold_scales(self._scales[version])

@@ -39,6 +39,7 @@ from fp8rl.refit import (
 )
 from fp8rl.rpc import calibrator_pb2, calibrator_pb2_grpc
 from services.common.compute import OnComputeThread
+from services.common.pictures import RequestPictures
 from services.common.refit import build_subscriber
 from services.common.runtime import (
     Abort,
@@ -59,7 +60,8 @@ class CalibratorService(Service):
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        policy, tok, _ = load_policy(ctx.job.policy.model, language_model_only=ctx.job.policy.language_model_only)
+        policy, tok, path = load_policy(ctx.job.policy.model, language_model_only=ctx.job.policy.language_model_only)
+        self.pictures = RequestPictures(policy.config, path)  # a vision-language policy's sequences carry images
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         # the loaded model is the calibrator's own (converted in place): never two copies in this process
         self.target = CalibrationModel(policy, ctx.job.fp8_recipe("calibrator"), take_model=True,
@@ -112,6 +114,9 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
         require(num <= limit, f"CalibrateRequest.sequences: {num} sequences; the limit is {limit} (--max-rows)")
         seqs = [check_token_ids(q.token_ids, s.vocab_size, s.max_len, f"sequence {i}")
                 for i, q in enumerate(request.sequences)]
+        # a sequence's image-token runs begin with its images' (later ones a response sampled: text)
+        images = s.pictures.of_rows(request.images, [q.image_indices for q in request.sequences], seqs,
+                                    what="sequence", exact=False)
         stored = s.ctx.store.get_scales(v)
         if stored is None:
             require(s.ctx.store.get_manifest(v) is not None, f"weight version {v} is not published "
@@ -122,7 +127,7 @@ class CalibratorServicer(calibrator_pb2_grpc.CalibratorServiceServicer):
                     raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"the calibrator moved on to weight version "
                                 f"{s.target.weight_version} before calibrating version {v}")
                 with memory.phase("calibrate"):
-                    scales = s.ctx.compute(s.calibrator.calibrate, v, seqs)
+                    scales = s.ctx.compute(s.calibrator.calibrate, v, seqs, images)
                 s.ctx.metrics.calibrations.inc()
                 s.ctx.metrics.observe_memory(memory.step_memory())
             try:

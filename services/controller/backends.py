@@ -10,6 +10,7 @@ environment failed) is left out of the loss by the step, never re-scored.
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from fp8rl.controller.pictures import sequence_files
 from fp8rl.controller.plan import JobPlan, model_max_positions, sampling_seed
 from fp8rl.controller.pool import RolloutError
 from fp8rl.controller.step import Trained
@@ -31,7 +33,8 @@ from .reward_router import NoReplica, RewardRouter
 
 log = logging.getLogger("fp8rl.controller")
 
-__all__ = ["Backends", "GrpcStep", "call", "JobCancelled", "JobFailed", "RpcFailed", "Stopping", "TRANSIENT"]
+__all__ = ["Backends", "GrpcStep", "PictureSample", "call", "calibrate_request", "picture_table", "JobCancelled",
+           "JobFailed", "RpcFailed", "Stopping", "TRANSIENT"]
 
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _GRADED = {reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE}  # rewards that are verdicts
@@ -78,13 +81,15 @@ class GrpcStep:
     def __init__(self, runner, plan: JobPlan) -> None:
         self.r, self.plan = runner, plan  # the JobRunner: its settings, rollout pool, refit store, cancel check
         self.agent = plan.job.agent.entrypoint is not None
-        # multi-turn and agent jobs: generate() is handed the problems (the tasks)
-        self.wants_problems = plan.env is not None or self.agent
+        self.graded = plan.env is not None or self.agent  # trajectories carry their rewards
+        # multi-turn and agent jobs: generate() is handed the problems (the tasks); vision-language jobs: their pictures
+        self.wants_problems = self.graded or plan.images is not None
         self._trajectories = None
         self._agents = None
         self._rewards: RewardRouter | None = None
         self._judged = 0  # follow_policy: the judging rounds so far (each its own request id and seeds)
         self.reward_metrics: dict[str, float] = {}  # a reward model's reward/* of the latest score() call
+        self.last_pictures: list[dict] = []  # a vision-language job: a few of the last scored picture prompts
 
     @property
     def trajectories(self):
@@ -134,10 +139,10 @@ class GrpcStep:
                 return self.agents.run(problems, prompts, version, step=step, n=n, temperature=temperature)
             except RolloutError as exc:
                 raise _rollout_failed(exc) from None
-        return self._sample(self.plan, prompts, version, step=step, n=n, temperature=temperature)
+        return self._sample(self.plan, prompts, version, step=step, n=n, temperature=temperature, problems=problems)
 
     def score(self, pairs):
-        if self.wants_problems:  # the environment / agent graded each trajectory (None: it failed, ungraded)
+        if self.graded:  # the environment / agent graded each trajectory (None: it failed, ungraded)
             return [s.reward for _, s in pairs]
         self.rewards.reset()  # a new step: a replica that failed the last one may serve again
         self.reward_metrics = {}
@@ -146,6 +151,8 @@ class GrpcStep:
         out = rules if self.plan.job.reward.model.kind is None else self._mix(pairs, texts, rules)
         # replicas passed over this step (gone, or past a deadline): their calls went to the others
         self.reward_metrics["reward/replicas_failed"] = float(len(self.rewards.failed))
+        if self.plan.images is not None:
+            self.last_pictures = report_pictures(pairs, texts, rules)
         return out
 
     @property
@@ -207,10 +214,12 @@ class GrpcStep:
                            seed=sampling_seed(self.plan.job.job.seed, 1_000_000 + self._judged, 0))
 
     def train(self, version, step, rows, *, max_weight_lag=0):
+        images, indices = picture_table([getattr(s, "images", ()) for _, s, _ in rows])
         req = trainer_pb2.TrainStepRequest(expected_version=version, step=step, max_weight_lag=max_weight_lag,
                                            calibrate_scales=self.plan.fp8_kv and self.site == "trainer",
                                            scales_from_logprobs=self.plan.fp8_kv and self.site == "logprobs",
-                                           rows=[_sequence(p, s, a) for p, s, a in rows])
+                                           rows=[_sequence(p, s, a, idx) for (p, s, a), idx in
+                                                 zip(rows, indices, strict=True)], images=images)
         resp = self.rpc("train", "trainer", "TrainStep", req, DL.train_step)
         pt = resp.phase_times
         # calibrate: the trainer's own calibration of the new version (calibration.site trainer), else 0
@@ -223,12 +232,12 @@ class GrpcStep:
         scales; ``calibrator``: the Calibrate call does)."""
         return self.plan.job.calibration_site[0]
 
-    def calibrate(self, version, sequences):
+    def calibrate(self, version, sequences, *, pictures=None):
         if version > 0 and self.site != "calibrator" and self.r.refit.get_scales(version) is not None:
             return  # the trainer stored v's scales with its weights (TrainStep); version 0, or a version some other
             # TrainStep made without them (a step trained before a controller restart), is the calibrator's
-        self.rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
-            version=version, sequences=[common_pb2.TokenSequence(token_ids=q) for q in sequences]), DL.calibrate)
+        files = None if pictures is None else sequence_files(pictures, len(sequences))
+        self.rpc("calibrate", "calibrator", "Calibrate", calibrate_request(version, sequences, files), DL.calibrate)
 
     def await_refit(self, version):
         return {"refit/fenced": float(len(self.r._refit_wait(version)))}
@@ -237,17 +246,24 @@ class GrpcStep:
         return call(self.r, phase, role, method, request, timeout)
 
     def _sample(self, plan: JobPlan, prompts: list[list[int]], v: int, *, step: int, n: int,
-                  temperature: float) -> list[tuple[int, rollout_pb2.Sample]]:
+                temperature: float, problems=None) -> list[tuple[int, rollout_pb2.Sample]]:
         g, seed = plan.job.policy.generation, plan.job.job.seed
+        images = None
+        if plan.images is not None and problems is not None:  # a vision-language job: each prompt's pictures
+            images = [p.images for p in problems]
         try:
-            return self.r.pool.generate(
+            out = self.r.pool.generate(
                 prompts, v, n=n, sampling={"temperature": temperature, "top_p": g.top_p,
                                            "max_tokens": g.max_new_tokens},
                 seed_of=lambda a: sampling_seed(seed, step, a), request_id=f"{plan.job_id}-s{step}",
                 at_least=plan.async_grpo,  # async: the newest version a live replica holds, never older than v
-                wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(plan.job_id, cancel=False))
+                wait_s=self.r.settings.replica_wait_s, tick=lambda: self.r._check(plan.job_id, cancel=False),
+                images=images)
         except RolloutError as exc:
             raise _rollout_failed(exc) from None
+        if images is None:
+            return out
+        return [(i, PictureSample(s, images[i])) for i, s in out]  # the pictures go on with their samples
 
     def _grade(self, plan: JobPlan, pairs, texts: list[str]) -> list[float]:
         """One graded reward per pair (``texts``: the decoded responses): items the service could not grade are
@@ -292,9 +308,57 @@ def _rollout_failed(exc: RolloutError) -> Exception:
     return RpcFailed("rollout", exc.code, str(exc)) if exc.code is not None else JobFailed(f"rollout: {exc}")
 
 
-def _sequence(prompt, s, advantage: float) -> trainer_pb2.Sequence:
+MAX_REPORT_PICTURES, MAX_REPORT_PICTURE_BYTES = 4, 256 * 1024  # StepReport.pictures (kept in Redis)
+
+
+def report_pictures(pairs, texts: list[str], rules: list[float]) -> list[dict]:
+    """The report's pictures (``StepReport.pictures``, as stored with the report: image files base64): the first
+    sample of the first few problems with pictures, while their files fit :data:`MAX_REPORT_PICTURE_BYTES`."""
+    out, seen, size = [], set(), 0
+    for (p, _), text, rule in zip(pairs, texts, rules, strict=True):
+        if not p.images or id(p) in seen:
+            continue
+        seen.add(id(p))
+        size += sum(len(b) for b in p.images)
+        if size > MAX_REPORT_PICTURE_BYTES or len(out) == MAX_REPORT_PICTURES:
+            break
+        out.append({"images": [base64.b64encode(b).decode() for b in p.images], "prompt": p.prompt,
+                    "reference": p.answer, "sampled": text, "right": bool(rule >= 1.0)})
+    return out
+
+
+class PictureSample:
+    """A rollout replica's Sample proto of a picture prompt with the prompt's image files (``images``), which its
+    training row sends (everything else is the proto's)."""
+
+    __slots__ = ("images", "proto")
+
+    def __init__(self, proto: rollout_pb2.Sample, images: tuple[bytes, ...]) -> None:
+        self.proto, self.images = proto, tuple(images)
+
+    def __getattr__(self, name: str):
+        return getattr(self.proto, name)
+
+
+def picture_table(files: list[tuple[bytes, ...]]) -> tuple[list[bytes], list[list[int]]]:
+    """A request's pictures from each row's image files: every file once, and per row the indices of its own."""
+    table: dict[bytes, int] = {}
+    indices = [[table.setdefault(f, len(table)) for f in row] for row in files]
+    return list(table), indices
+
+
+def calibrate_request(version: int, sequences: list[list[int]], files: list[tuple[bytes, ...]] | None
+                      ) -> calibrator_pb2.CalibrateRequest:
+    """The Calibrate call of ``version`` on ``sequences`` (prompts, or prompts and responses); ``files``: a
+    vision-language job's, per sequence its prompt's image files."""
+    images, indices = picture_table(files if files is not None else [()] * len(sequences))
+    return calibrator_pb2.CalibrateRequest(version=version, images=images, sequences=[
+        common_pb2.TokenSequence(token_ids=q, image_indices=idx) for q, idx in zip(sequences, indices, strict=True)])
+
+
+def _sequence(prompt, s, advantage: float, images: list[int]) -> trainer_pb2.Sequence:
     """A training row: a rollout replica's Sample proto, or a multi-turn trajectory (its loss mask, its routes
-    stitched turn by turn)."""
+    stitched turn by turn); ``images``: its prompt's pictures' indices into the request's."""
     if hasattr(s, "end_reason"):  # fp8rl.envs.trajectory.Trajectory
         return trainer_pb2.Sequence(prompt_ids=prompt, response_ids=s.token_ids, gen_logprobs=s.logprobs,
                                     advantage=advantage, weight_version=s.weight_version,
@@ -302,7 +366,7 @@ def _sequence(prompt, s, advantage: float) -> trainer_pb2.Sequence:
                                     routes=None if s.routes is None else routes_to_proto(s.routes))
     return trainer_pb2.Sequence(prompt_ids=prompt, response_ids=s.token_ids, gen_logprobs=s.logprobs,
                                 advantage=advantage, weight_version=s.weight_version,
-                                routes=s.routes if s.HasField("routes") else None)
+                                routes=s.routes if s.HasField("routes") else None, image_indices=images)
 
 
 def call(runner, phase: str, role: str, method: str, request, timeout: float | None, service: str | None = None):

@@ -72,6 +72,7 @@ from fp8rl import limits
 from fp8rl.config import ConfigError, JobConfig, parse_job_config
 from fp8rl.config.fields import short
 from fp8rl.controller.jobstore import JobLimitError, JobRecord, JobStore
+from fp8rl.controller.pictures import step_pictures
 from fp8rl.controller.pipeline import Pipeline
 from fp8rl.controller.plan import (
     JobPlan,
@@ -87,10 +88,20 @@ from fp8rl.controller.validation import validate
 from fp8rl.data import GRADERS, DataFileError, DataRoot
 from fp8rl.envs import env_names, import_paths
 from fp8rl.refit import RefitStore
-from fp8rl.rpc import calibrator_pb2, common_pb2, trainer_pb2
+from fp8rl.rpc import trainer_pb2
 from fp8rl.rpc.channel import DEFAULT_DEADLINE_S as DL
 
-from .backends import TRANSIENT, Backends, GrpcStep, JobCancelled, JobFailed, RpcFailed, Stopping, call
+from .backends import (
+    TRANSIENT,
+    Backends,
+    GrpcStep,
+    JobCancelled,
+    JobFailed,
+    RpcFailed,
+    Stopping,
+    calibrate_request,
+    call,
+)
 
 log = logging.getLogger("fp8rl.controller")
 
@@ -197,16 +208,23 @@ class JobRunner:
                               f"with {', '.join(sorted(known))} (more with its --grader-module)")
 
     def _check_vision(self, job: JobConfig) -> None:
-        """A vision-language policy trains in the in-process loop only: the stack's Generate and Train calls carry
-        no images yet (its language model alone, ``policy.language_model_only``, trains here)."""
+        """A vision-language policy trains single-turn, on the torch engines, with a one-process trainer: its
+        pictures ride with the Generate, TrainStep and Calibrate calls (a multi-turn trajectory, the Megatron
+        trainer and a trainer's ranks take none)."""
         try:
             vision = model_config_of(job).family.vision
         except (OSError, ValueError) as exc:
             raise ConfigError(f"policy.model: {exc}") from None
-        if vision:
-            raise ConfigError(f"policy.model: {short(job.policy.model)} is a vision-language model, which trains in "
-                              f"the in-process loop (python -m fp8rl.loop) only: the stack's calls carry no images "
-                              f"yet; policy.language_model_only: true trains its language model here")
+        if not vision:
+            return
+        name = short(job.policy.model)
+        why = ("policy.training.backend must be torch" if job.policy.training.backend != "torch" else
+               f"policy.training.dp_size must be 1 (the trainer's ranks take no images; {job.trainer_ranks} asked)"
+               if job.trainer_ranks > 1 else
+               "env / agent jobs train text trajectories" if job.env.name or job.agent.entrypoint else None)
+        if why:
+            raise ConfigError(f"policy.model: {name} is a vision-language model, which the stack trains single-turn "
+                              f"on its torch engines with a one-process trainer: {why}")
 
     def _check_env(self, job: JobConfig) -> None:
         """``env.name`` must be an environment the reward service's env workers run (what it recorded in Redis when
@@ -383,9 +401,10 @@ class JobRunner:
             self._begun_before = None
         v = rec.next_version  # recorded, never computed (see the module docstring)
         if plan.fp8_kv and self.refit.get_scales(v) is None:  # e.g. v0 of a fresh deployment
-            seqs = GrpcStep(self, plan).prompts_of(plan.batch(step))
-            self._rpc("calibrate", "calibrator", "Calibrate", calibrator_pb2.CalibrateRequest(
-                version=v, sequences=[common_pb2.TokenSequence(token_ids=s) for s in seqs]), DL.calibrate)
+            problems = plan.batch(step)
+            seqs = GrpcStep(self, plan).prompts_of(problems)
+            files = [p.images for p in problems] if plan.images is not None else None
+            self._rpc("calibrate", "calibrator", "Calibrate", calibrate_request(v, seqs, files), DL.calibrate)
         self._refit_wait(v)
         if plan.async_grpo and step < plan.total:
             pipe = Pipeline(plan, GrpcStep(self, plan), first_step=step, total=plan.total, version=v,
@@ -453,9 +472,12 @@ class JobRunner:
         partial = self.jobs.inflight(plan.job_id)
         if partial is None or partial["step"] != n:
             log.warning("job %s: step %d trained but its rollout data is lost; recording it without", plan.job_id, n)
+            problems = plan.batch(n)
             partial = {"step": n, "weight_version": started, "new_version": held, "reward_mean": math.nan,
                        "accuracy": math.nan, "metrics": {"recovered_without_rollout": 1.0}, "phase_times": {},
-                       "sequences": GrpcStep(self, plan).prompts_of(plan.batch(n))}
+                       "sequences": GrpcStep(self, plan).prompts_of(problems)}
+            if pictures := step_pictures(problems, list(enumerate(problems))):  # the prompts with their pictures
+                partial["pictures"] = pictures
         partial["new_version"] = held  # a republished checkpoint carries step n's update under a newer version
         partial["resumed"] = True
         log.info("job %s: finishing step %d (already trained) after a restart", plan.job_id, n)
@@ -479,6 +501,8 @@ class JobRunner:
         partial = first_half(plan, b, step, v, check=lambda: self._check(plan.job_id))
         if md := b.markdown():  # a few trajectories for the report (model and environment tokens told apart)
             partial["trajectories_md"] = md
+        if b.last_pictures:  # a vision-language job: a few pictures with their sampled answers, for the report
+            partial["pictures"] = b.last_pictures
         self.jobs.set_inflight(plan.job_id, partial)
         return partial
 
@@ -525,8 +549,9 @@ class JobRunner:
         report = {"job_id": plan.job_id, "step": step, "weight_version": partial["weight_version"],
                   "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
                   "phase_times": {p: times.get(p, 0.0) for p in REPORT_TIMES}}
-        if partial.get("trajectories_md"):
-            report["trajectories_md"] = partial["trajectories_md"]
+        for key in ("trajectories_md", "pictures"):
+            if partial.get(key):
+                report[key] = partial[key]
         self.jobs.append_report(plan.job_id, report, state, next_version=v1)
         if self.on_report is not None:
             try:

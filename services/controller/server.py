@@ -34,6 +34,7 @@ flags above.
 from __future__ import annotations
 
 import argparse
+import base64
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -97,6 +98,9 @@ def _report(r: dict) -> controller_pb2.StepReport:
         job_id=r["job_id"], step=r["step"], weight_version=r["weight_version"], reward_mean=r["reward_mean"],
         accuracy=r["accuracy"], metrics=r.get("metrics", {}), state=r["state"],
         trajectories_md=r.get("trajectories_md", ""),
+        pictures=[controller_pb2.ReportPicture(images=[base64.b64decode(b) for b in p["images"]], prompt=p["prompt"],
+                                               reference=p["reference"], sampled=p["sampled"], right=p["right"])
+                  for p in r.get("pictures", ())],
         phase_times=common_pb2.PhaseTimes(**{p: pt.get(p, 0.0) for p in REPORT_TIMES}))
 
 

@@ -50,6 +50,7 @@ from fp8rl.rpc import rollout_pb2, rollout_pb2_grpc
 from fp8rl.rpc.channel import read_token_file
 from fp8rl.rpc.routes import routes_to_proto
 from services.common.compute import OnComputeThread
+from services.common.pictures import RequestPictures
 from services.common.refit import build_subscriber
 from services.common.runtime import (
     Abort,
@@ -70,9 +71,9 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutService", "RolloutServicer", "SPEC"]
 
 
-def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, Any, int, int]:
-    """``(engine, tokenizer, vocab_size, max_positions)`` for ``policy.generation.backend``
-    (:func:`make_rollout_engine`)."""
+def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngine, Any, int, int, RequestPictures]:
+    """``(engine, tokenizer, vocab_size, max_positions, pictures)`` for ``policy.generation.backend``
+    (:func:`make_rollout_engine`); ``pictures`` reads a vision-language policy's prompt images."""
     name = job.policy.model
     if job.policy.generation.backend == "vllm":  # vLLM loads the checkpoint itself
         from fp8rl.engines.vllm.launch import Fp8UnsupportedError, VllmUnavailableError
@@ -84,7 +85,8 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
                                          max_batch_size=args.max_batch_size)
         except (Fp8UnsupportedError, VllmUnavailableError) as exc:
             raise StartupError(f"policy.generation.backend: 'vllm': {exc}") from None
-        return engine, tok, engine.config.vocab_size, engine.config.max_position_embeddings
+        return engine, tok, engine.config.vocab_size, engine.config.max_position_embeddings, \
+            RequestPictures(engine.config, None)  # (a vision-language policy is refused with vLLM)
     policy, tok, path = load_policy(name, language_model_only=job.policy.language_model_only)
     config = policy.config
     try:  # the loaded model is the engine's own (converted in place): never two copies in this process
@@ -92,7 +94,7 @@ def build_engine(job: JobConfig, args: argparse.Namespace) -> tuple[RolloutEngin
                                      max_batch_size=args.max_batch_size, take_model=True)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return engine, tok, config.vocab_size, config.max_position_embeddings
+    return engine, tok, config.vocab_size, config.max_position_embeddings, RequestPictures(config, path)
 
 
 class OpenSessions:
@@ -170,7 +172,7 @@ class RolloutService(Service):
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.engine, self.tok, self.vocab_size, self.max_len = build_engine(ctx.job, ctx.args)
+        self.engine, self.tok, self.vocab_size, self.max_len, self.pictures = build_engine(ctx.job, ctx.args)
         self.backend = ctx.job.policy.generation.backend
         self.fp8_kv = ctx.job.fp8_recipe("rollout").fp8_kv
         # the refit apply (validate, quantize, copy into the parameters) runs on the compute thread too
@@ -293,6 +295,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         prompts = [check_token_ids(p.token_ids, s.vocab_size, s.max_len, f"prompt {i}")
                    for i, p in enumerate(request.prompts)]
         sessions = self._sessions(request, params)
+        images = s.pictures.of_prompts([p.images for p in request.prompts], prompts)  # decoded, checked, processed
+        require(images is None or sessions is None, "session_keys: KV sessions take no images (a multi-turn "
+                                                    "trajectory is text)")
         held = s.engine.weight_version
         if not s.ready():
             raise Abort(grpc.StatusCode.UNAVAILABLE,
@@ -306,6 +311,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             with memory.phase("rollout"):
                 more = {"sessions": sessions} if sessions is not None else {}
+                if images is not None:
+                    more["images"] = images
                 samples = s.ctx.compute(s.engine.generate, prompts, params, weight_version=request.weight_version,
                                         should_stop=lambda: not context.is_active(), **more)
         except VersionMismatchError as exc:  # pinned to another version (the engine checks the pin, once)

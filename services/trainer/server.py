@@ -25,6 +25,7 @@ Wiring only — proto rows ↔ :class:`TrainBatch` (padded by :func:`fp8rl.engin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import threading
@@ -54,6 +55,7 @@ from fp8rl.refit.transport.shm import ShmUnavailableError
 from fp8rl.rl import MAX_ABS_LOGPROB_DIFF, mismatch_metrics
 from fp8rl.rpc import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2_grpc
 from fp8rl.rpc.routes import routes_from_proto
+from services.common.pictures import RequestPictures
 from services.common.refit import build_publisher, start_broadcaster
 from services.common.runtime import (
     Abort,
@@ -83,8 +85,9 @@ class TrainerService(Service):
         job, args = ctx.job, ctx.args
         self.ctx = ctx
         self.backend = job.policy.training.backend
-        policy, tok, _ = load_policy(job.policy.model, language_model_only=job.policy.language_model_only)
+        policy, tok, path = load_policy(job.policy.model, language_model_only=job.policy.language_model_only)
         self.pad_id = tok.pad_id
+        self.pictures = RequestPictures(policy.config, path)  # a vision-language policy's rows carry images
         self.vocab_size, self.max_len = policy.config.vocab_size, policy.config.max_position_embeddings
         self.route_shape = replay_route_shape(job, policy.config)
         rollout = job.fp8_recipe("rollout")
@@ -242,8 +245,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, service: TrainerService) -> None:
         self.s = service
 
-    def _samples(self, rows, *, need_gen: bool) -> tuple[list[Sample], bool]:
-        """Validated rows as :class:`Sample` (prompt + response + gen_logprobs); also whether gen_logprobs came."""
+    def _samples(self, rows, *, need_gen: bool, images=()) -> tuple[list[Sample], bool]:
+        """Validated rows as :class:`Sample` (prompt + response + gen_logprobs, a vision-language row's images from
+        the request's ``images``); also whether gen_logprobs came."""
         s = self.s
         require(rows, "the batch has no rows")
         has_gen = need_gen or any(len(r.gen_logprobs) for r in rows)
@@ -280,6 +284,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             out.append(Sample(prompt_index=i, prompt_ids=tuple(prompt), token_ids=tuple(response),
                               logprobs=tuple(gen), finish_reason="", weight_version=version, routes=routes,
                               token_mask=mask))
+        pictures = s.pictures.of_rows(images, [r.image_indices for r in rows], [x.prompt_ids for x in out])
+        if pictures is not None:  # rows of one prompt share one object: encoded once per step
+            out = [dataclasses.replace(x, images=p) for x, p in zip(out, pictures, strict=True)]
         return out, has_gen
 
     def _batch(self, samples: list[Sample], advantages: list[float], *, routes_required: bool = True) -> TrainBatch:
@@ -323,7 +330,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         with s.lock:
             self._publish()
             self._require_version(request.expected_version)
-            samples, _ = self._samples(request.rows, need_gen=True)
+            samples, _ = self._samples(request.rows, need_gen=True, images=request.images)
             advantages = [r.advantage for r in request.rows]
             bad = next((i for i, a in enumerate(advantages) if not math.isfinite(a)), None)
             require(bad is None, f"row {bad}: advantage must be finite")
@@ -364,7 +371,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if request.calibrate_scales:  # v+1's QKV scales where v+1's weights are: no transfer, one forward
                 t = time.perf_counter()
                 s.pending_scales = s.ctx.compute(s.calibrator.calibrate, s.trainer.version,
-                                                 [list(x.prompt_ids) + list(x.token_ids) for x in samples])
+                                                 [list(x.prompt_ids) + list(x.token_ids) for x in samples],
+                                                 batch.images)
                 t_calibrate = time.perf_counter() - t
                 s.ctx.metrics.calibrations.inc()
             t_publish = self._publish()
@@ -385,7 +393,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         with s.lock:
             if request.HasField("expected_version"):
                 self._require_version(request.expected_version)
-            samples, has_gen = self._samples(request.rows, need_gen=False)
+            samples, has_gen = self._samples(request.rows, need_gen=False, images=request.images)
             batch = self._batch(samples, [0.0] * len(samples), routes_required=False)
             s.load_held_scales()
             try:

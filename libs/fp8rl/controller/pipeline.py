@@ -29,7 +29,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from .step import StepBackends, StepPlan, generate_phase, rollout_phase, score_phase, train_phase
+from .step import (
+    StepBackends,
+    StepPlan,
+    calibration_pictures,
+    generate_phase,
+    rollout_phase,
+    score_phase,
+    train_phase,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +107,12 @@ class Pipeline:
                 new = last = partial["new_version"]
                 t_cal = time.perf_counter()
                 if self.calibrate_inline and self.plan.fp8_kv:
-                    self.b.calibrate(new, partial["sequences"])
+                    self.b.calibrate(new, partial["sequences"], **calibration_pictures(partial))
                 calibrate_s = time.perf_counter() - t_cal
                 with self._cv:
                     self._start_of[step + 1] = new
                     self._cv.notify_all()
-                self._refits.put((new, None if self.calibrate_inline else partial["sequences"]))
+                self._refits.put((new, None if self.calibrate_inline else partial))
                 busy = time.perf_counter() - t0
                 times = {**partial["phase_times"], "refit": 0.0,
                          "calibrate": partial["phase_times"].get("calibrate", 0.0) + calibrate_s}
@@ -204,10 +212,10 @@ class Pipeline:
     def _refit(self) -> None:
         try:
             while (item := self._refits.get()) is not None:
-                version, sequences = item
+                version, partial = item
                 t = time.perf_counter()
-                if sequences is not None and self.plan.fp8_kv:
-                    self.b.calibrate(version, sequences)
+                if partial is not None and self.plan.fp8_kv:
+                    self.b.calibrate(version, partial["sequences"], **calibration_pictures(partial))
                 calibrate_s, t = time.perf_counter() - t, time.perf_counter()
                 metrics = self.b.await_refit(version)
                 with self._cv:

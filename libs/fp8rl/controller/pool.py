@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -215,8 +215,8 @@ class RolloutPool:
 
     def generate(self, prompts: list[list[int]], version: int, *, n: int, sampling: dict,
                  seed_of: Callable[[int], int], request_id: str, wait_s: float,
-                 tick: Callable[[], None] = lambda: None, at_least: bool = False
-                 ) -> list[tuple[int, rollout_pb2.Sample]]:
+                 tick: Callable[[], None] = lambda: None, at_least: bool = False,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[tuple[int, rollout_pb2.Sample]]:
         """``n`` samples of every prompt at ``version`` (``at_least``: at it or at the newer version the replica
         serving the chunk holds), prompt-major, as ``(prompt index, sample)``.
 
@@ -225,6 +225,7 @@ class RolloutPool:
 
         Args:
             sampling: ``SamplingParams`` fields other than ``n`` and ``seed``.
+            images: a vision-language job's: per prompt its image files (``Prompt.images``), or None.
 
         Raises:
             RolloutError: no replica holds ``version``, a chunk failed on every try, or replicas
@@ -239,7 +240,8 @@ class RolloutPool:
                 pinned = lease.version if at_least else version
                 req = rollout_pb2.GenerateRequest(
                     request_id=f"{request_id}-p{a}", weight_version=pinned,
-                    prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts[a:b]],
+                    prompts=[rollout_pb2.Prompt(token_ids=prompts[j], images=images[j] if images else ())
+                             for j in range(a, b)],
                     sampling=rollout_pb2.SamplingParams(n=n, seed=seed_of(a), **sampling))
                 try:
                     return pinned, [r.sample for r in self.stub(lease.endpoint).Generate(

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from fp8rl.data import Problem
 from fp8rl.rl.shaping import truncated
 
+from .pictures import step_pictures
 from .plan import graded_advantages, reward_summary
 
 __all__ = ["PHASES", "StepBackends", "StepPlan", "Trained", "finish", "first_half", "generate_phase", "rollout_phase",
@@ -88,8 +89,10 @@ class StepBackends(Protocol):
         """Train on ``(prompt ids, sample, advantage)`` rows, expecting the trainer at ``version``; a sample's
         ``weight_version`` may be at most ``max_weight_lag`` older (else the trainer refuses the batch)."""
 
-    def calibrate(self, version: int, sequences: list[list[int]]) -> None:
-        """Calibrate and publish the QKV scales of ``version`` on ``sequences`` (prompt + response)."""
+    def calibrate(self, version: int, sequences: list[list[int]], *, pictures: dict | None = None) -> None:
+        """Calibrate and publish the QKV scales of ``version`` on ``sequences`` (prompt + response); ``pictures``: a
+        vision-language step's, per sequence (:func:`fp8rl.controller.pictures.step_pictures`; passed only when
+        the step has pictures)."""
 
     def await_refit(self, version: int) -> dict[str, float]:
         """Until the rollout side holds ``version``; returns metrics of the refit (e.g. replicas fenced)."""
@@ -247,7 +250,13 @@ def train_phase(plan: StepPlan, b: StepBackends, rollout: dict, version: int,
                         "response_len": statistics.fmean(len(s.token_ids) for _, s in samples)},
             "served_version": min(served) if len(served) == 1 else -1, "rollout_version": min(served, default=-1),
             "phase_times": times, "started_unix": rollout["started_unix"],
-            "sequences": [_prompt(prompts, i, s) + list(s.token_ids) for i, s in samples]}
+            "sequences": [_prompt(prompts, i, s) + list(s.token_ids) for i, s in samples],
+            **({"pictures": pictures} if (pictures := step_pictures(rollout["problems"], samples)) else {})}
+
+
+def calibration_pictures(partial: dict) -> dict:
+    """The ``pictures`` keyword of a step's ``calibrate`` call: the record's, when the step has pictures."""
+    return {"pictures": partial["pictures"]} if partial.get("pictures") else {}
 
 
 def _prompt(prompts: Sequence[Sequence[int]], i: int, sample: Any) -> list[int]:
@@ -270,7 +279,7 @@ def finish(plan: StepPlan, b: StepBackends, partial: dict, check: Callable[[], N
     check()
     t = time.perf_counter()
     if plan.fp8_kv:
-        b.calibrate(v1, partial["sequences"])
+        b.calibrate(v1, partial["sequences"], **calibration_pictures(partial))
     # plus what the train phase already spent calibrating v1 (calibration.site trainer: inside TrainStep)
     times["calibrate"] = times.get("calibrate", 0.0) + time.perf_counter() - t
     t = time.perf_counter()

@@ -29,8 +29,8 @@ import torch
 
 from .vision import ImageBatch
 
-__all__ = ["IMAGE_PLACEHOLDER", "ImageError", "ImageLimits", "PromptImages", "VisionProcessor", "decode_image",
-           "expand_prompt"]
+__all__ = ["IMAGE_PLACEHOLDER", "ImageError", "ImageLimits", "PromptImages", "VisionProcessor", "check_image_runs",
+           "decode_image", "expand_prompt"]
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -159,6 +159,30 @@ def expand_prompt(text: str, grids: torch.Tensor | None, encode: Callable[[str, 
             ([vision_end_token_id] if vision_end_token_id is not None else [])
         ids += encode(piece, False) if piece else []
     return ids
+
+
+def check_image_runs(ids: Sequence[int], grids: torch.Tensor | None, *, merge: int, image_token_id: int,
+                     where: str = "a prompt", exact: bool = True) -> None:
+    """That prompt ``ids`` holds one run of ``image_token_id`` per image of ``grids`` (none when None), in order,
+    each as long as its image's merged cells ``t · h · w / merge²`` — the layout :func:`expand_prompt` writes.
+    ``exact=False`` (a prompt and its response): the runs *begin* so; later ones are sampled text.
+
+    Raises:
+        ImageError: the runs and the images do not match (the message names the first difference).
+    """
+    runs, n = [], 0
+    for t in ids:
+        if t == image_token_id:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    if n:
+        runs.append(n)
+    want = [] if grids is None else [int(t) * int(h) * int(w) // merge**2 for t, h, w in grids.tolist()]
+    if (runs if exact else runs[:len(want)]) != want:
+        raise ImageError(f"{where}: its image-token runs are {runs or 'none'} tokens long, its images need "
+                         f"{want or 'none'} (one run per image, as long as its merged patch cells)")
 
 
 class PromptImages:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fp8rl.rpc import common_pb2 as fp8rl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66p8rl/v1/calibrator.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"O\n\x10\x43\x61librateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12*\n\tsequences\x18\x02 \x03(\x0b\x32\x17.fp8rl.v1.TokenSequence\"K\n\x11\x43\x61librateResponse\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06scales\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02\x32Y\n\x11\x43\x61libratorService\x12\x44\n\tCalibrate\x12\x1a.fp8rl.v1.CalibrateRequest\x1a\x1b.fp8rl.v1.CalibrateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66p8rl/v1/calibrator.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"_\n\x10\x43\x61librateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12*\n\tsequences\x18\x02 \x03(\x0b\x32\x17.fp8rl.v1.TokenSequence\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"K\n\x11\x43\x61librateResponse\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06scales\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02\x32Y\n\x11\x43\x61libratorService\x12\x44\n\tCalibrate\x12\x1a.fp8rl.v1.CalibrateRequest\x1a\x1b.fp8rl.v1.CalibrateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.calibrator_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CALIBRATEREQUEST']._serialized_start=62
-  _globals['_CALIBRATEREQUEST']._serialized_end=141
-  _globals['_CALIBRATERESPONSE']._serialized_start=143
-  _globals['_CALIBRATERESPONSE']._serialized_end=218
-  _globals['_CALIBRATORSERVICE']._serialized_start=220
-  _globals['_CALIBRATORSERVICE']._serialized_end=309
+  _globals['_CALIBRATEREQUEST']._serialized_end=157
+  _globals['_CALIBRATERESPONSE']._serialized_start=159
+  _globals['_CALIBRATERESPONSE']._serialized_end=234
+  _globals['_CALIBRATORSERVICE']._serialized_start=236
+  _globals['_CALIBRATORSERVICE']._serialized_end=325
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CalibrateRequest(_message.Message):
-    __slots__ = ("version", "sequences")
+    __slots__ = ("version", "sequences", "images")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     version: int
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
-    def __init__(self, version: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CalibrateResponse(_message.Message):
     __slots__ = ("seconds", "version", "scales")

@@ -47,10 +47,12 @@ class PhaseTimes(_message.Message):
     def __init__(self, rollout: _Optional[float] = ..., reward: _Optional[float] = ..., logprobs: _Optional[float] = ..., train: _Optional[float] = ..., publish: _Optional[float] = ..., calibrate: _Optional[float] = ..., refit: _Optional[float] = ..., total: _Optional[float] = ..., outage: _Optional[float] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "image_indices")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    image_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., image_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Routes(_message.Message):
     __slots__ = ("ids", "dtype", "layers", "top_k")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fp8rl.rpc import common_pb2 as fp8rl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66p8rl/v1/controller.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"D\n\x10SubmitJobRequest\x12\x10\n\x08job_yaml\x18\x01 \x01(\t\x12\x13\n\x06job_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_job_id\"#\n\x11SubmitJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\"\xa0\x02\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0breward_mean\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x05 \x01(\x01\x12\x32\n\x07metrics\x18\x06 \x03(\x0b\x32!.fp8rl.v1.StepReport.MetricsEntry\x12)\n\x0bphase_times\x18\x07 \x01(\x0b\x32\x14.fp8rl.v1.PhaseTimes\x12\r\n\x05state\x18\x08 \x01(\t\x12\x17\n\x0ftrajectories_md\x18\t \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x86\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x01\x12\x14\n\x0cupdated_unix\x18\x07 \x01(\x01\"0\n\x0eGetJobResponse\x12\x1e\n\x03job\x18\x01 \x01(\x0b\x32\x11.fp8rl.v1.JobInfo\"C\n\x0fListJobsRequest\x12\r\n\x05state\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"L\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.fp8rl.v1.JobInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x11\x43\x61ncelJobResponse\x12\x1e\n\x03job\x18\x01 \x01(\x0b\x32\x11.fp8rl.v1.JobInfo2\xd7\x02\n\nJobService\x12\x44\n\tSubmitJob\x12\x1a.fp8rl.v1.SubmitJobRequest\x1a\x1b.fp8rl.v1.SubmitJobResponse\x12=\n\x08WatchJob\x12\x19.fp8rl.v1.WatchJobRequest\x1a\x14.fp8rl.v1.StepReport0\x01\x12;\n\x06GetJob\x12\x17.fp8rl.v1.GetJobRequest\x1a\x18.fp8rl.v1.GetJobResponse\x12\x41\n\x08ListJobs\x12\x19.fp8rl.v1.ListJobsRequest\x1a\x1a.fp8rl.v1.ListJobsResponse\x12\x44\n\tCancelJob\x12\x1a.fp8rl.v1.CancelJobRequest\x1a\x1b.fp8rl.v1.CancelJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66p8rl/v1/controller.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"D\n\x10SubmitJobRequest\x12\x10\n\x08job_yaml\x18\x01 \x01(\t\x12\x13\n\x06job_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_job_id\"#\n\x11SubmitJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\"\xcb\x02\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0breward_mean\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x05 \x01(\x01\x12\x32\n\x07metrics\x18\x06 \x03(\x0b\x32!.fp8rl.v1.StepReport.MetricsEntry\x12)\n\x0bphase_times\x18\x07 \x01(\x0b\x32\x14.fp8rl.v1.PhaseTimes\x12\r\n\x05state\x18\x08 \x01(\t\x12\x17\n\x0ftrajectories_md\x18\t \x01(\t\x12)\n\x08pictures\x18\n \x03(\x0b\x32\x17.fp8rl.v1.ReportPicture\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"b\n\rReportPicture\x12\x0e\n\x06images\x18\x01 \x03(\x0c\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x0f\n\x07sampled\x18\x04 \x01(\t\x12\r\n\x05right\x18\x05 \x01(\x08\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x86\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x01\x12\x14\n\x0cupdated_unix\x18\x07 \x01(\x01\"0\n\x0eGetJobResponse\x12\x1e\n\x03job\x18\x01 \x01(\x0b\x32\x11.fp8rl.v1.JobInfo\"C\n\x0fListJobsRequest\x12\r\n\x05state\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"L\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.fp8rl.v1.JobInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x11\x43\x61ncelJobResponse\x12\x1e\n\x03job\x18\x01 \x01(\x0b\x32\x11.fp8rl.v1.JobInfo2\xd7\x02\n\nJobService\x12\x44\n\tSubmitJob\x12\x1a.fp8rl.v1.SubmitJobRequest\x1a\x1b.fp8rl.v1.SubmitJobResponse\x12=\n\x08WatchJob\x12\x19.fp8rl.v1.WatchJobRequest\x1a\x14.fp8rl.v1.StepReport0\x01\x12;\n\x06GetJob\x12\x17.fp8rl.v1.GetJobRequest\x1a\x18.fp8rl.v1.GetJobResponse\x12\x41\n\x08ListJobs\x12\x19.fp8rl.v1.ListJobsRequest\x1a\x1a.fp8rl.v1.ListJobsResponse\x12\x44\n\tCancelJob\x12\x1a.fp8rl.v1.CancelJobRequest\x1a\x1b.fp8rl.v1.CancelJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHJOBREQUEST']._serialized_start=169
   _globals['_WATCHJOBREQUEST']._serialized_end=221
   _globals['_STEPREPORT']._serialized_start=224
-  _globals['_STEPREPORT']._serialized_end=512
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=466
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=512
-  _globals['_GETJOBREQUEST']._serialized_start=514
-  _globals['_GETJOBREQUEST']._serialized_end=545
-  _globals['_JOBINFO']._serialized_start=548
-  _globals['_JOBINFO']._serialized_end=682
-  _globals['_GETJOBRESPONSE']._serialized_start=684
-  _globals['_GETJOBRESPONSE']._serialized_end=732
-  _globals['_LISTJOBSREQUEST']._serialized_start=734
-  _globals['_LISTJOBSREQUEST']._serialized_end=801
-  _globals['_LISTJOBSRESPONSE']._serialized_start=803
-  _globals['_LISTJOBSRESPONSE']._serialized_end=879
-  _globals['_CANCELJOBREQUEST']._serialized_start=881
-  _globals['_CANCELJOBREQUEST']._serialized_end=931
-  _globals['_CANCELJOBRESPONSE']._serialized_start=933
-  _globals['_CANCELJOBRESPONSE']._serialized_end=984
-  _globals['_JOBSERVICE']._serialized_start=987
-  _globals['_JOBSERVICE']._serialized_end=1330
+  _globals['_STEPREPORT']._serialized_end=555
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=509
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=555
+  _globals['_REPORTPICTURE']._serialized_start=557
+  _globals['_REPORTPICTURE']._serialized_end=655
+  _globals['_GETJOBREQUEST']._serialized_start=657
+  _globals['_GETJOBREQUEST']._serialized_end=688
+  _globals['_JOBINFO']._serialized_start=691
+  _globals['_JOBINFO']._serialized_end=825
+  _globals['_GETJOBRESPONSE']._serialized_start=827
+  _globals['_GETJOBRESPONSE']._serialized_end=875
+  _globals['_LISTJOBSREQUEST']._serialized_start=877
+  _globals['_LISTJOBSREQUEST']._serialized_end=944
+  _globals['_LISTJOBSRESPONSE']._serialized_start=946
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1022
+  _globals['_CANCELJOBREQUEST']._serialized_start=1024
+  _globals['_CANCELJOBREQUEST']._serialized_end=1074
+  _globals['_CANCELJOBRESPONSE']._serialized_start=1076
+  _globals['_CANCELJOBRESPONSE']._serialized_end=1127
+  _globals['_JOBSERVICE']._serialized_start=1130
+  _globals['_JOBSERVICE']._serialized_end=1473
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class WatchJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("job_id", "step", "weight_version", "reward_mean", "accuracy", "metrics", "phase_times", "state", "trajectories_md")
+    __slots__ = ("job_id", "step", "weight_version", "reward_mean", "accuracy", "metrics", "phase_times", "state", "trajectories_md", "pictures")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class StepReport(_message.Message):
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_MD_FIELD_NUMBER: _ClassVar[int]
+    PICTURES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     weight_version: int
@@ -56,7 +57,22 @@ class StepReport(_message.Message):
     phase_times: _common_pb2.PhaseTimes
     state: str
     trajectories_md: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., phase_times: _Optional[_Union[_common_pb2.PhaseTimes, _Mapping]] = ..., state: _Optional[str] = ..., trajectories_md: _Optional[str] = ...) -> None: ...
+    pictures: _containers.RepeatedCompositeFieldContainer[ReportPicture]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., phase_times: _Optional[_Union[_common_pb2.PhaseTimes, _Mapping]] = ..., state: _Optional[str] = ..., trajectories_md: _Optional[str] = ..., pictures: _Optional[_Iterable[_Union[ReportPicture, _Mapping]]] = ...) -> None: ...
+
+class ReportPicture(_message.Message):
+    __slots__ = ("images", "prompt", "reference", "sampled", "right")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    RIGHT_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt: str
+    reference: str
+    sampled: str
+    right: bool
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ..., prompt: _Optional[str] = ..., reference: _Optional[str] = ..., sampled: _Optional[str] = ..., right: _Optional[bool] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fp8rl.rpc import common_pb2 as fp8rl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/rollout.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"7\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_text\"\xab\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\t\n\x01n\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07prompts\x18\x02 \x03(\x0b\x32\x10.fp8rl.v1.Prompt\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x14\n\x0csession_keys\x18\x05 \x03(\t\x12\x16\n\x0emax_weight_lag\x18\x06 \x01(\x05\"\xaa\x01\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12 \n\x06routes\x18\x07 \x01(\x0b\x32\x10.fp8rl.v1.Routes\"H\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06sample\x18\x02 \x01(\x0b\x32\x10.fp8rl.v1.Sample\"\x16\n\x14RolloutStatusRequest\"\x8a\x03\n\x15RolloutStatusResponse\x12\x1b\n\x0eweight_version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0escales_version\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x0e\n\x06recipe\x18\x05 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x06 \x01(\t\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x1c\n\x0fpending_version\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0epending_reason\x18\t \x01(\t\x12\x12\n\ngenerating\x18\n \x01(\x05\x12\x1d\n\x15session_reused_tokens\x18\x0b \x01(\x03\x12\x1e\n\x16session_prefill_tokens\x18\x0c \x01(\x03\x12\x19\n\x11session_evictions\x18\r \x01(\x03\x42\x11\n\x0f_weight_versionB\x11\n\x0f_scales_versionB\x12\n\x10_pending_version\".\n\x16ReleaseSessionsRequest\x12\x14\n\x0csession_keys\x18\x01 \x03(\t\"+\n\x17ReleaseSessionsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\xf8\x01\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x19.fp8rl.v1.GenerateRequest\x1a\x1a.fp8rl.v1.GenerateResponse0\x01\x12I\n\x06Status\x12\x1e.fp8rl.v1.RolloutStatusRequest\x1a\x1f.fp8rl.v1.RolloutStatusResponse\x12V\n\x0fReleaseSessions\x12 .fp8rl.v1.ReleaseSessionsRequest\x1a!.fp8rl.v1.ReleaseSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/rollout.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"G\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06images\x18\x03 \x03(\x0c\x42\x07\n\x05_text\"\xab\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\t\n\x01n\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07prompts\x18\x02 \x03(\x0b\x32\x10.fp8rl.v1.Prompt\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.fp8rl.v1.SamplingParams\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x14\n\x0csession_keys\x18\x05 \x03(\t\x12\x16\n\x0emax_weight_lag\x18\x06 \x01(\x05\"\xaa\x01\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12 \n\x06routes\x18\x07 \x01(\x0b\x32\x10.fp8rl.v1.Routes\"H\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06sample\x18\x02 \x01(\x0b\x32\x10.fp8rl.v1.Sample\"\x16\n\x14RolloutStatusRequest\"\x8a\x03\n\x15RolloutStatusResponse\x12\x1b\n\x0eweight_version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0escales_version\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x0e\n\x06recipe\x18\x05 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x06 \x01(\t\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x1c\n\x0fpending_version\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0epending_reason\x18\t \x01(\t\x12\x12\n\ngenerating\x18\n \x01(\x05\x12\x1d\n\x15session_reused_tokens\x18\x0b \x01(\x03\x12\x1e\n\x16session_prefill_tokens\x18\x0c \x01(\x03\x12\x19\n\x11session_evictions\x18\r \x01(\x03\x42\x11\n\x0f_weight_versionB\x11\n\x0f_scales_versionB\x12\n\x10_pending_version\".\n\x16ReleaseSessionsRequest\x12\x14\n\x0csession_keys\x18\x01 \x03(\t\"+\n\x17ReleaseSessionsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\xf8\x01\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x19.fp8rl.v1.GenerateRequest\x1a\x1a.fp8rl.v1.GenerateResponse0\x01\x12I\n\x06Status\x12\x1e.fp8rl.v1.RolloutStatusRequest\x1a\x1f.fp8rl.v1.RolloutStatusResponse\x12V\n\x0fReleaseSessions\x12 .fp8rl.v1.ReleaseSessionsRequest\x1a!.fp8rl.v1.ReleaseSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fp8rl.v1.rollout_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROMPT']._serialized_start=59
-  _globals['_PROMPT']._serialized_end=114
-  _globals['_SAMPLINGPARAMS']._serialized_start=117
-  _globals['_SAMPLINGPARAMS']._serialized_end=288
-  _globals['_GENERATEREQUEST']._serialized_start=291
-  _globals['_GENERATEREQUEST']._serialized_end=477
-  _globals['_SAMPLE']._serialized_start=480
-  _globals['_SAMPLE']._serialized_end=650
-  _globals['_GENERATERESPONSE']._serialized_start=652
-  _globals['_GENERATERESPONSE']._serialized_end=724
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=726
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=748
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=751
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=1145
-  _globals['_RELEASESESSIONSREQUEST']._serialized_start=1147
-  _globals['_RELEASESESSIONSREQUEST']._serialized_end=1193
-  _globals['_RELEASESESSIONSRESPONSE']._serialized_start=1195
-  _globals['_RELEASESESSIONSRESPONSE']._serialized_end=1238
-  _globals['_ROLLOUTSERVICE']._serialized_start=1241
-  _globals['_ROLLOUTSERVICE']._serialized_end=1489
+  _globals['_PROMPT']._serialized_end=130
+  _globals['_SAMPLINGPARAMS']._serialized_start=133
+  _globals['_SAMPLINGPARAMS']._serialized_end=304
+  _globals['_GENERATEREQUEST']._serialized_start=307
+  _globals['_GENERATEREQUEST']._serialized_end=493
+  _globals['_SAMPLE']._serialized_start=496
+  _globals['_SAMPLE']._serialized_end=666
+  _globals['_GENERATERESPONSE']._serialized_start=668
+  _globals['_GENERATERESPONSE']._serialized_end=740
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=742
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=764
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=767
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=1161
+  _globals['_RELEASESESSIONSREQUEST']._serialized_start=1163
+  _globals['_RELEASESESSIONSREQUEST']._serialized_end=1209
+  _globals['_RELEASESESSIONSRESPONSE']._serialized_start=1211
+  _globals['_RELEASESESSIONSRESPONSE']._serialized_end=1254
+  _globals['_ROLLOUTSERVICE']._serialized_start=1257
+  _globals['_ROLLOUTSERVICE']._serialized_end=1505
 # @@protoc_insertion_point(module_scope)

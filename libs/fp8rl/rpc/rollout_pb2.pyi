@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Prompt(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "images")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "max_tokens", "n", "seed", "stop_token_ids")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fp8rl.rpc import common_pb2 as fp8rl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/trainer.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"\xc2\x01\n\x08Sequence\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x14\n\x0cgen_logprobs\x18\x03 \x03(\x02\x12\x11\n\tadvantage\x18\x04 \x01(\x02\x12\x1b\n\x0eweight_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12 \n\x06routes\x18\x06 \x01(\x0b\x32\x10.fp8rl.v1.Routes\x12\x11\n\tloss_mask\x18\x07 \x03(\x08\x42\x11\n\x0f_weight_version\"\xac\x01\n\x10TrainStepRequest\x12\x18\n\x10\x65xpected_version\x18\x01 \x01(\x03\x12 \n\x04rows\x18\x02 \x03(\x0b\x32\x12.fp8rl.v1.Sequence\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0emax_weight_lag\x18\x04 \x01(\x05\x12\x18\n\x10\x63\x61librate_scales\x18\x05 \x01(\x08\x12\x1c\n\x14scales_from_logprobs\x18\x06 \x01(\x08\"\xbe\x01\n\x11TrainStepResponse\x12\x13\n\x0bnew_version\x18\x01 \x01(\x03\x12\x39\n\x07metrics\x18\x02 \x03(\x0b\x32(.fp8rl.v1.TrainStepResponse.MetricsEntry\x12)\n\x0bphase_times\x18\x03 \x01(\x0b\x32\x14.fp8rl.v1.PhaseTimes\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"n\n\x16\x43omputeLogprobsRequest\x12 \n\x04rows\x18\x01 \x03(\x0b\x32\x12.fp8rl.v1.Sequence\x12\x1d\n\x10\x65xpected_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x13\n\x11_expected_version\"\x1f\n\x0bRowLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"\xc0\x01\n\x17\x43omputeLogprobsResponse\x12#\n\x04rows\x18\x01 \x03(\x0b\x32\x15.fp8rl.v1.RowLogprobs\x12?\n\x07metrics\x18\x02 \x03(\x0b\x32..fp8rl.v1.ComputeLogprobsResponse.MetricsEntry\x12\x0f\n\x07version\x18\x03 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"7\n\x15SaveCheckpointRequest\x12\x10\n\x04path\x18\x01 \x01(\tB\x02\x18\x01\x12\x0c\n\x04name\x18\x02 \x01(\t\"E\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\"\x16\n\x14TrainerStatusRequest\"r\n\x15TrainerStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06recipe\x18\x03 \x01(\t\x12\x18\n\x10weights_endpoint\x18\x04 \x01(\t\x12\r\n\x05ready\x18\x05 \x01(\x08\x32\xce\x02\n\x0eTrainerService\x12\x44\n\tTrainStep\x12\x1a.fp8rl.v1.TrainStepRequest\x1a\x1b.fp8rl.v1.TrainStepResponse\x12V\n\x0f\x43omputeLogprobs\x12 .fp8rl.v1.ComputeLogprobsRequest\x1a!.fp8rl.v1.ComputeLogprobsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.fp8rl.v1.SaveCheckpointRequest\x1a .fp8rl.v1.SaveCheckpointResponse\x12I\n\x06Status\x12\x1e.fp8rl.v1.TrainerStatusRequest\x1a\x1f.fp8rl.v1.TrainerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66p8rl/v1/trainer.proto\x12\x08\x66p8rl.v1\x1a\x15\x66p8rl/v1/common.proto\"\xd9\x01\n\x08Sequence\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x14\n\x0cgen_logprobs\x18\x03 \x03(\x02\x12\x11\n\tadvantage\x18\x04 \x01(\x02\x12\x1b\n\x0eweight_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12 \n\x06routes\x18\x06 \x01(\x0b\x32\x10.fp8rl.v1.Routes\x12\x11\n\tloss_mask\x18\x07 \x03(\x08\x12\x15\n\rimage_indices\x18\x08 \x03(\x05\x42\x11\n\x0f_weight_version\"\xbc\x01\n\x10TrainStepRequest\x12\x18\n\x10\x65xpected_version\x18\x01 \x01(\x03\x12 \n\x04rows\x18\x02 \x03(\x0b\x32\x12.fp8rl.v1.Sequence\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0emax_weight_lag\x18\x04 \x01(\x05\x12\x18\n\x10\x63\x61librate_scales\x18\x05 \x01(\x08\x12\x1c\n\x14scales_from_logprobs\x18\x06 \x01(\x08\x12\x0e\n\x06images\x18\x07 \x03(\x0c\"\xbe\x01\n\x11TrainStepResponse\x12\x13\n\x0bnew_version\x18\x01 \x01(\x03\x12\x39\n\x07metrics\x18\x02 \x03(\x0b\x32(.fp8rl.v1.TrainStepResponse.MetricsEntry\x12)\n\x0bphase_times\x18\x03 \x01(\x0b\x32\x14.fp8rl.v1.PhaseTimes\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"~\n\x16\x43omputeLogprobsRequest\x12 \n\x04rows\x18\x01 \x03(\x0b\x32\x12.fp8rl.v1.Sequence\x12\x1d\n\x10\x65xpected_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06images\x18\x03 \x03(\x0c\x42\x13\n\x11_expected_version\"\x1f\n\x0bRowLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"\xc0\x01\n\x17\x43omputeLogprobsResponse\x12#\n\x04rows\x18\x01 \x03(\x0b\x32\x15.fp8rl.v1.RowLogprobs\x12?\n\x07metrics\x18\x02 \x03(\x0b\x32..fp8rl.v1.ComputeLogprobsResponse.MetricsEntry\x12\x0f\n\x07version\x18\x03 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"7\n\x15SaveCheckpointRequest\x12\x10\n\x04path\x18\x01 \x01(\tB\x02\x18\x01\x12\x0c\n\x04name\x18\x02 \x01(\t\"E\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\"\x16\n\x14TrainerStatusRequest\"r\n\x15TrainerStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06recipe\x18\x03 \x01(\t\x12\x18\n\x10weights_endpoint\x18\x04 \x01(\t\x12\r\n\x05ready\x18\x05 \x01(\x08\x32\xce\x02\n\x0eTrainerService\x12\x44\n\tTrainStep\x12\x1a.fp8rl.v1.TrainStepRequest\x1a\x1b.fp8rl.v1.TrainStepResponse\x12V\n\x0f\x43omputeLogprobs\x12 .fp8rl.v1.ComputeLogprobsRequest\x1a!.fp8rl.v1.ComputeLogprobsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.fp8rl.v1.SaveCheckpointRequest\x1a .fp8rl.v1.SaveCheckpointResponse\x12I\n\x06Status\x12\x1e.fp8rl.v1.TrainerStatusRequest\x1a\x1f.fp8rl.v1.TrainerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAVECHECKPOINTREQUEST'].fields_by_name['path']._loaded_options = None
   _globals['_SAVECHECKPOINTREQUEST'].fields_by_name['path']._serialized_options = b'\030\001'
   _globals['_SEQUENCE']._serialized_start=60
-  _globals['_SEQUENCE']._serialized_end=254
-  _globals['_TRAINSTEPREQUEST']._serialized_start=257
-  _globals['_TRAINSTEPREQUEST']._serialized_end=429
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=432
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=622
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=576
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=622
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=624
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=734
-  _globals['_ROWLOGPROBS']._serialized_start=736
-  _globals['_ROWLOGPROBS']._serialized_end=767
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=770
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=962
-  _globals['_COMPUTELOGPROBSRESPONSE_METRICSENTRY']._serialized_start=576
-  _globals['_COMPUTELOGPROBSRESPONSE_METRICSENTRY']._serialized_end=622
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=964
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1019
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1021
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1090
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=1092
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=1114
-  _globals['_TRAINERSTATUSRESPONSE']._serialized_start=1116
-  _globals['_TRAINERSTATUSRESPONSE']._serialized_end=1230
-  _globals['_TRAINERSERVICE']._serialized_start=1233
-  _globals['_TRAINERSERVICE']._serialized_end=1567
+  _globals['_SEQUENCE']._serialized_end=277
+  _globals['_TRAINSTEPREQUEST']._serialized_start=280
+  _globals['_TRAINSTEPREQUEST']._serialized_end=468
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=471
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=661
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=615
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=661
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=663
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=789
+  _globals['_ROWLOGPROBS']._serialized_start=791
+  _globals['_ROWLOGPROBS']._serialized_end=822
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=825
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1017
+  _globals['_COMPUTELOGPROBSRESPONSE_METRICSENTRY']._serialized_start=615
+  _globals['_COMPUTELOGPROBSRESPONSE_METRICSENTRY']._serialized_end=661
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1019
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1074
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1076
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1145
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=1147
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=1169
+  _globals['_TRAINERSTATUSRESPONSE']._serialized_start=1171
+  _globals['_TRAINERSTATUSRESPONSE']._serialized_end=1285
+  _globals['_TRAINERSERVICE']._serialized_start=1288
+  _globals['_TRAINERSERVICE']._serialized_end=1622
 # @@protoc_insertion_point(module_scope)

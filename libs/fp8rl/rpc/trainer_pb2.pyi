@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sequence(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "gen_logprobs", "advantage", "weight_version", "routes", "loss_mask")
+    __slots__ = ("prompt_ids", "response_ids", "gen_logprobs", "advantage", "weight_version", "routes", "loss_mask", "image_indices")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     GEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Sequence(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     gen_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -23,23 +24,26 @@ class Sequence(_message.Message):
     weight_version: int
     routes: _common_pb2.Routes
     loss_mask: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., weight_version: _Optional[int] = ..., routes: _Optional[_Union[_common_pb2.Routes, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
+    image_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., gen_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., weight_version: _Optional[int] = ..., routes: _Optional[_Union[_common_pb2.Routes, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., image_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("expected_version", "rows", "step", "max_weight_lag", "calibrate_scales", "scales_from_logprobs")
+    __slots__ = ("expected_version", "rows", "step", "max_weight_lag", "calibrate_scales", "scales_from_logprobs", "images")
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_LAG_FIELD_NUMBER: _ClassVar[int]
     CALIBRATE_SCALES_FIELD_NUMBER: _ClassVar[int]
     SCALES_FROM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     expected_version: int
     rows: _containers.RepeatedCompositeFieldContainer[Sequence]
     step: int
     max_weight_lag: int
     calibrate_scales: bool
     scales_from_logprobs: bool
-    def __init__(self, expected_version: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., step: _Optional[int] = ..., max_weight_lag: _Optional[int] = ..., calibrate_scales: _Optional[bool] = ..., scales_from_logprobs: _Optional[bool] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, expected_version: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., step: _Optional[int] = ..., max_weight_lag: _Optional[int] = ..., calibrate_scales: _Optional[bool] = ..., scales_from_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("new_version", "metrics", "phase_times")
@@ -59,12 +63,14 @@ class TrainStepResponse(_message.Message):
     def __init__(self, new_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., phase_times: _Optional[_Union[_common_pb2.PhaseTimes, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("rows", "expected_version")
+    __slots__ = ("rows", "expected_version", "images")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[Sequence]
     expected_version: int
-    def __init__(self, rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., expected_version: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, rows: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., expected_version: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("logprobs",)

@@ -92,6 +92,7 @@ def _step_report(m: controller_pb2.StepReport) -> StepReport:
     return StepReport(
         job_id=m.job_id, step=m.step, weight_version=m.weight_version, reward_mean=m.reward_mean,
         accuracy=m.accuracy, metrics=dict(m.metrics), state=m.state, trajectories_md=m.trajectories_md,
+        pictures=tuple((tuple(p.images), p.prompt, p.reference, p.sampled, p.right) for p in m.pictures),
         phase_times=PhaseTimes(rollout=t.rollout, reward=t.reward, logprobs=t.logprobs, train=t.train,
                                publish=t.publish, calibrate=t.calibrate, refit=t.refit, total=t.total,
                                outage=t.outage),

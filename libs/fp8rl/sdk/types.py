@@ -66,6 +66,9 @@ class StepReport:
         state: the job's state after this step.
         trajectories_md: multi-turn jobs: a few of the step's trajectories as Markdown (model and environment
             tokens told apart); "" otherwise.
+        pictures: vision-language jobs: a few of the step's picture prompts with the first answer sampled for
+            each, as ``(image files, prompt, reference, sampled, right)`` (what :func:`fp8rl.report.write_pictures`
+            writes); empty otherwise.
     """
 
     job_id: str
@@ -77,6 +80,7 @@ class StepReport:
     phase_times: PhaseTimes = field(default_factory=PhaseTimes)
     state: str = "running"
     trajectories_md: str = ""
+    pictures: tuple[tuple[tuple[bytes, ...], str, str, str, bool], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.metrics, MappingProxyType):

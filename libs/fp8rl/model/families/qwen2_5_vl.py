@@ -6,7 +6,7 @@ share).
 The checkpoint's tensors are ``model.*`` (the text tower, fp8rl's names), ``visual.*`` (the encoder) and
 ``lm_head.weight``: the model holds the encoder as ``visual``, so a plain ``load_state_dict`` loads it. The vision
 encoder is never FP8 (the recipes convert the language model's layers only). vLLM and Megatron-Core do not run it
-here; the service stack refuses it (its calls carry no images yet).
+here; the service stack trains it single-turn on its torch engines (the pictures travel with the calls).
 """
 
 from __future__ import annotations

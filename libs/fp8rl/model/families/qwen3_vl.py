@@ -5,7 +5,7 @@ first language layers (:mod:`.vision_language`: what the vision-language familie
 
 The checkpoint keeps the text tower under ``model.language_model.*`` and the encoder under ``model.visual.*``
 (``checkpoint_prefixes``: fp8rl's ``model.*`` and ``visual.*``), ``lm_head.weight`` as it is. The vision encoder is
-never FP8. vLLM and Megatron-Core do not run it here; the service stack refuses it.
+never FP8. vLLM and Megatron-Core do not run it here; the service stack trains it on its torch engines.
 """
 
 from __future__ import annotations
