@@ -197,6 +197,24 @@ def test_the_controller_reads_the_text_tower_and_vllm_is_refused(tmp_path):
                             eos_token_ids=[2], pad_token_id=0)
 
 
+def test_the_stack_takes_a_vlm_single_turn_on_one_torch_trainer_process(tmp_path):
+    """SubmitJob's check: the pictures ride with the Generate, TrainStep and Calibrate calls, which the Megatron
+    trainer, a trainer's ranks and multi-turn trajectories do not take."""
+    from fp8rl.config import ConfigError, JobConfig
+    from services.controller.runner import JobRunner
+
+    _checkpoint("qwen2_5_vl", tmp_path)
+    job = JobConfig().with_settings({"policy.model": str(tmp_path)})
+    JobRunner._check_vision(None, job)  # taken
+    JobRunner._check_vision(None, job.with_settings({"policy.language_model_only": True,
+                                                     "policy.training.dp_size": 2}))  # its text tower: any trainer
+    for key, value, why in (("policy.training.backend", "megatron", "backend must be torch"),
+                            ("policy.training.dp_size", 2, "dp_size must be 1"),
+                            ("env.name", "calculator", "env / agent jobs train text trajectories")):
+        with pytest.raises(ConfigError, match=f"is a vision-language model, .*{why}"):
+            JobRunner._check_vision(None, job.with_settings({key: value}))
+
+
 def _pil_images(sizes, seed=0):
     import numpy as np
     from PIL import Image
