@@ -42,8 +42,8 @@ def _timed_encoder() -> None:
 
 
 def _run(recipe: str, invariant: bool, steps: int, seed: int, eval_every: int = 0, lr: float = 2e-4,
-         train_encoder: bool = False) -> dict:
-    job = JobConfig().with_settings({"data.task": "shapes", "job.eval_size": 64, "job.eval_every": eval_every,
+         train_encoder: bool = False, eval_size: int = 64) -> dict:
+    job = JobConfig().with_settings({"data.task": "shapes", "job.eval_size": eval_size, "job.eval_every": eval_every,
                                      "policy.training.train_vision_encoder": train_encoder})
     cfg = LoopConfig.from_flags(job=job, model="tiny-vl", recipe=recipe,
                                 kv_cache_dtype="fp8" if recipe != "bf16" else "auto", batch_invariant=invariant,
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4, help="the learning runs' learning rate")
     ap.add_argument("--learning-only", action="store_true", help="skip parts 1 and 2")
     ap.add_argument("--train-encoder", action="store_true", help="the learning runs train the vision encoder too")
+    ap.add_argument("--eval-size", type=int, default=256, help="held-out pictures the learning runs are judged on")
     args = ap.parse_args()
     _timed_encoder()
     if not args.learning_only:
@@ -93,7 +94,7 @@ def _learning(args) -> None:
     gains, rewards = [], []
     for seed in args.seeds:
         r = _run("fp8_e2e", True, args.learning_steps, seed=seed, eval_every=args.learning_steps, lr=args.lr,
-                 train_encoder=args.train_encoder)
+                 train_encoder=args.train_encoder, eval_size=args.eval_size)
         val = r["validation"]
         first, last = min(val), max(val)
         acc0, acc1 = val[first]["val_accuracy"], val[last]["val_accuracy"]

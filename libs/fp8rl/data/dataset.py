@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,14 @@ def read_problems(root: DataRoot, path: str | Path, *, key: str = "data.path", f
     """:func:`load_problems` of ``path`` resolved under ``root`` (confined to it), within its limits."""
     real = root.resolve(path, key)
     return load_problems(real, fmt or detect_format(real, key), prompt_key=prompt_key, answer_key=answer_key,
-                         limit=limit, max_rows=root.max_rows, max_bytes=root.max_bytes, key=key)
+                         limit=limit, max_rows=root.max_rows, max_bytes=root.max_bytes, key=key,
+                         read_picture=root.read_picture)
 
 
 def load_problems(path: str | Path, fmt: str | None = None, *, prompt_key: str | None = None,
                   answer_key: str | None = None, limit: int | None = None, max_rows: int | None = None,
-                  max_bytes: int = MAX_DATA_BYTES, key: str = "data.path") -> list[Problem]:
+                  max_bytes: int = MAX_DATA_BYTES, key: str = "data.path",
+                  read_picture: Callable[[str, str], bytes] | None = None) -> list[Problem]:
     """The problems of one data file or Arrow dataset directory, in file order.
 
     Args:
@@ -113,6 +115,7 @@ def load_problems(path: str | Path, fmt: str | None = None, *, prompt_key: str |
         max_bytes: refuse files (a directory's together) larger than this, or decoding to more than
             :data:`MAX_EXPANSION` times it.
         key: the job key naming the path, first in a :class:`DataFileError`'s message.
+        read_picture: reads a row's picture given by path (:meth:`DataRoot.read_picture`); None refuses them.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -129,7 +132,7 @@ def load_problems(path: str | Path, fmt: str | None = None, *, prompt_key: str |
         if path.suffix.lower() == ".json":
             _refuse_json_array(path, max_bytes, key)
         return load_jsonl(path, prompt_key=prompt_key, answer_key=answer_key, limit=limit, max_rows=max_rows,
-                          max_bytes=max_bytes, key=key)
+                          max_bytes=max_bytes, key=key, read_picture=read_picture)
     problems: list[Problem] = []
     if limit == 0:
         return problems
@@ -144,7 +147,8 @@ def load_problems(path: str | Path, fmt: str | None = None, *, prompt_key: str |
                         raise ValueError(f"{where}: no column {top_level(k)!r} for key {k!r} (columns: "
                                          f"{sorted(names)})")
                 checked = names
-            problems.append(problem_from_row(row, where, prompt_key, answer_key, fields=names))
+            problems.append(problem_from_row(row, where, prompt_key, answer_key, fields=names,
+                                             read_picture=read_picture))
             if limit is not None and len(problems) >= limit:
                 break
     finally:

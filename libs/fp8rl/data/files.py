@@ -30,7 +30,12 @@ from typing import BinaryIO
 
 from fp8rl.limits import MAX_DATA_BYTES, MAX_DATA_LINE_BYTES, MAX_DATA_ROWS
 
-__all__ = ["DataFileError", "DataRoot", "check_directory", "open_in_directory", "open_regular_file", "read_lines"]
+__all__ = ["MAX_PICTURE_BYTES", "DataFileError", "DataRoot", "check_directory", "open_in_directory",
+           "open_regular_file", "read_lines"]
+
+MAX_PICTURE_BYTES = 8 << 20
+"""Largest picture file a data row may name by path (the policy's image limits, checked when it is decoded, are
+:class:`fp8rl.model.image_inputs.ImageLimits`; its default ``max_bytes`` is the same)."""
 
 
 class DataFileError(ValueError):
@@ -183,6 +188,27 @@ class DataRoot:
                                 f"{str(root)!r} (data files must live under the data root; symlinks out of it "
                                 f"are refused)")
         return real
+
+    def read_picture(self, path: str, where: str) -> bytes:
+        """The bytes of a data row's picture given by ``path`` (relative to :attr:`root`): confined to the root, a
+        regular file of at most :data:`MAX_PICTURE_BYTES` (decoded later, under the policy's image limits).
+
+        Raises:
+            ValueError: outside the root, missing, not a regular file, or too big — the message starts with ``where``.
+        """
+        try:
+            with open_regular_file(self.resolve(path, where), MAX_PICTURE_BYTES, where) as f:
+                data = f.read(MAX_PICTURE_BYTES + 1)
+        except FileNotFoundError:
+            raise ValueError(f"{where}: picture {path!r:.120} does not exist under the data root "
+                             f"{str(os.path.realpath(self.root))!r}") from None
+        except DataFileError:
+            raise
+        except OSError as exc:
+            raise ValueError(f"{where}: picture {path!r:.120} cannot be read: {exc.strerror}") from None
+        if len(data) > MAX_PICTURE_BYTES:  # it grew after the check
+            raise DataFileError(f"{where}: picture {path!r:.120} is over {MAX_PICTURE_BYTES} bytes")
+        return data
 
     def check(self, path: str | Path, key: str = "data.path", directory: bool = False) -> Path:
         """:meth:`resolve`, then open and check the file without reading it; returns the real path.

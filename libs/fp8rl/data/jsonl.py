@@ -10,6 +10,7 @@ sending them to a policy.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from fp8rl.limits import MAX_DATA_BYTES
@@ -30,6 +31,7 @@ def load_jsonl(
     max_rows: int | None = None,
     max_bytes: int = MAX_DATA_BYTES,
     key: str = "data.path",
+    read_picture: Callable[[str, str], bytes] | None = None,
 ) -> list[Problem]:
     """Reads one :class:`Problem` per non-blank line of a UTF-8 JSON-lines file.
 
@@ -46,6 +48,7 @@ def load_jsonl(
         max_rows: refuse a file holding more problems than this (None: no bound but ``max_bytes``).
         max_bytes: refuse a file larger than this.
         key: the job key naming the file, first in a :class:`DataFileError`'s message.
+        read_picture: reads a row's picture given by path (under the data root); None refuses them.
 
     Returns:
         The problems in file order.
@@ -75,13 +78,14 @@ def load_jsonl(
             if max_rows is not None and len(problems) >= max_rows:
                 raise DataFileError(f"{key}: {path} holds more than {max_rows} problems (the limit); "
                                     f"line {lineno} is past it")
-            problems.append(_parse_row(line, path, lineno, prompt_key, answer_key))
+            problems.append(_parse_row(line, path, lineno, prompt_key, answer_key, read_picture))
             if limit is not None and len(problems) >= limit:
                 break
     return problems
 
 
-def _parse_row(line: str, path: Path, lineno: int, prompt_key: str | None, answer_key: str | None) -> Problem:
+def _parse_row(line: str, path: Path, lineno: int, prompt_key: str | None, answer_key: str | None,
+               read_picture: Callable[[str, str], bytes] | None = None) -> Problem:
     where = f"{path}:{lineno}"
     try:
         row = json.loads(line)
@@ -89,7 +93,7 @@ def _parse_row(line: str, path: Path, lineno: int, prompt_key: str | None, answe
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    return problem_from_row(row, where, prompt_key, answer_key)
+    return problem_from_row(row, where, prompt_key, answer_key, read_picture=read_picture)
 
 
 def wrap_math_prompt(problem_text: str) -> str:

@@ -15,12 +15,15 @@ One key given, the other side is the first known shape's key for it that the row
 
 A row may also hold pictures, verl's way: an ``images`` field, a list of image files (their bytes, or
 ``{"bytes": ...}`` as Parquet and Arrow datasets store an image), one per ``<image>`` placeholder of its text
-prompt. They are decoded (under limits) where the policy's processor turns them into patches.
+prompt. They are decoded (under limits) where the policy's processor turns them into patches. A picture may also be
+a path (a string, or ``{"path": ...}`` without bytes): the file under the data root, read when the rows are
+(:meth:`fp8rl.data.files.DataRoot.read_picture`: confined to the root, at most
+:data:`~fp8rl.data.files.MAX_PICTURE_BYTES`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .keys import KeyPathError, lookup
@@ -77,8 +80,9 @@ def shape_columns(prompt_key: str | None, answer_key: str | None) -> set[str]:
     return {k.split(".", 1)[0] for k in keys}
 
 
-def _images_of(row: Mapping, where: str) -> tuple[bytes, ...]:
-    """The row's ``images`` as encoded files (module docstring), in order; () when it has none."""
+def _images_of(row: Mapping, where: str, read_picture: Callable[[str, str], bytes] | None) -> tuple[bytes, ...]:
+    """The row's ``images`` as encoded files (module docstring), in order; () when it has none. A path is read by
+    ``read_picture(path, where)``; None refuses paths."""
     raw = row.get(IMAGES_FIELD)
     if raw is None:
         return ()
@@ -87,15 +91,24 @@ def _images_of(row: Mapping, where: str) -> tuple[bytes, ...]:
     out = []
     for i, item in enumerate(raw):
         data = item.get("bytes") if isinstance(item, Mapping) else item
+        path = item if isinstance(item, str) else item.get("path") if isinstance(item, Mapping) and not data else None
+        if isinstance(path, str) and path:
+            if read_picture is None:
+                raise ValueError(f"{where}: {IMAGES_FIELD}[{i}] is a path ({path!r:.80}); pictures by path are read "
+                                 f"under the data root, by the job's data loading")
+            out.append(read_picture(path, f"{where}: {IMAGES_FIELD}[{i}]"))
+            continue
         if not isinstance(data, bytes | bytearray) or not data:
             raise ValueError(f"{where}: {IMAGES_FIELD}[{i}] must be an image file's bytes (or {{'bytes': ...}}, as "
-                             f"Parquet datasets store images), got {type(data).__name__}")
+                             f"Parquet datasets store images), or its path under the data root, got "
+                             f"{type(data).__name__}")
         out.append(bytes(data))
     return tuple(out)
 
 
 def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer_key: str | None = None,
-                     fields: Sequence[str] | None = None) -> Problem:
+                     fields: Sequence[str] | None = None, read_picture: Callable[[str, str], bytes] | None = None
+                     ) -> Problem:
     """The :class:`Problem` of one row.
 
     Args:
@@ -105,6 +118,8 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
         answer_key: dotted path of the reference answer; None: likewise.
         fields: the row's fields as its file has them, for messages (a columnar reader loads only the columns the
             known shapes use); None: the row's own keys.
+        read_picture: reads a picture given by path (:meth:`fp8rl.data.files.DataRoot.read_picture`); None: a
+            path is refused.
 
     The prompt is text (kept as is; it must not be blank) or a list of ``{"role", "content"}`` chat messages.
     The answer is a string (stripped) or a number (``str`` of it).
@@ -136,7 +151,7 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
     answer = answer.strip() if isinstance(answer, str) else str(answer)
     if not answer:
         raise ValueError(f"{where}: {answer_key!r} is empty")
-    images = _images_of(row, where)
+    images = _images_of(row, where, read_picture)
     if images and isinstance(prompt, str) and prompt.count("<image>") != len(images):
         raise ValueError(f"{where}: {prompt.count('<image>')} <image> placeholder(s) in the prompt for "
                          f"{len(images)} image(s)")

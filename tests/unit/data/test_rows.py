@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -81,9 +82,36 @@ def test_a_rows_images_are_read_and_checked_against_its_placeholders():
     assert problem_from_row({"prompt": "Q: 1+1=", "answer": 2, "images": None}, "f:2").images == ()
     with pytest.raises(ValueError, match=r"f:3: 1 <image> placeholder\(s\) in the prompt for 2 image\(s\)"):
         problem_from_row({"prompt": "<image>", "answer": 1, "images": [png, png]}, "f:3")
+    with pytest.raises(ValueError, match=r"f:4: images\[0\] is a path \('pic.png'\); pictures by path are read under"):
+        problem_from_row({"prompt": "<image>", "answer": 1, "images": ["pic.png"]}, "f:4")  # no data root here
     with pytest.raises(ValueError, match=r"f:4: images\[0\] must be an image file's bytes"):
-        problem_from_row({"prompt": "<image>", "answer": 1, "images": ["pic.png"]}, "f:4")
+        problem_from_row({"prompt": "<image>", "answer": 1, "images": [3]}, "f:4")
     with pytest.raises(ValueError, match="f:5: 'images' must be a list"):
         problem_from_row({"prompt": "<image>", "answer": 1, "images": png}, "f:5")
     with pytest.raises(ValueError, match="f:6: Problem.images: images go with a text prompt"):
         problem_from_row({"prompt": [{"role": "user", "content": "<image>"}], "answer": 1, "images": [png]}, "f:6")
+
+
+def test_pictures_by_path_are_read_under_the_data_root_and_nowhere_else(tmp_path):
+    from fp8rl.data.dataset import read_problems
+    from fp8rl.data.files import MAX_PICTURE_BYTES, DataRoot
+
+    root = tmp_path / "data"
+    (root / "pics").mkdir(parents=True)
+    (root / "pics" / "a.png").write_bytes(b"A" * 10)
+    (root / "pics" / "b.png").write_bytes(b"B" * 10)
+    (tmp_path / "secret.png").write_bytes(b"S" * 10)
+    (root / "pics" / "big.png").write_bytes(b"")
+    os.truncate(root / "pics" / "big.png", MAX_PICTURE_BYTES + 1)
+
+    def read(*images, prompt="<image> <image>"):
+        (root / "rows.jsonl").write_text(json.dumps({"prompt": prompt, "answer": 1, "images": list(images)}) + "\n")
+        return read_problems(DataRoot(root), "rows.jsonl")
+
+    assert read("pics/a.png", {"path": "pics/b.png", "bytes": None})[0].images == (b"A" * 10, b"B" * 10)
+    outside = "outside the data root"
+    for bad, why in (("../secret.png", outside), (str(tmp_path / "secret.png"), outside),
+                     ("pics/none.png", "does not exist under the data root"), ("pics", "is a directory"),
+                     ("pics/big.png", f"the limit is {MAX_PICTURE_BYTES} bytes")):
+        with pytest.raises(ValueError, match=rf"rows.jsonl:1: images\[1\].*({why})"):
+            read("pics/a.png", bad)
