@@ -450,9 +450,10 @@ class JobPlan:
         if self.images is None:
             raise ConfigError(f"a problem has {len(problem.images)} image(s), but policy.model "
                               f"{self.job.policy.model!r} is not a vision-language model")
-        if self.job.data.chat_template:
-            raise ConfigError("data.chat_template: prompts with images are text prompts with <image> placeholders "
-                              "(a chat template's image parts are not supported yet)")
+        if problem.is_chat or self.job.data.chat_template:  # rendered by the chat template, each picture's
+            # placeholder (an image part's) then replaced by its tokens; the template writes its own specials
+            text = render_chat_prompt(self.tok, problem.prompt, self.job.data.system_prompt)
+            return self.images.prompt(text, problem.images, lambda piece, first: self.tok.encode(piece, add_bos=False))
         return self.images.prompt(problem.prompt, problem.images,
                                   lambda piece, first: self.tok.encode(piece, add_bos=first))
 

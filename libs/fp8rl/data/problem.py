@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Message", "Messages", "Problem", "as_messages"]
+__all__ = ["IMAGE_PLACEHOLDER", "Message", "Messages", "Problem", "as_messages", "placeholders"]
+
+IMAGE_PLACEHOLDER = "<image>"  # where a prompt's picture goes (a chat message's image part becomes one)
 
 Message = tuple[str, str]  # (role, content), e.g. ("user", "What is 6*7?")
 Messages = tuple[Message, ...]
@@ -25,8 +27,8 @@ class Problem:
         answer: the reference answer as a string; graders compare a response against it
             (:mod:`fp8rl.data.grading`). Never empty for problems built by this package.
         images: a vision-language task's images, encoded files (PNG, JPEG ...: bytes), one per
-            ``<image>`` placeholder of a text prompt, in order (:mod:`fp8rl.data.images`); empty for a text task
-            (whose problem is then JSON-able as described).
+            ``<image>`` placeholder of the prompt (of a chat's messages, in order: an image content part becomes
+            one), in order; empty for a text task (whose problem is then JSON-able as described).
     """
 
     prompt: str | Messages
@@ -40,9 +42,9 @@ class Problem:
             object.__setattr__(self, "images", tuple(self.images))
         if any(not isinstance(b, bytes) for b in self.images):
             raise ValueError("Problem.images: each image is the bytes of an image file")
-        if self.images and not isinstance(self.prompt, str):
-            raise ValueError("Problem.images: images go with a text prompt's <image> placeholders (chat prompts "
-                             "with images are not supported yet)")
+        if self.images and placeholders(self.prompt) != len(self.images):
+            raise ValueError(f"Problem.images: {placeholders(self.prompt)} {IMAGE_PLACEHOLDER} placeholder(s) in the "
+                             f"prompt for {len(self.images)} image(s)")
 
     @property
     def is_chat(self) -> bool:
@@ -83,10 +85,35 @@ def as_messages(value: Any) -> Messages:
             raise ValueError(f"message {i} is {msg!r:.80}; expected {{'role': ..., 'content': ...}}")
         if not isinstance(role, str) or not role.strip():
             raise ValueError(f"message {i}: 'role' must be a non-empty string, got {role!r:.80}")
+        if isinstance(content, list | tuple):  # content parts: text, and images as placeholders
+            content = _parts_text(content, i)
         if not isinstance(content, str):
-            raise ValueError(f"message {i}: 'content' must be a string, got {content!r:.80} (content parts such "
-                             f"as images are not supported)")
+            raise ValueError(f"message {i}: 'content' must be a string or a list of content parts, got "
+                             f"{content!r:.80}")
         out.append((role, content))
     if not any(content.strip() for _, content in out):
         raise ValueError("every message's content is empty")
     return tuple(out)
+
+
+def _parts_text(parts, i: int) -> str:
+    """A message's content parts (``{"type": "text", "text": ...}``, ``{"type": "image"}`` — the chat templates'
+    multimodal form) as text, each image part an :data:`IMAGE_PLACEHOLDER` (its picture is the problem's next)."""
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind == "image":
+            out.append(IMAGE_PLACEHOLDER)
+        else:
+            raise ValueError(f"message {i}: content part {j} is {part!r:.80}; expected {{'type': 'text', 'text': "
+                             f"...}} or {{'type': 'image'}}")
+    return "".join(out)
+
+
+def placeholders(prompt: str | Messages) -> int:
+    """How many :data:`IMAGE_PLACEHOLDER` s a prompt holds (a chat's, over its messages)."""
+    if isinstance(prompt, str):
+        return prompt.count(IMAGE_PLACEHOLDER)
+    return sum(content.count(IMAGE_PLACEHOLDER) for _, content in prompt)

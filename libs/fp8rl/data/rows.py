@@ -15,7 +15,8 @@ One key given, the other side is the first known shape's key for it that the row
 
 A row may also hold pictures, verl's way: an ``images`` field, a list of image files (their bytes, or
 ``{"bytes": ...}`` as Parquet and Arrow datasets store an image), one per ``<image>`` placeholder of its text
-prompt. They are decoded (under limits) where the policy's processor turns them into patches. A picture may also be
+prompt (a chat prompt's ``{"type": "image"}`` content parts are its placeholders). They are decoded (under limits)
+where the policy's processor turns them into patches. A picture may also be
 a path (a string, or ``{"path": ...}`` without bytes): the file under the data root, read when the rows are
 (:meth:`fp8rl.data.files.DataRoot.read_picture`: confined to the root, at most
 :data:`~fp8rl.data.files.MAX_PICTURE_BYTES`).
@@ -152,9 +153,6 @@ def problem_from_row(row: Any, where: str, prompt_key: str | None = None, answer
     if not answer:
         raise ValueError(f"{where}: {answer_key!r} is empty")
     images = _images_of(row, where, read_picture)
-    if images and isinstance(prompt, str) and prompt.count("<image>") != len(images):
-        raise ValueError(f"{where}: {prompt.count('<image>')} <image> placeholder(s) in the prompt for "
-                         f"{len(images)} image(s)")
     try:
         return Problem(prompt=prompt, answer=answer, images=images)
     except ValueError as e:  # what a problem refuses (a chat prompt with images), named by its row

@@ -32,7 +32,7 @@ from .vision import ImageBatch
 __all__ = ["IMAGE_PLACEHOLDER", "ImageError", "ImageLimits", "PromptImages", "VisionProcessor", "check_image_runs",
            "decode_image", "expand_prompt"]
 
-IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PLACEHOLDER = "<image>"  # fp8rl.data.problem's (a data row's placeholder; model does not import data)
 
 
 class ImageError(ValueError):

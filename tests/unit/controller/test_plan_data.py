@@ -89,6 +89,38 @@ def test_chat_prompts_render_as_the_tokenizers_own_template(chat_tokenizer, root
     assert plain.prompts([Problem("What is 1 ?", "1")]) == [plain.tok.encode("What is 1 ?")]
 
 
+def test_a_chat_prompt_with_pictures_renders_by_the_template_with_each_pictures_tokens_in_its_place(chat_tokenizer):
+    """An image content part is a placeholder in its message; the template renders the chat, and each placeholder
+    becomes its picture's vision-start, image (one per merged cell) and vision-end tokens — the processor's layout."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from fp8rl.data.shapes import ShapesDataset
+    from fp8rl.model.config import ModelConfig
+    from fp8rl.model.image_inputs import PromptImages, VisionProcessor
+    from fp8rl.model.tokenizer import load_tokenizer
+    from fp8rl.presets import tiny_vl as V
+
+    cfg = V.tiny_vl_config(ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128))
+    picture = ShapesDataset(0).eval_set(1)[0].images
+    problem = Problem([{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "image"},
+                                                    {"type": "text", "text": "?"}]}], "2", images=picture)
+    plan = SimpleNamespace(images=PromptImages(VisionProcessor(cfg.vision_config, V.PREPROCESSOR), cfg),
+                           tok=load_tokenizer(chat_tokenizer), job=parse_job_config(
+                               "data: {chat_template: true, system_prompt: Be brief .}"))
+    own = AutoTokenizer.from_pretrained(str(chat_tokenizer), local_files_only=True)
+    text = own.apply_chat_template([{"role": "system", "content": "Be brief ."},
+                                    {"role": "user", "content": "What is<image>?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    head, tail = text.split("<image>")
+    want = own(head, add_special_tokens=False)["input_ids"] + [cfg.vision_start_token_id] + \
+        [cfg.image_token_id] * 4 + [cfg.vision_end_token_id] + own(tail, add_special_tokens=False)["input_ids"]
+    assert JobPlan._encode(plan, problem) == want
+
+
+
 def test_chat_prompts_without_a_chat_template_are_a_config_error(char_model, root):
     pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}]),
                    root.root / "chat.parquet")

@@ -54,7 +54,7 @@ def test_one_key_given_takes_the_other_from_the_known_shapes():
 
 def test_chat_prompts_are_checked():
     for prompt, message in (([], "non-empty list"), ([{"role": "user"}], "needs 'role' and 'content'"),
-                            ([{"role": "user", "content": [{"type": "image"}]}], "content parts such as images"),
+                            ([{"role": "user", "content": [{"type": "video"}]}], "content part 0 is"),
                             ([{"role": "user", "content": " "}], "every message's content is empty"),
                             (["hi"], "expected {'role': ..., 'content': ...}")):
         with pytest.raises(ValueError, match=rf"^f:2: 'prompt' is a list but not chat messages: .*{message}"):
@@ -80,7 +80,7 @@ def test_a_rows_images_are_read_and_checked_against_its_placeholders():
     p = problem_from_row({"prompt": "Q: <image> and <image>?", "answer": 2, "images": [png, {"bytes": png}]}, "f:1")
     assert p.images == (png, png) and p.answer == "2"
     assert problem_from_row({"prompt": "Q: 1+1=", "answer": 2, "images": None}, "f:2").images == ()
-    with pytest.raises(ValueError, match=r"f:3: 1 <image> placeholder\(s\) in the prompt for 2 image\(s\)"):
+    with pytest.raises(ValueError, match=r"f:3: .*1 <image> placeholder\(s\) in the prompt for 2 image\(s\)"):
         problem_from_row({"prompt": "<image>", "answer": 1, "images": [png, png]}, "f:3")
     with pytest.raises(ValueError, match=r"f:4: images\[0\] is a path \('pic.png'\); pictures by path are read under"):
         problem_from_row({"prompt": "<image>", "answer": 1, "images": ["pic.png"]}, "f:4")  # no data root here
@@ -88,8 +88,14 @@ def test_a_rows_images_are_read_and_checked_against_its_placeholders():
         problem_from_row({"prompt": "<image>", "answer": 1, "images": [3]}, "f:4")
     with pytest.raises(ValueError, match="f:5: 'images' must be a list"):
         problem_from_row({"prompt": "<image>", "answer": 1, "images": png}, "f:5")
-    with pytest.raises(ValueError, match="f:6: Problem.images: images go with a text prompt"):
-        problem_from_row({"prompt": [{"role": "user", "content": "<image>"}], "answer": 1, "images": [png]}, "f:6")
+    chat = [{"role": "system", "content": "Count."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}, {"type": "image"}]}]
+    p = problem_from_row({"prompt": chat, "answer": 1, "images": [png, png]}, "f:6")  # image parts: placeholders
+    assert p.prompt == (("system", "Count."), ("user", "<image>How many?<image>")) and len(p.images) == 2
+    with pytest.raises(ValueError, match=r"f:7: Problem.images: 2 <image> placeholder\(s\) in the prompt for 1"):
+        problem_from_row({"prompt": chat, "answer": 1, "images": [png]}, "f:7")
+    with pytest.raises(ValueError, match=r"f:8: .*content part 0 is .*expected \{'type': 'text'"):
+        problem_from_row({"prompt": [{"role": "user", "content": [{"type": "video"}]}], "answer": 1}, "f:8")
 
 
 def test_pictures_by_path_are_read_under_the_data_root_and_nowhere_else(tmp_path):
