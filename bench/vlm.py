@@ -1,6 +1,6 @@
 """Vision-language RL on tiny-vl (issue 55's measurements), in one process:
 
-    python bench/vlm.py [--steps 6] [--learning-steps 20] [--seeds 0 1 2]
+    python bench/vlm.py [--steps 6] [--learning-steps 200] [--seeds 0 1 2] [--eval-size 256] [--eval-every 25]
 
 1. **Mismatch per recipe, with and without batch invariance, on picture prompts**: the in-process loop on
    ``data.task: shapes`` for ``--steps`` steps per (recipe × invariance) — bf16, fp8_e2e with an FP8 KV cache —
@@ -11,8 +11,9 @@
    trainer); "without per-group sharing" is that time × the group size (every sample encoding its own copy:
    computed from the measured time, not run).
 3. **Learning**: ``--learning-steps`` steps of the vlm job (fp8_e2e, FP8 KV, invariance; ``--train-encoder``: the
-   vision encoder trained too) per seed; the greedy validation accuracy before → after and the reward of the first
-   → last 5 steps, with the spread over seeds.
+   vision encoder trained too) per seed; the greedy accuracy on ``--eval-size`` held-out pictures before → after
+   (and every ``--eval-every`` steps), the training reward of the first → last 10 steps (each step's pictures are
+   new), with the mean gain and its spread over seeds (max − min, and the standard deviation).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ def _run(recipe: str, invariant: bool, steps: int, seed: int, eval_every: int = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--learning-steps", type=int, default=20)
+    ap.add_argument("--learning-steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--lr", type=float, default=2e-4, help="the learning runs' learning rate")
+    ap.add_argument("--lr", type=float, default=1e-4, help="the learning runs' learning rate")
     ap.add_argument("--learning-only", action="store_true", help="skip parts 1 and 2")
     ap.add_argument("--train-encoder", action="store_true", help="the learning runs train the vision encoder too")
     ap.add_argument("--eval-size", type=int, default=256, help="held-out pictures the learning runs are judged on")
+    ap.add_argument("--eval-every", type=int, default=25, help="the learning runs' validation interval")
     args = ap.parse_args()
     _timed_encoder()
     if not args.learning_only:
@@ -93,21 +95,22 @@ def _mismatch_and_time(args) -> None:
 def _learning(args) -> None:
     gains, rewards = [], []
     for seed in args.seeds:
-        r = _run("fp8_e2e", True, args.learning_steps, seed=seed, eval_every=args.learning_steps, lr=args.lr,
+        r = _run("fp8_e2e", True, args.learning_steps, seed=seed, eval_every=args.eval_every, lr=args.lr,
                  train_encoder=args.train_encoder, eval_size=args.eval_size)
-        val = r["validation"]
-        first, last = min(val), max(val)
-        acc0, acc1 = val[first]["val_accuracy"], val[last]["val_accuracy"]
+        val = {k: v["val_accuracy"] for k, v in sorted(r["validation"].items())}
+        acc0, acc1 = val[min(val)], val[max(val)]
         rw = [h["reward_mean"] for h in r["steps"]]
-        r0, r1 = statistics.fmean(rw[:5]), statistics.fmean(rw[-5:])
+        r0, r1 = statistics.fmean(rw[:10]), statistics.fmean(rw[-10:])
         gains.append(acc1 - acc0)
         rewards.append(r1 - r0)
-        print(f"seed {seed}: greedy accuracy {acc0:.3f} -> {acc1:.3f}; reward first 5 -> last 5 steps "
-              f"{r0:.3f} -> {r1:.3f}")
-    spread = max(gains) - min(gains)
-    print(f"greedy accuracy gain: mean {statistics.fmean(gains):+.3f}, spread (max - min over {len(gains)} seeds) "
-          f"{spread:.3f}; reward gain mean {statistics.fmean(rewards):+.3f}, spread "
-          f"{max(rewards) - min(rewards):.3f}")
+        print(f"seed {seed}: greedy accuracy {acc0:.3f} -> {acc1:.3f} (by step: "
+              f"{', '.join(f'{k}: {v:.3f}' for k, v in val.items())}); reward first 10 -> last 10 steps "
+              f"{r0:.3f} -> {r1:.3f}", flush=True)
+    for name, g in (("greedy accuracy", gains), ("training reward", rewards)):
+        sd = statistics.stdev(g) if len(g) > 1 else 0.0
+        print(f"{name} gain: mean {statistics.fmean(g):+.3f}, spread over {len(g)} seeds: max - min "
+              f"{max(g) - min(g):.3f}, standard deviation {sd:.3f}; mean / (max - min) "
+              f"{statistics.fmean(g) / max(max(g) - min(g), 1e-9):.2f}")
 
 
 if __name__ == "__main__":
