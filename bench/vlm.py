@@ -10,10 +10,14 @@
    forward is timed inside each run (each prompt's picture encoded once per step by the rollout and once by the
    trainer); "without per-group sharing" is that time × the group size (every sample encoding its own copy:
    computed from the measured time, not run).
-3. **Learning**: ``--learning-steps`` steps of the vlm job (fp8_e2e, FP8 KV, invariance; ``--train-encoder``: the
-   vision encoder trained too) per seed; the greedy accuracy on ``--eval-size`` held-out pictures before → after
-   (and every ``--eval-every`` steps), the training reward of the first → last 10 steps (each step's pictures are
-   new), with the mean gain and its spread over seeds (max − min, and the standard deviation).
+3. **Learning** (``--learning-only``: this part alone): ``--learning-steps`` steps of the vlm job (fp8_e2e, FP8 KV,
+   invariance; ``--train-encoder``: the vision encoder trained too) per seed; the greedy accuracy on ``--eval-size``
+   held-out pictures before → after (and every ``--eval-every`` steps), the training reward of the first → last 10
+   steps (each step's pictures are new), with the mean gain and its spread over seeds (max − min, and the standard
+   deviation).
+4. ``--fp8-encoder`` (this part alone): the vision encoder's linears in FP8 too
+   (``policy.generation.vllm_cfg.fp8_vision_encoder``) against the high-precision encoder: mismatch with and
+   without invariance, step time, the encoder's seconds per step, and one learning run each.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ def _timed_encoder() -> None:
 
 
 def _run(recipe: str, invariant: bool, steps: int, seed: int, eval_every: int = 0, lr: float = 2e-4,
-         train_encoder: bool = False, eval_size: int = 64) -> dict:
+         train_encoder: bool = False, eval_size: int = 64, fp8_encoder: bool = False) -> dict:
     job = JobConfig().with_settings({"data.task": "shapes", "job.eval_size": eval_size, "job.eval_every": eval_every,
-                                     "policy.training.train_vision_encoder": train_encoder})
+                                     "policy.training.train_vision_encoder": train_encoder,
+                                     "policy.generation.vllm_cfg.fp8_vision_encoder": fp8_encoder})
     cfg = LoopConfig.from_flags(job=job, model="tiny-vl", recipe=recipe,
                                 kv_cache_dtype="fp8" if recipe != "bf16" else "auto", batch_invariant=invariant,
                                 steps=steps, prompts_per_step=16, group_size=8, max_tokens=4, lr=lr,
@@ -65,11 +70,37 @@ def main() -> None:
     ap.add_argument("--train-encoder", action="store_true", help="the learning runs train the vision encoder too")
     ap.add_argument("--eval-size", type=int, default=256, help="held-out pictures the learning runs are judged on")
     ap.add_argument("--eval-every", type=int, default=25, help="the learning runs' validation interval")
+    ap.add_argument("--fp8-encoder", action="store_true", help="only part 4: the vision encoder's linears in FP8 "
+                    "(policy.generation.vllm_cfg.fp8_vision_encoder) against the high-precision encoder")
     args = ap.parse_args()
     _timed_encoder()
+    if args.fp8_encoder:
+        _fp8_encoder(args)
+        return
     if not args.learning_only:
         _mismatch_and_time(args)
     _learning(args)
+
+
+def _fp8_encoder(args) -> None:
+    """fp8_e2e + FP8 KV with the encoder's linears in FP8 or not: mismatch with and without invariance, step time and
+    the encoder's time (``--steps`` steps each), then one ``--learning-steps`` learning run per encoder (seed 0)."""
+    print("encoder | invariance | max|dlogp| (worst step) | token_mult_prob_error (mean) | step s (mean) | "
+          "encoder s per step")
+    for fp8_encoder in (False, True):
+        for invariant in (True, False):
+            r = _run("fp8_e2e", invariant, args.steps, seed=0, fp8_encoder=fp8_encoder)
+            worst = max(h[MAX_ABS_LOGPROB_DIFF] for h in r["steps"])
+            err = statistics.fmean(h["token_mult_prob_error"] for h in r["steps"])
+            mean_s = statistics.fmean(h["time/step"] for h in r["steps"][1:])
+            print(f"{'fp8' if fp8_encoder else 'high precision'} | {'on' if invariant else 'off'} | {worst:.3e} | "
+                  f"{err:.6f} | {mean_s:.3f} | {r['encoder_s'] / len(r['steps']):.4f}", flush=True)
+    for fp8_encoder in (False, True):
+        r = _run("fp8_e2e", True, args.learning_steps, seed=0, eval_every=args.eval_every, lr=args.lr,
+                 eval_size=args.eval_size, fp8_encoder=fp8_encoder)
+        val = {k: v["val_accuracy"] for k, v in sorted(r["validation"].items())}
+        print(f"{'fp8' if fp8_encoder else 'high precision'} encoder, seed 0: greedy accuracy by step "
+              f"{', '.join(f'{k}: {v:.3f}' for k, v in val.items())}", flush=True)
 
 
 def _mismatch_and_time(args) -> None:

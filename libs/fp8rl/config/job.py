@@ -345,7 +345,7 @@ class JobConfig(Section):
             num_first_layers_in_bf16=v.num_first_layers_in_bf16, num_last_layers_in_bf16=v.num_last_layers_in_bf16,
             pow2_weight_scaling_factors=v.pow2_weight_scaling_factors,
             pow2_activation_scaling_factors=v.pow2_activation_scaling_factors,
-            batch_invariant=self.batch_invariant, scaling=self.fp8_scaling,
+            batch_invariant=self.batch_invariant, scaling=self.fp8_scaling, fp8_vision_encoder=v.fp8_vision_encoder,
         )
 
     @property

@@ -50,6 +50,9 @@ class VllmCfg(Section):
     num_last_layers_in_bf16: int = setting(0, "Last decoder layers kept in BF16 (both engines).", ge=0)
     pow2_weight_scaling_factors: bool = setting(False, "Round FP8 weight block scales up to powers of two.")
     pow2_activation_scaling_factors: bool = setting(False, "Round FP8 activation scales up to powers of two.")
+    fp8_vision_encoder: bool = setting(False, "A vision-language policy: its vision encoder's linears in FP8 too "
+                                       "(both engines, the linears' format); off, the encoder stays in high "
+                                       "precision in every recipe.")
     gpu_memory_utilization: float = setting(0.6, "vLLM: share of GPU memory for weights and KV cache.",
                                             gt=0.0, le=1.0)
 

@@ -5,7 +5,9 @@ Two verbs (as in gpt-fast): :func:`convert_model` converts a model *for runtime*
 
 Only the linear projections inside transformer layers are converted — embeddings, norms and the
 output head (lm_head) stay in high precision, and the first/last N layers named by the recipe stay
-whole in high precision. Model code never imports this module; engines call it.
+whole in high precision. A vision-language model's encoder (``model.visual``) stays in high precision unless the
+recipe opts its linears in (``fp8_vision_encoder``: its blocks' and mergers' linears; the patch embedding stays).
+Model code never imports this module; engines call it.
 """
 
 from __future__ import annotations
@@ -61,7 +63,15 @@ def fp8_linear_names(model: nn.Module, recipe: Fp8Recipe) -> list[str]:
             for name, mod in layer.named_modules():
                 if isinstance(mod, nn.Linear | Fp8InferenceLinear):
                     names.append(f"{prefix}.{i}.{name}")
+    if _vision_in_fp8(model, recipe):
+        names += [f"visual.{name}" for name, mod in model.visual.named_modules()
+                  if isinstance(mod, nn.Linear | Fp8InferenceLinear)]
     return names
+
+
+def _vision_in_fp8(model: nn.Module, recipe: Fp8Recipe) -> bool:
+    """Whether ``model``'s vision encoder (a vision-language model's ``visual``) gets FP8 linears."""
+    return recipe.fp8_linears and recipe.fp8_vision_encoder and getattr(model, "visual", None) is not None
 
 
 def convert_model(
@@ -82,17 +92,18 @@ def convert_model(
         raise ValueError(f"convert_model mode must be 'train' or 'inference', got {mode!r}")
     layers = transformer_layers(model)
     prefix = _layer_prefix(model)
+    kw = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
+              pow2_activation_scale=recipe.pow2_activation_scaling_factors, scaling=recipe.scaling)
+    groups = [(f"{prefix}.{i}", layer) for i, layer in enumerate(layers) if recipe.layer_in_fp8(i, len(layers))]
+    if _vision_in_fp8(model, recipe):
+        groups.append(("visual", model.visual))
     n_fp8 = 0
-    for i, layer in enumerate(layers):
-        if not recipe.layer_in_fp8(i, len(layers)):
-            continue
-        for parent, attr, lin, name in list(_linears(layer)):
-            kw = dict(pow2_weight_scale=recipe.pow2_weight_scaling_factors,
-                      pow2_activation_scale=recipe.pow2_activation_scaling_factors, scaling=recipe.scaling)
+    for where, module in groups:
+        for parent, attr, lin, name in list(_linears(module)):
             if mode == "train":
                 new: nn.Module = Fp8Linear.from_linear(lin, **kw)
             else:
-                new = Fp8InferenceLinear.from_linear(lin, name=f"{prefix}.{i}.{name}.weight", **kw)
+                new = Fp8InferenceLinear.from_linear(lin, name=f"{where}.{name}.weight", **kw)
             setattr(parent, attr, new)
             n_fp8 += 1
     if recipe.fp8_kv:

@@ -50,6 +50,8 @@ class Fp8Recipe:
         batch_invariant: GEMMs over whole row tiles and split-KV attention with a fixed chunk
             (:mod:`fp8rl.model.invariant`), so a token's numbers do not depend on the batch, on decode
             vs full forward or on padding: the rollout's and the trainer's logprobs are bitwise equal.
+        fp8_vision_encoder: a vision-language model's encoder linears (its blocks' attention and MLP, the
+            mergers) in FP8 too, in the same format; off, the encoder stays in high precision whatever the recipe.
     """
 
     linear: Literal["bf16", "fp8"] = "fp8"
@@ -61,6 +63,7 @@ class Fp8Recipe:
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     fp8_attention: bool = True
     batch_invariant: bool = False
+    fp8_vision_encoder: bool = False
 
     @property
     def format(self) -> LinearFormat:
@@ -105,6 +108,7 @@ def recipe_for_role(
     fp8_attention: bool = True,
     batch_invariant: bool = False,
     scaling: str = DEFAULT_SCALING,
+    fp8_vision_encoder: bool = False,
 ) -> Fp8Recipe:
     """The :class:`Fp8Recipe` one role runs under a job-level ``recipe`` (see the module table)."""
     if recipe not in RECIPES:
@@ -124,4 +128,5 @@ def recipe_for_role(
         else "auto",  # type: ignore[arg-type]
         fp8_attention=fp8_attention,
         batch_invariant=batch_invariant,
+        fp8_vision_encoder=fp8_vision_encoder,
     )

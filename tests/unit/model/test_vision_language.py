@@ -349,6 +349,45 @@ def test_fp8_and_batch_invariance_leave_the_vision_encoder_in_high_precision(tmp
     assert torch.isfinite(both).all() and torch.equal(first[0][keep], both[0][keep])
 
 
+def test_the_encoders_linears_go_fp8_only_when_asked_and_the_rollout_stays_the_trainer_bitwise(tmp_path):
+    """``policy.generation.vllm_cfg.fp8_vision_encoder``: the encoder's blocks' and merger's linears in FP8 in every
+    engine (the patch embedding stays), named for the refit; the rollout's logprobs stay the trainer's bitwise under
+    invariance, and the encoder's outputs are not the high-precision encoder's. Off (the default), nothing in it is."""
+    from fp8rl.config import JobConfig
+    from fp8rl.engines.base import SamplingParams
+    from fp8rl.engines.batch import build_train_batch
+    from fp8rl.engines.calibrator import QKVCalibrator
+    from fp8rl.engines.torch_rollout import TorchRolloutEngine
+    from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
+    from fp8rl.fp8 import Fp8InferenceLinear, Fp8Linear, fp8_linear_names
+
+    _checkpoint("qwen2_5_vl", tmp_path)
+    model, cfg = load_hf_checkpoint(tmp_path)
+    job = JobConfig().with_settings({"policy.numerics.batch_invariant": True})
+    assert not any(n.startswith("visual.") for n in fp8_linear_names(model, job.fp8_recipe("rollout")))
+    job = job.with_settings({"policy.generation.vllm_cfg.fp8_vision_encoder": True})
+    rr, tr = job.fp8_recipe("rollout"), job.fp8_recipe("trainer")
+    names = [n for n in fp8_linear_names(model, rr) if n.startswith("visual.")]
+    linears = [n for n, m in model.visual.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert names == [f"visual.{n}" for n in linears] and "visual.merger.mlp.0" in names
+    tok = CharTokenizer()
+    engine = TorchRolloutEngine(model, rr, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id, max_batch_size=3)
+    trainer = TorchTrainer(model, tr, TrainerConfig(micro_batch_size=4, lr=1e-2))
+    for m, kind in ((engine.model, Fp8InferenceLinear), (trainer.model, Fp8Linear)):
+        assert sum(isinstance(x, kind) for x in m.visual.modules()) == len(linears)
+    prompts, images = _vl_prompts(cfg, [[(60, 90)], [(40, 40)]], [4, 7])
+    with torch.no_grad():
+        assert not torch.equal(trainer.model.visual(images[0]), model.visual(images[0]))  # the FP8 encoder's own
+    scales = QKVCalibrator(trainer.model, pad_token_id=tok.pad_id).calibrate(0, prompts, images)
+    engine.load_scales(scales)
+    trainer.load_qkv_scales(scales)
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3), images=images)
+    batch = build_train_batch(samples, torch.ones(len(samples)), 2, tok.pad_id)
+    mask = batch.loss_mask.bool()
+    got, want = trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask]
+    assert got.numel() > 10 and torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
 def test_the_rollout_is_bitwise_the_trainer_on_image_prompts(kind, tmp_path):
     """fp8_e2e + FP8 KV + batch invariance on a Qwen2.5-VL policy: the rollout encodes each prompt's images once,
