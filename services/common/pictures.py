@@ -36,7 +36,7 @@ class RequestPictures:
     def __init__(self, config, path: str | Path | None) -> None:
         self.config = config
         self.images: PromptImages | None = None
-        if getattr(config.family, "vision", False) and path is not None:
+        if config.family.vision and path is not None:
             self.images = PromptImages(VisionProcessor.from_model_dir(path, config.vision_config), config)
 
     def of_prompts(self, groups: Sequence[Sequence[bytes]], ids: Sequence[Sequence[int]], *, what: str = "prompt",

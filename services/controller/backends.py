@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from fp8rl.controller.pictures import sequence_files
+from fp8rl.controller.pictures import picture_table, sequence_files
 from fp8rl.controller.plan import JobPlan, model_max_positions, sampling_seed
 from fp8rl.controller.pool import RolloutError
 from fp8rl.controller.step import Trained
@@ -33,8 +33,8 @@ from .reward_router import NoReplica, RewardRouter
 
 log = logging.getLogger("fp8rl.controller")
 
-__all__ = ["Backends", "GrpcStep", "PictureSample", "call", "calibrate_request", "picture_table", "JobCancelled",
-           "JobFailed", "RpcFailed", "Stopping", "TRANSIENT"]
+__all__ = ["Backends", "GrpcStep", "PictureSample", "call", "calibrate_request", "JobCancelled", "JobFailed",
+           "RpcFailed", "Stopping", "TRANSIENT"]
 
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _GRADED = {reward_pb2.GRADE_STATUS_GRADED, reward_pb2.GRADE_STATUS_UNPARSABLE}  # rewards that are verdicts
@@ -338,13 +338,6 @@ class PictureSample:
 
     def __getattr__(self, name: str):
         return getattr(self.proto, name)
-
-
-def picture_table(files: list[tuple[bytes, ...]]) -> tuple[list[bytes], list[list[int]]]:
-    """A request's pictures from each row's image files: every file once, and per row the indices of its own."""
-    table: dict[bytes, int] = {}
-    indices = [[table.setdefault(f, len(table)) for f in row] for row in files]
-    return list(table), indices
 
 
 def calibrate_request(version: int, sequences: list[list[int]], files: list[tuple[bytes, ...]] | None

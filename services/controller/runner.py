@@ -502,7 +502,7 @@ class JobRunner:
         if md := b.markdown():  # a few trajectories for the report (model and environment tokens told apart)
             partial["trajectories_md"] = md
         if b.last_pictures:  # a vision-language job: a few pictures with their sampled answers, for the report
-            partial["pictures"] = b.last_pictures
+            partial["report_pictures"] = b.last_pictures  # (the record's "pictures" are its calibration's)
         self.jobs.set_inflight(plan.job_id, partial)
         return partial
 
@@ -549,7 +549,7 @@ class JobRunner:
         report = {"job_id": plan.job_id, "step": step, "weight_version": partial["weight_version"],
                   "reward_mean": partial["reward_mean"], "accuracy": partial["accuracy"], "metrics": metrics,
                   "phase_times": {p: times.get(p, 0.0) for p in REPORT_TIMES}}
-        for key in ("trajectories_md", "pictures"):
+        for key in ("trajectories_md", "report_pictures"):
             if partial.get(key):
                 report[key] = partial[key]
         self.jobs.append_report(plan.job_id, report, state, next_version=v1)

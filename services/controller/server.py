@@ -100,7 +100,7 @@ def _report(r: dict) -> controller_pb2.StepReport:
         trajectories_md=r.get("trajectories_md", ""),
         pictures=[controller_pb2.ReportPicture(images=[base64.b64decode(b) for b in p["images"]], prompt=p["prompt"],
                                                reference=p["reference"], sampled=p["sampled"], right=p["right"])
-                  for p in r.get("pictures", ())],
+                  for p in r.get("report_pictures", ())],
         phase_times=common_pb2.PhaseTimes(**{p: pt.get(p, 0.0) for p in REPORT_TIMES}))
 
 

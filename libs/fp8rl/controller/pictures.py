@@ -4,6 +4,8 @@ A step's calibration runs on its sequences (prompt + response token ids). Prompt
 counting task asks every picture the same question, so its prompts are the same token ids — so each sequence's
 pictures are recorded beside it, by position: :func:`step_pictures` writes them into the step's record (JSON, as
 the stack keeps it in Redis: each distinct file once, base64), :func:`sequence_files` reads them back.
+:func:`picture_table` is the one way a list of rows' files becomes each distinct file once plus per-row indices
+(the step's record here, the stack's TrainStep and Calibrate requests).
 """
 
 from __future__ import annotations
@@ -12,17 +14,23 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["sequence_files", "step_pictures"]
+__all__ = ["picture_table", "sequence_files", "step_pictures"]
+
+
+def picture_table(files: Sequence[Sequence[bytes]]) -> tuple[list[bytes], list[list[int]]]:
+    """Rows' image files as every distinct file once and, per row, the indices of its own."""
+    table: dict[bytes, int] = {}
+    indices = [[table.setdefault(f, len(table)) for f in row] for row in files]
+    return list(table), indices
 
 
 def step_pictures(problems: Sequence[Any], samples: Sequence[tuple[int, Any]]) -> dict | None:
     """``{"files": [base64 file, ...], "of": [[file index, ...] per sample]}`` of ``samples`` (``(problem index,
     sample)``, the step's order), None when no problem has pictures."""
-    if not any(getattr(p, "images", ()) for p in problems):
+    if not any(p.images for p in problems):
         return None
-    table: dict[bytes, int] = {}
-    of = [[table.setdefault(f, len(table)) for f in problems[i].images] for i, _ in samples]
-    return {"files": [base64.b64encode(f).decode("ascii") for f in table], "of": of}
+    files, of = picture_table([problems[i].images for i, _ in samples])
+    return {"files": [base64.b64encode(f).decode("ascii") for f in files], "of": of}
 
 
 def sequence_files(pictures: dict, n: int) -> list[tuple[bytes, ...]]:

@@ -202,9 +202,7 @@ class DataRoot:
         except FileNotFoundError:
             raise ValueError(f"{where}: picture {path!r:.120} does not exist under the data root "
                              f"{str(os.path.realpath(self.root))!r}") from None
-        except DataFileError:
-            raise
-        except OSError as exc:
+        except OSError as exc:  # (a DataFileError — outside the root, not a regular file, too big — goes as it is)
             raise ValueError(f"{where}: picture {path!r:.120} cannot be read: {exc.strerror}") from None
         if len(data) > MAX_PICTURE_BYTES:  # it grew after the check
             raise DataFileError(f"{where}: picture {path!r:.120} is over {MAX_PICTURE_BYTES} bytes")

@@ -50,7 +50,7 @@ CELLS = 4  # a 56 x 56 picture: 4 x 4 patches of 14 pixels, merged 2 x 2
 
 def test_a_picture_job_has_zero_mismatch_through_the_stack_and_bad_pictures_are_refused(tmp_path):
     model_dir = prepare_preset("tiny-vl", progress=False)
-    job = tiny_job(model_dir, max_new_tokens=4)
+    job = tiny_job(model_dir, max_new_tokens=4, calibration_site="calibrator")  # Calibrate calls carry pictures
     job["job"]["steps"] = STEPS
     job["policy"]["model"] = "tiny-vl"
     job["policy"]["numerics"] = {"batch_invariant": True}

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from fp8rl.controller.pictures import sequence_files, step_pictures
+from fp8rl.controller.pictures import picture_table, sequence_files, step_pictures
 from fp8rl.data.shapes import ShapesDataset
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.image_inputs import VisionProcessor
@@ -18,7 +18,7 @@ from fp8rl.presets import tiny_vl as V
 from fp8rl.rpc import rollout_pb2
 from services.common.pictures import RequestPictures
 from services.common.rpc import Abort
-from services.controller.backends import PictureSample, calibrate_request, picture_table
+from services.controller.backends import PictureSample, calibrate_request
 
 IMAGE, START, END = 124, 126, 127  # tiny-vl's image, vision-start and vision-end tokens
 
