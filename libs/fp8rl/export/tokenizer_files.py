@@ -4,8 +4,9 @@
   ``chat_template`` — ``chat_template.jinja``, ``special_tokens_map.json``, ``tokenizer.model``, ``vocab.json``,
   ``merges.txt``, ``added_tokens.json``) are copied byte for byte: the export tokenizes exactly as the run did.
 * fp8rl's character tokenizer (``fp8rl_tokenizer.json``, the tiny presets) is copied too — fp8rl keeps reading
-  it — and written once more as a Hugging Face fast tokenizer (one token per character, ``<bos>`` prepended as
-  :meth:`CharTokenizer.encode` does), so ``AutoTokenizer`` and vLLM read the directory as well.
+  it — and written once more as a Hugging Face fast tokenizer (:mod:`fp8rl.model.char_tokenizer_hf`: the same
+  ids, a vision-language model's image tokens included), so ``AutoTokenizer``, ``AutoProcessor`` and vLLM read the
+  directory as well (a source that has its own ``tokenizer.json`` beside it, as tiny-vl does, gives that one).
 * a vision-language model's processor files (``preprocessor_config.json``, ``video_preprocessor_config.json``,
   ``processor_config.json``, ``chat_template.json``) are copied when the source has them, so ``AutoProcessor``
   loads the export as it loaded the source.
@@ -16,19 +17,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from fp8rl.model import ModelConfig
+from fp8rl.model.char_tokenizer_hf import HF_TOKENIZER_FILES, save_char_tokenizer_hf, vision_special_tokens
 from fp8rl.model.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
 
 __all__ = ["HF_TOKENIZER_FILES", "GENERATION_CONFIG", "PROCESSOR_FILES", "write_tokenizer_files"]
 
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                      "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
                    "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
+
+log = logging.getLogger(__name__)
 
 
 def write_tokenizer_files(source: Path, out: Path, config: ModelConfig) -> list[str]:
@@ -46,7 +49,13 @@ def write_tokenizer_files(source: Path, out: Path, config: ModelConfig) -> list[
             shutil.copyfile(source / name, out / name)
             written.append(name)
     if CHAR_TOKENIZER_FILE in written and "tokenizer.json" not in written:
-        written += _char_tokenizer_as_hf(CharTokenizer.load(source), out)
+        tok = CharTokenizer.load(source)
+        special = vision_special_tokens(config)
+        if any(i < tok.vocab_size for i in special.values()):  # the model reads those characters as vision tokens
+            log.warning("%s: the vision tokens %s take ids of the character vocabulary; the exported Hugging Face "
+                        "tokenizer leaves them characters (a processor will not find its image token)", source, special)
+            special = {}
+        written += save_char_tokenizer_hf(tok, out, special)
     if not written:
         raise FileNotFoundError(f"model directory {source} holds no tokenizer (looked for "
                                 f"{', '.join((*HF_TOKENIZER_FILES, CHAR_TOKENIZER_FILE))})")
@@ -62,18 +71,3 @@ def write_tokenizer_files(source: Path, out: Path, config: ModelConfig) -> list[
         (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
     return [*written, GENERATION_CONFIG]
 
-
-def _char_tokenizer_as_hf(tok: CharTokenizer, out: Path) -> list[str]:
-    """``tokenizer.json`` + ``tokenizer_config.json``: ``tok`` as a fast tokenizer with the same ids."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    pad, bos, eos, unk = (tok.vocab[i] for i in (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id))
-    raw = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tok.vocab)}, unk_token=unk))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, "\n" too
-    raw.decoder = decoders.Fuse()  # characters joined as they are, no spaces between
-    raw.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                       special_tokens=[(bos, tok.bos_id)])
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=eos, pad_token=pad,
-                            unk_token=unk).save_pretrained(str(out))
-    return [n for n in HF_TOKENIZER_FILES if (out / n).is_file()]

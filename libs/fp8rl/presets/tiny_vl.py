@@ -7,13 +7,16 @@ that the character tokenizer leaves unused (124 … 127). A short supervised run
 (:mod:`fp8rl.data.shapes`: pictures of 56 × 56 pixels, 4 image tokens each) trains both towers until greedy
 accuracy on held-out pictures reaches ``target_accuracy`` — above chance (1 in 4), with room for GRPO to improve.
 Cached like every preset, as a Qwen2.5-VL HF checkpoint with a ``preprocessor_config.json`` fixing the pictures'
-size.
+size, and its tokenizer twice: fp8rl's character file (what fp8rl reads) and the same ids as a Hugging Face fast
+tokenizer with the vision special tokens (:mod:`fp8rl.model.char_tokenizer_hf`), so ``AutoTokenizer`` loads the
+directory and transformers' Qwen2.5-VL processor expands ``<|image_pad|>`` into the ids fp8rl's prompts hold.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +27,10 @@ from fp8rl.data.shapes import CELL, GRID, ShapesDataset
 from fp8rl.engines.base import SamplingParams
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.fp8 import Fp8Recipe
+from fp8rl.model.char_tokenizer_hf import save_char_tokenizer_hf, vision_special_tokens
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.families.vision_language import VisionLanguageConfig
-from fp8rl.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from fp8rl.model.hf_io import load_hf_checkpoint, read_model_config, save_hf_checkpoint
 from fp8rl.model.image_inputs import PromptImages, VisionProcessor
 from fp8rl.model.tokenizer import CharTokenizer
 from fp8rl.model.transformer import CausalLM
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TINY_VL", "prepare_tiny_vl", "tiny_vl_config"]
 
 TINY_VL = "tiny-vl"
+HF_TOKENIZER = "tokenizer.json"
 PICTURE_PIXELS = (GRID * CELL) ** 2  # the processor keeps the 56 x 56 pictures as they are
 PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": PICTURE_PIXELS,
                 "max_pixels": PICTURE_PIXELS, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
@@ -74,6 +79,16 @@ def _from_text(text: CausalLM, cfg: VisionLanguageConfig) -> CausalLM:
         elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
             p.zero_()
     return vl
+
+
+def write_hf_tokenizer(out: Path, cfg: VisionLanguageConfig | None = None) -> None:
+    """The character tokenizer in ``out`` written beside itself as a Hugging Face tokenizer with the vision tokens
+    of ``cfg`` (the directory's own config when not given); written whole or not at all."""
+    cfg = cfg if cfg is not None else read_model_config(out)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        names = save_char_tokenizer_hf(CharTokenizer.load(out), tmp, vision_special_tokens(cfg))
+        for name in sorted(names, key=lambda n: n == HF_TOKENIZER):  # tokenizer.json, which marks it done, last
+            (Path(tmp) / name).replace(out / name)
 
 
 def _batch(tok: CharTokenizer, images: PromptImages, problems) -> tuple[torch.Tensor, torch.Tensor, ImageBatch]:
@@ -117,6 +132,8 @@ def prepare_tiny_vl(directory: str | Path | None = None, *, seed: int = 0, max_s
     """
     out = Path(directory) if directory is not None else preset_dir(TINY_VL)
     if (out / META_FILE).exists() and not force:
+        if not (out / HF_TOKENIZER).is_file():  # a preset cached before the file was written: only it is added
+            write_hf_tokenizer(out)
         return out
     text, text_cfg = load_hf_checkpoint(prepare_tiny_arith(progress=progress))
     cfg = tiny_vl_config(text_cfg)
@@ -138,6 +155,7 @@ def prepare_tiny_vl(directory: str | Path | None = None, *, seed: int = 0, max_s
     out.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model.eval(), cfg, out)
     tok.save(out)
+    write_hf_tokenizer(out, cfg)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     meta = {"preset": TINY_VL, "version": PRESET_VERSION, "task": "shapes", "seed": seed,
             "language_tower_from": "tiny-arith", "sft_steps": steps, "greedy_accuracy": acc,
