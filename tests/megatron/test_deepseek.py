@@ -104,7 +104,7 @@ def test_deepseek_logprobs_and_a_train_step_equal_the_torch_backend(megatron_cor
     checkpoint. Negative controls: a changed latent up-projection, a changed shared expert and a zeroed bias each
     show."""
     policy, batch = deepseek_policy(q_lora_rank), make_batch(vocab=128)
-    recipe = recipe_for_role(recipe_name, "trainer")
+    recipe = recipe_for_role(recipe_name, "trainer", mla_absorbed=False)  # the form Megatron's MLA computes
     torch_tr, mt = TorchTrainer(policy, recipe, TRAIN), _megatron(policy, recipe)
     layer = mt.model.gpt.decoder.layers[-1]
     attn, moe = layer.self_attention, layer.mlp

@@ -162,6 +162,17 @@ def test_batch_invariance_needs_the_embedded_engines_and_reaches_both_roles():
             JobConfig().with_settings({"policy.numerics.batch_invariant": True, key: other})
 
 
+def test_latent_attention_is_absorbed_on_every_side_unless_megatron_trains():
+    """The MLA form reaches every role the same (the rollout's logprobs are the trainer's only in one form):
+    absorbed with the torch trainer, expanded with Megatron's, whose MLA computes that one."""
+    from fp8rl.config import JobConfig
+
+    roles = ("rollout", "trainer", "calibrator")
+    assert all(JobConfig().fp8_recipe(r).mla_absorbed for r in roles)
+    mg = JobConfig().with_settings({"policy.training.backend": "megatron"})
+    assert not any(mg.fp8_recipe(r).mla_absorbed for r in roles)
+
+
 def test_fp8_recipe_sets_both_engines_and_refuses_what_cannot_run():
     from fp8rl.config import JobConfig
 

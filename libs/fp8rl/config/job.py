@@ -346,6 +346,8 @@ class JobConfig(Section):
             pow2_weight_scaling_factors=v.pow2_weight_scaling_factors,
             pow2_activation_scaling_factors=v.pow2_activation_scaling_factors,
             batch_invariant=self.batch_invariant, scaling=self.fp8_scaling, fp8_vision_encoder=v.fp8_vision_encoder,
+            # Megatron-Core's MLA computes the expanded form: the rollout and the calibrator compute it too
+            mla_absorbed=self.policy.training.backend != "megatron",
         )
 
     @property

@@ -111,6 +111,9 @@ def convert_model(
         if enable is None:
             raise ValueError(f"kv_cache_dtype=fp8 needs a model with enable_fp8_kv(); {type(model).__name__} has none")
         enable(fp8_attention=recipe.fp8_attention)
+    set_mla_absorbed = getattr(model, "set_mla_absorbed", None)  # the form of latent attention, where it has any
+    if set_mla_absorbed is not None:
+        set_mla_absorbed(recipe.mla_absorbed)
     if recipe.batch_invariant:  # after the swap: it tiles the FP8 linears and the remaining plain ones
         enable_bi = getattr(model, "enable_batch_invariance", None)
         if enable_bi is None:

@@ -52,7 +52,8 @@ from .quant import (
     quantize_per_token_group,
 )
 
-__all__ = ["fp8_linear", "fp8_gemm", "tiled_mm", "pad_rows", "Fp8Linear", "Fp8InferenceLinear", "WeightCache"]
+__all__ = ["fp8_linear", "fp8_gemm", "tiled_mm", "pad_rows", "Fp8Linear", "Fp8InferenceLinear", "WeightCache",
+           "weight_as_computed"]
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -493,3 +494,41 @@ class Fp8InferenceLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=w8a8 {self.scaling}"
+
+
+class _ForwardFormFn(torch.autograd.Function):
+    """An FP8 linear's weight as its forward multiplies it (the FP32 dequantization of its E4M3 form); the
+    gradient goes straight through to the master weight, as the linear's own wgrad does."""
+
+    @staticmethod
+    def forward(ctx, weight, cache, pow2, fmt):
+        q, s = cache.get(weight, pow2, fmt) if cache is not None else fmt.quantize_weight(weight.detach(), pow2=pow2)
+        ctx.dtype = weight.dtype
+        return fmt.dequantize_weight(q, s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None, None, None
+
+
+def weight_as_computed(linear: nn.Module) -> torch.Tensor | None:
+    """The ``(N, K)`` FP32 matrix ``linear``'s forward multiplies its input by — its weight in a high-precision
+    linear, the dequantization of its E4M3 form in an FP8 one (the trainer's :class:`Fp8Linear`, gradient straight
+    through to the master; the rollout's :class:`Fp8InferenceLinear`: the same numbers from the same codes) — for a
+    computation that uses the weight otherwise than as ``x Wᵀ`` (MLA's absorbed form: :mod:`fp8rl.model.mla`).
+
+    None when the forward is not ``x Wᵀ`` with one such matrix: a layer with a LoRA adapter (its low-rank update
+    is a separate product, dropout in training) or of another kind. The activation's 1×128 rounding in an FP8 linear
+    is not part of it: a caller multiplies high-precision operands.
+    """
+    if hasattr(linear, "lora_A"):
+        return None
+    if isinstance(linear, Fp8Linear):
+        fmt = linear_format(linear.scaling)
+        return _ForwardFormFn.apply(linear.weight, linear.weight_cache, linear.pow2_weight_scale, fmt)
+    if isinstance(linear, Fp8InferenceLinear):
+        held = linear._w_dequant
+        return held if held is not None else linear.fmt.dequantize_weight(linear.weight, linear.weight_scale)
+    if isinstance(linear, nn.Linear):
+        return linear.weight.float()
+    return None

@@ -52,6 +52,8 @@ class Fp8Recipe:
             vs full forward or on padding: the rollout's and the trainer's logprobs are bitwise equal.
         fp8_vision_encoder: a vision-language model's encoder linears (its blocks' attention and MLP, the
             mergers) in FP8 too, in the same format; off, the encoder stays in high precision whatever the recipe.
+        mla_absorbed: multi-head latent attention in its absorbed form (:mod:`fp8rl.model.mla`; the default) or
+            the expanded one — which a job whose trainer is Megatron-Core's (expanded) MLA runs on every side.
     """
 
     linear: Literal["bf16", "fp8"] = "fp8"
@@ -64,6 +66,7 @@ class Fp8Recipe:
     fp8_attention: bool = True
     batch_invariant: bool = False
     fp8_vision_encoder: bool = False
+    mla_absorbed: bool = True
 
     @property
     def format(self) -> LinearFormat:
@@ -109,6 +112,7 @@ def recipe_for_role(
     batch_invariant: bool = False,
     scaling: str = DEFAULT_SCALING,
     fp8_vision_encoder: bool = False,
+    mla_absorbed: bool = True,
 ) -> Fp8Recipe:
     """The :class:`Fp8Recipe` one role runs under a job-level ``recipe`` (see the module table)."""
     if recipe not in RECIPES:
@@ -129,4 +133,5 @@ def recipe_for_role(
         fp8_attention=fp8_attention,
         batch_invariant=batch_invariant,
         fp8_vision_encoder=fp8_vision_encoder,
+        mla_absorbed=mla_absorbed,
     )

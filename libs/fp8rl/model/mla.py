@@ -13,18 +13,33 @@ Shapes: C hidden, H heads, ``r`` = ``kv_lora_rank``, ``n`` = ``qk_nope_head_dim`
 
 **The KV cache stores what MLA compresses**: per token the normalized latent ``c`` (``r``) and the rotated ``k_pe``
 (``p``) — in a :class:`~fp8rl.model.KVCache` of one "head", the latent in the K slot and ``k_pe`` in the V slot
-(:meth:`KVCache.for_model`): ``r + p`` numbers per token and layer instead of ``H·(dq + dv)``. Each forward
-expands the cached latents through ``kv_b_proj`` (the naive form, not the weight-absorbed one): every row's expansion
-is a row of one GEMM, so under batch invariance (the projection's row tiles) a decode step's keys and values are
-bitwise those of the trainer's full forward.
+(:meth:`KVCache.for_model`): ``r + p`` numbers per token and layer instead of ``H·(dq + dv)``.
+
+**Absorbed attention** (the default, :attr:`MLAttention.absorb`; DeepSeek's inference form): with
+``W_UK`` ``(n, r)`` and ``W_UV`` ``(dv, r)`` a head's rows of ``kv_b_proj``, ``q_nope · (W_UK c) = (W_UKᵀ q_nope) · c``
+and ``Σ_s P_s W_UV c_s = W_UV Σ_s P_s c_s``. So each head's query is absorbed into the latent space, ``[W_UKᵀ
+q_nope, q_pe]`` (``r + p``), attention runs as multi-query attention over the cache as it is — key ``[c, k_pe]``,
+value ``c``, one "head" for all — with the scale ``dq ** -0.5``, and each head's latent output goes through
+``W_UV``. Nothing is expanded per cached token: a decode step costs ``O(S·H·(2r + p))`` instead of the expansion's
+``O(S·r·H·(n + dv))``. Every pass computes this form — the rollout's prefill and decode steps and the trainer's
+passes alike — so under batch invariance (the per-head products over the projection's row tiles, split-KV
+attention) a decode step's logprobs are bitwise the trainer's. ``W_UK`` / ``W_UV`` are ``kv_b_proj``'s weight as
+its forward multiplies it (:func:`fp8rl.fp8.linear.weight_as_computed`: in an FP8 recipe the dequantization of
+its E4M3 form, the trainer's gradient straight through to the master). The products are FP32; the latent is not
+rounded to E4M3 as the FP8 linear's 1×128 input — the one difference from the expanded form beyond FP32 operation
+order (``tests/unit/model/test_deepseek.py`` bounds it). A ``kv_b_proj`` with a LoRA adapter computes the
+expanded form (its update is a separate, dropout-carrying product); ``absorb = False`` (:meth:`set_absorbed` on a
+model) computes it everywhere: ``kv_b_proj`` expands the cached latents in each forward, every row's expansion a
+row of one GEMM (bitwise the trainer's under invariance too).
 
 **FP8 KV for MLA** (``kv_cache_dtype: fp8``): the layer's :class:`~fp8rl.fp8.kv.QKVQuantizer` keeps its three
 per-tensor FP32 scales, recalibrated after every step and shipped with each version, but for MLA they mean
 *what the cache stores*: ``q_scale`` the query ``[q_nope, q_pe]`` (post-RoPE; FP8 attention rounds it to E4M3),
-``k_scale`` the normalized latent ``c`` and ``v_scale`` the rotated ``k_pe``; the calibrator reads the three at
+``k_scale`` the normalized latent ``c`` and ``v_scale`` the rotated ``k_pe``
+(absorbed: the query is the absorbed one, ``[W_UKᵀ q_nope, q_pe]``); the calibrator reads the three at
 ``qkv_point`` (amax over heads and width, per real token). The cache holds ``c`` and ``k_pe`` in E4M3 (``r + p``
-bytes per token and layer); each forward dequantizes them and expands ``c`` through ``kv_b_proj`` (an FP8 linear in
-an FP8 recipe, which quantizes its input 1×128 again); FP8 attention also rounds the softmax probabilities to E4M3.
+bytes per token and layer); each forward dequantizes them and attends over them (absorbed) or expands ``c``
+through ``kv_b_proj`` (an FP8 linear in an FP8 recipe, which quantizes its input 1×128 again); FP8 attention also rounds the softmax probabilities to E4M3.
 Without a cache (the trainer's passes) the same quantize → dequantize runs, so both sides see the same latents.
 """
 
@@ -35,13 +50,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8rl.fp8.kv import QKVQuantizer
+from fp8rl.fp8.linear import tiled_mm, weight_as_computed
 
 from .config import ModelConfig
 from .invariant import KeyLayout, split_kv_attention
 from .kv_cache import KVCache
 from .layers import QKVPoint, RMSNorm, apply_rope, apply_rope_interleaved
 
-__all__ = ["MLAttention"]
+__all__ = ["MLAttention", "set_absorbed"]
 
 # transformers' DeepseekV3RMSNorm default (q_a_layernorm and kv_a_layernorm are built without the config's eps)
 LATENT_NORM_EPS = 1e-6
@@ -77,6 +93,8 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=bias)
         self.qkv_point = QKVPoint()  # (query, latent, rotary key): what the FP8 scales are calibrated on
         self.kv_quant: QKVQuantizer | None = None
+        self.absorb = True  # attention in the latent space (module docstring)
+        self.row_tile: int | None = None  # batch-invariant numerics (CausalLM.set_batch_invariance)
 
     def forward(
         self,
@@ -102,7 +120,12 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)[:, None]  # (B, 1, T, r)
         k_pe = k_pe[:, None]  # (B, 1, T, p)
         rope = apply_rope_interleaved if self.interleave else apply_rope
-        q = torch.cat([q_nope, rope(q_pe, cos, sin)], dim=-1)  # (B, H, T, dq)
+        w = weight_as_computed(self.kv_b_proj) if self.absorb else None  # (H·(n + dv), r) FP32, or expanded
+        if w is not None:
+            w = w.view(H, n + dv, self.rank)
+            q = torch.cat([self._per_head(q_nope, w[:, :n].transpose(1, 2)), rope(q_pe, cos, sin).float()], dim=-1)
+        else:
+            q = torch.cat([q_nope, rope(q_pe, cos, sin)], dim=-1)  # (B, H, T, dq)
         q, latent, k_pe = self.qkv_point(q, latent, rope(k_pe, cos, sin))
         quant = self.kv_quant
         if quant is not None:
@@ -118,20 +141,48 @@ class MLAttention(nn.Module):
         elif quant is not None:  # the trainer's passes: the numbers a cache round trip gives
             latent, k_pe = quant.fake_quantize_kv(latent, k_pe, dtype)
         S = latent.shape[2]
-        kv = self.kv_b_proj(latent[:, 0]).view(B, S, H, n + dv).transpose(1, 2)  # (B, H, S, n + dv)
-        k_nope, v = kv.split([n, dv], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(B, H, S, p)], dim=-1)  # (B, H, S, dq)
-        round_probs = quant.round_probs if quant is not None else None
-        if layout is not None:
-            out = split_kv_attention(q, k, v, layout, round_probs)  # (B, H, T, dv)
+        if w is not None:  # multi-query attention over the latents: key [c, k_pe], value c
+            k, v = torch.cat([latent.float(), k_pe.float()], dim=-1), latent
         else:
-            scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * ((n + p) ** -0.5)  # (B, H, T, S)
-            probs = F.softmax(scores + mask, dim=-1)
+            kv = self.kv_b_proj(latent[:, 0]).view(B, S, H, n + dv).transpose(1, 2)  # (B, H, S, n + dv)
+            k_nope, v = kv.split([n, dv], dim=-1)
+            k = torch.cat([k_nope, k_pe.expand(B, H, S, p)], dim=-1)  # (B, H, S, dq)
+        round_probs = quant.round_probs if quant is not None else None
+        scale = (n + p) ** -0.5
+        if layout is not None:
+            out = split_kv_attention(q, k, v, layout, round_probs, scale)  # (B, H, T, dv or r)
+        else:  # one key "head" (absorbed): the heads' queries are rows of one product, no key copied per head
+            Hk = k.shape[1]
+            scores = torch.matmul(q.float().reshape(B, Hk, -1, q.shape[-1]), k.float().transpose(-1, -2))
+            probs = F.softmax(scores.view(B, H, T, S) * scale + mask, dim=-1)  # (B, H, T, S)
             if round_probs is not None:
                 probs = round_probs(probs)
-            out = torch.matmul(probs, v.float())
+            out = torch.matmul(probs.reshape(B, Hk, -1, S), v.float()).view(B, H, T, -1)
+        if w is not None:
+            out = self._per_head(out, w[:, n:])  # each head's latent output through its W_UV: (B, H, T, dv)
         return self.o_proj(out.to(dtype).transpose(1, 2).reshape(B, T, H * dv))
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x[:, h] @ w[h].T`` for every head ``h``: ``x`` ``(B, H, T, a)``, ``w`` ``(H, b, a)`` → ``(B, H, T, b)``
+        FP32. Under batch invariance each head's product runs over whole row tiles (:func:`tiled_mm`), so a row's
+        numbers do not depend on how many rows the pass has."""
+        B, H, T, a = x.shape
+        x = x.float()
+        if self.row_tile is None:
+            return torch.matmul(x, w.transpose(1, 2))
+        rows = x.transpose(0, 1).reshape(H, B * T, a)
+        out = torch.stack([tiled_mm(rows[h], w[h].t(), self.row_tile) for h in range(H)])  # (H, B·T, b)
+        return out.view(H, B, T, -1).transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_lora_rank={self.rank}, q_lora_rank={self.q_rank}, "
-                f"nope={self.nope}, rope={self.rope}, v={self.v_dim}, interleave={self.interleave}")
+                f"nope={self.nope}, rope={self.rope}, v={self.v_dim}, interleave={self.interleave}, absorb={self.absorb}")
+
+
+def set_absorbed(model: nn.Module, on: bool) -> int:
+    """Set every MLA layer of ``model`` to the absorbed (``on``) or the expanded form (module docstring); both sides
+    of a comparison must compute the same one. Returns how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    for m in layers:
+        m.absorb = on
+    return len(layers)

@@ -48,6 +48,7 @@ from .invariant import BatchInvariance, KeyLayout, TiledLinear, split_kv_attenti
 from .kv_cache import KVCache
 from .layers import QKVPoint, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .logprobs import chunked_token_logprobs
+from .mla import set_absorbed
 from .moe import ExpertMLP
 from .mrope import mrope_cos_sin, mrope_positions
 from .router import TopKRouter, routers
@@ -314,6 +315,11 @@ class CausalLM(nn.Module):
     # -----------------------------------------------------------------------------------------
     # batch-invariant numerics
     # -----------------------------------------------------------------------------------------
+
+    def set_mla_absorbed(self, on: bool) -> None:
+        """Multi-head latent attention in the absorbed (``on``) or the expanded form (:mod:`fp8rl.model.mla`); no-op
+        for a model without it. :func:`fp8rl.fp8.convert.convert_model` sets the recipe's choice."""
+        set_absorbed(self, on)
 
     def enable_batch_invariance(self, inv: BatchInvariance | None = None) -> None:
         """:meth:`set_batch_invariance` with ``inv`` or the default tile and chunk sizes."""

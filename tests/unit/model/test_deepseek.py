@@ -1,6 +1,6 @@
 """The DeepSeek-V3 / Moonlight family (issue 34, first piece): ``deepseek_v3`` checkpoints made by transformers load
 into fp8rl and give transformers' own logits; the latent KV cache decodes bitwise like the full forward under batch
-invariance; the routing rule (sigmoid, a selection-only bias, group-limited top-k, scaled weights) is DeepSeek's.
+invariance, in the absorbed form (the default) and the expanded one, which agree within their bound; the routing rule (sigmoid, a selection-only bias, group-limited top-k, scaled weights) is DeepSeek's.
 
 transformers' ``DeepseekV3ForCausalLM`` is the reference (random-init, scaled down from the Moonlight shape family:
 MLA with and without ``q_lora_rank``, dense first layers, shared experts, ``n_group`` > 1); nothing downloads.
@@ -16,7 +16,10 @@ from fp8rl.engines.batch import build_train_batch
 from fp8rl.engines.torch_rollout import TorchRolloutEngine
 from fp8rl.engines.torch_trainer import TorchTrainer, TrainerConfig
 from fp8rl.fp8 import Fp8Linear, recipe_for_role
+from fp8rl.fp8.convert import convert_model
+from fp8rl.fp8.linear import weight_as_computed
 from fp8rl.model import KVCache, ModelConfig, load_hf_checkpoint, save_hf_checkpoint
+from fp8rl.model.mla import MLAttention, set_absorbed
 from fp8rl.model.router import RoutingRule, TopKRouter
 
 from .test_transformer import ATOL_HF
@@ -98,12 +101,14 @@ def test_the_latent_cache_holds_what_mla_compresses(tmp_path):
     assert per_token < cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)  # 40 vs 4 * (24 + 16)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
-def test_rollout_decode_is_bitwise_the_trainers_forward(tmp_path, recipe):
-    """Batch invariance on MLA: the rollout decodes through the latent cache (each step expands every cached latent
-    through kv_b_proj), the trainer recomputes the whole sequences; the logprobs are equal bit for bit. Every MLA
-    and expert linear is FP8 in fp8_e2e; the router and its bias stay FP32 and the bias is not trained."""
+@pytest.mark.parametrize("recipe,absorb", [("bf16", True), ("fp8_e2e", True), ("fp8_e2e", False)])
+def test_rollout_decode_is_bitwise_the_trainers_forward(tmp_path, recipe, absorb):
+    """Batch invariance on MLA: the rollout decodes through the latent cache (absorbed: attending over the cached
+    latents; expanded: each step expands every cached latent through kv_b_proj), the trainer recomputes the whole
+    sequences in the same form; the logprobs are equal bit for bit. Every MLA and expert linear is FP8 in fp8_e2e;
+    the router and its bias stay FP32 and the bias is not trained."""
     model, _ = _load(_reference(24), tmp_path)
+    assert set_absorbed(model, absorb) == 3
     rr = recipe_for_role(recipe, "rollout", batch_invariant=True)
     tr = recipe_for_role(recipe, "trainer", batch_invariant=True)
     engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=3)
@@ -122,6 +127,82 @@ def test_rollout_decode_is_bitwise_the_trainers_forward(tmp_path, recipe):
     bias = {n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")}
     trainer.train_step(batch)
     assert bias and all(torch.equal(b, dict(trainer.model.named_buffers())[n]) for n, b in bias.items())
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad()
+    logits = model(ids)
+    (logits.float().square().mean()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_absorbed_form_is_the_expanded_one_reassociated():
+    """Without FP8 the two forms are the same sums in another order: logits within the FP32 op-order bound of
+    ``ATOL_HF``, and every gradient (kv_b_proj's through both of its halves) within ``ATOL_HF`` of its largest
+    entry's scale. The absorbed layers really compute another form (the query is r + p wide there)."""
+    ref = _reference(24)
+    model = _load_in_memory(ref)
+    ids = torch.randint(3, 100, (3, 13), generator=torch.Generator().manual_seed(1))
+    seen = []
+    hook = model.model.layers[0].self_attn.qkv_point.register_forward_hook(lambda m, a, o: seen.append(o[0].shape[-1]))
+    got, g_abs = _logits_and_grads(model, ids)
+    set_absorbed(model, False)
+    want, g_exp = _logits_and_grads(model, ids)
+    hook.remove()
+    cfg = model.config
+    assert seen == [cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim]
+    assert torch.allclose(got, want, atol=ATOL_HF, rtol=0), (got - want).abs().max()
+    assert set(g_abs) == set(g_exp) and any("kv_b_proj" in n for n in g_abs)
+    for n, g in g_abs.items():
+        scale = g_exp[n].abs().max().clamp_min(1e-30)
+        assert torch.allclose(g, g_exp[n], atol=ATOL_HF * float(scale), rtol=0), n
+
+
+def test_the_engines_compute_the_form_their_recipe_names(tmp_path):
+    model, _ = _load(_reference(24), tmp_path)
+    for absorbed in (True, False):
+        rr = recipe_for_role("fp8_e2e", "rollout", batch_invariant=True, mla_absorbed=absorbed)
+        engine = TorchRolloutEngine(model, rr, eos_token_ids=[2], max_batch_size=2)
+        trainer = TorchTrainer(model, recipe_for_role("fp8_e2e", "trainer", mla_absorbed=absorbed), TrainerConfig())
+        for m in (engine.model, trainer.model):
+            assert {a.absorb for a in m.modules() if isinstance(a, MLAttention)} == {absorbed}
+
+
+def _load_in_memory(ref):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        ref.save_pretrained(Path(d))
+        return load_hf_checkpoint(Path(d))[0]
+
+
+def test_in_fp8_the_forms_differ_by_the_latents_e4m3_rounding_alone():
+    """fp8_e2e linears: the absorbed form multiplies the unrounded latent by kv_b_proj's dequantized FP8 weight. So
+    it equals — within the FP32 op-order bound — the expanded form whose kv_b_proj is a high-precision linear
+    holding exactly that dequantized weight; the FP8 expanded form, which rounds the latent to E4M3 (1×128) as the
+    linear's input, differs from it by more (the control: that rounding is the whole difference). The trainer's
+    gradient reaches kv_b_proj's master weight (straight through its FP8 form)."""
+    import copy
+
+    ref = _reference(24)
+    fp8 = convert_model(_load_in_memory(ref), recipe_for_role("fp8_e2e", "trainer"))
+    ids = torch.randint(3, 100, (3, 13), generator=torch.Generator().manual_seed(1))
+    absorbed, grads = _logits_and_grads(fp8, ids)
+    assert all(grads[f"model.layers.{i}.self_attn.kv_b_proj.weight"].abs().sum() > 0 for i in range(3))
+    unrounded = copy.deepcopy(fp8)
+    set_absorbed(unrounded, False)
+    for m in unrounded.modules():
+        if isinstance(m, MLAttention):
+            lin = torch.nn.Linear(m.kv_b_proj.in_features, m.kv_b_proj.out_features, bias=False)
+            with torch.no_grad():
+                lin.weight.copy_(weight_as_computed(m.kv_b_proj))
+            m.kv_b_proj = lin
+    set_absorbed(fp8, False)
+    with torch.no_grad():
+        same, rounded = unrounded(ids), fp8(ids)
+    assert torch.allclose(absorbed, same, atol=ATOL_HF, rtol=0), (absorbed - same).abs().max()
+    assert (absorbed - rounded).abs().max() > 10 * ATOL_HF
 
 
 def test_the_fp8_latent_cache_decodes_bitwise_like_the_trainer_with_calibrated_scales(tmp_path):
