@@ -83,7 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     model = build(args)
     print(f"# MLA decode: {args.layers} layers, {args.heads} heads, r 512, batch {args.batch}, {args.steps} steps, "
-          f"recipe {args.recipe}, invariant {args.invariant}, {torch.get_num_threads()} threads, median of {args.repeats}")
+          f"recipe {args.recipe}, invariant {args.invariant}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}")
     g = torch.Generator().manual_seed(1)
     for ctx in args.contexts:
         ids = torch.randint(3, 2048, (args.batch, ctx), generator=g)

@@ -39,7 +39,8 @@ per-tensor FP32 scales, recalibrated after every step and shipped with each vers
 (absorbed: the query is the absorbed one, ``[W_UKᵀ q_nope, q_pe]``); the calibrator reads the three at
 ``qkv_point`` (amax over heads and width, per real token). The cache holds ``c`` and ``k_pe`` in E4M3 (``r + p``
 bytes per token and layer); each forward dequantizes them and attends over them (absorbed) or expands ``c``
-through ``kv_b_proj`` (an FP8 linear in an FP8 recipe, which quantizes its input 1×128 again); FP8 attention also rounds the softmax probabilities to E4M3.
+through ``kv_b_proj`` (an FP8 linear in an FP8 recipe, which quantizes its input 1×128 again); FP8 attention also
+rounds the softmax probabilities to E4M3.
 Without a cache (the trainer's passes) the same quantize → dequantize runs, so both sides see the same latents.
 """
 
@@ -176,7 +177,8 @@ class MLAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_lora_rank={self.rank}, q_lora_rank={self.q_rank}, "
-                f"nope={self.nope}, rope={self.rope}, v={self.v_dim}, interleave={self.interleave}, absorb={self.absorb}")
+                f"nope={self.nope}, rope={self.rope}, v={self.v_dim}, interleave={self.interleave}, "
+                f"absorb={self.absorb}")
 
 
 def set_absorbed(model: nn.Module, on: bool) -> int:

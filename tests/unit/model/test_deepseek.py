@@ -1,6 +1,7 @@
 """The DeepSeek-V3 / Moonlight family (issue 34, first piece): ``deepseek_v3`` checkpoints made by transformers load
 into fp8rl and give transformers' own logits; the latent KV cache decodes bitwise like the full forward under batch
-invariance, in the absorbed form (the default) and the expanded one, which agree within their bound; the routing rule (sigmoid, a selection-only bias, group-limited top-k, scaled weights) is DeepSeek's.
+invariance, in the absorbed form (the default) and the expanded one, which agree within their bound; the routing
+rule (sigmoid, a selection-only bias, group-limited top-k, scaled weights) is DeepSeek's.
 
 transformers' ``DeepseekV3ForCausalLM`` is the reference (random-init, scaled down from the Moonlight shape family:
 MLA with and without ``q_lora_rank``, dense first layers, shared experts, ``n_group`` > 1); nothing downloads.
