@@ -6,6 +6,9 @@
   ``...q_proj.lora_A.weight``), FP32 as trained;
 * ``adapter_config.json`` — PEFT's LoraConfig (:func:`fp8rl.model.lora.peft_config`): rank, alpha, dropout,
   target modules, and the base model it belongs to;
+* a mixture-of-experts model's expert adapters in PEFT's fused-expert form (:mod:`.peft_experts`:
+  ``target_parameters`` over transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``), the form PEFT loads
+  onto transformers' Qwen3-MoE and DeepSeek-V3 — they hold no per-expert modules;
 * ``fp8rl_export.json`` — where it came from, the base's checksum among it.
 
 ``hf`` / ``hf-fp8`` of a LoRA checkpoint write the merged model: ``W + (B @ A) * alpha / rank`` per targeted
@@ -38,6 +41,7 @@ from fp8rl.model.lora import (
 )
 from fp8rl.presets import load_policy
 
+from .peft_experts import fuse_expert_adapters, split_fused
 from .readers import ExportError
 from .writer import EXPORT_RECORD, check_out_dir
 
@@ -123,10 +127,13 @@ def write_peft_dir(out: Path, adapters: Mapping[str, torch.Tensor], settings: Lo
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file({n: t.detach().to("cpu").contiguous()
-                   for n, t in to_peft_names(round_adapters(adapters, settings)).items()},
+        tensors, experts = fuse_expert_adapters(round_adapters(adapters, settings), settings.rank, settings.alpha)
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in to_peft_names(tensors).items()},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(settings, base_model), indent=2) + "\n")
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps({**peft_config(settings, base_model), **experts}, indent=2)
+                                          + "\n")
+        if experts:  # which projections fp8rl adapted (a fused gate_up adapter does not say whether gate, up or both)
+            record = {**record, "lora_target_modules": list(settings.target_modules)}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
         size = sum(f.stat().st_size for f in tmp.iterdir())
         if out.exists():
@@ -151,7 +158,11 @@ def read_peft_dir(path: str | Path) -> tuple[LoraSettings, dict[str, torch.Tenso
     except (OSError, ValueError) as e:
         raise ExportError(f"{path} is not a readable PEFT adapter directory: {type(e).__name__}: {e}") from None
     try:
-        settings, adapters = settings_from_peft(cfg), from_peft_names(tensors)
+        record = json.loads((path / EXPORT_RECORD).read_text()) if (path / EXPORT_RECORD).is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path / EXPORT_RECORD}: unreadable ({type(e).__name__}: {e})") from None
+    try:
+        settings, adapters = _settings_and_adapters(cfg, tensors, record)
         names = {v: k for k, v in ADAPTER_DTYPES.items()}
         dtypes = {t.dtype for t in adapters.values()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in names:
@@ -160,3 +171,38 @@ def read_peft_dir(path: str | Path) -> tuple[LoraSettings, dict[str, torch.Tenso
         return dataclasses.replace(settings, dtype=names[dtypes.pop()]), adapters
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{path}: {e}") from None
+
+
+def _settings_and_adapters(cfg: Mapping, tensors: Mapping[str, torch.Tensor], record: Mapping
+                           ) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
+    """The settings and fp8rl-named adapters of a PEFT directory, fused expert adapters split per expert."""
+    params = cfg.get("target_parameters") or []
+    if not params:
+        return settings_from_peft(cfg), from_peft_names(tensors)
+    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    names = {p.rsplit(".", 1)[-1] for p in params}
+    if not names <= {"gate_up_proj", "down_proj"}:
+        raise ValueError(f"target_parameters {params}: fp8rl adapts mixture-of-experts gate_up_proj / down_proj only")
+    recorded = record.get("lora_target_modules")
+    if recorded is not None:
+        gate_up = [p for p in ("gate_proj", "up_proj") if p in recorded]
+    else:  # another tool's directory: both halves where the rank says two adapters, else the one it holds
+        gate_up = ["gate_proj", "up_proj"] if cfg.get("rank_pattern", {}).get("gate_up_proj") == 2 * rank else []
+    k = max(len(gate_up), 1)
+    if (cfg.get("rank_pattern") or {}) != ({"gate_up_proj": k * rank} if k > 1 and "gate_up_proj" in names else {}) \
+            or (cfg.get("alpha_pattern") or {}) != ({"gate_up_proj": k * alpha} if k > 1 and "gate_up_proj" in names
+                                                    else {}):
+        raise ValueError(f"rank_pattern {cfg.get('rank_pattern')} / alpha_pattern {cfg.get('alpha_pattern')}: not "
+                         "the fused expert adapters' (gate_up_proj at twice the rank and alpha of one projection)")
+    # without fp8rl's record, a rank-r gate_up adapter is read as gate's (one that touches up rows is refused)
+    experts = {"gate_up_proj": gate_up or ["gate_proj"]}
+    adapters = split_fused(from_peft_names(tensors), cfg, rank, experts)
+    modules = set(cfg.get("target_modules") or []) | set(recorded or [])
+    modules |= set(experts["gate_up_proj"]) if "gate_up_proj" in names else set()
+    modules |= {"down_proj"} if "down_proj" in names else set()
+    plain = {k: v for k, v in cfg.items() if k not in ("target_parameters", "rank_pattern", "alpha_pattern")}
+    settings = settings_from_peft({**plain, "target_modules": sorted(modules)})
+    if recorded is not None:
+        settings = dataclasses.replace(settings, target_modules=tuple(recorded))
+    return settings, adapters
+

@@ -14,6 +14,7 @@ from fp8rl.export import export_checkpoint
 from fp8rl.export.peft import ADAPTER_CONFIG, read_peft_dir
 from fp8rl.export.readers import ExportError
 from fp8rl.fp8 import recipe_for_role
+from fp8rl.model import CausalLM
 from fp8rl.model.lora import LoraSettings
 from fp8rl.presets import load_policy, prepare_preset
 
@@ -127,3 +128,84 @@ def test_a_dcp_of_an_fp8_lora_trainer_exports_like_its_pt(tmp_path):
         export_checkpoint(tmp_path / f"v1.{kind}", tmp_path / kind, fmt="hf", progress=False)
     a, b = (load_file(str(tmp_path / k / "model.safetensors")) for k in ("pt", "dcp"))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.fixture(scope="module")
+def moe_lora_run(tmp_path_factory):
+    """The small Qwen3-MoE with adapters on attention and on every expert's three projections, two steps on."""
+    from .conftest import model_dir, moe_config
+
+    torch.manual_seed(3)
+    policy = CausalLM(moe_config())
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    root = tmp_path_factory.mktemp("moe-lora")
+    policy.name_or_path = str(model_dir(policy, root / "model"))
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    tr = TorchTrainer(policy, recipe_for_role("bf16", "trainer"), TrainerConfig(lr=3e-2, micro_batch_size=8,
+                                                                                lora=settings))
+    for s in range(2):
+        tr.train_step(batch(seed=s))
+    ck = root / "trainer-v000002.pt"
+    tr.save_checkpoint(str(ck))
+    ids = torch.randint(4, 100, (2, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = tr.model(ids).float()
+    experts = [n for n, p in tr.model.named_parameters() if ".experts." in n and n.endswith("lora_B.weight")]
+    assert experts and all(p.abs().max() > 0 for n, p in tr.model.named_parameters() if n in experts)
+    return tr, ck, ids, logits, root / "model", settings
+
+
+def test_expert_adapters_load_through_peft_target_parameters_over_transformers_fused_experts(moe_lora_run, tmp_path):
+    """transformers 5's Qwen3-MoE holds its experts fused (``mlp.experts.gate_up_proj`` / ``down_proj``): the
+    export's expert adapters are PEFT's ``target_parameters`` form, and PEFT loads them with fp8rl's logits.
+    Control: without the expert adapters (the attention ones kept) the logits move."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tr, ck, ids, logits, model, _ = moe_lora_run
+    out = tmp_path / "adapter"
+    export_checkpoint(ck, out, fmt="peft", progress=False)
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert cfg["target_modules"] == ["q_proj"] and cfg["rank_pattern"] == {"gate_up_proj": 8}
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    assert base.model.layers[0].mlp.experts.gate_up_proj.dim() == 3  # fused: no per-expert module to target
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()(ids).logits.float()
+    torch.testing.assert_close(theirs, logits, atol=ATOL, rtol=0)
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    save_file({n: t for n, t in weights.items() if ".experts." not in n}, str(out / "adapter_model.safetensors"))
+    (out / ADAPTER_CONFIG).write_text(json.dumps({**cfg, "target_parameters": None, "rank_pattern": {}}))
+    with torch.no_grad():
+        attention_only = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), str(out)).eval()(ids).logits.float()
+    assert (attention_only - logits).abs().max() > 100 * ATOL
+
+
+def test_fused_expert_adapters_read_back_per_expert_bitwise(moe_lora_run, tmp_path):
+    tr, ck, ids, logits, _, settings = moe_lora_run
+    out = tmp_path / "adapter"
+    export_checkpoint(ck, out, fmt="peft", progress=False)
+    got_settings, adapters = read_peft_dir(out)
+    assert got_settings == settings
+    mine = tr.state_dict(adapters_only=True)
+    assert adapters.keys() == mine.keys() and all(torch.equal(adapters[n], t) for n, t in mine.items())
+
+
+def test_a_fused_adapter_fp8rl_cannot_hold_per_expert_is_refused(moe_lora_run, tmp_path):
+    """Another tool's gate_up adapter of one rank over both halves (gate and up sharing A) is not two per-expert
+    adapters: refused by name, not read wrongly."""
+    from safetensors.torch import load_file, save_file
+
+    _, ck, _, _, _, _ = moe_lora_run
+    out = tmp_path / "adapter"
+    export_checkpoint(ck, out, fmt="peft", progress=False)
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    name = next(n for n in weights if n.endswith("experts.base_layer.lora_B.weight"))
+    weights[name] = torch.ones_like(weights[name])  # every gate row and up row on every column
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    with pytest.raises(ExportError, match="mixes gate and up rows"):
+        read_peft_dir(out)
