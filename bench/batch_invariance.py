@@ -1,15 +1,17 @@
 """Train/rollout mismatch and step time, per recipe × KV dtype × batch invariance, in one run.
 
     python bench/batch_invariance.py [--model tiny-arith|DIR|smollm2-135m-instruct] [--prompts 8 --n 4
-                                      --max-tokens 24 --repeats 2] [--recipes bf16 fp8_e2e] [--kv auto fp8]
+                                      --max-tokens 24 --repeats 5] [--recipes bf16 fp8_e2e] [--kv auto fp8]
 
 One GRPO step's two engine phases on the embedded engines: the rollout engine samples ``--prompts`` × ``--n``
 responses of up to ``--max-tokens`` tokens (temperature 1, fixed seed), then the trainer recomputes their
 logprobs and takes one optimizer step (:func:`fp8rl.engines.train_on_batch`). For every combination it
 reports the mismatch of the trainer's logprobs against the rollout's (``mismatch/max_abs_logprob_diff``, 0 =
-bitwise equal; ``token_mult_prob_error``; ``gen_kl_k3``) and the median step time (generate + train) over
-``--repeats`` runs after a warm-up, and prints ``ratio step_invariant/step_plain`` per recipe and KV dtype (the
-cost of batch invariance; issue 18's target is ≤ 1.3 on CPU).
+bitwise equal; ``token_mult_prob_error``; ``gen_kl_k3``) and the median step time (generate + train). The two
+settings' engines are built side by side and stepped in alternation — ``--repeats`` rounds after a warm-up round,
+which goes first alternating — so a drift of the machine's speed reaches both alike; ``ratio
+step_invariant/step_plain`` per recipe and KV dtype is the median of the rounds' ratios, with their range (the cost
+of batch invariance; issue 54's target is ≤ 1.10 on every shape).
 
 Without ``--model`` a seeded random model of tiny-arith's shape (4 layers, 256 wide) and random prompts are
 used, so nothing needs preparing; ``--model`` takes a preset name or a local HF checkpoint directory, whose
@@ -69,30 +71,57 @@ def policy_and_prompts(args) -> tuple[CausalLM, list[list[int]], int, list[int]]
     return model, prompts, tok.pad_id, stop_token_ids(tok)
 
 
-def one(model, prompts, pad, eos, recipe: str, kv: str, invariant: bool, args) -> dict:
-    rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant)
-    tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant)
-    engine = TorchRolloutEngine(model, rr, eos_token_ids=eos, pad_token_id=pad, max_batch_size=args.prompts * args.n)
-    trainer = TorchTrainer(model, tr, TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch))
-    if kv == "fp8":
-        scales = QKVCalibrator(model, pad_token_id=pad).calibrate(0, prompts)
-        engine.load_scales(scales)
-    times, metrics = [], None
-    for i in range(args.repeats + 1):  # the first is a warm-up; the trainer stays at version 0's weights
+class Arm:
+    """One setting's engines (rollout + trainer) of a recipe × KV dtype, with or without batch invariance."""
+
+    def __init__(self, model, prompts, pad, eos, recipe: str, kv: str, invariant: bool, args) -> None:
+        rr = recipe_for_role(recipe, "rollout", kv_cache_dtype=kv, batch_invariant=invariant)
+        tr = recipe_for_role(recipe, "trainer", kv_cache_dtype=kv, batch_invariant=invariant)
+        self.engine = TorchRolloutEngine(model, rr, eos_token_ids=eos, pad_token_id=pad,
+                                         max_batch_size=args.prompts * args.n)
+        self.trainer = TorchTrainer(model, tr, TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch))
+        self.scales = None
+        if kv == "fp8":
+            self.scales = QKVCalibrator(model, pad_token_id=pad).calibrate(0, prompts)
+            self.engine.load_scales(self.scales)
+        self.prompts, self.pad, self.args = prompts, pad, args
+        self.metrics, self.tokens = None, 0
+
+    def step(self, seed: int) -> float:
+        """One generate + train step's seconds; the trainer stays at version 0's weights (lr 1e-6 and the same
+        version every time: each repeat recomputes version 0's samples)."""
         t0 = time.perf_counter()
-        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=i)
-        samples = engine.generate(prompts, params)
-        batch = build_train_batch(samples, torch.randn(len(samples)), args.n, pad)
-        if trainer.needs_qkv_scales:
-            trainer.load_qkv_scales(scales)
-        trainer._version = 0  # noqa: SLF001 - each repeat recomputes version 0's samples (same weights' numbers)
-        out = train_on_batch(trainer, batch)
+        params = SamplingParams(temperature=1.0, max_tokens=self.args.max_tokens, n=self.args.n, seed=seed)
+        samples = self.engine.generate(self.prompts, params)
+        batch = build_train_batch(samples, torch.randn(len(samples)), self.args.n, self.pad)
+        if self.trainer.needs_qkv_scales:
+            self.trainer.load_qkv_scales(self.scales)
+        self.trainer._version = 0  # noqa: SLF001 - see the docstring
+        out = train_on_batch(self.trainer, batch)
+        self.metrics = self.metrics or out.metrics
+        self.tokens = int(batch.loss_mask.sum())
+        return time.perf_counter() - t0
+
+
+def pair(model, prompts, pad, eos, recipe: str, kv: str, args) -> tuple[dict, dict, list[float]]:
+    """Both settings' arms, stepped in alternation (which goes first alternates) after a warm-up step each:
+    ``(plain, invariant, ratios)`` — each arm's median step and first step's metrics, and the per-repeat ratios."""
+    arms = {inv: Arm(model, prompts, pad, eos, recipe, kv, inv, args) for inv in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    ratios = []
+    for i in range(args.repeats + 1):  # the first round warms both up
+        order = (False, True) if i % 2 else (True, False)
+        took = {inv: arms[inv].step(seed=i) for inv in order}
         if i:
-            times.append(time.perf_counter() - t0)
-        metrics = metrics or out.metrics
-    return {"step_s": statistics.median(times), "tmpe": metrics["token_mult_prob_error"],
-            "max_d": metrics[MAX_ABS_LOGPROB_DIFF],
-            "kl": metrics["gen_kl_k3"], "tokens": int(batch.loss_mask.sum())}
+            for inv in took:
+                times[inv].append(took[inv])
+            ratios.append(took[True] / took[False])
+    rows = []
+    for inv in (False, True):
+        m = arms[inv].metrics
+        rows.append({"step_s": statistics.median(times[inv]), "tmpe": m["token_mult_prob_error"],
+                     "max_d": m[MAX_ABS_LOGPROB_DIFF], "kl": m["gen_kl_k3"], "tokens": arms[inv].tokens})
+    return rows[0], rows[1], ratios
 
 
 def main() -> None:
@@ -102,7 +131,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per setting (after a warm-up)")
     ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_e2e"])
     ap.add_argument("--kv", nargs="+", default=["auto", "fp8"])
     args = ap.parse_args()
@@ -116,13 +145,12 @@ def main() -> None:
           f"{'gen_kl_k3':>10} {'step s':>8}")
     for recipe in args.recipes:
         for kv in args.kv:
-            row = {}
-            for invariant in (False, True):
-                r = row[invariant] = one(model, prompts, pad, eos, recipe, kv, invariant, args)
-                print(f"{recipe:8} {kv:5} {str(invariant):9} {r['max_d']:14.2e} {r['tmpe']:22.9f} {r['kl']:10.2e} "
-                      f"{r['step_s']:8.2f}", flush=True)
-            print(f"ratio step_invariant/step_plain {recipe} kv={kv}: {row[True]['step_s'] / row[False]['step_s']:.3f}")
-
+            plain, inv, ratios = pair(model, prompts, pad, eos, recipe, kv, args)
+            for flag, r in ((False, plain), (True, inv)):
+                print(f"{recipe:8} {kv:5} {str(flag):9} {r['max_d']:14.2e} {r['tmpe']:22.9f} {r['kl']:10.2e} "
+                      f"{r['step_s']:8.3f}", flush=True)
+            print(f"ratio step_invariant/step_plain {recipe} kv={kv}: {statistics.median(ratios):.3f} "
+                  f"(median of {len(ratios)} interleaved repeats, range {min(ratios):.3f} .. {max(ratios):.3f})")
 
 if __name__ == "__main__":
     main()

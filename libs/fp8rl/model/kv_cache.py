@@ -81,6 +81,9 @@ class KVCache:
         # elementwise, so these are exactly the numbers a full re-dequantize would give.
         self._deq: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._deq_len: dict[int, int] = {}
+        # Row-aligned storage: per layer the (B, T) positions written since its last dequantized read, so the read
+        # dequantizes those entries only (a decode step's one per row, not every position since the shortest row's).
+        self._unread: dict[int, torch.Tensor] = {}
 
     @classmethod
     def for_model(
@@ -153,6 +156,7 @@ class KVCache:
             kc[:, :, self.length : end] = k
             vc[:, :, self.length : end] = v
             self._written_from[layer_idx] = self.length
+            self._unread.pop(layer_idx, None)
             return kc[:, :, :end], vc[:, :, :end]
         pos = torch.arange(self.length, end, device=kc.device)[None, :] - self.offsets[:, None]  # (B, T)
         pos = torch.where(pos >= 0, pos, self.max_len)  # left padding: the unread spare position
@@ -162,6 +166,9 @@ class KVCache:
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store.scatter_(2, index, new)
         self._written_from[layer_idx] = max(0, self.length - int(self.offsets.max()))
+        if kc.dtype == E4M3:
+            before = self._unread.get(layer_idx)
+            self._unread[layer_idx] = pos if before is None else torch.cat([before, pos], 1)
         span = self.aligned_span(t, reach)
         return kc[:, :, :span], vc[:, :, :span]
 
@@ -218,6 +225,18 @@ class KVCache:
                                     torch.zeros(vc.shape, dtype=dtype, device=vc.device))
             self._deq_len[layer_idx] = 0
         kd, vd = self._deq[layer_idx]
+        pos = self._unread.pop(layer_idx, None)
+        # row-aligned after the first read: exactly the entries written since (the first read dequantizes every
+        # position so far: a reused session's K/V is copied into the empty cache without an update)
+        if pos is not None and self._deq_len.get(layer_idx, 0) > 0:
+            idx = pos[:, None, :, None]
+            ik, iv = idx.expand(-1, kc.shape[1], -1, kc.shape[3]), idx.expand(-1, vc.shape[1], -1, vc.shape[3])
+            k_new, v_new = dequantize(kc.view(torch.uint8).gather(2, ik).view(kc.dtype),  # no FP8 gather kernel
+                                      vc.view(torch.uint8).gather(2, iv).view(vc.dtype), dtype)
+            kd.scatter_(2, ik, k_new)
+            vd.scatter_(2, iv, v_new)
+            self._deq_len[layer_idx] = max(end, self._deq_len[layer_idx])
+            return kd[:, :, :end], vd[:, :, :end]
         # slot order: the new slots; row-aligned: every row's new positions (re-dequantizing a few old ones)
         start = min(self._deq_len[layer_idx], self._written_from.get(layer_idx, self._deq_len[layer_idx]))
         if end > start:
@@ -239,6 +258,7 @@ class KVCache:
         self.offsets = None
         self._deq_len.clear()
         self._written_from.clear()
+        self._unread.clear()
 
     def __repr__(self) -> str:
         b, h, _, d = self.k[0].shape

@@ -184,6 +184,36 @@ def test_row_aligned_cache_holds_each_row_from_its_first_key_and_matches_slot_or
         KVCache(1, 3, 2, 12, 4).align_rows(torch.tensor([0, -1, 2]))
 
 
+def test_row_aligned_fp8_reads_dequantize_what_each_row_wrote():
+    """The dequantized reads of a row-aligned E4M3 cache: every position a row wrote (the prefill's, each decode
+    step's — after the first read, only the entries written since are dequantized) equals dequantizing the
+    storage; a reused session's bytes copied into the empty cache before the first read are dequantized too."""
+    from fp8rl.model import KVCache
+
+    def deq(kq, vq, dtype):
+        return kq.to(dtype) * 0.5, vq.to(dtype) * 0.25
+
+    g = torch.Generator().manual_seed(1)
+    offsets = torch.tensor([0, 3, 5])
+    cache = KVCache(1, 3, 2, 12, 4, dtype=torch.float8_e4m3fn)
+    cache.align_rows(offsets)
+    # a reused session's bytes: row 1's slots 3 and 4 (positions 0, 1), copied in as seed_cache does; the prefill
+    # then starts at slot 5
+    for store in (cache.k[0], cache.v[0]):
+        store[1, :, :2] = torch.randn(2, 2, 4, generator=g).to(torch.float8_e4m3fn)
+    cache.advance(5)
+    for t in (3, 1, 1, 1):
+        k, v = (torch.randn(3, 2, t, 4, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+        kq, vq = cache.update(0, k, v)
+        kd, vd = cache.read_dequantized(0, kq.shape[2], deq, torch.float32)
+        cache.advance(t)
+        for b, off in enumerate(offsets.tolist()):
+            n = cache.length - off  # the positions row b holds
+            want_k, want_v = deq(cache.k[0][b, :, :n], cache.v[0][b, :, :n], torch.float32)
+            assert torch.equal(kd[b, :, :n], want_k) and torch.equal(vd[b, :, :n], want_v)
+    assert kd[1, :, :2].abs().sum() > 0  # the seeded positions hold the session's numbers
+
+
 def test_plain_gemm_rows_are_not_invariant_here_negative_control():
     """Why the tiles exist: a plain (M, K) GEMM of a few rows sums in another order than a big one (MKL's
     small-M path). Skipped on a BLAS where that does not happen — then the tiles cost little and change nothing."""
