@@ -75,6 +75,8 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self.offsets: torch.Tensor | None = None  # row-aligned storage (align_rows), else slot order
+        self._offset_range = (0, 0)  # (min, max) of offsets
+        self._pos: tuple[int, int, torch.Tensor] | None = None  # (length, t, positions) of the current forward
         self._written_from: dict[int, int] = {}  # per layer: the lowest position the last update wrote
         # Reference-path read cache of E4M3 layers: the dequantized K/V of slots [0, _deq_len[i]),
         # filled incrementally so a decode step dequantizes only its new slots. Dequantization is
@@ -158,14 +160,13 @@ class KVCache:
             self._written_from[layer_idx] = self.length
             self._unread.pop(layer_idx, None)
             return kc[:, :, :end], vc[:, :, :end]
-        pos = torch.arange(self.length, end, device=kc.device)[None, :] - self.offsets[:, None]  # (B, T)
-        pos = torch.where(pos >= 0, pos, self.max_len)  # left padding: the unread spare position
+        pos = self._positions(t)
         for store, new in ((kc, k), (vc, v)):
             index = pos[:, None, :, None].expand_as(new)  # K and V may differ in width (MLA's latent and k_pe)
             if store.dtype == E4M3:  # scatter has no FP8 kernel: move the bytes
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store.scatter_(2, index, new)
-        self._written_from[layer_idx] = max(0, self.length - int(self.offsets.max()))
+        self._written_from[layer_idx] = max(0, self.length - self._offset_range[1])
         if kc.dtype == E4M3:
             before = self._unread.get(layer_idx)
             self._unread[layer_idx] = pos if before is None else torch.cat([before, pos], 1)
@@ -187,11 +188,20 @@ class KVCache:
                 f"kv_quant; rebuild the cache with KVCache.for_model after enable_fp8_kv()/disable_fp8_kv()")
         return self.update(layer_idx, k.to(stored), v.to(stored), reach)
 
+    def _positions(self, t: int) -> torch.Tensor:
+        """``(B, t)`` the row-aligned positions of slots ``[length, length + t)`` (left padding: the unread spare
+        position ``max_len``); computed once per forward, every layer writes the same ones."""
+        if self._pos is None or self._pos[:2] != (self.length, t):
+            slots = torch.arange(self.length, self.length + t, device=self.offsets.device)
+            pos = slots[None, :] - self.offsets[:, None]
+            self._pos = (self.length, t, torch.where(pos >= 0, pos, self.max_len))
+        return self._pos[2]
+
     def aligned_span(self, num_new: int, reach: int = 0) -> int:
         """Positions a row-aligned view covers after ``num_new`` more slots: the longest row's, or ``reach``
         where the storage has room (positions no row has written yet hold finite zeros; attention that
         pads its keys to whole chunks then reads a view instead of copying the cache into a padded one)."""
-        return max(self.length + num_new - int(self.offsets.min()), min(reach, self.max_len))
+        return max(self.length + num_new - self._offset_range[0], min(reach, self.max_len))
 
     def align_rows(self, offsets: torch.Tensor) -> None:
         """Store row ``b``'s slot ``s`` at position ``s - offsets[b]`` from now on (module docstring).
@@ -209,6 +219,8 @@ class KVCache:
                 f"for {self.length} slots; align_rows before the first write (a row's first key never moves)"
             )
         self.offsets = offsets
+        self._offset_range = (int(offsets.min()), int(offsets.max()))
+        self._pos = None
 
     def read_dequantized(
         self, layer_idx: int, end: int, dequantize, dtype: torch.dtype
@@ -256,6 +268,7 @@ class KVCache:
         """Forget every slot (the storage is reused; old values are overwritten before use)."""
         self.length = 0
         self.offsets = None
+        self._pos = None
         self._deq_len.clear()
         self._written_from.clear()
         self._unread.clear()
