@@ -204,7 +204,8 @@ class JobConfig(Section):
         from fp8rl.engines import LoraSettings
 
         return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                            target_modules=tuple(lora.target_modules), dtype=lora.dtype)
+                            target_modules=tuple(lora.target_modules), dtype=lora.dtype,
+                            share_experts=lora.share_experts)
 
     def _check_fp8_scaling(self) -> None:
         """``fp8_recipe`` variants the chosen engines cannot run are refused here, naming the key and why."""

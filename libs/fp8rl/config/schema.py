@@ -210,6 +210,10 @@ class LoraConfig(Section):
                          "masters (AdamW updates them) and every engine computes with their rounding to this dtype, "
                          "which is what a refit carries (bfloat16 halves the adapters' refit bytes).",
                          choices=("bfloat16", "float32"))
+    share_experts: bool = setting(False, "A mixture-of-experts layer's experts share one adapter per targeted "
+                                  "projection (the same low-rank update on every expert, trained on every token the "
+                                  "layer routes; a refit ships one adapter per projection, not one per expert) "
+                                  "instead of an adapter each.")
 
 
 @dataclass(frozen=True)

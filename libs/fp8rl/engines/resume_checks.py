@@ -32,7 +32,7 @@ def check_resumable(path: str, linear: str | None, lora: dict | None, *, recipe_
                          f"{lora.get('base_checksum')!r}, trained on {model_record['model_source']!r}); "
                          f"this trainer's base is {mine['base_checksum']!r}: resume on the base the adapters "
                          "were trained on (policy.model)")
-    for key in ("rank", "alpha", "target_modules"):
-        if lora.get(key) != mine[key]:
-            raise ValueError(f"{path} holds adapters with policy.lora.{key}={lora.get(key)!r}, this trainer "
-                             f"uses {mine[key]!r}")
+    for key in ("rank", "alpha", "target_modules", "share_experts"):
+        if lora.get(key, False) != mine.get(key, False):
+            raise ValueError(f"{path} holds adapters with policy.lora.{key}={lora.get(key, False)!r}, this "
+                             f"trainer uses {mine.get(key, False)!r}")

@@ -20,6 +20,7 @@ import torch
 from fp8rl.fp8 import E4M3, Fp8Recipe
 from fp8rl.model import CausalLM, ModelConfig, model_from_tensors
 from fp8rl.model.hf_io import CONFIG_FILE, load_hf_tensors, read_model_config
+from fp8rl.model.lora import expand_shared_experts
 from fp8rl.model.tokenizer import Tokenizer, load_tokenizer
 from fp8rl.model.vision_language import vision_language_of, whole_checkpoint_tensors
 from fp8rl.presets import PRESETS, prepare_preset
@@ -96,11 +97,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "hf
         tensors = ck.hf_tensors(config)
     else:
         settings = lora_settings_of(ck.lora, ck.path)
+        adapters = expand_shared_experts(ck.adapters, config.num_experts) if settings.share_experts else ck.adapters
         if fmt == "peft":
-            size = write_peft_dir(out, ck.adapters, settings, base_model=source,
+            size = write_peft_dir(out, adapters, settings, base_model=source,
                                   record={**record, "base_checksum": ck.lora["base_checksum"]}, force=force)
             return ExportResult(out, fmt, size, time.perf_counter() - t0)
-        tensors = merged_with_base(source, ck.adapters, settings, recorded_checksum=ck.lora["base_checksum"],
+        tensors = merged_with_base(source, adapters, settings, recorded_checksum=ck.lora["base_checksum"],
                                    where=ck.path)
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)

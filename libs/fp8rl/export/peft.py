@@ -33,6 +33,7 @@ from fp8rl.model.lora import (
     ADAPTER_DTYPES,
     LoraSettings,
     base_checksum,
+    collapse_shared_experts,
     from_peft_names,
     peft_config,
     round_adapters,
@@ -60,7 +61,8 @@ def lora_settings_of(record: Mapping, where: object) -> LoraSettings:
     try:
         return LoraSettings(rank=int(record["rank"]), alpha=float(record["alpha"]),
                             dropout=float(record.get("dropout", 0.0)), target_modules=tuple(record["target_modules"]),
-                            dtype=str(record.get("dtype", "float32")))
+                            dtype=str(record.get("dtype", "float32")),
+                            share_experts=bool(record.get("share_experts", False)))
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{where}: its lora record is not valid settings: {e}") from None
 
@@ -132,8 +134,10 @@ def write_peft_dir(out: Path, adapters: Mapping[str, torch.Tensor], settings: Lo
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps({**peft_config(settings, base_model), **experts}, indent=2)
                                           + "\n")
-        if experts:  # which projections fp8rl adapted (a fused gate_up adapter does not say whether gate, up or both)
-            record = {**record, "lora_target_modules": list(settings.target_modules)}
+        if experts:  # which projections fp8rl adapted (a fused gate_up adapter does not say whether gate, up or
+            # both), and whether its experts shared them (PEFT's form holds a copy per expert)
+            record = {**record, "lora_target_modules": list(settings.target_modules),
+                      "lora_share_experts": settings.share_experts}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
         size = sum(f.stat().st_size for f in tmp.iterdir())
         if out.exists():
@@ -204,5 +208,7 @@ def _settings_and_adapters(cfg: Mapping, tensors: Mapping[str, torch.Tensor], re
     settings = settings_from_peft({**plain, "target_modules": sorted(modules)})
     if recorded is not None:
         settings = dataclasses.replace(settings, target_modules=tuple(recorded))
+    if record.get("lora_share_experts"):
+        settings, adapters = dataclasses.replace(settings, share_experts=True), collapse_shared_experts(adapters)
     return settings, adapters
 

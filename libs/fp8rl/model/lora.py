@@ -14,6 +14,13 @@ changes no number. The adapters' GEMMs follow the projection's batch-invariant t
 ``policy.numerics.batch_invariant`` a row's adapter output does not depend on the rows beside it, in the rollout's
 decode or the trainer's forward alike.
 
+A mixture-of-experts layer's experts each get their own adapters, or with ``share_experts`` one adapter per
+projection shared by every expert of the layer (the same ``A`` / ``B`` parameter objects on each expert's
+projection): the update is the same low-rank ``ΔW`` on every expert's weight, trained on every token the layer
+routes, and its tensors are named once — under expert 0's names (``...mlp.experts.0.gate_proj.lora_A.weight``), the
+first the model's parameters list — in checkpoints, refits and :func:`lora_state_dict`, so a refit ships one adapter
+per projection instead of one per expert.
+
 Apply adapters *after* FP8 conversion and batch invariance are set up (:func:`~fp8rl.fp8.convert_model` does both):
 those replace plain linears with new modules, which would not carry the adapters over.
 """
@@ -21,6 +28,7 @@ those replace plain linears with new modules, which would not carry the adapters
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -35,7 +43,8 @@ from .invariant import tiled_linear
 
 __all__ = ["LoraSettings", "DEFAULT_TARGETS", "ADAPTER_SUFFIXES", "apply_lora", "lora_parameters", "lora_state_dict",
            "has_lora", "is_adapter", "base_checksum", "share_adapters", "peft_config", "settings_from_peft",
-           "to_peft_names", "from_peft_names", "lora_computed_state_dict", "round_adapters", "ADAPTER_DTYPES"]
+           "to_peft_names", "from_peft_names", "lora_computed_state_dict", "round_adapters", "ADAPTER_DTYPES",
+           "expand_shared_experts", "collapse_shared_experts"]
 
 
 # every attention and MLP projection (PEFT's / NeMo RL's module names); a mixture-of-experts layer's experts
@@ -52,13 +61,15 @@ class LoraSettings:
     input (training passes only), ``target_modules``: projection names (the last part of a module's name),
     ``dtype``: the precision the adapters are computed and shipped in (``bfloat16`` or ``float32``); the parameters
     stay FP32 masters, and each forward uses their rounding to ``dtype`` (gradients pass straight through to the
-    masters), so what a refit ships in ``dtype`` is exactly what every engine computes with."""
+    masters), so what a refit ships in ``dtype`` is exactly what every engine computes with. ``share_experts``: a
+    mixture-of-experts layer's experts share one adapter per projection (module docstring)."""
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     dtype: str = "bfloat16"
+    share_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -112,6 +123,9 @@ def _adapter_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> torch
     return out + (low * module.lora_scaling).to(out.dtype)
 
 
+_EXPERT_PROJECTION = re.compile(r"^(?P<layer>.+\.experts)\.\d+\.(?P<proj>[^.]+)$")
+
+
 def _targets(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]]:
     """The projections named ``names``. Every name given must match one, except with the default set, which names
     both attention families' projections and takes those the model has."""
@@ -140,21 +154,31 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0, freez
     if freeze:
         for p in model.parameters():
             p.requires_grad_(False)
-    done = []
+    done, first_of = [], {}  # share_experts: (the layer's experts, projection) -> the expert carrying the adapter
     for name, mod in _targets(model, settings.target_modules):
-        mod.lora_A = _AdapterWeight(settings.rank, mod.in_features)
-        mod.lora_B = _AdapterWeight(mod.out_features, settings.rank)
-        # PEFT's init: A ~ kaiming_uniform(a=√5), i.e. U(-1/√in, 1/√in); B = 0
-        bound = 1.0 / math.sqrt(mod.in_features)
-        with torch.no_grad():
-            mod.lora_A.weight.copy_(torch.rand(mod.lora_A.weight.shape, generator=g) * 2 * bound - bound)
-        mod.lora_A.to(next(model.parameters()).device)
-        mod.lora_B.to(next(model.parameters()).device)
+        m = _EXPERT_PROJECTION.match(name) if settings.share_experts else None
+        group = (m["layer"], m["proj"]) if m else None
+        if group in first_of:  # the same adapter modules (and parameters) as the layer's first expert
+            mod.lora_A, mod.lora_B = first_of[group].lora_A, first_of[group].lora_B
+        else:
+            mod.lora_A = _AdapterWeight(settings.rank, mod.in_features)
+            mod.lora_B = _AdapterWeight(mod.out_features, settings.rank)
+            # PEFT's init: A ~ kaiming_uniform(a=√5), i.e. U(-1/√in, 1/√in); B = 0
+            bound = 1.0 / math.sqrt(mod.in_features)
+            with torch.no_grad():
+                mod.lora_A.weight.copy_(torch.rand(mod.lora_A.weight.shape, generator=g) * 2 * bound - bound)
+            mod.lora_A.to(next(model.parameters()).device)
+            mod.lora_B.to(next(model.parameters()).device)
+            if group is not None:
+                first_of[group] = mod
         mod.lora_dropout = nn.Dropout(settings.dropout) if settings.dropout else nn.Identity()
         mod.lora_scaling = settings.scaling
         mod.lora_dtype = settings.torch_dtype
         mod.register_forward_hook(_adapter_forward)
         done.append(name)
+    if settings.share_experts and not first_of:
+        raise ValueError("policy.lora.share_experts: no mixture-of-experts expert projection is among the targets "
+                         f"({', '.join(settings.target_modules)})")
     return done
 
 
@@ -177,6 +201,41 @@ def lora_computed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters as the forward computes with them, in their ``dtype`` (what a refit ships and a PEFT export
     writes): the masters rounded once."""
     return {n: p.detach().to(model.get_submodule(n.rsplit(".", 2)[0]).lora_dtype) for n, p in lora_parameters(model)}
+
+
+_EXPERT_ADAPTER = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<rest>[^.]+\.lora_[AB]\.weight)$")
+
+
+def expand_shared_experts(tensors: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Adapters of a ``share_experts`` model (expert 0's names stand for every expert) with each expert's copy
+    under its own name: what a format that knows no sharing (a merged base, PEFT) holds."""
+    out = {}
+    for name, t in tensors.items():
+        m = _EXPERT_ADAPTER.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            out.update({f"{m['layer']}.{e}.{m['rest']}": t for e in range(num_experts)})
+    return out
+
+
+def collapse_shared_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`expand_shared_experts`: expert 0's names only.
+
+    Raises:
+        ValueError: two experts' copies of a shared adapter differ (named): they were not shared.
+    """
+    out = {}
+    for name, t in tensors.items():
+        m = _EXPERT_ADAPTER.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        first = f"{m['layer']}.0.{m['rest']}"
+        if first not in tensors or not torch.equal(tensors[first], t):
+            raise ValueError(f"{name}: differs from {first} (policy.lora.share_experts: every expert shares it)")
+        out[first] = tensors[first]
+    return out
 
 
 def round_adapters(tensors: Mapping[str, torch.Tensor], settings: LoraSettings) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ Equality claims are ``torch.equal`` (batch-invariant numerics: no tolerance); ea
 same comparison fails when the adapters the rollout serves are not the trainer's.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -215,3 +217,78 @@ def test_the_trainer_keeps_the_frozen_base_in_fp8_only_with_the_same_numbers(bas
     assert torch.equal(outs[0][0], outs[1][0])
     assert outs[0][1].keys() == outs[1][1].keys()
     assert all(torch.equal(outs[0][1][n], outs[1][1][n]) for n in outs[0][1])
+
+
+def _moe():
+    """A small Qwen3-MoE (2 layers of 4 experts, top 2), O(1) weights."""
+    torch.manual_seed(6)
+    cfg = tiny_config(architecture="qwen3_moe", vocab_size=97, hidden_size=128, intermediate_size=256,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+    m = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return m.eval()
+
+
+SHARED = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "gate_proj", "up_proj", "down_proj"),
+                      share_experts=True)
+
+
+def test_experts_sharing_adapters_hold_one_per_projection_and_compute_per_expert_adapters_set_alike(prompts):
+    """share_experts: every expert of a layer carries the same adapter parameters (one per projection, named under
+    expert 0); the model computes what per-expert adapters all set to those values compute (bitwise), and the
+    shared adapter's gradient is the sum of the per-expert ones (FP32 summation order only). A dense model has
+    nothing to share: refused by name."""
+    import dataclasses
+
+    from fp8rl.model.lora import apply_lora, lora_parameters, lora_state_dict
+
+    shared, each = _moe(), _moe()
+    apply_lora(shared, SHARED)
+    apply_lora(each, dataclasses.replace(SHARED, share_experts=False))
+    names = [n for n, _ in lora_parameters(shared)]
+    experts = [n for n in names if ".experts." in n]
+    assert experts and all(".experts.0." in n for n in experts) and len(experts) == 2 * 3 * 2  # A, B × 3 × 2 layers
+    assert len(lora_state_dict(each)) - len(lora_state_dict(shared)) == 3 * len(experts)  # 4 experts: 3 copies fewer
+    layer = shared.model.layers[0].mlp.experts
+    assert all(e.gate_proj.lora_A is layer[0].gate_proj.lora_A for e in layer)
+    with torch.no_grad():
+        for _, p in lora_parameters(shared):
+            p.normal_(0, 0.05)
+        mine = dict(lora_parameters(shared))
+        for n, p in lora_parameters(each):
+            p.copy_(mine[re.sub(r"\.experts\.\d+\.", ".experts.0.", n)])
+    ids = torch.tensor([p[:7] + [5] * (7 - len(p[:7])) for p in prompts])
+    a, b = shared(ids), each(ids)
+    assert torch.equal(a, b)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    g_each = dict(lora_parameters(each))
+    for n, p in lora_parameters(shared):
+        if ".experts." not in n:
+            assert torch.equal(p.grad, g_each[n].grad)
+            continue
+        total = sum(g_each[n.replace(".experts.0.", f".experts.{e}.")].grad for e in range(4))
+        assert torch.allclose(p.grad, total, rtol=1e-5, atol=1e-7 * float(total.abs().max())), n
+    with pytest.raises(ValueError, match="share_experts: no mixture-of-experts expert projection"):
+        apply_lora(CausalLM(tiny_config()), SHARED)
+
+
+@pytest.mark.parametrize("recipe,kv", [("fp8_e2e", "auto")])
+def test_shared_expert_adapters_train_refit_alone_and_keep_the_rollout_bitwise(prompts, recipe, kv):
+    """Shared adapters through the engines: a train step moves them, an adapters-only refit carries one adapter per
+    projection (the expert-0 names, no per-expert copies), and the rollout's logprobs stay the trainer's bitwise."""
+    base = _moe()
+    trainer, engine = _engines(base, recipe, kv, SHARED, lr=5e-2)
+    before = {n: t.clone() for n, t in trainer.state_dict(adapters_only=True).items()}
+    trainer.train_step(_batch(engine, prompts, 3))
+    payload = trainer.state_dict(adapters_only=True)
+    assert payload.keys() == before.keys() and not any(".experts.1." in n for n in payload)
+    assert any(".experts.0." in n and not torch.equal(t, before[n]) for n, t in payload.items())
+    engine.load_weights(1, payload, None)
+    batch = _batch(engine, prompts, 4)
+    mask = batch.loss_mask.bool()
+    got, want = trainer.compute_logprobs(batch)[mask], batch.gen_logprobs[mask]
+    assert got.numel() > 50 and torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"

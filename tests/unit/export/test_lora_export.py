@@ -130,9 +130,10 @@ def test_a_dcp_of_an_fp8_lora_trainer_exports_like_its_pt(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-@pytest.fixture(scope="module")
-def moe_lora_run(tmp_path_factory):
-    """The small Qwen3-MoE with adapters on attention and on every expert's three projections, two steps on."""
+@pytest.fixture(scope="module", params=[False, True], ids=["per-expert", "shared"])
+def moe_lora_run(tmp_path_factory, request):
+    """The small Qwen3-MoE with adapters on attention and on every expert's three projections (each expert its own,
+    or one per projection shared by a layer's experts), two steps on."""
     from .conftest import model_dir, moe_config
 
     torch.manual_seed(3)
@@ -142,7 +143,8 @@ def moe_lora_run(tmp_path_factory):
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     root = tmp_path_factory.mktemp("moe-lora")
     policy.name_or_path = str(model_dir(policy, root / "model"))
-    settings = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "gate_proj", "up_proj", "down_proj"),
+                            share_experts=request.param)
     tr = TorchTrainer(policy, recipe_for_role("bf16", "trainer"), TrainerConfig(lr=3e-2, micro_batch_size=8,
                                                                                 lora=settings))
     for s in range(2):
@@ -154,6 +156,7 @@ def moe_lora_run(tmp_path_factory):
         logits = tr.model(ids).float()
     experts = [n for n, p in tr.model.named_parameters() if ".experts." in n and n.endswith("lora_B.weight")]
     assert experts and all(p.abs().max() > 0 for n, p in tr.model.named_parameters() if n in experts)
+    assert all(".experts.0." in n for n in experts) == request.param
     return tr, ck, ids, logits, root / "model", settings
 
 
