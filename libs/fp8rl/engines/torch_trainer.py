@@ -589,7 +589,8 @@ class TorchTrainer(TrainerBackend):
                 raise ValueError("adapters_only: this trainer trains every weight (policy.lora is off)")
             return {k: full_tensor(v) for k, v in lora_computed_state_dict(self.model).items()}
         sd = {k: full_tensor(v.detach()) for k, v in self.model.state_dict().items()}
-        if self.lora is not None:
+        if self.lora is not None:  # the adapters once each (shared experts' under expert 0's names alone)
+            sd = {k: v for k, v in sd.items() if not is_adapter(k)}
             sd.update({k: full_tensor(v) for k, v in lora_computed_state_dict(self.model).items()})
         if self.model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)

@@ -278,10 +278,14 @@ def test_experts_sharing_adapters_hold_one_per_projection_and_compute_per_expert
 
 @pytest.mark.parametrize("recipe,kv", [("fp8_e2e", "auto")])
 def test_shared_expert_adapters_train_refit_alone_and_keep_the_rollout_bitwise(prompts, recipe, kv):
-    """Shared adapters through the engines: a train step moves them, an adapters-only refit carries one adapter per
-    projection (the expert-0 names, no per-expert copies), and the rollout's logprobs stay the trainer's bitwise."""
+    """Shared adapters through the engines: a whole refit (base and adapters) and an adapters-only one name each
+    shared adapter once (expert 0's names, no per-expert copies); a train step moves them, and the rollout's logprobs
+    stay the trainer's bitwise."""
     base = _moe()
     trainer, engine = _engines(base, recipe, kv, SHARED, lr=5e-2)
+    whole = trainer.state_dict()
+    assert not any(".experts.1." in n and is_adapter(n) for n in whole)
+    engine.load_weights(0, whole, None)  # the first refit: the base with the adapters
     before = {n: t.clone() for n, t in trainer.state_dict(adapters_only=True).items()}
     trainer.train_step(_batch(engine, prompts, 3))
     payload = trainer.state_dict(adapters_only=True)
