@@ -103,16 +103,21 @@ def test_the_processors_rule_on_the_preset_gives_fp8rls_prompt_ids(preset):
         assert hf(text.replace("<|image_pad|>", "<|image_pad|>" * cells))["input_ids"] == want
 
 
-def test_auto_processor_loads_the_preset(preset):
-    """Where torchvision imports (not beside this venv's CPU torch: it runs in a side venv, see bench/RESULTS.md),
-    transformers' AutoProcessor loads the preset and gives fp8rl's prompt ids and picture grids."""
+def test_auto_processor_loads_the_preset_and_its_export(preset, tmp_path):
+    """Where torchvision imports (not beside this venv's CPU torch: ``make test-processor`` runs it in a side venv),
+    transformers' AutoProcessor loads the preset and its whole-VLM export, and gives fp8rl's prompt ids and picture
+    grids."""
     pytest.importorskip("torchvision", exc_type=ImportError)
-    proc = transformers.AutoProcessor.from_pretrained(preset)
+    from fp8rl.export import save_policy_hf
+
+    save_policy_hf(load_hf_checkpoint(preset)[0], preset, tmp_path / "out")
     problems = ShapesDataset(0).eval_set(3)
     ours, texts = _ours_and_processors_text(preset, problems)
-    for p, want, text in zip(problems, ours, texts, strict=True):
-        got = proc(text=[text], images=[decode_image(p.images[0])], return_tensors="pt")
-        assert got["input_ids"][0].tolist() == want and got["image_grid_thw"].tolist() == [[1, 4, 4]]
+    for where in (preset, tmp_path / "out"):
+        proc = transformers.AutoProcessor.from_pretrained(where)
+        for p, want, text in zip(problems, ours, texts, strict=True):
+            got = proc(text=[text], images=[decode_image(p.images[0])], return_tensors="pt")
+            assert got["input_ids"][0].tolist() == want and got["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
 def test_a_preset_cached_before_the_tokenizer_file_gets_it_and_nothing_else_changes(preset, tmp_path):
