@@ -4,9 +4,11 @@
                               --steps 3] [--experts 16 --top-k 4 --moe-width 256]
 
 A seeded Llama-shaped model (``--hidden`` need not be a multiple of 128: the FP8 blocks are padded, as on a
-real checkpoint whose width is not) and one seeded batch. Each recipe runs :func:`fp8rl.engines.train_on_batch`
+real checkpoint whose width is not) and one seeded batch. Each trainer runs :func:`fp8rl.engines.train_on_batch`
 — prev logprobs, then ``--minibatches`` optimizer updates over micro-batches of ``--mb`` rows — ``--steps``
-times after a warm-up; the median step time is reported. Three trainers:
+times after a warm-up, the trainers' steps interleaved round by round (the order rotating), so a drift of the
+machine's speed reaches every trainer alike; each trainer's median step is reported, and each ratio is the median
+of the rounds' ratios with their range. Three trainers:
 
 * ``bf16``: the BF16 recipe (high-precision linears);
 * ``fp8_e2e``: block-scaled FP8 linears, each weight quantized once per optimizer update
@@ -60,15 +62,12 @@ def batch(args) -> TrainBatch:
                       -torch.rand(ids.shape, generator=g) * loss)
 
 
-def time_steps(tr: TorchTrainer, args) -> float:
-    times = []
-    for i in range(args.steps + 1):  # the first is a warm-up
-        b = batch(args)
-        t0 = time.perf_counter()
-        train_on_batch(tr, b)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def step_seconds(tr: TorchTrainer, args) -> float:
+    """One step's seconds on the bench's batch."""
+    b = batch(args)
+    t0 = time.perf_counter()
+    train_on_batch(tr, b)
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("fp8_e2e_per_call", "fp8_e2e", False, True)]
     if args.experts:
         runs += [("bf16_loop", "bf16", True, False), ("fp8_e2e_loop", "fp8_e2e", True, False)]
+    trainers = {}
     for name, recipe, cache, grouped in runs:
         tr = TorchTrainer(policy, recipe_for_role(recipe, "trainer"), cfg)
         for m in tr.model.modules():
@@ -104,15 +104,31 @@ def main(argv: list[str] | None = None) -> dict:
                 m.weight_cache = None
             if isinstance(m, SparseMoeBlock):
                 m.grouped = grouped
-        res[name] = time_steps(tr, args)
+        trainers[name] = tr
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    names = list(trainers)
+    for i in range(args.steps + 1):  # the first round warms every trainer up
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t = step_seconds(trainers[name], args)
+            if i:
+                times[name].append(t)
+    res = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in names:
         print(f"  {name:17s} {res[name]:7.3f} s/step")
-    print(f"ratio fp8_step/bf16_step {res['fp8_e2e'] / res['bf16']:.4f}")
-    print(f"ratio fp8_per_call_step/bf16_step {res['fp8_e2e_per_call'] / res['bf16']:.4f}")
-    print(f"ratio fp8_step/fp8_per_call_step {res['fp8_e2e'] / res['fp8_e2e_per_call']:.4f}")
+
+    def ratio(label: str, a: str, b: str) -> None:
+        r = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        res[f"ratio {label}"] = statistics.median(r)
+        print(f"ratio {label} {statistics.median(r):.4f} (median of {len(r)} rounds, range {min(r):.3f} .. "
+              f"{max(r):.3f})")
+
+    ratio("fp8_step/bf16_step", "fp8_e2e", "bf16")
+    ratio("fp8_per_call_step/bf16_step", "fp8_e2e_per_call", "bf16")
+    ratio("fp8_step/fp8_per_call_step", "fp8_e2e", "fp8_e2e_per_call")
     if args.experts:
-        print(f"ratio bf16_step/bf16_loop_step {res['bf16'] / res['bf16_loop']:.4f}")
-        print(f"ratio fp8_step/fp8_loop_step {res['fp8_e2e'] / res['fp8_e2e_loop']:.4f}")
-        print(f"ratio fp8_loop_step/bf16_loop_step {res['fp8_e2e_loop'] / res['bf16_loop']:.4f}")
+        ratio("bf16_step/bf16_loop_step", "bf16", "bf16_loop")
+        ratio("fp8_step/fp8_loop_step", "fp8_e2e", "fp8_e2e_loop")
+        ratio("fp8_loop_step/bf16_loop_step", "fp8_e2e_loop", "bf16_loop")
     return res
 
 
