@@ -10,7 +10,8 @@ The numbers are those of each expert's own FP8 linear (:class:`~fp8rl.fp8.linear
 * wgrad: the gradient and the activation moved into a second layout whose every group starts on a multiple of
   128 rows (:func:`fp8rl.model.grouped.group_layout` with ``multiple=128``: the caller's ``regroup``) and quantized
   along T there, so no scale group straddles two experts and each expert's codes and scales are its own linear's;
-  one K-grouped GEMM gives every expert's ``(N, K)`` gradient. The forward and dgrad GEMMs keep the compact layout
+  the routed rows taken back out (``ungroup``: the layout's zero rows would only add FLOPs), one K-grouped GEMM
+  gives every expert's ``(N, K)`` gradient. The forward and dgrad GEMMs keep the compact layout
   (a 128-row padding per expert would double a small micro-batch's expert GEMMs). The forward keeps the compact
   activation in its own dtype for wgrad (one copy for gate and up, which read the same rows) and the backward
   quantizes it: an E4M3 copy in the 128-row layout would carry ``E·127`` padding rows per linear, more than the
@@ -99,14 +100,14 @@ class _Fp8GroupedFn(torch.autograd.Function):
                              for h, (q, s) in zip(held, qs, strict=True)])
         x = fmt.fake_act(buf, pow2_a, invariant)  # (P, K) FP32, per row: the grouping changes nothing
         out = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
-        regroup, offs_w = wgrad
+        regroup, ungroup, offs_w = wgrad
         flat = [t for q, s in qs for t in (q, s)]
         # dgrad multiplies the forward's stack where the format allows (the held dequantizations: no second one)
         reuse = w if not fmt.dgrad_from_master and all(h is not None for h in held) else None
         # wgrad's operand: the compact buffer itself (gate and up share it), quantized along T in the 128-row layout
         # by the backward — its E4M3 form there would hold E·127 padding rows per linear
         ctx.save_for_backward(buf, offs, offs_w, reuse, *flat, *(weights if fmt.dgrad_from_master else ()))
-        ctx.regroup = regroup
+        ctx.regroup, ctx.ungroup = regroup, ungroup
         ctx.n = len(linears)
         ctx.fmt, ctx.pow2_w, ctx.pow2_a = fmt, pow2_w, pow2_a
         ctx.dtypes = (buf.dtype, weights[0].dtype)
@@ -130,7 +131,8 @@ class _Fp8GroupedFn(torch.autograd.Function):
         if any(ctx.needs_input_grad[9:]):
             g_cw = fmt.fake_grad_wgrad(ctx.regroup(g), ctx.pow2_a)  # (P', N) along T, the 128-row layout
             x_cw = fmt.load_act(fmt.save_act(ctx.regroup(buf), ctx.pow2_a))  # (P', K) along T, the same layout
-            gw = F.grouped_mm(g_cw.t(), x_cw, offs=offs_w)  # (E, N, K): each group's rows summed
+            # (E, N, K): each group's routed rows summed (the layout's zero rows left out of the GEMM)
+            gw = F.grouped_mm(ctx.ungroup(g_cw).t(), ctx.ungroup(x_cw), offs=offs_w)
             grads_w = tuple(gw.to(w_dtype).unbind(0))
         return (grad_buf, *(None,) * 8, *(grads_w or (None,) * ctx.n))
 
@@ -140,9 +142,10 @@ def fp8_grouped_linear(buf: torch.Tensor, offs: torch.Tensor, linears, *, invari
                        stacks: StackedWeights | None = None) -> torch.Tensor:
     """``(P, K)`` grouped rows through each group's expert linear (``linears``: one projection of every expert, of
     which :func:`groups` holds) -> ``(P, N)``. ``stack``: the rollout's stacked FP32 weights, when the caller keeps
-    them per version (:class:`StackedWeights`). ``wgrad``: the trainer's ``(regroup, offs)`` —
-    a function moving ``(P, ·)`` buffer rows into the 128-row layout and that layout's group ends (module
-    docstring). ``stacks``: where the trainer keeps the stack of its version's held dequantizations
+    them per version (:class:`StackedWeights`). ``wgrad``: the trainer's ``(regroup, ungroup, offs)``
+    (:func:`fp8rl.model.grouped.wgrad_layout`) — a function moving ``(P, ·)`` buffer rows into the 128-row layout
+    (module docstring), one taking the routed rows back out of it, and those rows' group ends. ``stacks``: where the
+    trainer keeps the stack of its version's held dequantizations
     (:attr:`fp8rl.fp8.linear.WeightCache.keep_dequantized`), so a version's passes stack them once."""
     first = linears[0]
     fmt = linear_format(first.scaling)

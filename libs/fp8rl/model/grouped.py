@@ -17,8 +17,8 @@ group and the buffer's size ``P = ⌈(R + E·(multiple − 1)) / multiple⌉·mu
   every recipe; it fails if a kernel ever breaks it).
 * a trainable FP8 expert's wgrad (:mod:`fp8rl.fp8.grouped`): a second layout of ``multiple = 128``, the column-wise
   scale groups of wgrad (128 rows blockwise; 32 MXFP8 divides it), so no scale group straddles two experts and
-  wgrad's operands are quantized exactly as the per-expert loop quantizes them; its cost, up to ``E·127`` zero rows,
-  falls on the wgrad GEMM only.
+  wgrad's operands are quantized exactly as the per-expert loop quantizes them; the GEMM then multiplies the routed
+  rows taken back out of it (:func:`wgrad_layout`), not the up to ``E·127`` zero rows of its padding.
 
 The backward (:class:`_GroupedLinearFn`, or the FP8 recipe's three GEMMs) keeps the experts' weights themselves, not
 their stack. Every expert's weight takes part in every call, so an expert no row chose gets an exact zero gradient
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from fp8rl.fp8.grouped import StackedWeights
 
-__all__ = ["GroupLayout", "group_layout", "grouped_linear", "StackedWeights"]
+__all__ = ["GroupLayout", "group_layout", "grouped_linear", "wgrad_layout", "StackedWeights"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ class GroupLayout:
         if self.rows == self.dst.shape[0]:
             return buf
         return buf.index_select(0, self.dst)
+
+
+def wgrad_layout(layout: GroupLayout, experts_sorted: torch.Tensor, num_experts: int, multiple: int):
+    """A trainable FP8 expert's wgrad plan (:func:`fp8rl.fp8.grouped.fp8_grouped_linear`'s ``wgrad``) over ``layout``'s
+    buffer: ``(regroup, ungroup, offs)`` — move the buffer's rows into a layout of ``multiple``-row groups (where
+    wgrad's operands are quantized along T, no scale group straddling two experts), take the routed rows back out of
+    it (the GEMM multiplies them alone, not the padding's zero rows), and those rows' group ends."""
+    w = group_layout(experts_sorted, num_experts, multiple, layout.counts)
+    return (lambda t: w.scatter(layout.gather(t))), w.gather, layout.counts.cumsum(0).to(torch.int32)
 
 
 def group_layout(experts_sorted: torch.Tensor, num_experts: int, multiple: int,

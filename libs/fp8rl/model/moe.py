@@ -42,7 +42,7 @@ from fp8rl.fp8.linear import Fp8InferenceLinear, Fp8Linear
 from fp8rl.fp8.quant import BLOCK
 
 from .config import ModelConfig
-from .grouped import StackedWeights, group_layout, grouped_linear
+from .grouped import StackedWeights, group_layout, grouped_linear, wgrad_layout
 from .invariant import TiledLinear
 from .router import RoutingRule, TopKRouter
 from .swiglu import swiglu
@@ -140,8 +140,7 @@ class SparseMoeBlock(nn.Module):
         layout = group_layout(experts_sorted, self.num_experts, tile or 1)
         wgrad = None
         if kind == "fp8" and isinstance(first, Fp8Linear):  # trainable: wgrad's 128-row layout
-            w_layout = group_layout(experts_sorted, self.num_experts, BLOCK, layout.counts)
-            wgrad = (lambda t: w_layout.scatter(layout.gather(t)), w_layout.offs)
+            wgrad = wgrad_layout(layout, experts_sorted, self.num_experts, BLOCK)
         buf = layout.scatter(rows)  # (P, C)
         gate = self._linear(buf, layout.offs, "gate_proj", kind, tile, wgrad)
         up = self._linear(buf, layout.offs, "up_proj", kind, tile, wgrad)
