@@ -192,22 +192,19 @@ def _settings_and_adapters(cfg: Mapping, tensors: Mapping[str, torch.Tensor], re
         gate_up = [p for p in ("gate_proj", "up_proj") if p in recorded]
     else:  # another tool's directory: both halves where the rank says two adapters, else the one it holds
         gate_up = ["gate_proj", "up_proj"] if cfg.get("rank_pattern", {}).get("gate_up_proj") == 2 * rank else []
-    k = max(len(gate_up), 1)
-    if (cfg.get("rank_pattern") or {}) != ({"gate_up_proj": k * rank} if k > 1 and "gate_up_proj" in names else {}) \
-            or (cfg.get("alpha_pattern") or {}) != ({"gate_up_proj": k * alpha} if k > 1 and "gate_up_proj" in names
-                                                    else {}):
+    two = len(gate_up) == 2 and "gate_up_proj" in names  # gate and up: one adapter of twice the rank and alpha
+    want = ({"gate_up_proj": 2 * rank}, {"gate_up_proj": 2 * alpha}) if two else ({}, {})
+    if ((cfg.get("rank_pattern") or {}), (cfg.get("alpha_pattern") or {})) != want:
         raise ValueError(f"rank_pattern {cfg.get('rank_pattern')} / alpha_pattern {cfg.get('alpha_pattern')}: not "
                          "the fused expert adapters' (gate_up_proj at twice the rank and alpha of one projection)")
     # without fp8rl's record, a rank-r gate_up adapter is read as gate's (one that touches up rows is refused)
     experts = {"gate_up_proj": gate_up or ["gate_proj"]}
     adapters = split_fused(from_peft_names(tensors), cfg, rank, experts)
-    modules = set(cfg.get("target_modules") or []) | set(recorded or [])
-    modules |= set(experts["gate_up_proj"]) if "gate_up_proj" in names else set()
-    modules |= {"down_proj"} if "down_proj" in names else set()
+    if recorded is None:  # the modules PEFT adapts and the experts' projections the fused adapters hold
+        recorded = {*(cfg.get("target_modules") or []), *(experts["gate_up_proj"] if "gate_up_proj" in names else ()),
+                    *(("down_proj",) if "down_proj" in names else ())}
     plain = {k: v for k, v in cfg.items() if k not in ("target_parameters", "rank_pattern", "alpha_pattern")}
-    settings = settings_from_peft({**plain, "target_modules": sorted(modules)})
-    if recorded is not None:
-        settings = dataclasses.replace(settings, target_modules=tuple(recorded))
+    settings = settings_from_peft({**plain, "target_modules": sorted(recorded)})
     if record.get("lora_share_experts"):
         settings, adapters = dataclasses.replace(settings, share_experts=True), collapse_shared_experts(adapters)
     return settings, adapters

@@ -28,10 +28,10 @@ from collections.abc import Mapping
 
 import torch
 
+from fp8rl.model.lora import EXPERT_ADAPTER
+
 __all__ = ["EXPERT_PARAMETERS", "fuse_expert_adapters", "split_fused"]
 
-_EXPERT = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                     r"\.lora_(?P<ab>[AB])\.weight$")
 _FUSED = re.compile(r"^(?P<pre>.+\.mlp\.experts)(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # the order PEFT nests them in
 _GATE_UP = ("gate_proj", "up_proj")
@@ -62,11 +62,11 @@ def fuse_expert_adapters(adapters: Mapping[str, torch.Tensor], rank: int, alpha:
     layers: dict[str, dict] = defaultdict(dict)
     out = {}
     for name, t in adapters.items():
-        m = _EXPERT.match(name)
-        if m is None:
+        m = EXPERT_ADAPTER.match(name)
+        if m is None or m["proj"] not in (*_GATE_UP, "down_proj"):
             out[name] = t
         else:
-            layers[m["pre"]][int(m["e"]), m["proj"], m["ab"]] = t
+            layers[m["layer"]][int(m["e"]), m["proj"], m["ab"]] = t
     if not layers:
         return dict(adapters), {}
     kinds = {pre: sorted({p for _, p, _ in g}) for pre, g in layers.items()}

@@ -75,9 +75,8 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self.offsets: torch.Tensor | None = None  # row-aligned storage (align_rows), else slot order
-        self._offset_range = (0, 0)  # (min, max) of offsets
+        self._offset_min = 0  # of offsets
         self._pos: tuple[int, int, torch.Tensor] | None = None  # (length, t, positions) of the current forward
-        self._written_from: dict[int, int] = {}  # per layer: the lowest position the last update wrote
         # Reference-path read cache of E4M3 layers: the dequantized K/V of slots [0, _deq_len[i]),
         # filled incrementally so a decode step dequantizes only its new slots. Dequantization is
         # elementwise, so these are exactly the numbers a full re-dequantize would give.
@@ -157,7 +156,6 @@ class KVCache:
         if self.offsets is None:
             kc[:, :, self.length : end] = k
             vc[:, :, self.length : end] = v
-            self._written_from[layer_idx] = self.length
             self._unread.pop(layer_idx, None)
             return kc[:, :, :end], vc[:, :, :end]
         pos = self._positions(t)
@@ -166,7 +164,6 @@ class KVCache:
             if store.dtype == E4M3:  # scatter has no FP8 kernel: move the bytes
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store.scatter_(2, index, new)
-        self._written_from[layer_idx] = max(0, self.length - self._offset_range[1])
         if kc.dtype == E4M3:
             before = self._unread.get(layer_idx)
             self._unread[layer_idx] = pos if before is None else torch.cat([before, pos], 1)
@@ -201,7 +198,7 @@ class KVCache:
         """Positions a row-aligned view covers after ``num_new`` more slots: the longest row's, or ``reach``
         where the storage has room (positions no row has written yet hold finite zeros; attention that
         pads its keys to whole chunks then reads a view instead of copying the cache into a padded one)."""
-        return max(self.length + num_new - self._offset_range[0], min(reach, self.max_len))
+        return max(self.length + num_new - self._offset_min, min(reach, self.max_len))
 
     def align_rows(self, offsets: torch.Tensor) -> None:
         """Store row ``b``'s slot ``s`` at position ``s - offsets[b]`` from now on (module docstring).
@@ -219,7 +216,7 @@ class KVCache:
                 f"for {self.length} slots; align_rows before the first write (a row's first key never moves)"
             )
         self.offsets = offsets
-        self._offset_range = (int(offsets.min()), int(offsets.max()))
+        self._offset_min = int(offsets.min())
         self._pos = None
 
     def read_dequantized(
@@ -249,8 +246,8 @@ class KVCache:
             vd.scatter_(2, iv, v_new)
             self._deq_len[layer_idx] = max(end, self._deq_len[layer_idx])
             return kd[:, :, :end], vd[:, :, :end]
-        # slot order: the new slots; row-aligned: every row's new positions (re-dequantizing a few old ones)
-        start = min(self._deq_len[layer_idx], self._written_from.get(layer_idx, self._deq_len[layer_idx]))
+        # slot order: the slots written since (they follow the ones read); row-aligned, the first read: all so far
+        start = self._deq_len[layer_idx]
         if end > start:
             k_new, v_new = dequantize(kc[:, :, start:end], vc[:, :, start:end], dtype)
             kd[:, :, start:end] = k_new
@@ -270,7 +267,6 @@ class KVCache:
         self.offsets = None
         self._pos = None
         self._deq_len.clear()
-        self._written_from.clear()
         self._unread.clear()
 
     def __repr__(self) -> str:

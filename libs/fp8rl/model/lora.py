@@ -44,7 +44,7 @@ from .invariant import tiled_linear
 __all__ = ["LoraSettings", "DEFAULT_TARGETS", "ADAPTER_SUFFIXES", "apply_lora", "lora_parameters", "lora_state_dict",
            "has_lora", "is_adapter", "base_checksum", "share_adapters", "peft_config", "settings_from_peft",
            "to_peft_names", "from_peft_names", "lora_computed_state_dict", "round_adapters", "ADAPTER_DTYPES",
-           "expand_shared_experts", "collapse_shared_experts"]
+           "expand_shared_experts", "collapse_shared_experts", "EXPERT_ADAPTER"]
 
 
 # every attention and MLP projection (PEFT's / NeMo RL's module names); a mixture-of-experts layer's experts
@@ -203,7 +203,8 @@ def lora_computed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to(model.get_submodule(n.rsplit(".", 2)[0]).lora_dtype) for n, p in lora_parameters(model)}
 
 
-_EXPERT_ADAPTER = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<rest>[^.]+\.lora_[AB]\.weight)$")
+# an expert's adapter matrix: ``{layer}.{e}.{proj}.lora_{ab}.weight`` (``layer`` ends in ``.experts``)
+EXPERT_ADAPTER = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)\.lora_(?P<ab>[AB])\.weight$")
 
 
 def expand_shared_experts(tensors: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
@@ -211,11 +212,11 @@ def expand_shared_experts(tensors: Mapping[str, torch.Tensor], num_experts: int)
     under its own name: what a format that knows no sharing (a merged base, PEFT) holds."""
     out = {}
     for name, t in tensors.items():
-        m = _EXPERT_ADAPTER.match(name)
+        m = EXPERT_ADAPTER.match(name)
         if m is None:
             out[name] = t
         else:
-            out.update({f"{m['layer']}.{e}.{m['rest']}": t for e in range(num_experts)})
+            out.update({f"{m['layer']}.{e}.{m['proj']}.lora_{m['ab']}.weight": t for e in range(num_experts)})
     return out
 
 
@@ -227,11 +228,11 @@ def collapse_shared_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, to
     """
     out = {}
     for name, t in tensors.items():
-        m = _EXPERT_ADAPTER.match(name)
+        m = EXPERT_ADAPTER.match(name)
         if m is None:
             out[name] = t
             continue
-        first = f"{m['layer']}.0.{m['rest']}"
+        first = f"{m['layer']}.0.{m['proj']}.lora_{m['ab']}.weight"
         if first not in tensors or not torch.equal(tensors[first], t):
             raise ValueError(f"{name}: differs from {first} (policy.lora.share_experts: every expert shares it)")
         out[first] = tensors[first]
